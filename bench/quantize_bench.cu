@@ -1,0 +1,166 @@
+// Bandwidth of the quantization kernels on one [rows, cols] BF16 tensor, against a
+// device-to-device copy measured in the same run.
+//
+//   quantize_bench [--rows 16384] [--cols 6144] [--iterations 50]
+//
+// Bytes counted are the fewest each kernel must move: BF16 read once, each FP8 output
+// written once (scales are < 1 % and not counted).
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "core/cuda_check.h"
+#include "numerics/quantize_cuda.h"
+
+namespace {
+
+using fp8t::bf16;
+
+// Deterministic pseudo-random BF16 values of mixed magnitude (never zeros).
+__global__ void fill_random(bf16* x, int64_t count, uint32_t seed) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+    h ^= h >> 15;
+    h *= 2246822519u;
+    h ^= h >> 13;
+    const float uniform = (h & 0xFFFFFF) * (1.0f / 16777216.0f) * 2.0f - 1.0f;
+    const int exponent = static_cast<int>((h >> 24) % 16) - 8;
+    x[i] = fp8t::float_to_bf16(ldexpf(uniform + 1e-3f, exponent));
+  }
+}
+
+struct Result {
+  std::string name;
+  double bytes;
+  double median_us;
+};
+
+double median_time_us(const std::function<void()>& launch, int iterations) {
+  for (int i = 0; i < 5; ++i)
+    launch();  // warm-up
+  cudaEvent_t start, stop;
+  FP8T_CUDA_CHECK(cudaEventCreate(&start));
+  FP8T_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<float> times;
+  for (int i = 0; i < iterations; ++i) {
+    FP8T_CUDA_CHECK(cudaEventRecord(start));
+    launch();
+    FP8T_CUDA_CHECK(cudaEventRecord(stop));
+    FP8T_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    FP8T_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    times.push_back(ms);
+  }
+  FP8T_CUDA_CHECK(cudaEventDestroy(start));
+  FP8T_CUDA_CHECK(cudaEventDestroy(stop));
+  std::nth_element(times.begin(), times.begin() + times.size() / 2, times.end());
+  return 1000.0 * times[times.size() / 2];
+}
+
+int64_t flag(int argc, char** argv, const char* name, int64_t fallback) {
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::strcmp(argv[i], name) == 0) return std::atoll(argv[i + 1]);
+  }
+  return fallback;
+}
+
+int run(int argc, char** argv) {
+  const int64_t rows = flag(argc, argv, "--rows", 16384);
+  const int64_t cols = flag(argc, argv, "--cols", 6144);
+  const int iterations = static_cast<int>(flag(argc, argv, "--iterations", 50));
+  const int64_t n = rows * cols;
+  constexpr double kCopyCeiling = 4.27e12;  // bytes/s, H200 device-to-device (read + write)
+
+  cudaDeviceProp properties{};
+  FP8T_CUDA_CHECK(cudaGetDeviceProperties(&properties, 0));
+
+  bf16 *x = nullptr, *copy_target = nullptr;
+  uint8_t *out = nullptr, *out_t = nullptr, *scales = nullptr, *scales_t = nullptr;
+  float *scale = nullptr, *amax = nullptr;
+  const int64_t scale_bytes =
+      (rows / 32 + 1) * (cols / 32 + 1) * 32;  // enough for every block grid
+  FP8T_CUDA_CHECK(cudaMalloc(&x, n * sizeof(bf16)));
+  FP8T_CUDA_CHECK(cudaMalloc(&copy_target, n * sizeof(bf16)));
+  FP8T_CUDA_CHECK(cudaMalloc(&out, n));
+  FP8T_CUDA_CHECK(cudaMalloc(&out_t, n));
+  FP8T_CUDA_CHECK(cudaMalloc(&scales, scale_bytes));
+  FP8T_CUDA_CHECK(cudaMalloc(&scales_t, scale_bytes));
+  FP8T_CUDA_CHECK(cudaMalloc(&scale, sizeof(float)));
+  FP8T_CUDA_CHECK(cudaMalloc(&amax, sizeof(float)));
+  fill_random<<<1024, 256>>>(x, n, 12345u);
+  FP8T_CUDA_CHECK_LAUNCH();
+  const float one = 1.0f;
+  FP8T_CUDA_CHECK(cudaMemcpy(scale, &one, sizeof one, cudaMemcpyHostToDevice));
+  FP8T_CUDA_CHECK(cudaMemset(amax, 0, sizeof(float)));
+
+  const double input_bytes = double(n) * sizeof(bf16);
+  const auto block_spec = [](fp8t::BlockScaling scaling) {
+    return fp8t::BlockQuantization{scaling, fp8t::Fp8Format::E4M3, true, 0.0f};
+  };
+  std::vector<Result> results;
+  const auto measure = [&](std::string name, double bytes, const std::function<void()>& launch) {
+    results.push_back({std::move(name), bytes, median_time_us(launch, iterations)});
+  };
+  measure("copy (device to device, bf16)", 2 * input_bytes, [&] {
+    FP8T_CUDA_CHECK(cudaMemcpyAsync(copy_target, x, n * sizeof(bf16), cudaMemcpyDeviceToDevice));
+  });
+  measure("amax", input_bytes, [&] { fp8t::cuda::amax(x, n, amax, nullptr); });
+  measure("cast + amax (e4m3)", input_bytes + n,
+          [&] { fp8t::cuda::quantize(x, n, scale, fp8t::Fp8Format::E4M3, out, amax, nullptr); });
+  measure("cast + transpose + amax (e4m3)", input_bytes + 2.0 * n, [&] {
+    fp8t::cuda::quantize_transpose(x, rows, cols, scale, fp8t::Fp8Format::E4M3, out, out_t, amax,
+                                   nullptr);
+  });
+  measure("cast + amax (e4m3fnuz, software)", input_bytes + n, [&] {
+    fp8t::cuda::quantize(x, n, scale, fp8t::Fp8Format::E4M3FNUZ, out, amax, nullptr);
+  });
+  measure("blockwise 1x128 + transposed", input_bytes + 2.0 * n, [&] {
+    fp8t::cuda::quantize_blocks(x, rows, cols, block_spec(fp8t::BlockScaling::Rows1x128), out,
+                                scales, out_t, scales_t, nullptr);
+  });
+  measure("blockwise 128x128 + transposed", input_bytes + 2.0 * n, [&] {
+    fp8t::cuda::quantize_blocks(x, rows, cols, block_spec(fp8t::BlockScaling::Tile128x128), out,
+                                scales, out_t, scales_t, nullptr);
+  });
+  measure("mxfp8 1x32 + transposed", input_bytes + 2.0 * n, [&] {
+    fp8t::cuda::quantize_blocks(x, rows, cols, block_spec(fp8t::BlockScaling::Mx1x32), out, scales,
+                                out_t, scales_t, nullptr);
+  });
+
+  const double copy_rate = results[0].bytes / (results[0].median_us * 1e-6);
+  std::printf("GPU: %s, %d SMs; tensor [%lld, %lld] bf16; median of %d\n", properties.name,
+              properties.multiProcessorCount, static_cast<long long>(rows),
+              static_cast<long long>(cols), iterations);
+  std::printf(
+      "| kernel | median us | GB/s | of 4.27 TB/s | of measured copy |\n|---|---|---|---|---|\n");
+  for (const Result& result : results) {
+    const double rate = result.bytes / (result.median_us * 1e-6);
+    std::printf("| %s | %.1f | %.0f | %.1f %% | %.1f %% |\n", result.name.c_str(), result.median_us,
+                rate / 1e9, 100.0 * rate / kCopyCeiling, 100.0 * rate / copy_rate);
+  }
+  for (void* pointer :
+       {static_cast<void*>(x), static_cast<void*>(copy_target), static_cast<void*>(out),
+        static_cast<void*>(out_t), static_cast<void*>(scales), static_cast<void*>(scales_t),
+        static_cast<void*>(scale), static_cast<void*>(amax)}) {
+    FP8T_CUDA_CHECK(cudaFree(pointer));
+  }
+  return 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (const std::exception& error) {
+    std::fprintf(stderr, "quantize_bench: error: %s\n", error.what());
+    return 2;
+  }
+}

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Builds the CUDA binaries (Release, sm_90a by default) and gathers them with the
+# non-system shared libraries they load into one folder, for a GPU machine that has a
+# driver but none of the build dependencies. Usage: scripts/gpu_bundle.sh [DEST] [cmake args]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+dest=${1:-.gpu}
+shift || true
+if ! command -v nvcc >/dev/null && [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  export PATH="/usr/local/cuda/bin:$PATH"
+fi
+cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DFP8TRAIN_CUDA=ON "$@"
+cmake --build build-gpu --parallel "$(nproc)"
+rm -rf "$dest" && mkdir -p "$dest/lib"
+binaries=(build-gpu/src/fp8train build-gpu/tests/fp8train_tests build-gpu/tests/fp8train_gpu_tests
+          build-gpu/bench/quantize_bench)
+cp "${binaries[@]}" "$dest/"
+# The C++ libraries from Debian's packages; glibc, libstdc++ and the driver come from the host.
+ldd "${binaries[@]}" | awk '/=> \// {print $3}' | sort -u | grep -E 'libyaml-cpp|libfmt|libgtest|libgmock' |
+  xargs -r -I{} cp -L {} "$dest/lib/"
+cp scripts/gpu_check.sh "$dest/"
+echo "gpu_bundle: $(du -sh "$dest" | cut -f1) in $dest"

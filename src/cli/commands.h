@@ -1,0 +1,34 @@
+// The subcommands of the fp8train command line. main() parses the options into these structs
+// and calls the command; commands throw fp8t::Error for failures and return an exit code.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace fp8t::cli {
+
+// Exit codes shared by every command.
+inline constexpr int kExitOk = 0;
+inline constexpr int kExitProblemFound = 1;  // the command ran and found a problem
+inline constexpr int kExitError = 2;         // the command could not run (bad input, failed call)
+
+struct DoctorOptions {
+  bool json = false;
+};
+
+// Reports the build, GPUs, CUDA and library versions, and the FP8 formats that would be used.
+// kExitProblemFound when GPUs are present but none can run FP8 GEMMs.
+int run_doctor(const DoctorOptions& options);
+
+struct CheckNumericsOptions {
+  std::string config_path;  // empty: the default fp8 configuration
+  int64_t rows = 256;
+  int64_t cols = 1024;
+};
+
+// Quantizes random data with every recipe and checks the errors against bounds, the formats'
+// code round trips and, with a GPU, that the CUDA kernels give the CPU path's bytes.
+// kExitProblemFound when any check fails.
+int run_check_numerics(const CheckNumericsOptions& options);
+
+}  // namespace fp8t::cli

@@ -1,0 +1,94 @@
+// Quantization to FP8, CPU reference. Every CUDA kernel in quantize_cuda.h must produce
+// exactly these bytes and scales.
+//
+// Layouts: tensors are row-major [rows, cols]. A transposed output is row-major [cols, rows].
+// Block scales are row-major over the block grid: 1xB blocks give [rows, ceil(cols/B)],
+// 128x128 blocks give [ceil(rows/128), ceil(cols/128)]. A block that runs past the edge of the
+// tensor covers only the elements that exist (its amax is theirs); shapes need not be
+// multiples of the block.
+#pragma once
+
+#include <cstdint>
+
+#include "numerics/float_bits.h"
+#include "numerics/formats.h"
+
+namespace fp8t {
+
+// max |x|; NaN if any element is NaN. Zero for an empty tensor.
+template <typename T>
+float amax(const T* x, int64_t count);
+
+// out[i] = encode_saturating(x[i] * scale): the per-tensor cast of delayed and tensorwise
+// scaling. When amax_out is not null, *amax_out = max(*amax_out, amax(x)) (NaN sticks).
+template <typename T>
+void quantize(const T* x, int64_t count, float scale, Fp8Format format, uint8_t* out,
+              float* amax_out);
+
+// quantize() plus the transposed copy out_t [cols, rows] that dgrad and wgrad GEMMs read.
+template <typename T>
+void quantize_transpose(const T* x, int64_t rows, int64_t cols, float scale, Fp8Format format,
+                        uint8_t* out, uint8_t* out_t, float* amax_out);
+
+// out[i] = decode(q[i]) * scale_inv
+void dequantize(const uint8_t* q, int64_t count, float scale_inv, Fp8Format format, float* out);
+
+// Block scalings with fp32 scales (fp8_recipe: blockwise) and E8M0 scales (mxfp8).
+enum class BlockScaling : uint8_t {
+  Rows1x128,    // activations and gradients
+  Tile128x128,  // weights
+  Mx1x32,       // MXFP8, E8M0 scales
+};
+
+struct BlockShape {
+  int rows;
+  int cols;
+};
+
+FP8T_HD inline BlockShape block_shape(BlockScaling scaling) {
+  switch (scaling) {
+    case BlockScaling::Rows1x128:
+      return {1, 128};
+    case BlockScaling::Tile128x128:
+      return {128, 128};
+    case BlockScaling::Mx1x32:
+      return {1, 32};
+  }
+  return {1, 1};
+}
+
+// Rows and columns of the scale grid for a [rows, cols] tensor.
+FP8T_HD inline BlockShape scale_grid(BlockScaling scaling, int64_t rows, int64_t cols) {
+  const BlockShape block = block_shape(scaling);
+  return {static_cast<int>((rows + block.rows - 1) / block.rows),
+          static_cast<int>((cols + block.cols - 1) / block.cols)};
+}
+
+struct BlockQuantization {
+  BlockScaling scaling = BlockScaling::Rows1x128;
+  Fp8Format format = Fp8Format::E4M3;
+  bool power_of_2_scales = true;  // fp32 scales only; E8M0 scales are powers of two
+  float amax_epsilon = 0.0f;      // fp32 scales only
+};
+
+// Per block: scale from the block's amax; out = encode_saturating(x * scale). The scale
+// tensor receives scale_inv (fp32) for blockwise, or the E8M0 code (one byte) for Mx1x32:
+// `scales` points to float or uint8_t storage accordingly.
+template <typename T>
+void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantization& spec,
+                     uint8_t* out, void* scales);
+
+// Both the row-wise quantization of x and that of its transpose [cols, rows] (for dgrad and
+// wgrad). For Tile128x128 the transposed data is exactly the transpose of `out` and its
+// scales the transpose of `scales`; for 1xB blocks the transposed copy has its own blocks,
+// running along the original columns.
+template <typename T>
+void quantize_transpose_blocks(const T* x, int64_t rows, int64_t cols,
+                               const BlockQuantization& spec, uint8_t* out, void* scales,
+                               uint8_t* out_t, void* scales_t);
+
+// x[i] = decode(q[i]) * scale_inv of its block.
+void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const BlockQuantization& spec,
+                       const void* scales, float* out);
+
+}  // namespace fp8t

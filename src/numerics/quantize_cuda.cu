@@ -1,0 +1,617 @@
+// Quantization kernels. Every conversion goes through fp8t::encode() and every scale through
+// the functions of scaling.h, so the bytes match the CPU reference of quantize.cpp exactly.
+#include "numerics/quantize_cuda.h"
+
+#include <algorithm>
+#include <type_traits>
+
+#include "core/cuda_check.h"
+#include "numerics/scaling.h"
+
+namespace fp8t::cuda {
+
+namespace {
+
+constexpr int kThreads = 256;
+
+int multiprocessor_count() {
+  int device = 0;
+  FP8T_CUDA_CHECK(cudaGetDevice(&device));
+  int count = 0;
+  FP8T_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
+// A persistent grid: enough blocks to fill the GPU, few enough that the one atomic per block
+// that publishes the amax stays cheap.
+unsigned grid_for(int64_t work_items, int blocks_per_sm = 8) {
+  const int64_t wanted = std::max<int64_t>(1, work_items);
+  return static_cast<unsigned>(
+      std::min<int64_t>(wanted, int64_t(multiprocessor_count()) * blocks_per_sm));
+}
+
+void check_data_format(Fp8Format format) {
+  FP8T_CHECK(format != Fp8Format::E8M0, "expected an FP8 data format, found e8m0 (a scale format)");
+}
+
+void check_pointers(int64_t count, const void* a, const void* b) {
+  FP8T_CHECK(count >= 0, "expected a non-negative element count, found {}", count);
+  FP8T_CHECK(count == 0 || (a != nullptr && b != nullptr), "null device pointer for {} elements",
+             count);
+}
+
+bool aligned16(const void* pointer) {
+  return reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
+}
+
+// Block-wide max of amax bit patterns; one atomic per block.
+__device__ void publish_amax(uint32_t local, float* amax_inout) {
+  __shared__ uint32_t warp_max[kThreads / 32];
+  local = __reduce_max_sync(0xFFFFFFFFu, local);
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = local;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    local = threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0u;
+    local = __reduce_max_sync(0xFFFFFFFFu, local);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax_inout), local);
+  }
+}
+
+// 16 bytes of input: 8 bf16 or 4 float.
+template <typename T>
+struct alignas(16) InputVector {
+  static constexpr int kSize = 16 / sizeof(T);
+  T values[kSize];
+};
+
+template <int N>
+struct alignas(N) ByteVector {
+  uint8_t values[N];
+};
+
+__global__ void encode_kernel(const float* x, int64_t count, Fp8Format format,
+                              Saturation saturation, uint8_t* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = fp8t::encode(x[i], format, saturation);
+  }
+}
+
+__global__ void decode_kernel(const uint8_t* codes, int64_t count, Fp8Format format, float* out) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = fp8t::decode(codes[i], format);
+  }
+}
+
+__global__ void scale_from_amax_kernel(const float* amax, float format_max, bool power_of_2,
+                                       float epsilon, float* scale, float* scale_inv) {
+  const float value = fp8t::scale_from_amax(*amax, format_max, power_of_2, epsilon);
+  *scale = value;
+  if (scale_inv != nullptr) *scale_inv = 1.0f / value;
+}
+
+// Scales and encodes one input vector, and folds the inputs into the amax.
+template <Fp8Format kFormat, typename T>
+__device__ ByteVector<InputVector<T>::kSize> scale_and_encode(const InputVector<T>& in, float scale,
+                                                              uint32_t& amax_bits) {
+  constexpr int kVec = InputVector<T>::kSize;
+  ByteVector<kVec> bytes;
+#pragma unroll
+  for (int k = 0; k < kVec; ++k) {
+    const float value = to_float(in.values[k]);
+    amax_bits = max(amax_bits, abs_bits(value));
+    bytes.values[k] = fp8t::encode(__fmul_rn(value, scale), kFormat, Saturation::Saturate);
+  }
+  return bytes;
+}
+
+// Calls launch(std::integral_constant<Fp8Format, F>{}) for the data format F: kernels take the
+// format as a template parameter, so that the per-element conversion compiles to its own path.
+template <typename Launch>
+void dispatch_data_format(Fp8Format format, Launch&& launch) {
+  switch (format) {
+    case Fp8Format::E4M3:
+      return launch(std::integral_constant<Fp8Format, Fp8Format::E4M3>{});
+    case Fp8Format::E5M2:
+      return launch(std::integral_constant<Fp8Format, Fp8Format::E5M2>{});
+    case Fp8Format::E4M3FNUZ:
+      return launch(std::integral_constant<Fp8Format, Fp8Format::E4M3FNUZ>{});
+    case Fp8Format::E5M2FNUZ:
+      return launch(std::integral_constant<Fp8Format, Fp8Format::E5M2FNUZ>{});
+    case Fp8Format::E8M0:
+      break;
+  }
+  check_data_format(format);
+}
+
+// Elementwise cast (with kQuantize) or amax only. Vector path for aligned full vectors,
+// scalar path for the tail.
+template <typename T, bool kQuantize, Fp8Format kFormat>
+__global__ void __launch_bounds__(kThreads)
+    cast_amax_kernel(const T* __restrict__ x, int64_t count, const float* __restrict__ scale_ptr,
+                     uint8_t* __restrict__ out, float* amax_inout, bool vectorized) {
+  constexpr int kVec = InputVector<T>::kSize;
+  const float scale = kQuantize ? *scale_ptr : 1.0f;
+  const int64_t stride = int64_t(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
+  uint32_t local_amax = 0;
+  int64_t scalar_begin = 0;
+  if (vectorized) {
+    // Two independent 16-byte loads in flight per thread before their first use.
+    constexpr int kUnroll = 2;
+    const int64_t vectors = count / kVec;
+    for (int64_t v0 = first; v0 < vectors; v0 += kUnroll * stride) {
+      InputVector<T> in[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + u * stride;
+        if (v < vectors) in[u] = reinterpret_cast<const InputVector<T>*>(x)[v];
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int64_t v = v0 + u * stride;
+        if (v >= vectors) break;
+        if constexpr (kQuantize) {
+          reinterpret_cast<ByteVector<kVec>*>(out)[v] =
+              scale_and_encode<kFormat>(in[u], scale, local_amax);
+        } else {
+#pragma unroll
+          for (int k = 0; k < kVec; ++k)
+            local_amax = max(local_amax, abs_bits(to_float(in[u].values[k])));
+        }
+      }
+    }
+    scalar_begin = vectors * kVec;
+  }
+  for (int64_t i = scalar_begin + first; i < count; i += stride) {
+    const float value = to_float(x[i]);
+    local_amax = max(local_amax, abs_bits(value));
+    if constexpr (kQuantize)
+      out[i] = fp8t::encode(__fmul_rn(value, scale), kFormat, Saturation::Saturate);
+  }
+  if (amax_inout != nullptr) publish_amax(local_amax, amax_inout);
+}
+
+// Cast + transpose + amax with one per-tensor scale. A block walks tiles of 128 rows x 8
+// vectors (64 bf16 or 32 fp32 columns). Each thread owns a patch of 4 rows x one vector: four
+// 16-byte loads, four row-major stores, and per column one 32-bit word holding its 4 rows'
+// bytes, i.e. a 4x4 byte transpose in registers. The words go to a shared tile kept as
+// [column][128 bytes], whose 16-byte chunks are XOR-swizzled by the patch column so that
+// both the word stores and the 16-byte reads are free of bank conflicts; each transposed row
+// segment then leaves as eight 16-byte stores covering 128 contiguous bytes.
+constexpr int kTransposeRows = 128;
+constexpr int kPatchRows = 4;
+constexpr int kPatchColumns = 8;  // vectors per tile row
+constexpr int kChunksPerColumn = kTransposeRows / 16;
+static_assert((kTransposeRows / kPatchRows) * kPatchColumns == kThreads, "one patch per thread");
+static_assert(kPatchRows == 4, "a column word holds the 4 rows of a patch");
+// Measured on an H200 (16384 x 6144 bf16): at 4 resident blocks per SM (64 registers, a few
+// bytes spilled) the kernel runs 126 us against 136 us at the 3 blocks its 80 registers allow.
+constexpr int kTransposeBlocksPerSm = 4;
+static_assert(kChunksPerColumn == kPatchColumns,
+              "the swizzle maps chunk ^ patch column onto chunks");
+
+__device__ int swizzled_word(int column, int patch_column, int row_word) {
+  const int chunk = (row_word / 4) ^ patch_column;
+  return column * (kTransposeRows / 4) + chunk * 4 + row_word % 4;
+}
+
+// The tiling of the input, and the loads of one thread's patch: four 16-byte loads when the
+// tile is full, element loads with bounds checks at the edges (zeros outside).
+template <typename T>
+struct TransposeTile {
+  static constexpr int kVec = InputVector<T>::kSize;
+  static constexpr int kColumns = kPatchColumns * kVec;
+
+  const T* x;
+  int64_t rows, cols, tile_cols, row_bands;
+  bool vector_io;
+
+  __device__ int64_t row0(int64_t tile) const { return (tile / tile_cols) * kTransposeRows; }
+  __device__ int64_t col0(int64_t tile) const { return (tile % tile_cols) * kColumns; }
+  __device__ bool full(int64_t tile) const {
+    return vector_io && row0(tile) + kTransposeRows <= rows && col0(tile) + kColumns <= cols;
+  }
+  __device__ void load(int64_t tile, int patch_row, int patch_column,
+                       InputVector<T> (&in)[kPatchRows]) const {
+    const int64_t patch_row0 = row0(tile) + patch_row * kPatchRows;
+    const int64_t patch_col0 = col0(tile) + patch_column * kVec;
+    const bool whole = full(tile);
+#pragma unroll
+    for (int i = 0; i < kPatchRows; ++i) {
+      const int64_t offset = (patch_row0 + i) * cols + patch_col0;
+      if (whole) {
+        in[i] = *reinterpret_cast<const InputVector<T>*>(x + offset);
+      } else {
+#pragma unroll
+        for (int k = 0; k < kVec; ++k) {
+          in[i].values[k] = patch_row0 + i < rows && patch_col0 + k < cols ? x[offset + k] : T{};
+        }
+      }
+    }
+  }
+};
+
+template <typename T, Fp8Format kFormat>
+__global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
+    cast_transpose_kernel(TransposeTile<T> source, const float* __restrict__ scale_ptr,
+                          uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
+                          float* amax_inout) {
+  constexpr int kVec = TransposeTile<T>::kVec;
+  constexpr int kTileColumns = TransposeTile<T>::kColumns;
+  __shared__ alignas(16) uint32_t tile_t[kTileColumns * kTransposeRows / 4];
+  const int64_t rows = source.rows;
+  const int64_t cols = source.cols;
+  const float scale = *scale_ptr;
+  const int64_t tiles = source.tile_cols * source.row_bands;
+  const int patch_column = threadIdx.x % kPatchColumns;
+  const int patch_row = threadIdx.x / kPatchColumns;  // = the 32-bit word of a transposed column
+  uint32_t local_amax = 0;
+
+  for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
+    const int64_t row0 = source.row0(t);
+    const int64_t col0 = source.col0(t);
+    const bool full = source.full(t);
+    const int64_t patch_col0 = col0 + patch_column * kVec;
+    const int64_t patch_row0 = row0 + patch_row * kPatchRows;
+    InputVector<T> in[kPatchRows];
+    source.load(t, patch_row, patch_column, in);
+
+    // Column k's word holds the patch's 4 rows of that column: a 4x4 byte transpose.
+    uint32_t column_words[kVec] = {};
+#pragma unroll
+    for (int i = 0; i < kPatchRows; ++i) {
+      const ByteVector<kVec> bytes = scale_and_encode<kFormat>(in[i], scale, local_amax);
+#pragma unroll
+      for (int k = 0; k < kVec; ++k)
+        column_words[k] |= uint32_t(bytes.values[k]) << (8 * i);
+      const int64_t offset = (patch_row0 + i) * cols + patch_col0;
+      if (full) {
+        *reinterpret_cast<ByteVector<kVec>*>(out + offset) = bytes;
+      } else if (patch_row0 + i < rows) {
+        for (int k = 0; k < kVec && patch_col0 + k < cols; ++k)
+          out[offset + k] = bytes.values[k];
+      }
+    }
+#pragma unroll
+    for (int k = 0; k < kVec; ++k) {
+      tile_t[swizzled_word(patch_column * kVec + k, patch_column, patch_row)] = column_words[k];
+    }
+    __syncthreads();
+
+    for (int i = threadIdx.x; i < kTileColumns * kChunksPerColumn; i += kThreads) {
+      const int column = i / kChunksPerColumn;
+      const int chunk = i % kChunksPerColumn;
+      const uint4 bytes =
+          *reinterpret_cast<const uint4*>(&tile_t[swizzled_word(column, column / kVec, chunk * 4)]);
+      const int64_t offset_t = (col0 + column) * rows + row0 + chunk * 16;
+      if (full) {
+        *reinterpret_cast<uint4*>(out_t + offset_t) = bytes;
+      } else if (col0 + column < cols) {
+        const uint8_t* chunk_bytes = reinterpret_cast<const uint8_t*>(&bytes);
+        for (int k = 0; k < 16 && row0 + chunk * 16 + k < rows; ++k)
+          out_t[offset_t + k] = chunk_bytes[k];
+      }
+    }
+    __syncthreads();  // the tile is rewritten by the next iteration
+  }
+  if (amax_inout != nullptr) publish_amax(local_amax, amax_inout);
+}
+
+__global__ void dequantize_kernel(const uint8_t* q, int64_t count, const float* scale_inv,
+                                  Fp8Format format, float* out) {
+  const float multiplier = *scale_inv;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    out[i] = __fmul_rn(fp8t::decode(q[i], format), multiplier);
+  }
+}
+
+// Block scalings. One block owns a 128x128 tile held as fp32 in shared memory (pitch 129:
+// column walks hit distinct banks). Rows: each warp takes rows, a lane holds columns
+// lane + 32j. Columns (the transposed copy): each warp takes columns, a lane holds rows
+// lane + 32j. A 1x128 block is then a whole warp's four values; an MX 1x32 block is one j.
+constexpr int kBlockTile = 128;
+constexpr int kBlockPitch = kBlockTile + 1;
+constexpr int kWarps = kThreads / 32;
+constexpr size_t kBlockTileBytes = sizeof(float) * kBlockTile * kBlockPitch;
+
+struct BlockScaleResult {
+  float multiplier;
+  float scale_inv;  // fp32 scales
+  uint8_t code;     // E8M0 scales
+};
+
+__device__ BlockScaleResult block_scale(uint32_t amax_bits_value, const BlockQuantization& spec,
+                                        float format_maximum) {
+  const float amax_value = bits_to_float(amax_bits_value);
+  if (spec.scaling == BlockScaling::Mx1x32) {
+    const uint8_t code = mx_scale_from_amax(amax_value, format_maximum);
+    return {mx_inverse_scale(code), 0.0f, code};
+  }
+  const float scale =
+      fp8t::scale_from_amax(amax_value, format_maximum, spec.power_of_2_scales, spec.amax_epsilon);
+  return {scale, 1.0f / scale, 0};
+}
+
+__device__ void store_scale(void* scales, int64_t index, const BlockScaleResult& result,
+                            const BlockQuantization& spec) {
+  if (spec.scaling == BlockScaling::Mx1x32) {
+    static_cast<uint8_t*>(scales)[index] = result.code;
+  } else {
+    static_cast<float*>(scales)[index] = result.scale_inv;
+  }
+}
+
+// Quantizes one line (a tile row or column) of 128 values, held 4 per lane, into `line_out`
+// (element stride 1) with its block scales at scales[scale_base + block].
+template <Fp8Format kFormat>
+__device__ void quantize_line(const float (&values)[4], int valid, uint32_t tile_amax_bits,
+                              const BlockQuantization& spec, float format_maximum,
+                              uint8_t* line_out, void* scales, int64_t scale_base) {
+  const int lane = threadIdx.x % 32;
+  uint32_t lane_amax[4];
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    lane_amax[j] = lane + 32 * j < valid ? abs_bits(values[j]) : 0u;
+
+  if (spec.scaling == BlockScaling::Mx1x32) {
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (32 * j >= valid) break;
+      const BlockScaleResult result =
+          block_scale(__reduce_max_sync(0xFFFFFFFFu, lane_amax[j]), spec, format_maximum);
+      if (lane == 0) store_scale(scales, scale_base + j, result, spec);
+      if (lane + 32 * j < valid) {
+        line_out[lane + 32 * j] =
+            fp8t::encode(__fmul_rn(values[j], result.multiplier), kFormat, Saturation::Saturate);
+      }
+    }
+    return;
+  }
+  uint32_t amax_bits_value = tile_amax_bits;
+  if (spec.scaling == BlockScaling::Rows1x128) {
+    amax_bits_value = __reduce_max_sync(
+        0xFFFFFFFFu, max(max(lane_amax[0], lane_amax[1]), max(lane_amax[2], lane_amax[3])));
+  }
+  const BlockScaleResult result = block_scale(amax_bits_value, spec, format_maximum);
+  if (lane == 0 && scales != nullptr) store_scale(scales, scale_base, result, spec);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    if (lane + 32 * j < valid) {
+      line_out[lane + 32 * j] =
+          fp8t::encode(__fmul_rn(values[j], result.multiplier), kFormat, Saturation::Saturate);
+    }
+  }
+}
+
+template <typename T, Fp8Format kFormat>
+__global__ void __launch_bounds__(kThreads)
+    block_quantize_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
+                          BlockQuantization spec, uint8_t* __restrict__ out, void* scales,
+                          uint8_t* __restrict__ out_t, void* scales_t) {
+  extern __shared__ float tile[];  // [kBlockTile][kBlockPitch]
+  __shared__ uint32_t warp_amax[kWarps];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int64_t row0 = int64_t(blockIdx.y) * kBlockTile;
+  const int64_t col0 = int64_t(blockIdx.x) * kBlockTile;
+  const int valid_rows = static_cast<int>(min(int64_t{kBlockTile}, rows - row0));
+  const int valid_cols = static_cast<int>(min(int64_t{kBlockTile}, cols - col0));
+  const float format_maximum = format_max(kFormat);
+
+  uint32_t local_amax = 0;
+  for (int i = threadIdx.x; i < kBlockTile * kBlockTile; i += kThreads) {
+    const int r = i / kBlockTile;
+    const int c = i % kBlockTile;
+    const float value =
+        r < valid_rows && c < valid_cols ? to_float(x[(row0 + r) * cols + col0 + c]) : 0.0f;
+    local_amax = max(local_amax, abs_bits(value));
+    tile[r * kBlockPitch + c] = value;
+  }
+  local_amax = __reduce_max_sync(0xFFFFFFFFu, local_amax);
+  if (lane == 0) warp_amax[warp] = local_amax;
+  __syncthreads();
+  uint32_t tile_amax = 0;
+  for (int w = 0; w < kWarps; ++w)
+    tile_amax = max(tile_amax, warp_amax[w]);
+
+  const BlockShape row_grid = scale_grid(spec.scaling, rows, cols);
+  const BlockShape col_grid = scale_grid(spec.scaling, cols, rows);
+  const int blocks_per_tile = kBlockTile / block_shape(spec.scaling).cols;  // along a line
+
+  for (int r = warp; r < valid_rows; r += kWarps) {
+    float values[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      values[j] = tile[r * kBlockPitch + lane + 32 * j];
+    const int64_t scale_base =
+        spec.scaling == BlockScaling::Tile128x128
+            ? int64_t(blockIdx.y) * row_grid.cols + blockIdx.x
+            : (row0 + r) * row_grid.cols + int64_t(blockIdx.x) * blocks_per_tile;
+    // A 128x128 tile has one scale: written once, by the first row's warp.
+    void* row_scales = spec.scaling == BlockScaling::Tile128x128 && r != 0 ? nullptr : scales;
+    quantize_line<kFormat>(values, valid_cols, tile_amax, spec, format_maximum,
+                           out + (row0 + r) * cols + col0, row_scales, scale_base);
+  }
+  if (out_t == nullptr) return;
+  for (int c = warp; c < valid_cols; c += kWarps) {
+    float values[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      values[j] = tile[(lane + 32 * j) * kBlockPitch + c];
+    const int64_t scale_base =
+        spec.scaling == BlockScaling::Tile128x128
+            ? int64_t(blockIdx.x) * col_grid.cols + blockIdx.y
+            : (col0 + c) * col_grid.cols + int64_t(blockIdx.y) * blocks_per_tile;
+    void* col_scales = spec.scaling == BlockScaling::Tile128x128 && c != 0 ? nullptr : scales_t;
+    quantize_line<kFormat>(values, valid_rows, tile_amax, spec, format_maximum,
+                           out_t + (col0 + c) * rows + row0, col_scales, scale_base);
+  }
+}
+
+__global__ void block_dequantize_kernel(const uint8_t* q, int64_t rows, int64_t cols,
+                                        BlockQuantization spec, const void* scales, float* out) {
+  const BlockShape block = block_shape(spec.scaling);
+  const BlockShape grid = scale_grid(spec.scaling, rows, cols);
+  const int64_t count = rows * cols;
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t r = i / cols, c = i % cols;
+    const int64_t scale_index = (r / block.rows) * grid.cols + c / block.cols;
+    const float scale_inv =
+        spec.scaling == BlockScaling::Mx1x32
+            ? fp8t::decode(static_cast<const uint8_t*>(scales)[scale_index], Fp8Format::E8M0)
+            : static_cast<const float*>(scales)[scale_index];
+    out[i] = __fmul_rn(fp8t::decode(q[i], spec.format), scale_inv);
+  }
+}
+
+unsigned elementwise_grid(int64_t count) {
+  return grid_for((count + kThreads - 1) / kThreads);
+}
+
+}  // namespace
+
+void encode(const float* x, int64_t count, Fp8Format format, Saturation saturation, uint8_t* out,
+            cudaStream_t stream) {
+  check_pointers(count, x, out);
+  if (count == 0) return;
+  encode_kernel<<<elementwise_grid(count), kThreads, 0, stream>>>(x, count, format, saturation,
+                                                                  out);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void decode(const uint8_t* codes, int64_t count, Fp8Format format, float* out,
+            cudaStream_t stream) {
+  check_pointers(count, codes, out);
+  if (count == 0) return;
+  decode_kernel<<<elementwise_grid(count), kThreads, 0, stream>>>(codes, count, format, out);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+void amax(const T* x, int64_t count, float* amax_inout, cudaStream_t stream) {
+  check_pointers(count, x, amax_inout);
+  if (count == 0) return;
+  constexpr int kVec = InputVector<T>::kSize;
+  cast_amax_kernel<T, false, Fp8Format::E4M3>
+      <<<elementwise_grid(count / kVec + 1), kThreads, 0, stream>>>(x, count, nullptr, nullptr,
+                                                                    amax_inout, aligned16(x));
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void scale_from_amax(const float* amax, float format_max, bool power_of_2, float epsilon,
+                     float* scale, float* scale_inv, cudaStream_t stream) {
+  FP8T_CHECK(amax != nullptr && scale != nullptr, "amax and scale must be device pointers");
+  scale_from_amax_kernel<<<1, 1, 0, stream>>>(amax, format_max, power_of_2, epsilon, scale,
+                                              scale_inv);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+void quantize(const T* x, int64_t count, const float* scale, Fp8Format format, uint8_t* out,
+              float* amax_inout, cudaStream_t stream) {
+  check_pointers(count, x, out);
+  check_data_format(format);
+  FP8T_CHECK(scale != nullptr, "scale must be a device pointer");
+  if (count == 0) return;
+  constexpr int kVec = InputVector<T>::kSize;
+  // The vector path writes kVec bytes at once: the output must be aligned to that too.
+  const bool vectorized = aligned16(x) && reinterpret_cast<uintptr_t>(out) % kVec == 0;
+  dispatch_data_format(format, [&](auto format_constant) {
+    cast_amax_kernel<T, true, decltype(format_constant)::value>
+        <<<elementwise_grid(count / kVec + 1), kThreads, 0, stream>>>(x, count, scale, out,
+                                                                      amax_inout, vectorized);
+  });
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+void quantize_transpose(const T* x, int64_t rows, int64_t cols, const float* scale,
+                        Fp8Format format, uint8_t* out, uint8_t* out_t, float* amax_inout,
+                        cudaStream_t stream) {
+  FP8T_CHECK(rows >= 0 && cols >= 0, "expected a non-negative shape, found [{}, {}]", rows, cols);
+  check_pointers(rows * cols, x, out);
+  check_pointers(rows * cols, out_t, scale);
+  check_data_format(format);
+  if (rows * cols == 0) return;
+  // Full tiles use vector loads and stores: every row start must keep their alignment.
+  const bool vector_io =
+      aligned16(x) && aligned16(out) && aligned16(out_t) && cols % 16 == 0 && rows % 16 == 0;
+  const TransposeTile<T> source{
+      x,
+      rows,
+      cols,
+      (cols + TransposeTile<T>::kColumns - 1) / TransposeTile<T>::kColumns,
+      (rows + kTransposeRows - 1) / kTransposeRows,
+      vector_io};
+  const int64_t tiles = source.tile_cols * source.row_bands;
+  dispatch_data_format(format, [&](auto format_constant) {
+    cast_transpose_kernel<T, decltype(format_constant)::value>
+        <<<grid_for(tiles, kTransposeBlocksPerSm), kThreads, 0, stream>>>(source, scale, out, out_t,
+                                                                          amax_inout);
+  });
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void dequantize(const uint8_t* q, int64_t count, const float* scale_inv, Fp8Format format,
+                float* out, cudaStream_t stream) {
+  check_pointers(count, q, out);
+  FP8T_CHECK(scale_inv != nullptr, "scale_inv must be a device pointer");
+  if (count == 0) return;
+  dequantize_kernel<<<elementwise_grid(count), kThreads, 0, stream>>>(q, count, scale_inv, format,
+                                                                      out);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+template <typename T>
+void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantization& spec,
+                     uint8_t* out, void* scales, uint8_t* out_t, void* scales_t,
+                     cudaStream_t stream) {
+  FP8T_CHECK(rows >= 0 && cols >= 0, "expected a non-negative shape, found [{}, {}]", rows, cols);
+  check_pointers(rows * cols, x, out);
+  check_pointers(rows * cols, scales, scales);
+  FP8T_CHECK((out_t == nullptr) == (scales_t == nullptr), "out_t and scales_t go together");
+  check_data_format(spec.format);
+  if (rows * cols == 0) return;
+  const int64_t row_tiles = (rows + kBlockTile - 1) / kBlockTile;
+  FP8T_CHECK(row_tiles <= 65535, "expected at most {} rows, found {}", 65535 * kBlockTile, rows);
+  const dim3 grid(static_cast<unsigned>((cols + kBlockTile - 1) / kBlockTile),
+                  static_cast<unsigned>(row_tiles));
+  dispatch_data_format(spec.format, [&](auto format_constant) {
+    constexpr Fp8Format kFormat = decltype(format_constant)::value;
+    FP8T_CUDA_CHECK(cudaFuncSetAttribute(block_quantize_kernel<T, kFormat>,
+                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kBlockTileBytes)));
+    block_quantize_kernel<T, kFormat><<<grid, kThreads, kBlockTileBytes, stream>>>(
+        x, rows, cols, spec, out, scales, out_t, scales_t);
+  });
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const BlockQuantization& spec,
+                       const void* scales, float* out, cudaStream_t stream) {
+  FP8T_CHECK(rows >= 0 && cols >= 0, "expected a non-negative shape, found [{}, {}]", rows, cols);
+  check_pointers(rows * cols, q, out);
+  check_pointers(rows * cols, scales, scales);
+  if (rows * cols == 0) return;
+  block_dequantize_kernel<<<elementwise_grid(rows * cols), kThreads, 0, stream>>>(
+      q, rows, cols, spec, scales, out);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+#define FP8T_INSTANTIATE_CUDA_QUANTIZE(T)                                                          \
+  template void amax<T>(const T*, int64_t, float*, cudaStream_t);                                  \
+  template void quantize<T>(const T*, int64_t, const float*, Fp8Format, uint8_t*, float*,          \
+                            cudaStream_t);                                                         \
+  template void quantize_transpose<T>(const T*, int64_t, int64_t, const float*, Fp8Format,         \
+                                      uint8_t*, uint8_t*, float*, cudaStream_t);                   \
+  template void quantize_blocks<T>(const T*, int64_t, int64_t, const BlockQuantization&, uint8_t*, \
+                                   void*, uint8_t*, void*, cudaStream_t);
+
+FP8T_INSTANTIATE_CUDA_QUANTIZE(float)
+FP8T_INSTANTIATE_CUDA_QUANTIZE(bf16)
+
+}  // namespace fp8t::cuda

@@ -1,0 +1,53 @@
+// Quantization kernels: the device counterparts of quantize.h, bit-identical to it.
+// Host launchers take device pointers, sizes and a stream, check their inputs, and check the
+// launch. Amax outputs are fp32 buffers updated with a max over float bit patterns, so they
+// accumulate across calls (micro-batches) and NaN sticks; zero them to start a new step.
+#pragma once
+
+#include <cstdint>
+
+#include <cuda_runtime_api.h>
+
+#include "numerics/float_bits.h"
+#include "numerics/formats.h"
+#include "numerics/quantize.h"
+
+namespace fp8t::cuda {
+
+// Elementwise encode (tests the device conversions against encode_reference).
+void encode(const float* x, int64_t count, Fp8Format format, Saturation saturation, uint8_t* out,
+            cudaStream_t stream);
+void decode(const uint8_t* codes, int64_t count, Fp8Format format, float* out, cudaStream_t stream);
+
+// *amax_inout = max(*amax_inout, max |x|)
+template <typename T>
+void amax(const T* x, int64_t count, float* amax_inout, cudaStream_t stream);
+
+// Tensorwise scaling on the device: scale and scale_inv from an amax, by scale_from_amax().
+void scale_from_amax(const float* amax, float format_max, bool power_of_2, float epsilon,
+                     float* scale, float* scale_inv, cudaStream_t stream);
+
+// Fused cast + amax: out = encode_saturating(x * *scale); amax_inout may be null.
+template <typename T>
+void quantize(const T* x, int64_t count, const float* scale, Fp8Format format, uint8_t* out,
+              float* amax_inout, cudaStream_t stream);
+
+// Fused cast + transpose + amax: out [rows, cols] and out_t [cols, rows].
+template <typename T>
+void quantize_transpose(const T* x, int64_t rows, int64_t cols, const float* scale,
+                        Fp8Format format, uint8_t* out, uint8_t* out_t, float* amax_inout,
+                        cudaStream_t stream);
+
+void dequantize(const uint8_t* q, int64_t count, const float* scale_inv, Fp8Format format,
+                float* out, cudaStream_t stream);
+
+// Block scalings, layouts as in quantize.h. out_t and scales_t may be null (no transposed copy).
+template <typename T>
+void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantization& spec,
+                     uint8_t* out, void* scales, uint8_t* out_t, void* scales_t,
+                     cudaStream_t stream);
+
+void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const BlockQuantization& spec,
+                       const void* scales, float* out, cudaStream_t stream);
+
+}  // namespace fp8t::cuda

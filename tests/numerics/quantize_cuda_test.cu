@@ -1,0 +1,456 @@
+// GPU quantization kernels against the CPU reference: every byte and every scale must match.
+// Inputs are fresh random draws (the seed is printed) with edge cases mixed in; outputs are
+// poisoned before each launch so unwritten elements show.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "core/cuda_check.h"
+#include "core/device_buffer.h"
+#include "numerics/quantize.h"
+#include "numerics/quantize_cuda.h"
+#include "numerics/scaling.h"
+
+namespace fp8t {
+namespace {
+
+constexpr Fp8Format kDataFormats[] = {Fp8Format::E4M3, Fp8Format::E5M2, Fp8Format::E4M3FNUZ,
+                                      Fp8Format::E5M2FNUZ};
+
+std::mt19937& rng() {
+  static std::mt19937 generator = [] {
+    const unsigned seed = std::random_device{}();
+    std::printf("[ seed     ] %u\n", seed);
+    return std::mt19937(seed);
+  }();
+  return generator;
+}
+
+// Values whose rounding is hard: every code's value and the midpoints between neighbours
+// (ties), their float neighbours, the overflow threshold region, infinities, NaN, fp32
+// subnormals and zeros of both signs.
+std::vector<float> edge_values() {
+  std::vector<float> values = {0.0f,
+                               -0.0f,
+                               std::numeric_limits<float>::infinity(),
+                               -std::numeric_limits<float>::infinity(),
+                               std::numeric_limits<float>::quiet_NaN(),
+                               -std::numeric_limits<float>::quiet_NaN(),
+                               std::numeric_limits<float>::denorm_min(),
+                               std::numeric_limits<float>::min(),
+                               std::numeric_limits<float>::max(),
+                               -std::numeric_limits<float>::max()};
+  for (Fp8Format format : kAllFormats) {
+    std::vector<float> codes;
+    for (int code = 0; code < 256; ++code) {
+      const float value = decode(static_cast<uint8_t>(code), format);
+      if (!std::isnan(value) && !std::isinf(value)) codes.push_back(value);
+    }
+    std::sort(codes.begin(), codes.end());
+    for (size_t i = 0; i < codes.size(); ++i) {
+      const float value = codes[i];
+      for (float candidate :
+           {value, std::nextafter(value, INFINITY), std::nextafter(value, -INFINITY)}) {
+        values.push_back(candidate);
+      }
+      if (i + 1 < codes.size()) {
+        const float midpoint = static_cast<float>((double(codes[i]) + double(codes[i + 1])) / 2);
+        for (float candidate :
+             {midpoint, std::nextafter(midpoint, INFINITY), std::nextafter(midpoint, -INFINITY)}) {
+          values.push_back(candidate);
+        }
+      }
+    }
+    const float top = format_max(format);
+    for (float factor : {1.0312f, 1.0625f, 1.07f, 1.125f, 2.0f})
+      values.push_back(top * factor);
+  }
+  return values;
+}
+
+// Random values over the whole fp32 range: random bit patterns (NaN, inf and subnormals
+// included) and normal draws at random magnitudes, with the edge values mixed in.
+std::vector<float> random_floats(size_t count, bool with_specials) {
+  std::vector<float> values(count);
+  std::uniform_int_distribution<uint32_t> bits;
+  std::normal_distribution<float> normal;
+  std::uniform_int_distribution<int> exponent(-30, 20);
+  for (size_t i = 0; i < count; ++i) {
+    float value = with_specials && (i % 3 == 0) ? bits_to_float(bits(rng()))
+                                                : std::ldexp(normal(rng()), exponent(rng()));
+    if (!with_specials && !std::isfinite(value)) value = 1.0f;
+    values[i] = value;
+  }
+  if (with_specials) {
+    const std::vector<float> edges = edge_values();
+    for (size_t i = 0; i < edges.size() && i * 7 < count; ++i)
+      values[i * 7] = edges[i];
+  }
+  return values;
+}
+
+template <typename T>
+T from_float(float value) {
+  if constexpr (std::is_same_v<T, float>) {
+    return value;
+  } else {
+    return float_to_bf16(value);
+  }
+}
+
+template <typename T>
+std::vector<T> random_tensor(size_t count, bool with_specials) {
+  const std::vector<float> values = random_floats(count, with_specials);
+  std::vector<T> converted(count);
+  for (size_t i = 0; i < count; ++i)
+    converted[i] = from_float<T>(values[i]);
+  return converted;
+}
+
+// Index of the first difference, or -1. Everything compares by bits, except that any two fp32
+// NaNs are equal: fp32 arithmetic on NaN keeps the payload on x86 and gives the canonical NaN
+// on the GPU. FP8 codes and scales must match exactly.
+template <typename T>
+int64_t first_mismatch(const std::vector<T>& a, const std::vector<T>& b) {
+  if (a.size() != b.size()) return 0;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if constexpr (std::is_same_v<T, float>) {
+      if (std::isnan(a[i]) && std::isnan(b[i])) continue;
+    }
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+#define EXPECT_IDENTICAL(gpu, cpu, what)                                             \
+  do {                                                                               \
+    const int64_t mismatch_ = first_mismatch(gpu, cpu);                              \
+    EXPECT_EQ(mismatch_, -1) << what << ": first difference at index " << mismatch_; \
+  } while (false)
+
+TEST(CudaEncode, MatchesReferenceOnRandomAndEdgeInputs) {
+  const std::vector<float> x = random_floats(size_t{4} << 20, /*with_specials=*/true);
+  DeviceBuffer<float> device_x(x);
+  DeviceBuffer<uint8_t> device_out(x.size());
+  for (Fp8Format format : kAllFormats) {
+    for (Saturation saturation : {Saturation::Saturate, Saturation::NonSaturate}) {
+      device_out.poison();
+      cuda::encode(device_x.get(), static_cast<int64_t>(x.size()), format, saturation,
+                   device_out.get(), nullptr);
+      const std::vector<uint8_t> gpu = device_out.download();
+      int64_t mismatches = 0;
+      for (size_t i = 0; i < x.size(); ++i) {
+        const uint8_t expected = encode_reference(x[i], format, saturation);
+        if (gpu[i] != expected && ++mismatches <= 5) {
+          ADD_FAILURE() << format_name(format)
+                        << (saturation == Saturation::Saturate ? " sat" : " nonsat")
+                        << ": x=" << x[i] << " (bits 0x" << std::hex << float_to_bits(x[i])
+                        << ") gpu=0x" << int(gpu[i]) << " cpu=0x" << int(expected) << std::dec;
+        }
+      }
+      EXPECT_EQ(mismatches, 0) << format_name(format);
+    }
+  }
+}
+
+TEST(CudaEncode, EveryBf16MatchesReference) {
+  std::vector<float> x(65536);
+  for (uint32_t bits = 0; bits < 65536; ++bits)
+    x[bits] = bf16_to_float(bf16{static_cast<uint16_t>(bits)});
+  DeviceBuffer<float> device_x(x);
+  DeviceBuffer<uint8_t> device_out(x.size());
+  for (Fp8Format format : kAllFormats) {
+    device_out.poison();
+    cuda::encode(device_x.get(), 65536, format, Saturation::Saturate, device_out.get(), nullptr);
+    std::vector<uint8_t> cpu(x.size());
+    for (size_t i = 0; i < x.size(); ++i)
+      cpu[i] = encode_reference(x[i], format, Saturation::Saturate);
+    EXPECT_IDENTICAL(device_out.download(), cpu, format_name(format));
+  }
+}
+
+TEST(CudaDecode, EveryCodeMatchesReference) {
+  std::vector<uint8_t> codes(256);
+  for (int i = 0; i < 256; ++i)
+    codes[i] = static_cast<uint8_t>(i);
+  DeviceBuffer<uint8_t> device_codes(codes);
+  DeviceBuffer<float> device_out(256);
+  for (Fp8Format format : kAllFormats) {
+    device_out.poison();
+    cuda::decode(device_codes.get(), 256, format, device_out.get(), nullptr);
+    std::vector<float> cpu(256);
+    for (int i = 0; i < 256; ++i)
+      cpu[i] = decode(static_cast<uint8_t>(i), format);
+    EXPECT_IDENTICAL(device_out.download(), cpu, format_name(format));
+  }
+}
+
+template <typename T>
+class CudaQuantize : public ::testing::Test {};
+using InputTypes = ::testing::Types<float, bf16>;
+TYPED_TEST_SUITE(CudaQuantize, InputTypes);
+
+TYPED_TEST(CudaQuantize, AmaxMatchesReferenceAndAccumulates) {
+  for (size_t count : {size_t{1}, size_t{7}, size_t{4099}, size_t{3} << 20}) {
+    for (bool with_specials : {false, true}) {
+      const std::vector<TypeParam> x = random_tensor<TypeParam>(count, with_specials);
+      DeviceBuffer<TypeParam> device_x(x);
+      // Offset by one element: the kernel must handle a pointer that is not 16-byte aligned.
+      for (size_t offset : {size_t{0}, size_t{1}}) {
+        if (offset >= count) continue;
+        DeviceBuffer<float> device_amax(std::vector<float>{0.0f});
+        const int64_t n = static_cast<int64_t>(count - offset);
+        cuda::amax(device_x.get() + offset, n, device_amax.get(), nullptr);
+        const float expected = amax(x.data() + offset, n);
+        EXPECT_IDENTICAL(device_amax.download(), std::vector<float>{expected},
+                         "amax, count " << count);
+      }
+    }
+  }
+  // Accumulation across calls (micro-batches): the larger amax wins, NaN sticks.
+  DeviceBuffer<TypeParam> small(
+      std::vector<TypeParam>{from_float<TypeParam>(2.0f), from_float<TypeParam>(-3.0f)});
+  DeviceBuffer<TypeParam> large(std::vector<TypeParam>{from_float<TypeParam>(-96.0f)});
+  DeviceBuffer<TypeParam> nan(std::vector<TypeParam>{from_float<TypeParam>(std::nanf(""))});
+  DeviceBuffer<float> device_amax(std::vector<float>{0.0f});
+  cuda::amax(small.get(), 2, device_amax.get(), nullptr);
+  EXPECT_EQ(device_amax.download()[0], 3.0f);
+  cuda::amax(large.get(), 1, device_amax.get(), nullptr);
+  cuda::amax(small.get(), 2, device_amax.get(), nullptr);
+  EXPECT_EQ(device_amax.download()[0], 96.0f);
+  cuda::amax(nan.get(), 1, device_amax.get(), nullptr);
+  cuda::amax(large.get(), 1, device_amax.get(), nullptr);
+  EXPECT_TRUE(std::isnan(device_amax.download()[0]));
+}
+
+TEST(CudaScale, ScaleFromAmaxMatchesReference) {
+  const std::vector<float> amaxes = {
+      0.0f,         1.0f,   3.0f,  1e-30f,
+      1e-42f,       448.0f, 1e30f, std::numeric_limits<float>::infinity(),
+      std::nanf("")};
+  for (Fp8Format format : kDataFormats) {
+    for (bool power_of_2 : {false, true}) {
+      for (float epsilon : {0.0f, 1e-12f}) {
+        for (float amax_value : amaxes) {
+          DeviceBuffer<float> device_amax(std::vector<float>{amax_value});
+          DeviceBuffer<float> scale(1), scale_inv(1);
+          cuda::scale_from_amax(device_amax.get(), format_max(format), power_of_2, epsilon,
+                                scale.get(), scale_inv.get(), nullptr);
+          const float expected =
+              fp8t::scale_from_amax(amax_value, format_max(format), power_of_2, epsilon);
+          EXPECT_IDENTICAL(scale.download(), std::vector<float>{expected}, "amax " << amax_value);
+          EXPECT_IDENTICAL(scale_inv.download(), std::vector<float>{1.0f / expected},
+                           "amax " << amax_value);
+        }
+      }
+    }
+  }
+}
+
+// Random scale in the range training produces, from the data's own amax.
+template <typename T>
+float realistic_scale(const std::vector<T>& x, Fp8Format format) {
+  return fp8t::scale_from_amax(amax(x.data(), static_cast<int64_t>(x.size())), format_max(format),
+                               false, 0.0f);
+}
+
+TYPED_TEST(CudaQuantize, CastAmaxMatchesReference) {
+  for (size_t count : {size_t{1}, size_t{9}, size_t{4096 + 3}, size_t{1} << 21}) {
+    for (bool with_specials : {false, true}) {
+      const std::vector<TypeParam> x = random_tensor<TypeParam>(count, with_specials);
+      DeviceBuffer<TypeParam> device_x(x);
+      for (Fp8Format format : kDataFormats) {
+        for (size_t offset : {size_t{0}, size_t{1}}) {
+          if (offset >= count) continue;
+          const int64_t n = static_cast<int64_t>(count - offset);
+          const float scale = with_specials ? 0.75f : realistic_scale(x, format);
+          DeviceBuffer<float> device_scale(std::vector<float>{scale});
+          DeviceBuffer<float> device_amax(std::vector<float>{0.0f});
+          DeviceBuffer<uint8_t> out(static_cast<size_t>(n));
+          cuda::quantize(device_x.get() + offset, n, device_scale.get(), format, out.get(),
+                         device_amax.get(), nullptr);
+          std::vector<uint8_t> expected(static_cast<size_t>(n));
+          float expected_amax = 0.0f;
+          quantize(x.data() + offset, n, scale, format, expected.data(), &expected_amax);
+          EXPECT_IDENTICAL(out.download(), expected, format_name(format) << " count " << n);
+          EXPECT_IDENTICAL(device_amax.download(), std::vector<float>{expected_amax},
+                           "amax count " << n);
+        }
+      }
+    }
+  }
+}
+
+struct Shape {
+  int64_t rows;
+  int64_t cols;
+};
+constexpr Shape kAwkwardShapes[] = {{1, 16},    {5, 160},    {217, 256},  {64, 64},
+                                    {100, 33},  {1, 1},      {130, 129},  {128, 256},
+                                    {256, 384}, {1024, 768}, {2048, 1536}};
+
+TYPED_TEST(CudaQuantize, CastTransposeAmaxMatchesReference) {
+  for (const Shape shape : kAwkwardShapes) {
+    const size_t count = static_cast<size_t>(shape.rows * shape.cols);
+    for (bool with_specials : {false, true}) {
+      const std::vector<TypeParam> x = random_tensor<TypeParam>(count, with_specials);
+      DeviceBuffer<TypeParam> device_x(x);
+      for (Fp8Format format : kDataFormats) {
+        const float scale = with_specials ? 1.5f : realistic_scale(x, format);
+        DeviceBuffer<float> device_scale(std::vector<float>{scale});
+        DeviceBuffer<float> device_amax(std::vector<float>{0.0f});
+        DeviceBuffer<uint8_t> out(count), out_t(count);
+        cuda::quantize_transpose(device_x.get(), shape.rows, shape.cols, device_scale.get(), format,
+                                 out.get(), out_t.get(), device_amax.get(), nullptr);
+        std::vector<uint8_t> expected(count), expected_t(count);
+        float expected_amax = 0.0f;
+        quantize_transpose(x.data(), shape.rows, shape.cols, scale, format, expected.data(),
+                           expected_t.data(), &expected_amax);
+        const auto where = ::testing::Message() << format_name(format) << " [" << shape.rows << ", "
+                                                << shape.cols << "]";
+        EXPECT_IDENTICAL(out.download(), expected, where);
+        EXPECT_IDENTICAL(out_t.download(), expected_t, where << " transposed");
+        EXPECT_IDENTICAL(device_amax.download(), std::vector<float>{expected_amax},
+                         where << " amax");
+      }
+    }
+  }
+}
+
+TEST(CudaQuantize, TensorwiseOnDeviceMatchesReference) {
+  // The current-scaling sequence as training runs it: amax pass, scale on device, cast.
+  const std::vector<bf16> x = random_tensor<bf16>(size_t{1} << 20, false);
+  DeviceBuffer<bf16> device_x(x);
+  for (Fp8Format format : kDataFormats) {
+    DeviceBuffer<float> device_amax(std::vector<float>{0.0f});
+    DeviceBuffer<float> scale(1), scale_inv(1);
+    DeviceBuffer<uint8_t> out(x.size());
+    DeviceBuffer<float> restored(x.size());
+    const int64_t n = static_cast<int64_t>(x.size());
+    cuda::amax(device_x.get(), n, device_amax.get(), nullptr);
+    cuda::scale_from_amax(device_amax.get(), format_max(format), true, 0.0f, scale.get(),
+                          scale_inv.get(), nullptr);
+    cuda::quantize(device_x.get(), n, scale.get(), format, out.get(), nullptr, nullptr);
+    cuda::dequantize(out.get(), n, scale_inv.get(), format, restored.get(), nullptr);
+
+    const float expected_scale =
+        fp8t::scale_from_amax(amax(x.data(), n), format_max(format), true, 0.0f);
+    std::vector<uint8_t> expected(x.size());
+    quantize(x.data(), n, expected_scale, format, expected.data(), nullptr);
+    std::vector<float> expected_restored(x.size());
+    dequantize(expected.data(), n, 1.0f / expected_scale, format, expected_restored.data());
+    EXPECT_IDENTICAL(out.download(), expected, format_name(format));
+    EXPECT_IDENTICAL(restored.download(), expected_restored, format_name(format) << " dequantized");
+  }
+}
+
+constexpr BlockScaling kBlockScalings[] = {BlockScaling::Rows1x128, BlockScaling::Tile128x128,
+                                           BlockScaling::Mx1x32};
+
+std::string scaling_name(BlockScaling scaling) {
+  const BlockShape block = block_shape(scaling);
+  return std::to_string(block.rows) + "x" + std::to_string(block.cols);
+}
+
+// Scale storage: fp32 for blockwise, one E8M0 byte for MX.
+struct ScaleBuffers {
+  ScaleBuffers(BlockScaling scaling, int64_t rows, int64_t cols) {
+    const BlockShape grid = scale_grid(scaling, rows, cols);
+    count = static_cast<size_t>(grid.rows) * static_cast<size_t>(grid.cols);
+    bytes = count * (scaling == BlockScaling::Mx1x32 ? 1 : sizeof(float));
+  }
+  size_t count;
+  size_t bytes;
+};
+
+TYPED_TEST(CudaQuantize, BlockScalingsMatchReference) {
+  for (BlockScaling scaling : kBlockScalings) {
+    for (const Shape shape : kAwkwardShapes) {
+      const size_t count = static_cast<size_t>(shape.rows * shape.cols);
+      for (bool with_specials : {false, true}) {
+        const std::vector<TypeParam> x = random_tensor<TypeParam>(count, with_specials);
+        DeviceBuffer<TypeParam> device_x(x);
+        for (Fp8Format format : kDataFormats) {
+          for (bool power_of_2 : {false, true}) {
+            if (scaling == BlockScaling::Mx1x32 && !power_of_2) continue;
+            const BlockQuantization spec{scaling, format, power_of_2, 0.0f};
+            const ScaleBuffers grid(scaling, shape.rows, shape.cols);
+            const ScaleBuffers grid_t(scaling, shape.cols, shape.rows);
+            DeviceBuffer<uint8_t> out(count), out_t(count), scales(grid.bytes),
+                scales_t(grid_t.bytes);
+            DeviceBuffer<float> restored(count);
+            cuda::quantize_blocks(device_x.get(), shape.rows, shape.cols, spec, out.get(),
+                                  scales.get(), out_t.get(), scales_t.get(), nullptr);
+            cuda::dequantize_blocks(out.get(), shape.rows, shape.cols, spec, scales.get(),
+                                    restored.get(), nullptr);
+
+            std::vector<uint8_t> expected(count), expected_t(count), expected_scales(grid.bytes),
+                expected_scales_t(grid_t.bytes);
+            quantize_transpose_blocks(x.data(), shape.rows, shape.cols, spec, expected.data(),
+                                      expected_scales.data(), expected_t.data(),
+                                      expected_scales_t.data());
+            std::vector<float> expected_restored(count);
+            dequantize_blocks(expected.data(), shape.rows, shape.cols, spec, expected_scales.data(),
+                              expected_restored.data());
+            const auto where = ::testing::Message()
+                               << scaling_name(scaling) << " " << format_name(format)
+                               << (power_of_2 ? " pow2" : "") << " [" << shape.rows << ", "
+                               << shape.cols << "]";
+            EXPECT_IDENTICAL(out.download(), expected, where);
+            EXPECT_IDENTICAL(scales.download(), expected_scales, where << " scales");
+            EXPECT_IDENTICAL(out_t.download(), expected_t, where << " transposed");
+            EXPECT_IDENTICAL(scales_t.download(), expected_scales_t, where << " transposed scales");
+            EXPECT_IDENTICAL(restored.download(), expected_restored, where << " dequantized");
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(CudaQuantize, BlockScalingWithoutTransposeLeavesNothingElse) {
+  const Shape shape{300, 1000};
+  const size_t count = static_cast<size_t>(shape.rows * shape.cols);
+  const std::vector<bf16> x = random_tensor<bf16>(count, false);
+  DeviceBuffer<bf16> device_x(x);
+  for (BlockScaling scaling : kBlockScalings) {
+    const BlockQuantization spec{scaling, Fp8Format::E4M3, true, 0.0f};
+    const ScaleBuffers grid(scaling, shape.rows, shape.cols);
+    DeviceBuffer<uint8_t> out(count), scales(grid.bytes);
+    cuda::quantize_blocks(device_x.get(), shape.rows, shape.cols, spec, out.get(), scales.get(),
+                          nullptr, nullptr, nullptr);
+    std::vector<uint8_t> expected(count), expected_scales(grid.bytes);
+    quantize_blocks(x.data(), shape.rows, shape.cols, spec, expected.data(),
+                    expected_scales.data());
+    EXPECT_IDENTICAL(out.download(), expected, scaling_name(scaling));
+    EXPECT_IDENTICAL(scales.download(), expected_scales, scaling_name(scaling) << " scales");
+  }
+}
+
+TEST(CudaQuantize, RejectsBadArguments) {
+  DeviceBuffer<float> x(16);
+  DeviceBuffer<uint8_t> out(16);
+  DeviceBuffer<float> scale(std::vector<float>{1.0f});
+  EXPECT_THROW(
+      cuda::quantize(x.get(), 16, scale.get(), Fp8Format::E8M0, out.get(), nullptr, nullptr),
+      Error);
+  EXPECT_THROW(
+      cuda::quantize(x.get(), -1, scale.get(), Fp8Format::E4M3, out.get(), nullptr, nullptr),
+      Error);
+  EXPECT_THROW(
+      cuda::quantize<float>(nullptr, 16, scale.get(), Fp8Format::E4M3, out.get(), nullptr, nullptr),
+      Error);
+  EXPECT_THROW(cuda::quantize_transpose(x.get(), -4, 4, scale.get(), Fp8Format::E4M3, out.get(),
+                                        out.get(), nullptr, nullptr),
+               Error);
+}
+
+}  // namespace
+}  // namespace fp8t
