@@ -31,4 +31,22 @@ struct CheckNumericsOptions {
 // kExitProblemFound when any check fails.
 int run_check_numerics(const CheckNumericsOptions& options);
 
+struct ModelSummaryOptions {
+  int depth = 20;
+  int vocab_size = 32768;
+  int sequence_len = 2048;
+  std::string window_pattern = "SSSL";
+  int64_t batch = 1;
+  std::string fp8 = "hybrid";
+  std::string fp8_recipe = "tensorwise";
+  bool lm_head_fp8 = true;
+  bool first_last_layers_bf16 = false;
+  int layers_at_start_in_bf16 = 1;
+  int layers_at_end_in_bf16 = 1;
+};
+
+// Prints the GPT of a given depth: its shape, parameter counts by group, FLOPs per token, which
+// linears run in FP8 (with the reasons for the others) and the memory the CPU path plans.
+int run_model_summary(const ModelSummaryOptions& options);
+
 }  // namespace fp8t::cli

@@ -29,9 +29,51 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{65536}));
 
+  fp8t::cli::ModelSummaryOptions model_options;
+  CLI::App* model = app.add_subcommand(
+      "model", "Print the GPT's shape, parameters, FLOPs per token, FP8 layers and memory plan");
+  model->add_option("--depth", model_options.depth, "Number of layers (nanochat sizing)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  model->add_option("--vocab-size", model_options.vocab_size, "Vocabulary size before padding")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 24));
+  model->add_option("--sequence-len", model_options.sequence_len, "Tokens per sequence")
+      ->capture_default_str()
+      ->check(CLI::Range(2, 1 << 20));
+  model
+      ->add_option("--window-pattern", model_options.window_pattern,
+                   "Attention windows tiled over layers: S short, L long")
+      ->capture_default_str();
+  model->add_option("--batch", model_options.batch, "Sequences per micro-batch (memory plan)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  model->add_option("--fp8", model_options.fp8, "none, e4m3 or hybrid")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"none", "e4m3", "hybrid"}));
+  model
+      ->add_option("--fp8-recipe", model_options.fp8_recipe,
+                   "delayed, tensorwise, blockwise or mxfp8")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"delayed", "tensorwise", "blockwise", "mxfp8"}));
+  model->add_flag("!--no-lm-head-fp8", model_options.lm_head_fp8, "Keep lm_head in BF16");
+  model->add_flag("--first-last-layers-bf16", model_options.first_last_layers_bf16,
+                  "Keep the first and last blocks in BF16");
+  model
+      ->add_option("--layers-at-start-in-bf16", model_options.layers_at_start_in_bf16,
+                   "With --first-last-layers-bf16: blocks at the start")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  model
+      ->add_option("--layers-at-end-in-bf16", model_options.layers_at_end_in_bf16,
+                   "With --first-last-layers-bf16: blocks at the end")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+
   try {
     app.parse(argc, argv);
     if (*doctor) return fp8t::cli::run_doctor(doctor_options);
+    if (*model) return fp8t::cli::run_model_summary(model_options);
     return fp8t::cli::run_check_numerics(numerics_options);
   } catch (const CLI::ParseError& error) {
     if (error.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) {

@@ -20,10 +20,11 @@ GptConfig GptConfig::from_depth(int depth) {
 
 int GptConfig::window(int layer) const {
   const int long_window = sequence_len;
-  const int short_window = (sequence_len / 4 + 127) / 128 * 128;
+  const int short_size =
+      short_window > 0 ? short_window : ((sequence_len + 3) / 4 + 127) / 128 * 128;
   if (layer == n_layer - 1) return long_window;
   const char kind = window_pattern[static_cast<size_t>(layer) % window_pattern.size()];
-  return kind == 'S' ? short_window : long_window;
+  return kind == 'S' ? short_size : long_window;
 }
 
 void GptConfig::validate() const {

@@ -17,6 +17,7 @@ struct GptConfig {
   int sequence_len = 2048;
   std::string window_pattern = "SSSL";  // tiled over layers; the last layer is always L
   int pad_vocab_to = 64;
+  int short_window = 0;  // S layers' window; 0: nanochat's ceil(ceil(T / 4) / 128) * 128
 
   // nanochat's sizing: n_embd = ceil(depth * 64 / 128) * 128, heads of 128.
   static GptConfig from_depth(int depth);
@@ -27,7 +28,7 @@ struct GptConfig {
   // Layers with a value embedding alternate, the last layer always has one.
   bool has_value_embedding(int layer) const { return layer % 2 == (n_layer - 1) % 2; }
   // Left attention window of a layer: query t sees keys t - window .. t. L = sequence_len,
-  // S = ceil(sequence_len / 4 / 128) * 128; the last layer is always L.
+  // S = short_window or ceil(ceil(sequence_len / 4) / 128) * 128; the last layer is always L.
   int window(int layer) const;
   int backout_layer() const { return n_layer / 2; }  // its output is remembered for backout
 

@@ -69,6 +69,11 @@ TEST(GptConfig, WindowsTileThePatternAndEndLong) {
     EXPECT_EQ(config.window(layer), expected[layer]) << layer;
   config.sequence_len = 1000;  // short window: ceil(250 / 128) * 128
   EXPECT_EQ(config.window(0), 256);
+  config.sequence_len = 513;  // ceil(513 / 4) = 129, so two tiles of 128, as nanochat
+  EXPECT_EQ(config.window(0), 256);
+  config.short_window = 5;
+  EXPECT_EQ(config.window(0), 5);
+  EXPECT_EQ(config.window(5), 513);
 }
 
 TEST(GptConfig, FlopsPerTokenMatchesTheBenchmarkWorkload) {

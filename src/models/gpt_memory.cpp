@@ -1,0 +1,153 @@
+#include "models/gpt_memory.h"
+
+#include <algorithm>
+#include <cstring>
+
+namespace fp8t {
+
+size_t ParameterSet::planned_bytes(const GptConfig& config, DType dtype) {
+  size_t bytes = 0;
+  for (const ParamSpec& spec : gpt_parameters(config))
+    bytes += Arena::footprint(dtype, spec.numel());
+  return bytes;
+}
+
+ParameterSet::ParameterSet(Arena& arena, const GptConfig& config, DType dtype)
+    : specs_(gpt_parameters(config)) {
+  for (const ParamSpec& spec : specs_) {
+    TensorView view = spec.shape.size() == 1
+                          ? arena.allocate(dtype, {spec.shape[0]})
+                          : arena.allocate(dtype, {spec.shape[0], spec.shape[1]});
+    tensors_.emplace(spec.name, view);
+  }
+}
+
+TensorView& ParameterSet::operator[](const std::string& name) {
+  const auto found = tensors_.find(name);
+  FP8T_CHECK(found != tensors_.end(), "no parameter named '{}'", name);
+  return found->second;
+}
+
+const TensorView& ParameterSet::operator[](const std::string& name) const {
+  const auto found = tensors_.find(name);
+  FP8T_CHECK(found != tensors_.end(), "no parameter named '{}'", name);
+  return found->second;
+}
+
+void ParameterSet::fill_zero() {
+  for (auto& [name, view] : tensors_)
+    std::memset(view.raw(), 0, view.bytes());
+}
+
+template <typename Visit>
+void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, DType dtype,
+                           Visit&& visit_tensor) {
+  const int64_t B = batch, T = seq, C = config.n_embd, H = config.n_head, Hkv = config.n_kv_head;
+  const int64_t D = config.head_dim();
+  visit_tensor(embedding, dtype, {B, T, C});
+  visit_tensor(embedding_rstd, dtype, {B, T});
+  visit_tensor(embedding_norm, dtype, {B, T, C});
+  visit_tensor(smear_gate, dtype, {B, T});
+  visit_tensor(x0, dtype, {B, T, C});
+  blocks.resize(static_cast<size_t>(config.n_layer));
+  for (int layer = 0; layer < config.n_layer; ++layer) {
+    BlockActivations& block = blocks[static_cast<size_t>(layer)];
+    visit_tensor(block.input, dtype, {B, T, C});
+    visit_tensor(block.attn_rstd, dtype, {B, T});
+    visit_tensor(block.attn_norm, dtype, {B, T, C});
+    visit_tensor(block.q_rotated, dtype, {B, T, H, D});
+    visit_tensor(block.k_rotated, dtype, {B, T, Hkv, D});
+    visit_tensor(block.q_rstd, dtype, {B, T, H});
+    visit_tensor(block.k_rstd, dtype, {B, T, Hkv});
+    visit_tensor(block.q, dtype, {B, T, H, D});
+    visit_tensor(block.k, dtype, {B, T, Hkv, D});
+    visit_tensor(block.v, dtype, {B, T, Hkv, D});
+    if (config.has_value_embedding(layer)) visit_tensor(block.value_gate, dtype, {B, T, Hkv});
+    visit_tensor(block.logsumexp, dtype, {B, H, T});
+    visit_tensor(block.attn_out, dtype, {B, T, C});
+    visit_tensor(block.mid, dtype, {B, T, C});
+    visit_tensor(block.mlp_rstd, dtype, {B, T});
+    visit_tensor(block.mlp_norm, dtype, {B, T, C});
+    visit_tensor(block.fc, dtype, {B, T, 4 * C});
+    visit_tensor(block.fc_act, dtype, {B, T, 4 * C});
+    visit_tensor(block.output, dtype, {B, T, C});
+  }
+  visit_tensor(final_input, dtype, {B, T, C});
+  visit_tensor(final_rstd, dtype, {B, T});
+  visit_tensor(final_norm, dtype, {B, T, C});
+  visit_tensor(logits, DType::F32, {B, T, int64_t{config.padded_vocab()}});
+}
+
+size_t GptActivations::planned_bytes(const GptConfig& config, int64_t batch, int64_t seq,
+                                     DType dtype) {
+  GptActivations sizing;
+  size_t bytes = 0;
+  sizing.visit(config, batch, seq, dtype,
+               [&](TensorView&, DType tensor_dtype, std::initializer_list<int64_t> shape) {
+                 int64_t count = 1;
+                 for (int64_t dim : shape)
+                   count *= dim;
+                 bytes += Arena::footprint(tensor_dtype, count);
+               });
+  return bytes;
+}
+
+GptActivations::GptActivations(Arena& arena, const GptConfig& config, int64_t batch, int64_t seq,
+                               DType dtype) {
+  visit(config, batch, seq, dtype,
+        [&](TensorView& slot, DType tensor_dtype, std::initializer_list<int64_t> shape) {
+          slot = arena.allocate(tensor_dtype, shape);
+        });
+}
+
+template <typename Visit>
+void GptWorkspace::visit(const GptConfig& config, int64_t tokens, Visit&& visit_tensor) {
+  const int64_t N = tokens, C = config.n_embd;
+  const int64_t q_width = int64_t{config.n_head} * config.head_dim(), kv_width = config.kv_dim();
+  for (TensorView* view : {&q_lin, &dq, &dq_rot, &dq_lin})
+    visit_tensor(*view, std::initializer_list<int64_t>{N, q_width});
+  for (TensorView* view : {&k_lin, &value_embed, &dk, &dv, &dk_rot, &dk_lin, &dvalue_embed}) {
+    visit_tensor(*view, std::initializer_list<int64_t>{N, kv_width});
+  }
+  for (TensorView* view : {&branch, &dx, &dx_next, &dx0, &dbackout, &dnorm, &dbranch, &dattn_out}) {
+    visit_tensor(*view, std::initializer_list<int64_t>{N, C});
+  }
+  for (TensorView* view : {&dfc, &dfc_act})
+    visit_tensor(*view, std::initializer_list<int64_t>{N, 4 * C});
+}
+
+size_t GptWorkspace::planned_bytes(const GptConfig& config, int64_t tokens) {
+  GptWorkspace sizing;
+  size_t bytes = 0;
+  sizing.visit(config, tokens, [&](TensorView&, std::initializer_list<int64_t> shape) {
+    bytes += Arena::footprint(DType::F32, shape.begin()[0] * shape.begin()[1]);
+  });
+  return bytes;
+}
+
+GptWorkspace::GptWorkspace(Arena& arena, const GptConfig& config, int64_t tokens) {
+  visit(config, tokens, [&](TensorView& slot, std::initializer_list<int64_t> shape) {
+    slot = arena.allocate(DType::F32, shape);
+  });
+}
+
+GptMemoryPlan plan_gpt_memory(const GptConfig& config, int64_t batch, int64_t seq) {
+  GptMemoryPlan plan;
+  plan.parameters = ParameterSet::planned_bytes(config, DType::F32);
+  plan.gradients = plan.parameters;
+  for (const ParamSpec& spec : gpt_parameters(config)) {
+    const bool muon =
+        spec.kind == ParamKind::BlockLinear || (spec.kind == ParamKind::Gate && spec.layer >= 0);
+    if (muon) {
+      plan.optimizer_state += Arena::footprint(DType::F32, spec.numel()) +
+                              Arena::footprint(DType::F32, std::min(spec.shape[0], spec.shape[1]));
+    } else {
+      plan.optimizer_state += 2 * Arena::footprint(DType::F32, spec.numel());
+    }
+  }
+  plan.activations = GptActivations::planned_bytes(config, batch, seq, DType::F32);
+  plan.workspace = GptWorkspace::planned_bytes(config, batch * seq);
+  return plan;
+}
+
+}  // namespace fp8t

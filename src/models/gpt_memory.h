@@ -1,0 +1,117 @@
+// What the GPT holds in memory: parameters and gradients by name, and the activations its
+// forward saves for backward, as structs of views cut from arenas sized up front. One visitor
+// per struct lists every tensor, so sizing, allocation and the printed plan cannot disagree.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/tensor.h"
+#include "models/gpt_config.h"
+
+namespace fp8t {
+
+// Parameters (or their gradients) by nanochat name, in gpt_parameters() order.
+class ParameterSet {
+ public:
+  static size_t planned_bytes(const GptConfig& config, DType dtype);
+  ParameterSet(Arena& arena, const GptConfig& config, DType dtype);
+
+  TensorView& operator[](const std::string& name);
+  const TensorView& operator[](const std::string& name) const;
+  const std::vector<ParamSpec>& specs() const { return specs_; }
+  void fill_zero();
+
+ private:
+  std::vector<ParamSpec> specs_;
+  std::map<std::string, TensorView> tensors_;
+};
+
+// The activations of one block that backward needs. Shapes: [B, T, C] unless noted.
+struct BlockActivations {
+  TensorView input;       // after the resid/x0 mix
+  TensorView attn_rstd;   // [B, T]
+  TensorView attn_norm;   // input of c_q, c_k, c_v and the value gate
+  TensorView q_rotated;   // [B, T, H, D] before the QK norm
+  TensorView k_rotated;   // [B, T, Hkv, D]
+  TensorView q_rstd;      // [B, T, H]
+  TensorView k_rstd;      // [B, T, Hkv]
+  TensorView q;           // [B, T, H, D] normed and scaled: the attention's inputs
+  TensorView k;           // [B, T, Hkv, D]
+  TensorView v;           // [B, T, Hkv, D] with the value embedding mixed in
+  TensorView value_gate;  // [B, T, Hkv], layers with a value embedding only
+  TensorView logsumexp;   // [B, H, T]
+  TensorView attn_out;    // input of attn.c_proj
+  TensorView mid;         // after the attention residual
+  TensorView mlp_rstd;    // [B, T]
+  TensorView mlp_norm;    // input of mlp.c_fc
+  TensorView fc;          // [B, T, 4C] before relu²
+  TensorView fc_act;      // [B, T, 4C] after relu²: input of mlp.c_proj
+  TensorView output;      // after the MLP residual
+};
+
+struct GptActivations {
+  TensorView embedding;       // wte lookup
+  TensorView embedding_rstd;  // [B, T]
+  TensorView embedding_norm;  // before the smear
+  TensorView smear_gate;      // [B, T] sigmoid of the smear gate
+  TensorView x0;              // after the smear: the x0 of every layer's mix
+  std::vector<BlockActivations> blocks;
+  TensorView final_input;  // after the backout
+  TensorView final_rstd;   // [B, T]
+  TensorView final_norm;   // input of lm_head
+  TensorView logits;       // [B, T, padded vocab], f32 always; gradients overwrite it
+
+  static size_t planned_bytes(const GptConfig& config, int64_t batch, int64_t seq, DType dtype);
+  GptActivations(Arena& arena, const GptConfig& config, int64_t batch, int64_t seq, DType dtype);
+
+ private:
+  GptActivations() = default;
+  // Calls visit(slot, dtype, shape) for every tensor above, in one place for sizing and
+  // allocation.
+  template <typename Visit>
+  void visit(const GptConfig& config, int64_t batch, int64_t seq, DType dtype,
+             Visit&& visit_tensor);
+};
+
+// Temporaries of one forward and backward, planned like the activations.
+struct GptWorkspace {
+  TensorView q_lin, k_lin;  // [N, H*D], [N, Hkv*D] before rotary
+  TensorView value_embed;   // [N, Hkv*D]
+  TensorView branch;        // [N, C] attention or MLP branch output before the residual add
+  TensorView dx, dx_next, dx0, dbackout;                  // [N, C] residual gradients
+  TensorView dnorm, dbranch, dattn_out;                   // [N, C]
+  TensorView dfc, dfc_act;                                // [N, 4C]
+  TensorView dq, dk, dv, dq_rot, dk_rot, dq_lin, dk_lin;  // [N, H*D] / [N, Hkv*D]
+  TensorView dvalue_embed;                                // [N, Hkv*D]
+
+  static size_t planned_bytes(const GptConfig& config, int64_t tokens);
+  GptWorkspace(Arena& arena, const GptConfig& config, int64_t tokens);
+
+ private:
+  GptWorkspace() = default;
+  template <typename Visit>
+  void visit(const GptConfig& config, int64_t tokens, Visit&& visit_tensor);
+};
+
+// Bytes per category, for the summary printed before a run.
+struct GptMemoryPlan {
+  size_t parameters = 0;
+  size_t gradients = 0;
+  size_t optimizer_state = 0;
+  size_t activations = 0;
+  size_t workspace = 0;
+  size_t total() const {
+    return parameters + gradients + optimizer_state + activations + workspace;
+  }
+};
+
+// The CPU path: f32 parameters, gradients and activations; optimizer state as the MuonAdamW
+// optimizer keeps it (Muon for the block matrices: a momentum and a NorMuon second moment of
+// min(rows, cols); AdamW for the rest: two moments).
+GptMemoryPlan plan_gpt_memory(const GptConfig& config, int64_t batch, int64_t seq);
+
+}  // namespace fp8t

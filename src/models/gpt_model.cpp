@@ -1,0 +1,380 @@
+#include "models/gpt_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "ops/attention.h"
+#include "ops/cross_entropy.h"
+#include "ops/elementwise.h"
+#include "ops/embedding.h"
+#include "ops/rmsnorm.h"
+#include "ops/rotary.h"
+
+namespace fp8t {
+
+namespace {
+
+// nanochat scales q and k by 1.2 each after the QK norm; folded into the softmax scale.
+constexpr double kQkScale = 1.2;
+
+void zero(const TensorView& view) {
+  std::memset(view.raw(), 0, view.bytes());
+}
+void copy(const TensorView& to, const TensorView& from) {
+  std::memcpy(to.raw(), from.raw(), to.bytes());
+}
+
+void add(float* out, const float* a, const float* b, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = a[i] + b[i];
+}
+
+}  // namespace
+
+GptPrecision GptPrecision::fp32_reference() {
+  GptPrecision precision;
+  precision.fp8.mode = Fp8Mode::None;
+  precision.policy.mode = Fp8Mode::None;
+  return precision;
+}
+
+GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
+                   const GptPrecision& precision)
+    : config_(config), batch_(batch), seq_(seq), precision_(precision) {
+  config_.validate();
+  FP8T_CHECK(batch >= 1, "expected a batch of at least 1, found {}", batch);
+  FP8T_CHECK(seq >= 2 && seq <= config_.sequence_len,
+             "expected a sequence of 2 to {} tokens, found {}", config_.sequence_len, seq);
+  const int64_t tokens = batch * seq;
+  parameter_arena_ =
+      std::make_unique<Arena>("parameters", ParameterSet::planned_bytes(config_, DType::F32));
+  gradient_arena_ =
+      std::make_unique<Arena>("gradients", ParameterSet::planned_bytes(config_, DType::F32));
+  activation_arena_ = std::make_unique<Arena>(
+      "activations", GptActivations::planned_bytes(config_, batch, seq, DType::F32));
+  workspace_arena_ =
+      std::make_unique<Arena>("workspace", GptWorkspace::planned_bytes(config_, tokens));
+  parameters_ = std::make_unique<ParameterSet>(*parameter_arena_, config_, DType::F32);
+  gradients_ = std::make_unique<ParameterSet>(*gradient_arena_, config_, DType::F32);
+  activations_ =
+      std::make_unique<GptActivations>(*activation_arena_, config_, batch, seq, DType::F32);
+  workspace_ = std::make_unique<GptWorkspace>(*workspace_arena_, config_, tokens);
+  parameters_->fill_zero();
+  gradients_->fill_zero();
+  idx_.resize(static_cast<size_t>(tokens));
+  targets_.resize(static_cast<size_t>(tokens));
+
+  const int64_t half = config_.head_dim() / 2;
+  rotary_cos_.resize(static_cast<size_t>(seq * half));
+  rotary_sin_.resize(static_cast<size_t>(seq * half));
+  ops::rotary_tables(rotary_cos_.data(), rotary_sin_.data(), seq, config_.head_dim());
+
+  linear_precision_ = decide_precision(config_, precision_.policy);
+  for (const LinearPrecision& decision : linear_precision_) {
+    Linear layer{decision.linear.name + ".weight",
+                 {tokens, decision.linear.in_features, decision.linear.out_features},
+                 nullptr};
+    if (decision.fp8) {
+      layer.fp8 = std::make_unique<ops::Fp8Linear>(
+          precision_.fp8, precision_.family, decision.linear.in_features,
+          decision.linear.out_features, precision_.fp8_wgrad);
+    }
+    linears_.emplace(decision.linear.name, std::move(layer));
+  }
+}
+
+void GptModel::init_weights(uint64_t seed) {
+  std::mt19937_64 generator(seed);
+  const auto fill_normal = [&](const std::string& name, double std_dev) {
+    std::normal_distribution<float> normal(0.0f, static_cast<float>(std_dev));
+    TensorView& view = (*parameters_)[name];
+    float* data = view.data<float>();
+    for (int64_t i = 0; i < view.numel(); ++i)
+      data[i] = normal(generator);
+  };
+  const auto fill_uniform = [&](const std::string& name, double low, double high) {
+    std::uniform_real_distribution<float> uniform(static_cast<float>(low),
+                                                  static_cast<float>(high));
+    TensorView& view = (*parameters_)[name];
+    float* data = view.data<float>();
+    for (int64_t i = 0; i < view.numel(); ++i)
+      data[i] = uniform(generator);
+  };
+  const double bound =
+      std::sqrt(3.0) / std::sqrt(double(config_.n_embd));  // uniform with std 1/sqrt(dim)
+  parameters_->fill_zero();  // c_proj weights and smear_lambda start at zero
+  fill_normal("transformer.wte.weight", 0.8);
+  fill_normal("lm_head.weight", 0.001);
+  const int layers = config_.n_layer;
+  for (int layer = 0; layer < layers; ++layer) {
+    const std::string prefix = fmt::format("transformer.h.{}.", layer);
+    for (const char* name : {"attn.c_q.weight", "attn.c_k.weight", "attn.c_v.weight"}) {
+      fill_uniform(prefix + name, -bound, bound);
+    }
+    fill_uniform(prefix + "mlp.c_fc.weight", -0.4 * bound, 0.4 * bound);
+    if (config_.has_value_embedding(layer)) {
+      fill_uniform(prefix + "attn.ve_gate.weight", 0.0, 0.02);
+      fill_uniform(fmt::format("value_embeds.{}.weight", layer), -bound, bound);
+    }
+    const double depth = layers > 1 ? double(layer) / (layers - 1) : 0.0;
+    (*parameters_)["resid_lambdas"].data<float>()[layer] = static_cast<float>(1.15 - 0.10 * depth);
+    (*parameters_)["x0_lambdas"].data<float>()[layer] = static_cast<float>(0.20 - 0.15 * depth);
+  }
+  fill_uniform("smear_gate.weight", 0.0, 0.02);
+  (*parameters_)["backout_lambda"].data<float>()[0] = 0.2f;
+  end_step();  // the FP8 weight caches hold the old weights
+}
+
+GptModel::Linear& GptModel::linear(const std::string& name) {
+  const auto found = linears_.find(name);
+  FP8T_CHECK(found != linears_.end(), "no linear layer named '{}'", name);
+  return found->second;
+}
+
+float* GptModel::parameter(const std::string& name) {
+  return (*parameters_)[name].data<float>();
+}
+float* GptModel::gradient(const std::string& name) {
+  return (*gradients_)[name].data<float>();
+}
+float GptModel::scalar(const std::string& name, int index) {
+  return parameter(name)[index];
+}
+
+void GptModel::linear_forward(Linear& layer, const float* x, float* y) {
+  if (layer.fp8) {
+    layer.fp8->forward(x, layer.shape.tokens, parameter(layer.weight), y);
+  } else {
+    ops::linear_forward(x, parameter(layer.weight), y, layer.shape, precision_.other_linears);
+  }
+}
+
+void GptModel::linear_backward(Linear& layer, const float* dy, const float* x, float* dx) {
+  if (layer.fp8) {
+    layer.fp8->backward(dy, layer.shape.tokens, dx, gradient(layer.weight));
+  } else {
+    ops::linear_backward(dy, x, parameter(layer.weight), dx, gradient(layer.weight), layer.shape,
+                         precision_.other_linears);
+  }
+}
+
+void GptModel::end_step() {
+  for (auto& [name, layer] : linears_) {
+    if (layer.fp8) layer.fp8->end_step();
+  }
+}
+
+double GptModel::forward(const int32_t* idx, const int32_t* targets) {
+  const int64_t B = batch_, T = seq_, N = B * T, C = config_.n_embd;
+  const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
+  const int64_t vocab = config_.padded_vocab();
+  for (int64_t i = 0; i < N; ++i) {
+    FP8T_CHECK(idx[i] >= 0 && idx[i] < config_.vocab_size,
+               "token {} at position {} is outside the vocabulary [0, {})", idx[i], i,
+               config_.vocab_size);
+    FP8T_CHECK(targets[i] == -1 || (targets[i] >= 0 && targets[i] < config_.vocab_size),
+               "target {} at position {} is neither -1 nor in [0, {})", targets[i], i,
+               config_.vocab_size);
+  }
+  std::copy(idx, idx + N, idx_.begin());
+  std::copy(targets, targets + N, targets_.begin());
+  GptActivations& act = *activations_;
+  GptWorkspace& ws = *workspace_;
+
+  ops::embedding_forward(act.embedding.data<float>(), idx, parameter("transformer.wte.weight"), N,
+                         vocab, C);
+  ops::rmsnorm_forward(act.embedding_norm.data<float>(), act.embedding_rstd.data<float>(),
+                       act.embedding.data<float>(), N, C);
+  ops::smear_forward(act.x0.data<float>(), act.smear_gate.data<float>(),
+                     act.embedding_norm.data<float>(), parameter("smear_gate.weight"),
+                     scalar("smear_lambda"), {B, T, C, kSmearGateChannels});
+
+  const float* residual = act.x0.data<float>();
+  for (int layer = 0; layer < config_.n_layer; ++layer) {
+    BlockActivations& block = act.blocks[static_cast<size_t>(layer)];
+    const std::string prefix = fmt::format("transformer.h.{}.", layer);
+    ops::residual_mix_forward(block.input.data<float>(), residual, act.x0.data<float>(),
+                              scalar("resid_lambdas", layer), scalar("x0_lambdas", layer), N * C);
+    ops::rmsnorm_forward(block.attn_norm.data<float>(), block.attn_rstd.data<float>(),
+                         block.input.data<float>(), N, C);
+    const float* attn_norm = block.attn_norm.data<float>();
+    linear_forward(linear(prefix + "attn.c_q"), attn_norm, ws.q_lin.data<float>());
+    linear_forward(linear(prefix + "attn.c_k"), attn_norm, ws.k_lin.data<float>());
+    linear_forward(linear(prefix + "attn.c_v"), attn_norm, block.v.data<float>());
+    if (config_.has_value_embedding(layer)) {
+      ops::embedding_forward(ws.value_embed.data<float>(), idx,
+                             parameter(fmt::format("value_embeds.{}.weight", layer)), N, vocab,
+                             Hkv * D);
+      ops::value_gate_forward(block.v.data<float>(), block.value_gate.data<float>(), attn_norm,
+                              ws.value_embed.data<float>(),
+                              parameter(prefix + "attn.ve_gate.weight"),
+                              {N, C, Hkv, D, kValueGateChannels});
+    }
+    // Rotary, then the QK norm; dq_rot and dk_rot hold the rotated q and k until backward.
+    ops::rotary_forward(ws.dq_rot.data<float>(), ws.q_lin.data<float>(), rotary_cos_.data(),
+                        rotary_sin_.data(), B, T, H, D);
+    ops::rotary_forward(ws.dk_rot.data<float>(), ws.k_lin.data<float>(), rotary_cos_.data(),
+                        rotary_sin_.data(), B, T, Hkv, D);
+    ops::rmsnorm_forward(block.q.data<float>(), block.q_rstd.data<float>(), ws.dq_rot.data<float>(),
+                         N * H, D);
+    ops::rmsnorm_forward(block.k.data<float>(), block.k_rstd.data<float>(), ws.dk_rot.data<float>(),
+                         N * Hkv, D);
+    const ops::AttentionShape shape{B, T, H, Hkv, D, config_.window(layer)};
+    ops::attention_forward(block.attn_out.data<float>(), block.logsumexp.data<float>(),
+                           block.q.data<float>(), block.k.data<float>(), block.v.data<float>(),
+                           shape, static_cast<float>(kQkScale * kQkScale / std::sqrt(double(D))));
+    linear_forward(linear(prefix + "attn.c_proj"), block.attn_out.data<float>(),
+                   ws.branch.data<float>());
+    add(block.mid.data<float>(), block.input.data<float>(), ws.branch.data<float>(), N * C);
+
+    ops::rmsnorm_forward(block.mlp_norm.data<float>(), block.mlp_rstd.data<float>(),
+                         block.mid.data<float>(), N, C);
+    linear_forward(linear(prefix + "mlp.c_fc"), block.mlp_norm.data<float>(),
+                   block.fc.data<float>());
+    ops::relu2_forward(block.fc_act.data<float>(), block.fc.data<float>(), N * 4 * C);
+    linear_forward(linear(prefix + "mlp.c_proj"), block.fc_act.data<float>(),
+                   ws.branch.data<float>());
+    add(block.output.data<float>(), block.mid.data<float>(), ws.branch.data<float>(), N * C);
+    residual = block.output.data<float>();
+  }
+  const BlockActivations& backout = act.blocks[static_cast<size_t>(config_.backout_layer())];
+  ops::backout_forward(act.final_input.data<float>(), residual, backout.output.data<float>(),
+                       scalar("backout_lambda"), N * C);
+  ops::rmsnorm_forward(act.final_norm.data<float>(), act.final_rstd.data<float>(),
+                       act.final_input.data<float>(), N, C);
+  linear_forward(linear("lm_head"), act.final_norm.data<float>(), act.logits.data<float>());
+  return ops::softcap_cross_entropy(act.logits.data<float>(), targets,
+                                    {N, config_.vocab_size, vocab});
+}
+
+void GptModel::backward() {
+  const int64_t B = batch_, T = seq_, N = B * T, C = config_.n_embd;
+  const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
+  const int64_t vocab = config_.padded_vocab();
+  GptActivations& act = *activations_;
+  GptWorkspace& ws = *workspace_;
+
+  // The logits become their own gradient: no second copy.
+  ops::softcap_cross_entropy_with_gradient(act.logits.data<float>(), targets_.data(),
+                                           {N, config_.vocab_size, vocab}, 1.0f);
+  zero(ws.dnorm);
+  linear_backward(linear("lm_head"), act.logits.data<float>(), act.final_norm.data<float>(),
+                  ws.dnorm.data<float>());
+  zero(ws.dbranch);  // d final_input
+  ops::rmsnorm_backward(ws.dbranch.data<float>(), ws.dnorm.data<float>(),
+                        act.final_norm.data<float>(), act.final_rstd.data<float>(), N, C);
+  const BlockActivations& backout = act.blocks[static_cast<size_t>(config_.backout_layer())];
+  zero(ws.dx);
+  zero(ws.dbackout);
+  ops::backout_backward(ws.dx.data<float>(), ws.dbackout.data<float>(), gradient("backout_lambda"),
+                        ws.dbranch.data<float>(), backout.output.data<float>(),
+                        scalar("backout_lambda"), N * C);
+  zero(ws.dx0);
+
+  for (int layer = config_.n_layer - 1; layer >= 0; --layer) {
+    BlockActivations& block = act.blocks[static_cast<size_t>(layer)];
+    const std::string prefix = fmt::format("transformer.h.{}.", layer);
+    float* dx = ws.dx.data<float>();  // d output of this block
+    if (layer == config_.backout_layer()) add(dx, dx, ws.dbackout.data<float>(), N * C);
+
+    // MLP: output = mid + c_proj(relu²(c_fc(norm(mid))))
+    zero(ws.dfc_act);
+    linear_backward(linear(prefix + "mlp.c_proj"), dx, block.fc_act.data<float>(),
+                    ws.dfc_act.data<float>());
+    zero(ws.dfc);
+    ops::relu2_backward(ws.dfc.data<float>(), ws.dfc_act.data<float>(), block.fc.data<float>(),
+                        N * 4 * C);
+    zero(ws.dnorm);
+    linear_backward(linear(prefix + "mlp.c_fc"), ws.dfc.data<float>(), block.mlp_norm.data<float>(),
+                    ws.dnorm.data<float>());
+    copy(ws.dbranch, ws.dx);  // d mid
+    ops::rmsnorm_backward(ws.dbranch.data<float>(), ws.dnorm.data<float>(),
+                          block.mlp_norm.data<float>(), block.mlp_rstd.data<float>(), N, C);
+    const float* dmid = ws.dbranch.data<float>();
+
+    // Attention: mid = input + c_proj(attention(q, k, v))
+    zero(ws.dattn_out);
+    linear_backward(linear(prefix + "attn.c_proj"), dmid, block.attn_out.data<float>(),
+                    ws.dattn_out.data<float>());
+    for (TensorView* view :
+         {&ws.dq, &ws.dk, &ws.dv, &ws.dq_rot, &ws.dk_rot, &ws.dq_lin, &ws.dk_lin})
+      zero(*view);
+    const ops::AttentionShape shape{B, T, H, Hkv, D, config_.window(layer)};
+    ops::attention_backward(ws.dq.data<float>(), ws.dk.data<float>(), ws.dv.data<float>(),
+                            ws.dattn_out.data<float>(), block.q.data<float>(),
+                            block.k.data<float>(), block.v.data<float>(),
+                            block.attn_out.data<float>(), block.logsumexp.data<float>(), shape,
+                            static_cast<float>(kQkScale * kQkScale / std::sqrt(double(D))));
+    ops::rmsnorm_backward(ws.dq_rot.data<float>(), ws.dq.data<float>(), block.q.data<float>(),
+                          block.q_rstd.data<float>(), N * H, D);
+    ops::rmsnorm_backward(ws.dk_rot.data<float>(), ws.dk.data<float>(), block.k.data<float>(),
+                          block.k_rstd.data<float>(), N * Hkv, D);
+    ops::rotary_backward(ws.dq_lin.data<float>(), ws.dq_rot.data<float>(), rotary_cos_.data(),
+                         rotary_sin_.data(), B, T, H, D);
+    ops::rotary_backward(ws.dk_lin.data<float>(), ws.dk_rot.data<float>(), rotary_cos_.data(),
+                         rotary_sin_.data(), B, T, Hkv, D);
+    zero(ws.dnorm);  // d attn_norm, from q, k, v and the value gate
+    const float* attn_norm = block.attn_norm.data<float>();
+    if (config_.has_value_embedding(layer)) {
+      const std::string table = fmt::format("value_embeds.{}.weight", layer);
+      ops::embedding_forward(ws.value_embed.data<float>(), idx_.data(), parameter(table), N, vocab,
+                             Hkv * D);
+      zero(ws.dvalue_embed);
+      ops::value_gate_backward(ws.dnorm.data<float>(), gradient(prefix + "attn.ve_gate.weight"),
+                               ws.dvalue_embed.data<float>(), ws.dv.data<float>(), attn_norm,
+                               ws.value_embed.data<float>(),
+                               parameter(prefix + "attn.ve_gate.weight"),
+                               block.value_gate.data<float>(), {N, C, Hkv, D, kValueGateChannels});
+      ops::embedding_backward(gradient(table), ws.dvalue_embed.data<float>(), idx_.data(), N, vocab,
+                              Hkv * D);
+    }
+    linear_backward(linear(prefix + "attn.c_q"), ws.dq_lin.data<float>(), attn_norm,
+                    ws.dnorm.data<float>());
+    linear_backward(linear(prefix + "attn.c_k"), ws.dk_lin.data<float>(), attn_norm,
+                    ws.dnorm.data<float>());
+    linear_backward(linear(prefix + "attn.c_v"), ws.dv.data<float>(), attn_norm,
+                    ws.dnorm.data<float>());
+    ops::rmsnorm_backward(ws.dbranch.data<float>(), ws.dnorm.data<float>(), attn_norm,
+                          block.attn_rstd.data<float>(), N, C);  // dbranch: d input
+
+    // input = resid_lambda * previous + x0_lambda * x0
+    const float* previous = layer > 0
+                                ? act.blocks[static_cast<size_t>(layer - 1)].output.data<float>()
+                                : act.x0.data<float>();
+    zero(ws.dx_next);
+    ops::residual_mix_backward(ws.dx_next.data<float>(), ws.dx0.data<float>(),
+                               gradient("resid_lambdas") + layer, gradient("x0_lambdas") + layer,
+                               ws.dbranch.data<float>(), previous, act.x0.data<float>(),
+                               scalar("resid_lambdas", layer), scalar("x0_lambdas", layer), N * C);
+    copy(ws.dx, ws.dx_next);
+  }
+  // The first block's previous residual is x0 itself.
+  add(ws.dx0.data<float>(), ws.dx0.data<float>(), ws.dx.data<float>(), N * C);
+
+  zero(ws.dnorm);  // d embedding_norm
+  ops::smear_backward(
+      ws.dnorm.data<float>(), gradient("smear_gate.weight"), gradient("smear_lambda"),
+      ws.dx0.data<float>(), act.embedding_norm.data<float>(), act.smear_gate.data<float>(),
+      parameter("smear_gate.weight"), scalar("smear_lambda"), {B, T, C, kSmearGateChannels});
+  zero(ws.dbranch);  // d embedding
+  ops::rmsnorm_backward(ws.dbranch.data<float>(), ws.dnorm.data<float>(),
+                        act.embedding_norm.data<float>(), act.embedding_rstd.data<float>(), N, C);
+  ops::embedding_backward(gradient("transformer.wte.weight"), ws.dbranch.data<float>(), idx_.data(),
+                          N, vocab, C);
+}
+
+void GptModel::capped_logits(float* out) const {
+  const int64_t N = batch_ * seq_, vocab = config_.padded_vocab();
+  const float* logits = activations_->logits.data<float>();
+  const auto softcap = static_cast<float>(ops::kLogitSoftcap);
+  for (int64_t row = 0; row < N; ++row) {
+    for (int64_t col = 0; col < config_.vocab_size; ++col) {
+      out[row * config_.vocab_size + col] =
+          softcap * std::tanh(logits[row * vocab + col] / softcap);
+    }
+  }
+}
+
+}  // namespace fp8t

@@ -1,0 +1,87 @@
+// The nanochat GPT on the CPU path: an explicit forward that saves what backward needs, and an
+// explicit backward (no autograd graph). Memory is planned from the configuration and taken
+// once, at construction: parameters, gradients, saved activations and a workspace.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "core/arena.h"
+#include "models/gpt_config.h"
+#include "models/gpt_memory.h"
+#include "models/precision_policy.h"
+#include "ops/fp8_linear.h"
+#include "ops/linear.h"
+
+namespace fp8t {
+
+// How the linears compute: FP8 per the precision policy, the others on fp32 or bf16 operands.
+struct GptPrecision {
+  Fp8Config fp8;                      // fp8: none keeps every linear out of FP8
+  Fp8Family family = Fp8Family::Ocp;  // resolved for the platform
+  PrecisionOptions policy;            // which linears may be FP8
+  bool fp8_wgrad = true;
+  ops::LinearOperands other_linears = ops::LinearOperands::Fp32;
+
+  // Everything in fp32: the reference the golden file is compared with.
+  static GptPrecision fp32_reference();
+};
+
+class GptModel {
+ public:
+  GptModel(const GptConfig& config, int64_t batch, int64_t seq, const GptPrecision& precision);
+
+  const GptConfig& config() const { return config_; }
+  ParameterSet& parameters() { return *parameters_; }
+  ParameterSet& gradients() { return *gradients_; }
+  const GptActivations& activations() const { return *activations_; }
+
+  // nanochat's initialization (MODELS.md), from a seed.
+  void init_weights(uint64_t seed);
+
+  // Runs the model on idx [B, T] and returns the mean cross-entropy over targets != -1. Saves
+  // the activations of this call for backward().
+  double forward(const int32_t* idx, const int32_t* targets);
+  // Adds d(loss)/d(parameter) to the gradients (zero them first with zero_gradients()). Uses,
+  // and overwrites, the logits of the last forward.
+  void backward();
+  void zero_gradients() { gradients_->fill_zero(); }
+  // The soft-capped logits of the last forward, cropped to the vocabulary: [B, T, vocab].
+  void capped_logits(float* out) const;
+
+  // Per linear: "fp8" or the reason it is not (from the precision policy).
+  const std::vector<LinearPrecision>& linear_precision() const { return linear_precision_; }
+  // Once per optimizer step: delayed-scaling updates and weight re-quantization.
+  void end_step();
+
+ private:
+  struct Linear {
+    std::string weight;  // parameter name
+    ops::LinearShape shape;
+    std::unique_ptr<ops::Fp8Linear> fp8;  // null: plain linear
+  };
+  void linear_forward(Linear& linear, const float* x, float* y);
+  void linear_backward(Linear& linear, const float* dy, const float* x, float* dx);
+  Linear& linear(const std::string& name);
+  float scalar(const std::string& name, int index = 0);
+  float* parameter(const std::string& name);
+  float* gradient(const std::string& name);
+
+  GptConfig config_;
+  int64_t batch_, seq_;
+  GptPrecision precision_;
+  std::vector<int32_t> idx_, targets_;  // of the last forward, [B * T]
+  std::unique_ptr<Arena> parameter_arena_, gradient_arena_, activation_arena_, workspace_arena_;
+  std::unique_ptr<ParameterSet> parameters_, gradients_;
+  std::unique_ptr<GptActivations> activations_;
+  std::unique_ptr<GptWorkspace> workspace_;
+  std::vector<float> rotary_cos_, rotary_sin_;  // [T, D/2]
+  std::vector<LinearPrecision> linear_precision_;
+  std::map<std::string, Linear> linears_;
+};
+
+}  // namespace fp8t

@@ -1,0 +1,54 @@
+// Which linear layers of the GPT run in FP8 and which stay in BF16, with the reason for each.
+// Embeddings are not linears (never FP8); gates never are either.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "models/gpt_config.h"
+#include "numerics/scaling.h"
+
+namespace fp8t {
+
+struct PrecisionOptions {
+  Fp8Mode mode = Fp8Mode::Hybrid;
+  ScalingRecipe recipe = ScalingRecipe::Tensorwise;
+  // nanochat's filter: min(in, out) >= min_dim and both divisible by require_divisible_by
+  // (FP8 GEMMs need leading dimensions that are multiples of 16).
+  int64_t min_dim = 128;
+  int64_t require_divisible_by = 16;
+  // nanochat's filter lets lm_head through (d24: 145 of 158 linears in FP8); torchtitan keeps
+  // the output head in BF16 by default. On by default to match nanochat.
+  bool lm_head_fp8 = true;
+  // Primus: keep the first and last transformer blocks in BF16.
+  bool first_last_layers_bf16 = false;
+  int num_layers_at_start_in_bf16 = 1;
+  int num_layers_at_end_in_bf16 = 1;
+};
+
+// mode and recipe from the fp8 configuration; the filter options at their defaults.
+PrecisionOptions precision_options(const Fp8Config& config);
+
+struct LinearPrecision {
+  LinearSpec linear;
+  bool fp8 = false;
+  std::string reason;  // why it stays in BF16; empty for FP8
+};
+
+// One decision per linear, in the order given. `n_layer` places the first/last blocks.
+// The first reason that applies is reported, checked in this order: fp8 none; the size filter
+// (min_dim, then require_divisible_by); gates; lm_head_fp8; first/last layers; the recipe's
+// block sizes (blockwise 128, mxfp8 32).
+std::vector<LinearPrecision> decide_precision(const std::vector<LinearSpec>& linears, int n_layer,
+                                              const PrecisionOptions& options);
+std::vector<LinearPrecision> decide_precision(const GptConfig& config,
+                                              const PrecisionOptions& options);
+
+// One line, e.g. "FP8: 145/158 linear layers; 13 kept in BF16 (12 × ve_gate: dims < 128;
+// smear_gate: dims < 128)". BF16 layers are grouped by name without the block prefix
+// (transformer.h.{i}.) and reason, in order of first appearance; a name is shortened to its
+// last component where that is unambiguous (ve_gate, but attn.c_proj and mlp.c_proj).
+std::string precision_summary(const std::vector<LinearPrecision>& decisions);
+
+}  // namespace fp8t

@@ -1,0 +1,38 @@
+// Causal self-attention with a left window and grouped-query heads, in nanochat's layout
+// (heads not transposed): q [batch, seq_len, heads, head_dim], k and v [batch, seq_len,
+// kv_heads, head_dim], out like q. Query head h reads kv head h / (heads / kv_heads).
+// Query t attends to keys j with j <= t and t - j <= window (window >= seq_len - 1 is full
+// causal; window 0 sees only itself), with scores scale * q.k and a softmax in T.
+//
+// The forward saves only the log-sum-exp of each query's scores; the backward recomputes the
+// probabilities from q, k and it (flash-attention style), so no [seq_len, seq_len] matrix is
+// ever stored. Backward ADDS (+=) into dq, dk and dv, like every op in src/ops.
+#pragma once
+
+#include <cstdint>
+#include <type_traits>
+
+namespace fp8t::ops {
+
+struct AttentionShape {
+  int64_t batch;
+  int64_t seq_len;
+  int64_t heads;
+  int64_t kv_heads;  // divides heads
+  int64_t head_dim;
+  int64_t window;  // >= 0: how many keys to the left a query sees besides its own
+};
+
+// out = softmax(scale * q k^T + mask) v; lse: [batch, heads, seq_len], the natural log of
+// the sum of exp(score) over the keys each query sees (scores already scaled).
+template <typename T>
+void attention_forward(T* out, T* lse, const T* q, const T* k, const T* v,
+                       const AttentionShape& shape, std::type_identity_t<T> scale);
+
+// dq, dk, dv += the gradients of sum(out * dout). out and lse are the forward's.
+template <typename T>
+void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v,
+                        const T* out, const T* lse, const AttentionShape& shape,
+                        std::type_identity_t<T> scale);
+
+}  // namespace fp8t::ops

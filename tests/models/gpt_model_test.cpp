@@ -1,0 +1,229 @@
+#include "models/gpt_model.h"
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <random>
+
+#include "io/safetensors.h"
+#include "models/golden.h"
+
+namespace fp8t {
+namespace {
+
+double relative_error(const float* out, const float* ref, int64_t n) {
+  double diff = 0, norm = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    diff += (double(out[i]) - ref[i]) * (double(out[i]) - ref[i]);
+    norm += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-300));
+}
+
+// The model of tests/reference/gpt_reference.py (PyTorch, fp32) on the golden file's weights and
+// tokens: logits, loss and every gradient; with sliding windows and without.
+class GptGolden : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(GptGolden, MatchesThePytorchReference) {
+  const auto path = testing::golden_path(GetParam());
+  ASSERT_TRUE(std::filesystem::exists(path)) << path;
+  const io::SafetensorsFile file(path);
+  const GptConfig config = testing::golden_config(file);
+  const int64_t batch = std::stoi(file.metadata_value("batch"));
+  GptModel model(config, batch, config.sequence_len, GptPrecision::fp32_reference());
+  for (const ParamSpec& spec : gpt_parameters(config)) {
+    const io::Tensor<float> weights = file.tensor<float>(spec.name);
+    TensorView& param = model.parameters()[spec.name];
+    ASSERT_EQ(weights.numel(), param.numel()) << spec.name;
+    std::memcpy(param.raw(), weights.data.data(), param.bytes());
+  }
+  const io::Tensor<int32_t> idx = file.tensor<int32_t>("input.idx");
+  const io::Tensor<int32_t> targets = file.tensor<int32_t>("input.targets");
+
+  const double loss = model.forward(idx.data.data(), targets.data.data());
+  const float reference_loss = file.tensor<float>("output.loss").data[0];
+  EXPECT_NEAR(loss, reference_loss, 1e-5 * std::abs(reference_loss));
+  const io::Tensor<float> reference_logits = file.tensor<float>("output.logits");
+  std::vector<float> logits(reference_logits.data.size());
+  model.capped_logits(logits.data());
+  EXPECT_LE(relative_error(logits.data(), reference_logits.data.data(), reference_logits.numel()),
+            1e-5);
+
+  model.zero_gradients();
+  model.backward();
+  for (const ParamSpec& spec : gpt_parameters(config)) {
+    const io::Tensor<float> reference = file.tensor<float>("grad." + spec.name);
+    const TensorView& grad = model.gradients()[spec.name];
+    EXPECT_LE(relative_error(grad.data<float>(), reference.data.data(), grad.numel()), 1e-4)
+        << spec.name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(GptModel, GptGolden,
+                         ::testing::Values("gpt_tiny_golden", "gpt_tiny_golden_full"));
+
+GptConfig tiny_config(const char* window_pattern = "SL") {
+  GptConfig config;
+  config.n_layer = 2;
+  config.n_embd = 32;
+  config.n_head = 2;
+  config.n_kv_head = 1;
+  config.vocab_size = 20;
+  config.sequence_len = 8;
+  config.window_pattern = window_pattern;
+  config.short_window = 2;
+  config.pad_vocab_to = 16;
+  return config;
+}
+
+// Weights drawn around nanochat's initialization, with the zero-initialized projections, gates
+// and smear made non-zero so that every gradient path is exercised.
+void randomize(GptModel& model, std::mt19937& generator) {
+  model.init_weights(generator());
+  std::normal_distribution<float> normal(0.0f, 0.3f);
+  for (const ParamSpec& spec : gpt_parameters(model.config())) {
+    if (spec.kind == ParamKind::Scalar) continue;
+    float* data = model.parameters()[spec.name].data<float>();
+    for (int64_t i = 0; i < spec.numel(); ++i)
+      data[i] += normal(generator);
+  }
+  model.parameters()["smear_lambda"].data<float>()[0] = 0.7f;
+  model.end_step();
+}
+
+// Central differences of the loss against backward, on a few entries of every parameter, with
+// a sliding window and without. In fp32, so the tolerance is loose; the golden comparison above
+// is the tight check.
+class GptGradients : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(GptGradients, MatchFiniteDifferences) {
+  const GptConfig config = tiny_config(GetParam());
+  GptModel model(config, 2, 8, GptPrecision::fp32_reference());
+  const unsigned seed = std::random_device{}();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 generator(seed);
+  randomize(model, generator);
+  std::uniform_int_distribution<int32_t> token(0, config.vocab_size - 1);
+  std::vector<int32_t> idx(16), targets(16);
+  for (size_t i = 0; i < idx.size(); ++i) {
+    idx[i] = token(generator);
+    targets[i] = i % 5 == 3 ? -1 : token(generator);
+  }
+  model.forward(idx.data(), targets.data());
+  model.zero_gradients();
+  model.backward();
+
+  for (const ParamSpec& spec : gpt_parameters(config)) {
+    float* data = model.parameters()[spec.name].data<float>();
+    const float* grad = model.gradients()[spec.name].data<float>();
+    std::uniform_int_distribution<int64_t> pick(0, spec.numel() - 1);
+    for (int probe = 0; probe < 3; ++probe) {
+      const int64_t i = pick(generator);
+      const float saved = data[i];
+      const float step = 1e-2f * std::max(1.0f, std::abs(saved));
+      data[i] = saved + step;
+      const double up = model.forward(idx.data(), targets.data());
+      data[i] = saved - step;
+      const double down = model.forward(idx.data(), targets.data());
+      data[i] = saved;
+      const double numeric = (up - down) / (2.0 * step);
+      EXPECT_NEAR(grad[i], numeric, 2e-3 + 3e-2 * std::abs(numeric))
+          << spec.name << "[" << i << "]";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(GptModel, GptGradients, ::testing::Values("SL", "L"));
+
+double cosine(const float* a, const float* b, int64_t n) {
+  double dot = 0, norm_a = 0, norm_b = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    dot += double(a[i]) * b[i];
+    norm_a += double(a[i]) * a[i];
+    norm_b += double(b[i]) * b[i];
+  }
+  return dot / std::sqrt(norm_a * norm_b);
+}
+
+// The same weights and tokens through FP8 linears (hybrid, each recipe) and through fp32: the
+// loss agrees to FP8 precision and the gradients point the same way. E5M2 gradients (2 mantissa
+// bits) over 16 tokens are noisy, most of all for c_q and c_k behind the QK norm.
+class GptFp8 : public ::testing::TestWithParam<ScalingRecipe> {};
+
+TEST_P(GptFp8, TracksTheFp32Model) {
+  GptConfig config = tiny_config();
+  if (GetParam() == ScalingRecipe::Blockwise) {  // 128x128 weight blocks need 128-wide linears
+    config.n_embd = 128;
+    config.n_head = 1;
+    config.vocab_size = 100;
+    config.pad_vocab_to = 128;
+  }
+  GptPrecision fp8 = GptPrecision::fp32_reference();
+  fp8.fp8.mode = Fp8Mode::Hybrid;
+  fp8.fp8.recipe = GetParam();
+  fp8.policy = precision_options(fp8.fp8);
+  fp8.policy.min_dim = 16;  // the tiny model's 32-wide linears qualify
+  fp8.policy.require_divisible_by = 16;
+  GptModel reference(config, 2, 8, GptPrecision::fp32_reference());
+  GptModel model(config, 2, 8, fp8);
+  int fp8_linears = 0;
+  for (const LinearPrecision& decision : model.linear_precision())
+    fp8_linears += decision.fp8;
+  // Gates stay BF16. Per tensor: the 2 x 6 block linears and lm_head; MX blocks of 32 also
+  // exclude the 16-wide c_k and c_v.
+  EXPECT_EQ(fp8_linears, GetParam() == ScalingRecipe::Mxfp8 ? 2 * 4 + 1 : 2 * 6 + 1);
+
+  const unsigned seed = std::random_device{}();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 generator(seed);
+  randomize(reference, generator);
+  for (const ParamSpec& spec : gpt_parameters(config)) {
+    std::memcpy(model.parameters()[spec.name].raw(), reference.parameters()[spec.name].raw(),
+                model.parameters()[spec.name].bytes());
+  }
+  model.end_step();
+  std::uniform_int_distribution<int32_t> token(0, config.vocab_size - 1);
+  std::vector<int32_t> idx(16), targets(16);
+  for (size_t i = 0; i < idx.size(); ++i) {
+    idx[i] = token(generator);
+    targets[i] = token(generator);
+  }
+  const double reference_loss = reference.forward(idx.data(), targets.data());
+  const double fp8_loss = model.forward(idx.data(), targets.data());
+  EXPECT_NEAR(fp8_loss, reference_loss, 0.05 * reference_loss);
+  EXPECT_NE(fp8_loss, reference_loss);  // the FP8 path really ran
+  reference.zero_gradients();
+  reference.backward();
+  model.zero_gradients();
+  model.backward();
+  for (const ParamSpec& spec : gpt_parameters(config)) {
+    if (spec.kind != ParamKind::BlockLinear && spec.kind != ParamKind::LmHead) continue;
+    const TensorView& grad = model.gradients()[spec.name];
+    const bool behind_qk_norm = spec.name.find(".c_q.") != std::string::npos ||
+                                spec.name.find(".c_k.") != std::string::npos;
+    EXPECT_GT(
+        cosine(grad.data<float>(), reference.gradients()[spec.name].data<float>(), grad.numel()),
+        behind_qk_norm ? 0.7 : 0.9)
+        << spec.name;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(GptModel, GptFp8,
+                         ::testing::Values(ScalingRecipe::Delayed, ScalingRecipe::Tensorwise,
+                                           ScalingRecipe::Blockwise, ScalingRecipe::Mxfp8));
+
+TEST(GptModel, RejectsTokensOutsideTheVocabulary) {
+  const GptConfig config = tiny_config();
+  GptModel model(config, 1, 4, GptPrecision::fp32_reference());
+  model.init_weights(1);
+  std::vector<int32_t> idx = {1, 2, 20, 3}, targets = {1, 2, 3, 4};
+  EXPECT_THROW(model.forward(idx.data(), targets.data()), Error);
+  idx[2] = 0;
+  targets[1] = -2;
+  EXPECT_THROW(model.forward(idx.data(), targets.data()), Error);
+}
+
+}  // namespace
+}  // namespace fp8t
