@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -213,6 +214,60 @@ TEST_P(GptFp8, TracksTheFp32Model) {
 INSTANTIATE_TEST_SUITE_P(GptModel, GptFp8,
                          ::testing::Values(ScalingRecipe::Delayed, ScalingRecipe::Tensorwise,
                                            ScalingRecipe::Blockwise, ScalingRecipe::Mxfp8));
+
+double standard_deviation(const TensorView& view) {
+  const float* data = view.data<float>();
+  double sum = 0, squares = 0;
+  for (int64_t i = 0; i < view.numel(); ++i) {
+    sum += data[i];
+    squares += double(data[i]) * data[i];
+  }
+  const double mean = sum / double(view.numel());
+  return std::sqrt(squares / double(view.numel()) - mean * mean);
+}
+
+std::pair<float, float> range(const TensorView& view) {
+  const float* data = view.data<float>();
+  const auto [low, high] = std::minmax_element(data, data + view.numel());
+  return {*low, *high};
+}
+
+// MODELS.md: wte N(0, 0.8); lm_head N(0, 0.001); c_q, c_k, c_v and value embeddings U(±√3/√dim);
+// c_fc U(±0.4·√3/√dim); projections zero; gates U(0, 0.02); resid 1.15 → 1.05, x0 0.20 → 0.05;
+// smear 0, backout 0.2.
+TEST(GptModel, InitializesAsNanochat) {
+  GptConfig config = GptConfig::from_depth(2);
+  config.vocab_size = 512;
+  GptModel model(config, 1, 2, GptPrecision::fp32_reference());
+  model.init_weights(7);
+  ParameterSet& params = model.parameters();
+  const double bound = std::sqrt(3.0 / config.n_embd);
+  EXPECT_NEAR(standard_deviation(params["transformer.wte.weight"]), 0.8, 0.01);
+  EXPECT_NEAR(standard_deviation(params["lm_head.weight"]), 0.001, 0.00002);
+  for (const char* name : {"transformer.h.1.attn.c_q.weight", "transformer.h.1.attn.c_v.weight",
+                           "value_embeds.1.weight"}) {
+    const auto [low, high] = range(params[name]);
+    EXPECT_GE(low, -bound) << name;
+    EXPECT_LE(high, bound) << name;
+    EXPECT_NEAR(standard_deviation(params[name]), bound / std::sqrt(3.0), 0.02 * bound) << name;
+  }
+  EXPECT_LE(range(params["transformer.h.0.mlp.c_fc.weight"]).second, 0.4 * bound);
+  EXPECT_GT(range(params["transformer.h.0.mlp.c_fc.weight"]).second, 0.39 * bound);
+  for (const char* name : {"transformer.h.0.attn.c_proj.weight",
+                           "transformer.h.1.mlp.c_proj.weight", "smear_lambda"}) {
+    EXPECT_EQ(range(params[name]), std::make_pair(0.0f, 0.0f)) << name;
+  }
+  for (const char* name : {"transformer.h.1.attn.ve_gate.weight", "smear_gate.weight"}) {
+    const auto [low, high] = range(params[name]);
+    EXPECT_GE(low, 0.0f) << name;
+    EXPECT_LE(high, 0.02f) << name;
+  }
+  EXPECT_FLOAT_EQ(params["resid_lambdas"].data<float>()[0], 1.15f);
+  EXPECT_FLOAT_EQ(params["resid_lambdas"].data<float>()[1], 1.05f);
+  EXPECT_FLOAT_EQ(params["x0_lambdas"].data<float>()[0], 0.20f);
+  EXPECT_FLOAT_EQ(params["x0_lambdas"].data<float>()[1], 0.05f);
+  EXPECT_EQ(params["backout_lambda"].data<float>()[0], 0.2f);
+}
 
 TEST(GptModel, RejectsTokensOutsideTheVocabulary) {
   const GptConfig config = tiny_config();

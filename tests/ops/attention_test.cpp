@@ -14,10 +14,11 @@ namespace {
 using ops::AttentionShape;
 using test::TestRng;
 
-// Odd sizes, grouped and plain heads, and windows 0, 1, 2, seq_len - 1 and past seq_len.
+// Odd sizes; kv heads shared by all query heads, by none, and by pairs (4 over 2, where
+// h / group and h % kv_heads differ); windows 0, 1, 2, seq_len - 1 and past seq_len.
 const AttentionShape kShapes[] = {
-    {2, 5, 3, 1, 8, 0}, {2, 7, 2, 2, 6, 1},   {2, 7, 3, 3, 6, 2},
-    {2, 5, 2, 1, 8, 4}, {2, 7, 3, 1, 6, 100}, {1, 1, 2, 1, 4, 0},
+    {2, 5, 3, 1, 8, 0},   {2, 7, 2, 2, 6, 1}, {2, 7, 3, 3, 6, 2}, {2, 5, 2, 1, 8, 4},
+    {2, 7, 3, 1, 6, 100}, {2, 7, 4, 2, 6, 2}, {1, 1, 2, 1, 4, 0},
 };
 
 std::string describe(const AttentionShape& s) {
