@@ -1,4 +1,5 @@
 #include "ops/attention.h"
+#include "ops/vector_math.h"
 
 #include <algorithm>
 #include <cmath>
@@ -19,14 +20,6 @@ void check_attention_shape(const AttentionShape& shape) {
   FP8T_CHECK(shape.head_dim > 0, "expected head_dim > 0, found {}", shape.head_dim);
   FP8T_CHECK(shape.window >= 0, "expected window >= 0 (>= seq_len for full causal), found {}",
              shape.window);
-}
-
-template <typename T>
-T dot(const T* a, const T* b, int64_t n) {
-  T sum = 0;
-  for (int64_t i = 0; i < n; ++i)
-    sum += a[i] * b[i];
-  return sum;
 }
 
 // Row offsets into the [batch, seq_len, heads, head_dim] tensors and the [batch, heads,

@@ -1,4 +1,5 @@
 #include "ops/elementwise.h"
+#include "ops/vector_math.h"
 
 #include <cmath>
 
@@ -14,14 +15,6 @@ void check_count(int64_t n) {
 template <typename T>
 T sigmoid(T z) {
   return T(1) / (T(1) + std::exp(-z));
-}
-
-template <typename T>
-T dot(const T* a, const T* b, int64_t n) {
-  T sum = 0;
-  for (int64_t i = 0; i < n; ++i)
-    sum += a[i] * b[i];
-  return sum;
 }
 
 // The value gate is 3 sigmoid(z): range (0, 3), neutral (1.5) at z = 0.
@@ -196,20 +189,6 @@ void residual_mix_backward(T* dx, T* dx0, T* dresid_lambda, T* dx0_lambda, const
 }
 
 template <typename T>
-void scale_forward(T* out, const T* inp, std::type_identity_t<T> factor, int64_t n) {
-  check_count(n);
-  for (int64_t i = 0; i < n; ++i)
-    out[i] = factor * inp[i];
-}
-
-template <typename T>
-void scale_backward(T* dinp, const T* dout, std::type_identity_t<T> factor, int64_t n) {
-  check_count(n);
-  for (int64_t i = 0; i < n; ++i)
-    dinp[i] += factor * dout[i];
-}
-
-template <typename T>
 void backout_forward(T* out, const T* x, const T* x_backout, std::type_identity_t<T> backout_lambda,
                      int64_t n) {
   check_count(n);
@@ -243,8 +222,6 @@ void backout_backward(T* dx, T* dx_backout, T* dbackout_lambda, const T* dout, c
   template void residual_mix_forward<T>(T*, const T*, const T*, T, T, int64_t);              \
   template void residual_mix_backward<T>(T*, T*, T*, T*, const T*, const T*, const T*, T, T, \
                                          int64_t);                                           \
-  template void scale_forward<T>(T*, const T*, T, int64_t);                                  \
-  template void scale_backward<T>(T*, const T*, T, int64_t);                                 \
   template void backout_forward<T>(T*, const T*, const T*, T, int64_t);                      \
   template void backout_backward<T>(T*, T*, T*, const T*, const T*, T, int64_t);
 

@@ -1,6 +1,6 @@
 // The small pointwise pieces of the nanochat GPT: relu^2 in the MLP, the value-embedding gate,
-// the smear of the previous token's embedding, the per-layer residual mix, scaling (q, k *=
-// 1.2) and the backout of the mid-layer residual.
+// the smear of the previous token's embedding, the per-layer residual mix and the backout of the
+// mid-layer residual. (The ×1.2 on q and k is folded into the attention's softmax scale.)
 //
 // Every backward ADDS (+=) into each gradient buffer it is given, parameter gradients
 // included, like every op in src/ops; gradient buffers must not alias the dout they are
@@ -84,14 +84,6 @@ template <typename T>
 void residual_mix_backward(T* dx, T* dx0, T* dresid_lambda, T* dx0_lambda, const T* dout,
                            const T* x, const T* x0, std::type_identity_t<T> resid_lambda,
                            std::type_identity_t<T> x0_lambda, int64_t n);
-
-// out = factor * inp over n elements; out may be inp.
-template <typename T>
-void scale_forward(T* out, const T* inp, std::type_identity_t<T> factor, int64_t n);
-
-// dinp += factor * dout.
-template <typename T>
-void scale_backward(T* dinp, const T* dout, std::type_identity_t<T> factor, int64_t n);
 
 // out = x - backout_lambda * x_backout over n elements; out may be x.
 template <typename T>

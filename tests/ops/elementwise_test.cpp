@@ -363,32 +363,6 @@ TEST(OpsResidualMix, FloatMatchesDouble) {
   test::expect_float_matches_double(dl_f, dl, "dlambdas");
 }
 
-TEST(OpsScale, ForwardAndGradients) {
-  TestRng rng;
-  SCOPED_TRACE(rng.trace());
-  std::vector<double> x = test::random_values(rng, kCount);
-  const std::vector<double> dout = test::random_values(rng, kCount);
-  std::vector<double> y(kCount);
-  const auto loss = [&] {
-    ops::scale_forward(y.data(), x.data(), 1.2, kCount);
-    return test::weighted_sum(y, dout);
-  };
-  loss();
-  for (int64_t i = 0; i < kCount; ++i)
-    EXPECT_EQ(y[i], 1.2 * x[i]);
-  std::vector<double> dx(kCount, 0.0);
-  ops::scale_backward(dx.data(), dout.data(), 1.2, kCount);
-  test::expect_gradient_matches(dx, test::numeric_gradient(x, loss), "x");
-  test::expect_backward_accumulates(
-      {kCount}, [&](Gradients& g) { ops::scale_backward(g[0].data(), dout.data(), 1.2, kCount); });
-  std::vector<float> y_f(kCount), dx_f(kCount, 0.0f);
-  const std::vector<float> x_f = test::convert<float>(x), dout_f = test::convert<float>(dout);
-  ops::scale_forward(y_f.data(), x_f.data(), 1.2f, kCount);
-  ops::scale_backward(dx_f.data(), dout_f.data(), 1.2f, kCount);
-  test::expect_float_matches_double(y_f, y, "y");
-  test::expect_float_matches_double(dx_f, dx, "dx");
-}
-
 TEST(OpsBackout, ForwardAndGradients) {
   TestRng rng;
   SCOPED_TRACE(rng.trace());
@@ -431,7 +405,6 @@ TEST(OpsElementwise, RejectsNegativeCounts) {
   std::vector<double> buffer(4);
   double* p = buffer.data();
   EXPECT_THROW(ops::relu2_forward(p, p, -1), Error);
-  EXPECT_THROW(ops::scale_backward(p, p, 1.0, -1), Error);
   EXPECT_THROW(ops::residual_mix_forward(p, p, p, 1.0, 1.0, -1), Error);
   EXPECT_THROW(ops::backout_backward(p, p, p, p, p, 1.0, -1), Error);
 }
