@@ -35,9 +35,14 @@ void rotary_tables(float* cos, float* sin, int64_t seq_len, int64_t head_dim, fl
   }
 }
 
-template <typename T>
-void rotary_forward(T* out, const T* inp, const float* cos, const float* sin, int64_t batch,
-                    int64_t seq_len, int64_t heads, int64_t head_dim) {
+namespace {
+
+// Rotates each (x1, x2) = (first half, second half) pair of every head by the table's angle:
+// y1 = x1 cos + x2 sin, y2 = -x1 sin + x2 cos. The backward is the transposed rotation (the
+// negated angle) and adds into its output.
+template <bool kBackward, typename T>
+void rotate(T* out, const T* inp, const float* cos, const float* sin, int64_t batch,
+            int64_t seq_len, int64_t heads, int64_t head_dim) {
   check_rotary_args(batch, seq_len, heads, head_dim);
   const int64_t half = head_dim / 2;
   for (int64_t b = 0; b < batch; ++b) {
@@ -50,39 +55,34 @@ void rotary_forward(T* out, const T* inp, const float* cos, const float* sin, in
         T* y = out + offset;
         for (int64_t j = 0; j < half; ++j) {
           const T c = static_cast<T>(cos_row[j]);
-          const T s = static_cast<T>(sin_row[j]);
+          const T s = kBackward ? -static_cast<T>(sin_row[j]) : static_cast<T>(sin_row[j]);
           const T x1 = x[j];  // read both before writing: out may be inp
           const T x2 = x[j + half];
-          y[j] = x1 * c + x2 * s;
-          y[j + half] = -x1 * s + x2 * c;
+          if constexpr (kBackward) {
+            y[j] += x1 * c + x2 * s;
+            y[j + half] += -x1 * s + x2 * c;
+          } else {
+            y[j] = x1 * c + x2 * s;
+            y[j + half] = -x1 * s + x2 * c;
+          }
         }
       }
     }
   }
 }
 
+}  // namespace
+
+template <typename T>
+void rotary_forward(T* out, const T* inp, const float* cos, const float* sin, int64_t batch,
+                    int64_t seq_len, int64_t heads, int64_t head_dim) {
+  rotate<false>(out, inp, cos, sin, batch, seq_len, heads, head_dim);
+}
+
 template <typename T>
 void rotary_backward(T* dinp, const T* dout, const float* cos, const float* sin, int64_t batch,
                      int64_t seq_len, int64_t heads, int64_t head_dim) {
-  check_rotary_args(batch, seq_len, heads, head_dim);
-  const int64_t half = head_dim / 2;
-  for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t t = 0; t < seq_len; ++t) {
-      const float* cos_row = cos + t * half;
-      const float* sin_row = sin + t * half;
-      for (int64_t h = 0; h < heads; ++h) {
-        const int64_t offset = ((b * seq_len + t) * heads + h) * head_dim;
-        const T* dy = dout + offset;
-        T* dx = dinp + offset;
-        for (int64_t j = 0; j < half; ++j) {
-          const T c = static_cast<T>(cos_row[j]);
-          const T s = static_cast<T>(sin_row[j]);
-          dx[j] += dy[j] * c - dy[j + half] * s;
-          dx[j + half] += dy[j] * s + dy[j + half] * c;
-        }
-      }
-    }
-  }
+  rotate<true>(dinp, dout, cos, sin, batch, seq_len, heads, head_dim);
 }
 
 template void rotary_forward<float>(float*, const float*, const float*, const float*, int64_t,
