@@ -6,8 +6,11 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build clang-format
   libfmt-dev libyaml-cpp-dev libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev
-  libopenblas-dev
+  libopenblas-dev libpcre2-dev pkg-config
+  fortunes  # the English text the default training job learns from
 )
+# Python runs the checkpoint-compatibility tests; any python3 with pip will do.
+if ! command -v python3 >/dev/null; then packages+=(python3 python3-pip); fi
 
 missing=()
 for package in "${packages[@]}"; do
@@ -25,6 +28,13 @@ if ((${#missing[@]} > 0)); then
   fi
   "${sudo_cmd[@]}" apt-get update -qq
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
+
+# The checkpoint tests read our safetensors files with the reference Python package.
+if ! python3 -c "import safetensors.numpy" 2>/dev/null; then
+  echo "setup: installing the Python packages safetensors and numpy"
+  python3 -m pip install --quiet safetensors numpy ||
+    python3 -m pip install --quiet --break-system-packages safetensors numpy
 fi
 
 if command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]]; then

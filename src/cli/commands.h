@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 namespace fp8t::cli {
 
@@ -48,5 +49,34 @@ struct ModelSummaryOptions {
 // Prints the GPT of a given depth: its shape, parameter counts by group, FLOPs per token, which
 // linears run in FP8 (with the reasons for the others) and the memory the CPU path plans.
 int run_model_summary(const ModelSummaryOptions& options);
+
+struct ConfigOptions {
+  std::string config_path;             // empty: the defaults
+  std::vector<std::string> overrides;  // the other arguments: --key=value, --key value, --flag
+  bool markdown = false;
+};
+
+// Prints the resolved training configuration as YAML (every key), or with `markdown` the
+// reference of every key (docs/configuration.md).
+int run_config(const ConfigOptions& options);
+
+struct TokenizeOptions {
+  std::string tokenizer_path;  // read, or written with train_tokenizer
+  bool train_tokenizer = false;
+  int vocab_size = 32768;  // with train_tokenizer; special tokens included
+  std::string output_dir;
+  int64_t val_every = 0;  // every N-th document to validation; 0: none
+  int64_t shard_tokens = 100'000'000;
+  std::string separator;  // a line that separates documents; empty: one document per file
+  std::vector<std::string> inputs;
+};
+
+// Turns text files into token shards (docs/data.md), training the tokenizer first when asked.
+int run_tokenize(const TokenizeOptions& options);
+
+// Runs the training job configured by `args` (--config FILE and overrides, see
+// load_train_config). kExitOk when it ran to the end; 128 + the signal after SIGINT or SIGTERM
+// (a checkpoint was saved).
+int run_train(const std::vector<std::string>& args);
 
 }  // namespace fp8t::cli

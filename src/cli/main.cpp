@@ -70,10 +70,68 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
 
+  fp8t::cli::ConfigOptions config_options;
+  CLI::App* config =
+      app.add_subcommand("config", "Print the resolved training configuration (every key) as YAML");
+  config->add_option("--config", config_options.config_path, "YAML experiment file");
+  config->add_flag("--markdown", config_options.markdown,
+                   "Print the reference of every key (docs/configuration.md) instead");
+  // Overrides (--key=value, nanochat's flags) go to the configuration's own parser.
+  config->allow_extras();
+  config->footer(
+      "Other arguments override keys: --key=value, --key value, --flag "
+      "(see docs/configuration.md).");
+
+  CLI::App* train = app.add_subcommand(
+      "train", "Train the GPT: a YAML experiment (--config FILE) and overrides of any key");
+  train->allow_extras();  // every argument goes to the configuration's parser
+  train->footer(
+      "Arguments: --config FILE, then overrides --key=value, --key value, --flag, and nanochat's "
+      "flags (--depth=24 --fp8 --run=NAME --resume-from-step=N --device-batch-size=16). See "
+      "docs/training.md and docs/configuration.md.");
+
+  fp8t::cli::TokenizeOptions tokenize_options;
+  CLI::App* tokenize = app.add_subcommand(
+      "tokenize", "Turn text files into token shards, training the BPE tokenizer when asked");
+  tokenize
+      ->add_option("--tokenizer", tokenize_options.tokenizer_path,
+                   "tiktoken vocabulary to use, or to write with --train-tokenizer")
+      ->required();
+  CLI::Option* train_tokenizer = tokenize->add_flag(
+      "--train-tokenizer", tokenize_options.train_tokenizer,
+      "Train the tokenizer on the training documents and save it to --tokenizer");
+  tokenize
+      ->add_option("--vocab-size", tokenize_options.vocab_size,
+                   "With --train-tokenizer: vocabulary size, special tokens included")
+      ->capture_default_str()
+      ->needs(train_tokenizer)
+      ->check(CLI::Range(265, 1 << 24));
+  tokenize->add_option("--output", tokenize_options.output_dir, "Folder for the shards")
+      ->required();
+  tokenize
+      ->add_option("--val-every", tokenize_options.val_every,
+                   "Every N-th document goes to the validation shards (0: none)")
+      ->capture_default_str()
+      ->check(CLI::NonNegativeNumber);
+  tokenize
+      ->add_option("--shard-tokens", tokenize_options.shard_tokens,
+                   "Tokens per shard at most (a longer document gets a shard of its own)")
+      ->capture_default_str()
+      ->check(CLI::PositiveNumber);
+  tokenize->add_option("--separator", tokenize_options.separator,
+                       "A line that separates documents (e.g. %); default: one document per file");
+  tokenize->add_option("files", tokenize_options.inputs, "Text files")->required();
+
   try {
     app.parse(argc, argv);
     if (*doctor) return fp8t::cli::run_doctor(doctor_options);
     if (*model) return fp8t::cli::run_model_summary(model_options);
+    if (*tokenize) return fp8t::cli::run_tokenize(tokenize_options);
+    if (*train) return fp8t::cli::run_train(train->remaining());
+    if (*config) {
+      config_options.overrides = config->remaining();
+      return fp8t::cli::run_config(config_options);
+    }
     return fp8t::cli::run_check_numerics(numerics_options);
   } catch (const CLI::ParseError& error) {
     if (error.get_exit_code() == static_cast<int>(CLI::ExitCodes::Success)) {

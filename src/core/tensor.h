@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <initializer_list>
 #include <optional>
+#include <string>
 #include <string_view>
 
 #include "core/error.h"
@@ -95,6 +96,12 @@ class TensorView {
   std::array<int64_t, kMaxRank> shape_{};
   std::array<int64_t, kMaxRank> strides_{};
   Fp8Meta fp8_;
+};
+
+// A tensor under the name a checkpoint keeps it by (parameters, optimizer and scaling state).
+struct NamedTensor {
+  std::string name;
+  TensorView view;
 };
 
 }  // namespace fp8t

@@ -1,9 +1,5 @@
 #include "io/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <array>
 #include <bit>
@@ -20,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "io/files.h"
 
 namespace fp8t::io {
 
@@ -294,25 +291,6 @@ void SafetensorsFile::read_bytes(const std::string& name, const TensorInfo& info
   }
 }
 
-namespace {
-
-// Writes all of `bytes` to `fd`, retrying short writes.
-bool write_all(int fd, const void* data, size_t size) {
-  const auto* cursor = static_cast<const char*>(data);
-  while (size > 0) {
-    const ssize_t written = ::write(fd, cursor, size);
-    if (written < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    cursor += written;
-    size -= static_cast<size_t>(written);
-  }
-  return true;
-}
-
-}  // namespace
-
 void write_safetensors(const std::filesystem::path& path, std::span<const TensorToWrite> tensors,
                        const std::map<std::string, std::string>& metadata) {
   const auto fail = [&path](const std::string& message) {
@@ -364,34 +342,12 @@ void write_safetensors(const std::filesystem::path& path, std::span<const Tensor
   for (size_t i = 0; i < 8; ++i)
     length_bytes[i] = static_cast<unsigned char>(header_text.size() >> (8 * i));
 
-  // A temporary file beside the destination, so the rename cannot cross file systems.
-  const std::filesystem::path folder =
-      path.parent_path().empty() ? std::filesystem::path(".") : path.parent_path();
-  std::string temporary = (folder / ("." + path.filename().string() + ".XXXXXX")).string();
-  const int fd = ::mkstemp(temporary.data());
-  if (fd < 0) {
-    fail(fmt::format("cannot create a temporary file in {}: {}", folder.string(),
-                     std::strerror(errno)));
-  }
-  int error = 0;
-  bool written = write_all(fd, length_bytes.data(), length_bytes.size()) &&
-                 write_all(fd, header_text.data(), header_text.size());
-  for (const TensorToWrite& tensor : tensors) {
-    written = written && write_all(fd, tensor.bytes.data(), tensor.bytes.size());
-  }
-  if (!written || ::fchmod(fd, 0644) != 0 || ::fsync(fd) != 0) error = errno;
-  if (::close(fd) != 0 && error == 0) error = errno;
-  if (error == 0 && std::rename(temporary.c_str(), path.c_str()) != 0) error = errno;
-  if (error != 0) {
-    ::unlink(temporary.c_str());
-    fail(fmt::format("cannot write: {}", std::strerror(error)));
-  }
-  // Make the rename itself durable; a folder that cannot be synced is not an error.
-  const int folder_fd = ::open(folder.c_str(), O_RDONLY | O_DIRECTORY);
-  if (folder_fd >= 0) {
-    ::fsync(folder_fd);
-    ::close(folder_fd);
-  }
+  std::vector<std::span<const std::byte>> pieces = {
+      std::as_bytes(std::span(length_bytes)),
+      std::as_bytes(std::span(header_text.data(), header_text.size()))};
+  for (const TensorToWrite& tensor : tensors)
+    pieces.push_back(tensor.bytes);
+  write_file_atomically(path, pieces);
 }
 
 }  // namespace fp8t::io

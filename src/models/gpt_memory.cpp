@@ -140,7 +140,7 @@ GptMemoryPlan plan_gpt_memory(const GptConfig& config, int64_t batch, int64_t se
         spec.kind == ParamKind::BlockLinear || (spec.kind == ParamKind::Gate && spec.layer >= 0);
     if (muon) {
       plan.optimizer_state += Arena::footprint(DType::F32, spec.numel()) +
-                              Arena::footprint(DType::F32, std::min(spec.shape[0], spec.shape[1]));
+                              Arena::footprint(DType::F32, std::max(spec.shape[0], spec.shape[1]));
     } else {
       plan.optimizer_state += 2 * Arena::footprint(DType::F32, spec.numel());
     }

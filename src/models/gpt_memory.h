@@ -111,7 +111,7 @@ struct GptMemoryPlan {
 
 // The CPU path: f32 parameters, gradients and activations; optimizer state as the MuonAdamW
 // optimizer keeps it (Muon for the block matrices: a momentum and a NorMuon second moment of
-// min(rows, cols); AdamW for the rest: two moments).
+// max(rows, cols); AdamW for the rest: two moments).
 GptMemoryPlan plan_gpt_memory(const GptConfig& config, int64_t batch, int64_t seq);
 
 }  // namespace fp8t

@@ -166,6 +166,32 @@ void GptModel::end_step() {
   }
 }
 
+void GptModel::set_training(bool training) {
+  for (auto& [name, layer] : linears_) {
+    if (layer.fp8) layer.fp8->set_record_amax(training);
+  }
+}
+
+void GptModel::weights_changed() {
+  for (auto& [name, layer] : linears_) {
+    if (layer.fp8) layer.fp8->invalidate_weight_cache();
+  }
+}
+
+std::vector<std::pair<std::string, DelayedScaling*>> GptModel::delayed_scalings() {
+  std::vector<std::pair<std::string, DelayedScaling*>> scalings;
+  constexpr std::pair<TensorRole, const char*> kRoles[] = {{TensorRole::Input, "input"},
+                                                           {TensorRole::Weight, "weight"},
+                                                           {TensorRole::GradOutput, "grad_output"}};
+  for (auto& [name, layer] : linears_) {  // std::map: ordered by name
+    if (!layer.fp8 || !layer.fp8->has_delayed_scaling()) continue;
+    for (const auto& [role, role_name] : kRoles) {
+      scalings.emplace_back(name + "." + role_name, &layer.fp8->delayed_scaling(role));
+    }
+  }
+  return scalings;
+}
+
 double GptModel::forward(const int32_t* idx, const int32_t* targets) {
   const int64_t B = batch_, T = seq_, N = B * T, C = config_.n_embd;
   const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
@@ -305,7 +331,7 @@ void GptModel::backward() {
     ops::attention_backward(ws.dq.data<float>(), ws.dk.data<float>(), ws.dv.data<float>(),
                             ws.dattn_out.data<float>(), block.q.data<float>(),
                             block.k.data<float>(), block.v.data<float>(),
-                            block.attn_out.data<float>(), block.logsumexp.data<float>(), shape,
+                            block.logsumexp.data<float>(), shape,
                             static_cast<float>(kQkScale * kQkScale / std::sqrt(double(D))));
     ops::rmsnorm_backward(ws.dq_rot.data<float>(), ws.dq.data<float>(), block.q.data<float>(),
                           block.q_rstd.data<float>(), N * H, D);

@@ -8,6 +8,7 @@
 #include <memory>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/arena.h"
@@ -57,6 +58,16 @@ class GptModel {
   const std::vector<LinearPrecision>& linear_precision() const { return linear_precision_; }
   // Once per optimizer step: delayed-scaling updates and weight re-quantization.
   void end_step();
+  // Off for evaluation: forward passes then leave the FP8 scaling state (amax histories) as
+  // it was. Training is the default.
+  void set_training(bool training);
+  // After the weights were replaced (e.g. loaded from a checkpoint): re-quantize them on the
+  // next forward, without a delayed-scaling update.
+  void weights_changed();
+
+  // Delayed scaling state of every FP8 linear by "<linear>.<input|weight|grad_output>", in a
+  // fixed order; empty unless the recipe is delayed. For checkpoints.
+  std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings();
 
  private:
   struct Linear {

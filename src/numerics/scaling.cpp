@@ -1,12 +1,9 @@
 #include "numerics/scaling.h"
 
-#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <span>
 #include <utility>
-
-#include <yaml-cpp/yaml.h>
 
 #include "core/error.h"
 
@@ -24,69 +21,11 @@ Fp8Format Fp8Config::format_for(TensorRole role, Fp8Family family) const {
 namespace {
 
 template <typename Enum>
-using NamedValues = std::span<const std::pair<std::string_view, Enum>>;
-
-constexpr std::pair<std::string_view, Fp8Mode> kModes[] = {
-    {"none", Fp8Mode::None}, {"e4m3", Fp8Mode::E4M3}, {"hybrid", Fp8Mode::Hybrid}};
-constexpr std::pair<std::string_view, ScalingRecipe> kRecipes[] = {
-    {"delayed", ScalingRecipe::Delayed},
-    {"tensorwise", ScalingRecipe::Tensorwise},
-    {"blockwise", ScalingRecipe::Blockwise},
-    {"mxfp8", ScalingRecipe::Mxfp8}};
-constexpr std::pair<std::string_view, AmaxComputeAlgo> kAmaxAlgos[] = {
-    {"max", AmaxComputeAlgo::Max}, {"most_recent", AmaxComputeAlgo::MostRecent}};
-constexpr std::pair<std::string_view, FamilySetting> kFamilies[] = {
-    {"auto", FamilySetting::Auto}, {"ocp", FamilySetting::Ocp}, {"fnuz", FamilySetting::Fnuz}};
-
-template <typename Enum>
-std::string_view name_of(NamedValues<Enum> values, Enum value) {
+std::string_view name_of(std::span<const std::pair<std::string_view, Enum>> values, Enum value) {
   for (const auto& [name, candidate] : values) {
     if (candidate == value) return name;
   }
   return "?";
-}
-
-template <typename Enum>
-std::string allowed_names(NamedValues<Enum> values) {
-  std::string names;
-  for (const auto& [name, value] : values) {
-    names += names.empty() ? "" : ", ";
-    names += name;
-  }
-  return names;
-}
-
-// "file:line: key" for messages.
-std::string where(std::string_view source, const YAML::Node& node, std::string_view key) {
-  const YAML::Mark mark = node.Mark();
-  if (mark.line >= 0) return fmt::format("{}:{}: {}", source, mark.line + 1, key);
-  return fmt::format("{}: {}", source, key);
-}
-
-std::string scalar_text(const YAML::Node& node) {
-  return node.IsScalar() ? node.Scalar() : std::string("(not a scalar)");
-}
-
-template <typename Enum>
-Enum read_enum(const YAML::Node& node, std::string_view source, std::string_view key,
-               NamedValues<Enum> values) {
-  const std::string text = scalar_text(node);
-  for (const auto& [name, value] : values) {
-    if (name == text) return value;
-  }
-  throw ConfigError(fmt::format("{}: unknown value '{}'; allowed: {}", where(source, node, key),
-                                text, allowed_names(values)));
-}
-
-template <typename Number>
-Number read_number(const YAML::Node& node, std::string_view source, std::string_view key,
-                   std::string_view expected) {
-  Number value{};
-  if (!node.IsScalar() || !YAML::convert<Number>::decode(node, value)) {
-    throw ConfigError(fmt::format("{}: expected {}, found '{}'", where(source, node, key), expected,
-                                  scalar_text(node)));
-  }
-  return value;
 }
 
 void check_history_len(int value, const std::string& location) {
@@ -100,25 +39,19 @@ void check_non_negative_finite(float value, const std::string& location) {
   }
 }
 
-constexpr std::string_view kKnownKeys[] = {
-    "fp8",        "fp8_recipe",       "fp8_amax_history_len",  "fp8_amax_compute_algo",
-    "fp8_margin", "fp8_dtype_family", "fp8_power_of_2_scales", "fp8_amax_epsilon",
-    "fp8_wgrad",  // owned by the linear layer's configuration
-};
-
 }  // namespace
 
 std::string_view mode_name(Fp8Mode mode) {
-  return name_of<Fp8Mode>(kModes, mode);
+  return name_of<Fp8Mode>(kFp8ModeNames, mode);
 }
 std::string_view recipe_name(ScalingRecipe recipe) {
-  return name_of<ScalingRecipe>(kRecipes, recipe);
+  return name_of<ScalingRecipe>(kScalingRecipeNames, recipe);
 }
 std::string_view amax_algo_name(AmaxComputeAlgo algo) {
-  return name_of<AmaxComputeAlgo>(kAmaxAlgos, algo);
+  return name_of<AmaxComputeAlgo>(kAmaxComputeAlgoNames, algo);
 }
 std::string_view family_setting_name(FamilySetting setting) {
-  return name_of<FamilySetting>(kFamilies, setting);
+  return name_of<FamilySetting>(kFamilySettingNames, setting);
 }
 
 void validate(const Fp8Config& config, std::string_view source) {
@@ -144,49 +77,6 @@ void validate(const Fp8Config& config, std::string_view source) {
                     "fp8_recipe: {}",
                     source, config.amax_epsilon, recipe_name(config.recipe)));
   }
-}
-
-Fp8Config fp8_config_from_yaml(const YAML::Node& root, std::string_view source) {
-  Fp8Config config;
-  if (!root || root.IsNull()) return config;
-  if (!root.IsMap()) {
-    throw ConfigError(
-        fmt::format("{}: expected a mapping of keys to values at the top level", source));
-  }
-  for (const auto& entry : root) {
-    const std::string key = entry.first.as<std::string>();
-    if (!key.starts_with("fp8")) continue;
-    if (std::find(std::begin(kKnownKeys), std::end(kKnownKeys), key) == std::end(kKnownKeys)) {
-      std::string known;
-      for (std::string_view name : kKnownKeys)
-        known += fmt::format("{}{}", known.empty() ? "" : ", ", name);
-      throw ConfigError(
-          fmt::format("{}: unknown key; fp8 keys are: {}", where(source, entry.first, key), known));
-    }
-    const YAML::Node& value = entry.second;
-    if (key == "fp8") {
-      config.mode = read_enum<Fp8Mode>(value, source, key, kModes);
-    } else if (key == "fp8_recipe") {
-      config.recipe = read_enum<ScalingRecipe>(value, source, key, kRecipes);
-    } else if (key == "fp8_amax_history_len") {
-      config.amax_history_len = read_number<int>(value, source, key, "an integer >= 1");
-      check_history_len(config.amax_history_len, where(source, value, key));
-    } else if (key == "fp8_amax_compute_algo") {
-      config.amax_compute_algo = read_enum<AmaxComputeAlgo>(value, source, key, kAmaxAlgos);
-    } else if (key == "fp8_margin") {
-      config.margin = read_number<float>(value, source, key, "a finite number >= 0");
-      check_non_negative_finite(config.margin, where(source, value, key));
-    } else if (key == "fp8_dtype_family") {
-      config.dtype_family = read_enum<FamilySetting>(value, source, key, kFamilies);
-    } else if (key == "fp8_power_of_2_scales") {
-      config.power_of_2_scales = read_number<bool>(value, source, key, "true or false");
-    } else if (key == "fp8_amax_epsilon") {
-      config.amax_epsilon = read_number<float>(value, source, key, "a finite number >= 0");
-      check_non_negative_finite(config.amax_epsilon, where(source, value, key));
-    }
-  }
-  validate(config, source);
-  return config;
 }
 
 std::string describe(const Fp8Config& config) {
@@ -248,6 +138,24 @@ void DelayedScaling::set_scale(float scale) {
              scale);
   scale_ = scale;
   scale_inv_ = 1.0f / scale;
+}
+
+void DelayedScaling::save_state(float* out) const {
+  out[0] = scale_;
+  out[1] = static_cast<float>(history_.size());
+  std::fill(out + 2, out + state_size(), 0.0f);
+  std::copy(history_.begin(), history_.end(), out + 2);
+}
+
+void DelayedScaling::load_state(const float* in) {
+  const float entries = in[1];
+  FP8T_CHECK(entries >= 0.0f && entries <= static_cast<float>(history_len_) &&
+                 entries == std::floor(entries),
+             "an amax history of {} entries cannot hold {}", history_len_, entries);
+  set_scale(in[0]);
+  history_.assign(in + 2, in + 2 + static_cast<int>(entries));
+  pending_amax_ = 0.0f;
+  recorded_this_step_ = false;
 }
 
 }  // namespace fp8t

@@ -7,6 +7,7 @@
 #include <optional>
 #include <string>
 #include <string_view>
+#include <utility>
 
 #include "core/host_device.h"
 #include "numerics/float_bits.h"
@@ -56,14 +57,28 @@ struct Fp8Config {
   Fp8Format format_for(TensorRole role, Fp8Family family) const;
 };
 
+// The names of the configuration values, for the key table (config/config_keys.h) and messages.
+inline constexpr std::pair<std::string_view, Fp8Mode> kFp8ModeNames[] = {
+    {"none", Fp8Mode::None}, {"e4m3", Fp8Mode::E4M3}, {"hybrid", Fp8Mode::Hybrid}};
+inline constexpr std::pair<std::string_view, ScalingRecipe> kScalingRecipeNames[] = {
+    {"delayed", ScalingRecipe::Delayed},
+    {"tensorwise", ScalingRecipe::Tensorwise},
+    {"blockwise", ScalingRecipe::Blockwise},
+    {"mxfp8", ScalingRecipe::Mxfp8}};
+inline constexpr std::pair<std::string_view, AmaxComputeAlgo> kAmaxComputeAlgoNames[] = {
+    {"max", AmaxComputeAlgo::Max}, {"most_recent", AmaxComputeAlgo::MostRecent}};
+inline constexpr std::pair<std::string_view, FamilySetting> kFamilySettingNames[] = {
+    {"auto", FamilySetting::Auto}, {"ocp", FamilySetting::Ocp}, {"fnuz", FamilySetting::Fnuz}};
+
 // Throws ConfigError naming `source`, the key and the allowed values when a field is out of
 // range (history length < 1, non-finite or negative margin, negative or non-finite epsilon).
 void validate(const Fp8Config& config, std::string_view source);
 
-// Reads the fp8 keys of a YAML mapping (fp8, fp8_recipe, fp8_amax_history_len,
-// fp8_amax_compute_algo, fp8_margin, fp8_dtype_family, fp8_power_of_2_scales,
-// fp8_amax_epsilon); keys it does not know starting with "fp8" are errors, others are left to
-// their owners. `source` names the file in messages. The result is validated.
+// Reads the fp8 keys of a YAML mapping: the top-level keys starting with "fp8" and the keys of
+// an `fp8:` section; keys starting with "fp8" that are not fp8 keys are errors, other keys are
+// left to their owners. `source` names the file in messages. The result is validated. Defined
+// in config/train_config.cpp: the keys are read through the configuration's key table, so they
+// parse, check and report errors exactly as in a training configuration.
 Fp8Config fp8_config_from_yaml(const YAML::Node& root, std::string_view source);
 
 std::string_view mode_name(Fp8Mode mode);
@@ -135,9 +150,15 @@ class DelayedScaling {
   float pending_amax() const { return pending_amax_; }
   const std::deque<float>& history() const { return history_; }  // oldest first
 
-  // Replaces the scale, e.g. when the amax was seeded from the actual weights at step 0, or on
-  // restore from a checkpoint.
+  // Replaces the scale, e.g. when the amax was seeded from the actual weights at step 0.
   void set_scale(float scale);
+
+  // Checkpoints: the state between steps as state_size() floats: the scale, the number of
+  // history entries, then the history oldest first, padded with zeros to history_len.
+  int state_size() const { return 2 + history_len_; }
+  void save_state(float* out) const;
+  // Throws fp8t::Error for a non-positive scale or an entry count outside [0, history_len].
+  void load_state(const float* in);
 
  private:
   int history_len_;

@@ -29,10 +29,9 @@ template <typename T>
 void attention_forward(T* out, T* lse, const T* q, const T* k, const T* v,
                        const AttentionShape& shape, std::type_identity_t<T> scale);
 
-// dq, dk, dv += the gradients of sum(out * dout). out and lse are the forward's.
+// dq, dk, dv += the gradients of sum(out * dout); lse is the forward's.
 template <typename T>
 void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v,
-                        const T* out, const T* lse, const AttentionShape& shape,
-                        std::type_identity_t<T> scale);
+                        const T* lse, const AttentionShape& shape, std::type_identity_t<T> scale);
 
 }  // namespace fp8t::ops

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
+#include <vector>
 
 #include "core/error.h"
 
@@ -35,7 +36,9 @@ double softcap_cross_entropy_rows(const T* logits, T* gradient, T* token_losses,
   const int64_t valid_rows = count_valid_rows(targets, shape);
   // Each valid row carries 1 / valid_rows of the mean.
   const T row_weight = valid_rows > 0 ? dloss / static_cast<T>(valid_rows) : T(0);
-  const auto capped = [softcap](T raw) { return softcap * std::tanh(raw / softcap); };
+  // Per row: the capped logits, then exp(capped - max); one tanh and one exp per logit.
+  std::vector<T> capped(static_cast<size_t>(shape.vocab));
+  std::vector<T> exp_shifted(static_cast<size_t>(shape.vocab));
   double loss_sum = 0.0;
   for (int64_t r = 0; r < shape.rows; ++r) {
     const T* row = logits + r * shape.padded_vocab;
@@ -47,21 +50,24 @@ double softcap_cross_entropy_rows(const T* logits, T* gradient, T* token_losses,
       continue;
     }
     T max_capped = -std::numeric_limits<T>::infinity();
-    for (int64_t j = 0; j < shape.vocab; ++j)
-      max_capped = std::max(max_capped, capped(row[j]));
+    for (int64_t j = 0; j < shape.vocab; ++j) {
+      capped[size_t(j)] = softcap * std::tanh(row[j] / softcap);
+      max_capped = std::max(max_capped, capped[size_t(j)]);
+    }
     T sum_exp = 0;
-    for (int64_t j = 0; j < shape.vocab; ++j)
-      sum_exp += std::exp(capped(row[j]) - max_capped);
-    const T log_sum_exp = max_capped + std::log(sum_exp);
-    const T row_loss = log_sum_exp - capped(row[target]);
+    for (int64_t j = 0; j < shape.vocab; ++j) {
+      exp_shifted[size_t(j)] = std::exp(capped[size_t(j)] - max_capped);
+      sum_exp += exp_shifted[size_t(j)];
+    }
+    const T row_loss = max_capped + std::log(sum_exp) - capped[size_t(target)];
     loss_sum += static_cast<double>(row_loss);
     if (token_losses != nullptr) token_losses[r] = row_loss;
     if (gradient == nullptr) continue;
-    // Column j is written after its last read, so gradient may be logits.
+    // The row's logits are all read above, so gradient may be logits.
     T* grad_row = gradient + r * shape.padded_vocab;
     for (int64_t j = 0; j < shape.vocab; ++j) {
-      const T tanh_value = std::tanh(row[j] / softcap);
-      const T probability = std::exp(softcap * tanh_value - log_sum_exp);
+      const T tanh_value = capped[size_t(j)] / softcap;
+      const T probability = exp_shifted[size_t(j)] / sum_exp;
       const T dcapped = (probability - (j == target ? T(1) : T(0))) * row_weight;
       // d(softcap tanh(x / softcap))/dx = 1 - tanh^2.
       grad_row[j] = dcapped * (T(1) - tanh_value * tanh_value);

@@ -148,7 +148,7 @@ void Fp8Linear::quantize_operand(const float* src, int64_t rows, int64_t cols, T
   const float scale_inv = 1.0f / scale;
   rowwise.scale_inv[0] = scale_inv;
   if (transposed != nullptr) transposed->scale_inv[0] = scale_inv;
-  if (delayed) delayed_scaling(role).record_amax(recorded_amax);
+  if (delayed && record_amax_) delayed_scaling(role).record_amax(recorded_amax);
 }
 
 void Fp8Linear::ensure_weight(const float* weight) {

@@ -66,6 +66,8 @@ class Fp8Linear {
   void end_step();
   // Marks the cached weight quantization stale (e.g. after loading weights).
   void invalidate_weight_cache();
+  // Evaluation passes turn this off so that they leave delayed scaling's amax history alone.
+  void set_record_amax(bool record) { record_amax_ = record; }
 
   int64_t in_features() const { return in_features_; }
   int64_t out_features() const { return out_features_; }
@@ -104,6 +106,7 @@ class Fp8Linear {
   int64_t out_features_;
   bool fp8_wgrad_;
   std::vector<DelayedScaling> delayed_;  // indexed by TensorRole; empty unless delayed
+  bool record_amax_ = true;
 
   // Weight cache: Ŵ, Ŵᵗ and their dequantized values for the CPU GEMMs.
   const float* cached_weight_ = nullptr;

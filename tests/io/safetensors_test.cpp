@@ -3,8 +3,6 @@
 
 #include <gtest/gtest.h>
 
-#include <unistd.h>
-
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -12,28 +10,17 @@
 
 #include "core/error.h"
 #include "models/gpt_config.h"
+#include "test_files.h"
 
 namespace fp8t::io {
 namespace {
 
 namespace fs = std::filesystem;
-
-::testing::AssertionResult Contains(const std::string& text, const std::string& part) {
-  if (text.find(part) != std::string::npos) return ::testing::AssertionSuccess();
-  return ::testing::AssertionFailure() << "'" << text << "' does not contain '" << part << "'";
-}
+using test::Contains;
+using test::error_message;
 
 class Safetensors : public ::testing::Test {
  protected:
-  void SetUp() override {
-    const auto* test = ::testing::UnitTest::GetInstance()->current_test_info();
-    folder_ =
-        fs::temp_directory_path() / fmt::format("fp8t_safetensors_{}_{}", test->name(), ::getpid());
-    fs::remove_all(folder_);
-    fs::create_directories(folder_);
-  }
-  void TearDown() override { fs::remove_all(folder_); }
-
   // A file made of the 8-byte length of `header`, `header` and `data`.
   fs::path write_raw(const std::string& header, const std::string& data = "",
                      const std::string& name = "bad.safetensors") {
@@ -51,15 +38,10 @@ class Safetensors : public ::testing::Test {
 
   // The message of the error that opening `path` raises.
   static std::string open_error(const fs::path& path) {
-    try {
-      SafetensorsFile file(path);
-    } catch (const Error& e) {
-      return e.what();
-    }
-    return "no error";
+    return error_message([&] { SafetensorsFile file(path); });
   }
 
-  fs::path folder_;
+  test::TempFolder folder_;
 };
 
 TEST_F(Safetensors, RoundTripsDtypesShapesAndMetadata) {
@@ -160,15 +142,11 @@ TEST_F(Safetensors, WritesAtomicallyOverAnExistingFile) {
 
   // A failed write leaves the destination as it was and no temporary file behind.
   const std::vector<TensorToWrite> mismatched = {TensorToWrite::of<float>("z", {3}, second)};
-  try {
-    write_safetensors(path, mismatched);
-    ADD_FAILURE() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_TRUE(Contains(e.what(), path.string()));
-    EXPECT_TRUE(Contains(e.what(), "tensor 'z': shape [3] of F32 needs 12 bytes, found 8"));
-  }
+  const std::string message = error_message([&] { write_safetensors(path, mismatched); });
+  EXPECT_TRUE(Contains(message, path.string()));
+  EXPECT_TRUE(Contains(message, "tensor 'z': shape [3] of F32 needs 12 bytes, found 8"));
   EXPECT_EQ(SafetensorsFile(path).tensor<float>("y").data, second);
-  EXPECT_EQ(std::distance(fs::directory_iterator(folder_), fs::directory_iterator()), 1);
+  EXPECT_EQ(std::distance(fs::directory_iterator(folder_.path()), fs::directory_iterator()), 1);
 }
 
 TEST_F(Safetensors, WriterRejectsDuplicateAndReservedNames) {
@@ -176,16 +154,8 @@ TEST_F(Safetensors, WriterRejectsDuplicateAndReservedNames) {
   const fs::path path = folder_ / "names.safetensors";
   const std::vector<TensorToWrite> duplicate = {TensorToWrite::of<float>("x", {1}, value),
                                                 TensorToWrite::of<float>("x", {1}, value)};
-  EXPECT_THROW(
-      {
-        try {
-          write_safetensors(path, duplicate);
-        } catch (const Error& e) {
-          EXPECT_TRUE(Contains(e.what(), "tensor 'x' is given twice"));
-          throw;
-        }
-      },
-      Error);
+  EXPECT_TRUE(Contains(error_message([&] { write_safetensors(path, duplicate); }),
+                       "tensor 'x' is given twice"));
   const std::vector<TensorToWrite> reserved = {
       TensorToWrite::of<float>("__metadata__", {1}, value)};
   EXPECT_THROW(write_safetensors(path, reserved), Error);
@@ -197,20 +167,12 @@ TEST_F(Safetensors, MissingNameAndWrongDtypeNameFileAndTensor) {
   const std::vector<int32_t> value = {1, 2};
   write_safetensors(path, std::vector{TensorToWrite::of<int32_t>("input.idx", {2}, value)});
   const SafetensorsFile file(path);
-  try {
-    file.tensor<float>("input.idx");
-    ADD_FAILURE() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_TRUE(Contains(e.what(), path.string()));
-    EXPECT_TRUE(Contains(e.what(), "tensor 'input.idx': expected dtype F32, found I32"));
-  }
-  try {
-    file.tensor<int32_t>("input.targets");
-    ADD_FAILURE() << "expected an error";
-  } catch (const Error& e) {
-    EXPECT_TRUE(Contains(e.what(), path.string()));
-    EXPECT_TRUE(Contains(e.what(), "no tensor named 'input.targets'"));
-  }
+  const std::string wrong_dtype = error_message([&] { file.tensor<float>("input.idx"); });
+  EXPECT_TRUE(Contains(wrong_dtype, path.string()));
+  EXPECT_TRUE(Contains(wrong_dtype, "tensor 'input.idx': expected dtype F32, found I32"));
+  const std::string missing = error_message([&] { file.tensor<int32_t>("input.targets"); });
+  EXPECT_TRUE(Contains(missing, path.string()));
+  EXPECT_TRUE(Contains(missing, "no tensor named 'input.targets'"));
   EXPECT_THROW(file.metadata_value("format"), Error);
 }
 
@@ -231,7 +193,8 @@ TEST_F(Safetensors, TruncatedHeader) {
                                    "cut.safetensors");  // says 4096 bytes
   const std::string message = open_error(cut);
   EXPECT_TRUE(Contains(message, cut.string()));
-  EXPECT_TRUE(Contains(message, "truncated header: its length says 4096 bytes, the file has 54 after it"));
+  EXPECT_TRUE(
+      Contains(message, "truncated header: its length says 4096 bytes, the file has 54 after it"));
 }
 
 TEST_F(Safetensors, BadJson) {

@@ -1,0 +1,746 @@
+#include "config/config_keys.h"
+
+#include <algorithm>
+#include <cctype>
+#include <charconv>
+#include <cmath>
+#include <limits>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+namespace fp8t {
+
+namespace {
+
+constexpr double kInfinity = std::numeric_limits<double>::infinity();
+
+template <typename Enum>
+using Choices = std::span<const std::pair<std::string_view, Enum>>;
+
+constexpr std::pair<std::string_view, DeviceChoice> kDevices[] = {
+    {"auto", DeviceChoice::Auto}, {"cpu", DeviceChoice::Cpu}, {"cuda", DeviceChoice::Cuda}};
+constexpr std::pair<std::string_view, OptimizerKind> kOptimizers[] = {
+    {"muon", OptimizerKind::Muon}, {"adamw", OptimizerKind::AdamW}};
+constexpr std::pair<std::string_view, optim::LrDecayStyle> kDecayStyles[] = {
+    {"nanochat", optim::LrDecayStyle::Nanochat},
+    {"cosine", optim::LrDecayStyle::Cosine},
+    {"constant", optim::LrDecayStyle::Constant}};
+
+template <typename Enum>
+std::string_view name_in(Choices<Enum> choices, Enum value) {
+  for (const auto& [name, candidate] : choices) {
+    if (candidate == value) return name;
+  }
+  return "?";
+}
+
+template <typename Enum>
+std::string names_of(Choices<Enum> choices) {
+  std::string names;
+  for (const auto& [name, value] : choices) {
+    names += names.empty() ? "" : ", ";
+    names += name;
+  }
+  return names;
+}
+
+// A value somebody may bring from another trainer, and what to do instead.
+struct ValueAdvice {
+  std::string_view value;
+  std::string_view advice;
+};
+
+// The field of a config that an accessor such as [](auto& c) -> auto& { return c.model.depth; }
+// reaches; one generic accessor serves the setter and the (const) getter.
+template <typename Access>
+using FieldOf = std::remove_cvref_t<std::invoke_result_t<Access, TrainConfig&>>;
+
+std::optional<double> parse_number(std::string_view text) {
+  std::string_view digits = text;
+  const bool negative = digits.starts_with('-');
+  if (digits.starts_with('+') || negative) digits.remove_prefix(1);
+  // YAML's spellings of infinity and NaN, so that a range check can reject them by name.
+  std::string lower(digits);
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  if (lower == ".inf") return negative ? -kInfinity : kInfinity;
+  if (lower == ".nan") return std::nan("");
+  double value = 0.0;
+  const char* end = text.data() + text.size();
+  const char* start = text.starts_with('+') ? text.data() + 1 : text.data();
+  const auto [stop, error] = std::from_chars(start, end, value);
+  if (text.empty() || error != std::errc{} || stop != end) return std::nullopt;
+  return value;
+}
+
+std::optional<bool> parse_boolean(std::string_view text) {
+  std::string lower(text);
+  std::transform(lower.begin(), lower.end(), lower.begin(),
+                 [](unsigned char c) { return static_cast<char>(std::tolower(c)); });
+  // YAML 1.1's spellings, which yaml-cpp also accepts.
+  if (lower == "true" || lower == "yes" || lower == "on") return true;
+  if (lower == "false" || lower == "no" || lower == "off") return false;
+  return std::nullopt;
+}
+
+std::string yaml_quoted(std::string_view text) {
+  std::string quoted = "\"";
+  for (char c : text) {
+    if (c == '"' || c == '\\') quoted += '\\';
+    quoted += c;
+  }
+  return quoted + "\"";
+}
+
+ConfigKey make_key(std::string_view name, ConfigSection section, ValueType type,
+                   std::string expected, std::string_view meaning, std::string_view details) {
+  ConfigKey key;
+  key.name = name;
+  key.section = section;
+  key.type = type;
+  key.expected = std::move(expected);
+  key.meaning = meaning;
+  key.details = details;
+  return key;
+}
+
+constexpr int64_t kNoMax = std::numeric_limits<int64_t>::max();
+
+struct IntegerRange {
+  int64_t min;
+  int64_t max = kNoMax;
+};
+
+template <typename Access>
+ConfigKey integer_key(std::string_view name, ConfigSection section, Access access,
+                      IntegerRange range, std::string_view meaning, std::string_view details = {}) {
+  using Field = FieldOf<Access>;
+  const bool bounded = range.max != kNoMax;
+  // An int field cannot hold more than INT_MAX even when the key sets no maximum.
+  const int64_t field_max =
+      std::min<int64_t>(range.max, static_cast<int64_t>(std::numeric_limits<Field>::max()));
+  std::string expected = bounded ? fmt::format("an integer in [{}, {}]", range.min, range.max)
+                                 : fmt::format("an integer >= {}", range.min);
+  ConfigKey key = make_key(name, section, ValueType::Integer, expected, meaning, details);
+  key.set = [access, range, bounded, field_max, expected](
+                TrainConfig& config, std::string_view text) -> std::optional<std::string> {
+    const std::optional<int64_t> value = parse_integer(text);
+    if (!value) return fmt::format("expected {}, found '{}'", expected, text);
+    if (bounded && (*value < range.min || *value > range.max)) {
+      return fmt::format("must be in [{}, {}], found {}", range.min, range.max, *value);
+    }
+    if (*value < range.min) return fmt::format("must be at least {}, found {}", range.min, *value);
+    if (*value > field_max) return fmt::format("must be at most {}, found {}", field_max, *value);
+    access(config) = static_cast<Field>(*value);
+    return std::nullopt;
+  };
+  key.get = [access](const TrainConfig& config) { return fmt::format("{}", access(config)); };
+  return key;
+}
+
+struct NumberRange {
+  double min;
+  bool min_excluded = false;
+  double max = kInfinity;
+  bool max_excluded = false;
+};
+
+template <typename Access>
+ConfigKey number_key(std::string_view name, ConfigSection section, Access access, NumberRange range,
+                     std::string_view meaning, std::string_view details = {}) {
+  using Field = FieldOf<Access>;
+  std::string expected =
+      std::isinf(range.max)
+          ? fmt::format("a finite number {} {}", range.min_excluded ? ">" : ">=", range.min)
+          : fmt::format("a number in {}{}, {}{}", range.min_excluded ? '(' : '[', range.min,
+                        range.max, range.max_excluded ? ')' : ']');
+  ConfigKey key = make_key(name, section, ValueType::Number, expected, meaning, details);
+  key.set = [access, range, expected](TrainConfig& config,
+                                      std::string_view text) -> std::optional<std::string> {
+    const std::optional<double> parsed = parse_number(text);
+    if (!parsed) return fmt::format("expected {}, found '{}'", expected, text);
+    const Field value = static_cast<Field>(*parsed);
+    const bool above_min = range.min_excluded ? value > range.min : value >= range.min;
+    const bool below_max = range.max_excluded ? value < range.max : value <= range.max;
+    // NaN fails both comparisons; infinity fails the finiteness check.
+    if (!std::isfinite(value) || !above_min || !below_max) {
+      return fmt::format("must be {}, found {}", expected, value);
+    }
+    access(config) = value;
+    return std::nullopt;
+  };
+  key.get = [access](const TrainConfig& config) { return fmt::format("{}", access(config)); };
+  return key;
+}
+
+// `rejected_true`: why true is not possible yet; empty when it is.
+template <typename Access>
+ConfigKey boolean_key(std::string_view name, ConfigSection section, Access access,
+                      std::string_view meaning, std::string_view details = {},
+                      std::string_view rejected_true = {}) {
+  ConfigKey key = make_key(name, section, ValueType::Boolean, "true or false", meaning, details);
+  key.bare_flag_value = "true";
+  key.set = [access, rejected_true](TrainConfig& config,
+                                    std::string_view text) -> std::optional<std::string> {
+    const std::optional<bool> value = parse_boolean(text);
+    if (!value) return fmt::format("expected true or false, found '{}'", text);
+    if (*value && !rejected_true.empty()) return std::string(rejected_true);
+    access(config) = *value;
+    return std::nullopt;
+  };
+  key.get = [access](const TrainConfig& config) {
+    return std::string(access(config) ? "true" : "false");
+  };
+  return key;
+}
+
+// `check` returns what is wrong with a value, or nothing.
+using StringCheck = std::optional<std::string> (*)(std::string_view);
+
+template <typename Access>
+ConfigKey string_key(std::string_view name, ConfigSection section, Access access,
+                     std::string_view meaning, StringCheck check = nullptr) {
+  ConfigKey key = make_key(name, section, ValueType::String, "a string", meaning, {});
+  key.set = [access, check](TrainConfig& config,
+                            std::string_view text) -> std::optional<std::string> {
+    if (check != nullptr) {
+      if (std::optional<std::string> problem = check(text)) return problem;
+    }
+    access(config) = std::string(text);
+    return std::nullopt;
+  };
+  key.get = [access](const TrainConfig& config) { return yaml_quoted(access(config)); };
+  return key;
+}
+
+template <typename Access, typename Enum>
+ConfigKey choice_key(std::string_view name, ConfigSection section, Access access,
+                     Choices<Enum> choices, std::string_view meaning, std::string_view details = {},
+                     std::span<const ValueAdvice> advice = {}) {
+  ConfigKey key = make_key(name, section, ValueType::Choice,
+                           fmt::format("one of {}", names_of(choices)), meaning, details);
+  key.set = [access, choices, advice](TrainConfig& config,
+                                      std::string_view text) -> std::optional<std::string> {
+    for (const auto& [choice, value] : choices) {
+      if (choice == text) {
+        access(config) = value;
+        return std::nullopt;
+      }
+    }
+    std::string message = fmt::format("unknown value '{}'; allowed: {}", text, names_of(choices));
+    for (const ValueAdvice& entry : advice) {
+      if (entry.value == text) message += fmt::format(" ({})", entry.advice);
+    }
+    return message;
+  };
+  key.get = [access, choices](const TrainConfig& config) {
+    return std::string(name_in(choices, access(config)));
+  };
+  return key;
+}
+
+std::optional<std::string> check_run_name(std::string_view name) {
+  if (name.empty() || name == "." || name == ".." || name.find('/') != std::string_view::npos) {
+    return fmt::format("must name a folder (not empty, '.', '..', no '/'), found '{}'", name);
+  }
+  return std::nullopt;
+}
+
+std::optional<std::string> check_not_empty(std::string_view text) {
+  if (text.empty()) return std::string("must not be empty");
+  return std::nullopt;
+}
+
+std::optional<std::string> check_window_pattern(std::string_view pattern) {
+  if (pattern.empty() || pattern.find_first_not_of("SL") != std::string_view::npos) {
+    return fmt::format("only the letters S and L are allowed, found '{}'", pattern);
+  }
+  return std::nullopt;
+}
+
+constexpr ValueAdvice kRecipeAdvice[] = {
+    {"rowwise",
+     "nanochat's rowwise, a scale per row, is not implemented; blockwise, a scale per 1x128 "
+     "block, is the closest"}};
+constexpr ValueAdvice kDeviceAdvice[] = {{"mps", "Apple GPUs are not supported; use cpu"}};
+
+constexpr std::string_view kAttentionInBf16 =
+    "true is not supported yet: attention runs in BF16 until the GPU attention kernel lands";
+
+// Details of the fp8 keys, for the docs.
+
+constexpr std::string_view kFp8Details =
+    R"(Which tensors of a linear layer are FP8, and in which format.
+
+- `none` (the default for training): BF16 training; the other fp8 keys are read and checked
+  but have no effect.
+- `e4m3`: input, weight and grad_output in E4M3.
+- `hybrid`: input and weight (the forward pass) in E4M3, grad_output (the backward pass) in
+  E5M2, whose wider range suits gradients. nanochat's `--fp8` is this, and so is `--fp8` alone
+  on the command line.
+
+`fp8train check-numerics --config FILE` and `fp8train model` read the same fp8 keys; for
+them, `fp8` defaults to `hybrid`.)";
+
+constexpr std::string_view kRecipeDetails =
+    R"(How scales are chosen (the exact rules are in [numerics.md](numerics.md)).
+
+- `delayed`: one scale per tensor, from the amaxes of earlier steps (an amax history updated
+  once per optimizer step). Uses `fp8_amax_history_len`, `fp8_amax_compute_algo`, `fp8_margin`.
+- `tensorwise` (default): one scale per tensor, from that tensor's own amax ("current
+  scaling"), as nanochat's default recipe. Uses `fp8_power_of_2_scales`, `fp8_amax_epsilon`.
+- `blockwise`: one fp32 scale per 1×128 block (activations, gradients) or 128×128 tile
+  (weights), each from its block's amax (DeepSeek-V3 style). Uses `fp8_power_of_2_scales`,
+  `fp8_amax_epsilon`.
+- `mxfp8`: one E8M0 (power of two) scale per 1×32 block. Hopper has no MX GEMM, so the recipe's
+  GEMMs are emulated there; the numerics are identical.
+
+nanochat's `rowwise` (a scale per row) is not implemented; `blockwise` is the closest.)";
+
+constexpr std::string_view kHistoryDetails =
+    R"(Delayed scaling only. How many steps of amax the history keeps; the scale comes from the
+maximum over the history (or the latest entry, see `fp8_amax_compute_algo`). A step in which
+the tensor did not run (amax 0) does not enter the history.)";
+
+constexpr std::string_view kAmaxAlgoDetails =
+    R"(Delayed scaling only. Which amax the scale is computed from:
+
+- `max` (default): the maximum over the history (NaN entries skipped);
+- `most_recent`: this step's amax.)";
+
+constexpr std::string_view kMarginDetails =
+    R"(Delayed scaling only. Headroom in powers of two: scale = (format max · 2^-margin) / amax, so a
+margin of 1 leaves room for the amax to double before values saturate. `.nan`, `.inf` and
+negative values are errors.)";
+
+constexpr std::string_view kFamilyDetails = R"(Which family of 8-bit formats to use; all recipes.
+
+- `auto` (default): from the device: OCP (`e4m3`, `e5m2`) on NVIDIA GPUs (`sm_XX`), AMD gfx950
+  and the CPU; fnuz (`e4m3fnuz`, `e5m2fnuz`) on AMD gfx942.
+- `ocp`: the OCP formats (E4M3 max 448, E5M2 max 57344).
+- `fnuz`: AMD's fnuz formats (E4M3FNUZ max 240, E5M2FNUZ max 57344; one NaN, no negative zero).
+
+`fp8train doctor` shows what `auto` resolves to on a machine.)";
+
+constexpr std::string_view kPowerOf2Details =
+    R"(Rounds each scale down to a power of two, so that scaling and unscaling are exact (only the
+exponent changes). `auto` (default) takes the recipe's default: `true` for `blockwise`, `false`
+for `tensorwise`. Used by `tensorwise` and `blockwise`. `mxfp8` scales are always powers of two
+(E8M0), so `false` together with `fp8_recipe: mxfp8` is an error; `true` or `false` with
+`fp8_recipe: delayed` is an error too, since delayed scaling takes its scale from the amax
+history and never rounds it.)";
+
+constexpr std::string_view kEpsilonDetails =
+    R"(A floor for the amax in current scaling: an amax below it counts as the epsilon, which keeps a
+near-zero tensor or block from getting an enormous scale. 0 means no floor. Used by
+`tensorwise` and `blockwise` (per block); a non-zero value with `delayed` or `mxfp8` is an
+error. With an epsilon above zero, an all-zero tensor gets scale max / epsilon (as in
+Transformer Engine); with epsilon 0 it gets scale 1.)";
+
+constexpr std::string_view kWgradDetails =
+    R"(The weight-gradient GEMM of each FP8 linear layer (dW = dYᵀ·X). `true`: in FP8, from the
+quantized grad_output and input like the other two GEMMs. `false`: in BF16 (dY and X rounded
+to bf16, fp32 accumulation), as Megatron's `--no-fp8-wgrad`; the forward and input-gradient
+GEMMs stay FP8.)";
+
+constexpr std::string_view kDotProductAttentionDetails =
+    R"(Megatron's switch for FP8 in the attention products (QKᵀ and PV, with FP8 Q, K, V). Attention
+runs in BF16 until the GPU attention kernel lands, so only `false` is accepted for now; `true`
+is an error that says so.)";
+
+constexpr std::string_view kMultiHeadAttentionDetails =
+    R"(Megatron's switch for FP8 across the whole attention block: the QKV projection hands its output
+to attention in FP8, and attention hands its output to the output projection in FP8, without
+BF16 round trips. Attention runs in BF16 until the GPU attention kernel lands, so only `false`
+is accepted for now; `true` is an error that says so.)";
+
+constexpr std::string_view kEdgeLayersDetails =
+    R"(Primus's precision override: with `first_last_layers_bf16: true`, the linear layers of the
+first `num_layers_at_start_in_bf16` and the last `num_layers_at_end_in_bf16` transformer
+blocks stay in BF16 while the rest run in FP8. `fp8train model` shows which layers result.)";
+
+constexpr std::string_view kLmHeadDetails =
+    R"(nanochat's size filter (both dimensions at least 128 and divisible by 16) lets lm_head
+through, so it runs in FP8 by default (at d24, 145 of 158 linears are FP8). `false` keeps it
+in BF16, as torchtitan does by default. Gates (`ve_gate`, `smear_gate`) always stay in BF16.)";
+
+std::vector<ConfigKey> build_keys() {
+  using S = ConfigSection;
+  std::vector<ConfigKey> keys;
+  // run
+  keys.push_back(string_key(
+      "run", S::Run, [](auto& c) -> auto& { return c.run.name; },
+      "Name of the run; its folder output_dir/run holds the checkpoints, the resolved "
+      "config.yaml and the logs.",
+      check_run_name));
+  keys.push_back(string_key(
+      "output_dir", S::Run, [](auto& c) -> auto& { return c.run.output_dir; },
+      "Folder that holds the run folders.", check_not_empty));
+  keys.push_back(integer_key(
+      "resume_from_step", S::Run, [](auto& c) -> auto& { return c.run.resume_from_step; }, {-1},
+      "Resume from the run folder's checkpoint of this step; -1: a fresh run."));
+  keys.push_back(boolean_key(
+      "overwrite", S::Run, [](auto& c) -> auto& { return c.run.overwrite; },
+      "A fresh run in a run folder that holds checkpoints deletes them; false: that is an "
+      "error."));
+  keys.push_back(integer_key(
+      "save_every", S::Run, [](auto& c) -> auto& { return c.run.save_every; }, {-1},
+      "Save a checkpoint every N steps; -1 or 0: only at the end (the final checkpoint is always "
+      "saved)."));
+  keys.push_back(integer_key(
+      "log_every", S::Run, [](auto& c) -> auto& { return c.run.log_every; }, {1},
+      "Print the loss, throughput and MFU every N steps."));
+  keys.push_back(integer_key(
+      "sample_tokens", S::Run, [](auto& c) -> auto& { return c.run.sample_tokens; }, {0},
+      "Tokens to generate from the trained model at the end; 0: no sample."));
+  keys.push_back(integer_key(
+      "eval_every", S::Run, [](auto& c) -> auto& { return c.run.eval_every; }, {-1},
+      "Evaluate the validation loss every N steps and at the end; -1 or 0: never."));
+  keys.push_back(integer_key(
+      "eval_iters", S::Run, [](auto& c) -> auto& { return c.run.eval_iters; }, {1},
+      "Micro-batches (of micro_batch_size sequences) per evaluation."));
+  keys.push_back(choice_key(
+      "device", S::Run, [](auto& c) -> auto& { return c.run.device; },
+      Choices<DeviceChoice>(kDevices),
+      "Where to train: cuda (the GPU path), cpu (the reference path), auto: cuda when a GPU is "
+      "present, else cpu.",
+      {}, kDeviceAdvice));
+  // model
+  keys.push_back(integer_key(
+      "depth", S::Model, [](auto& c) -> auto& { return c.model.depth; }, {1, 1000},
+      "Number of transformer blocks; the width follows from it (nanochat's one size knob)."));
+  keys.push_back(integer_key(
+      "aspect_ratio", S::Model, [](auto& c) -> auto& { return c.model.aspect_ratio; }, {1, 4096},
+      "model_dim = depth × aspect_ratio, rounded up to a multiple of head_dim."));
+  keys.push_back(integer_key(
+      "head_dim", S::Model, [](auto& c) -> auto& { return c.model.head_dim; }, {2, 1024},
+      "Channels per attention head (even, for rotary); heads = model_dim / head_dim."));
+  keys.push_back(integer_key(
+      "vocab_size", S::Model, [](auto& c) -> auto& { return c.model.vocab_size; }, {2, 1 << 24},
+      "Vocabulary size before padding to a multiple of 64; the tokenizer's size."));
+  keys.push_back(integer_key(
+      "sequence_len", S::Model, [](auto& c) -> auto& { return c.model.sequence_len; }, {2, 1 << 20},
+      "Tokens per training sequence (the context length)."));
+  keys.push_back(string_key(
+      "window_pattern", S::Model, [](auto& c) -> auto& { return c.model.window_pattern; },
+      "Attention windows tiled over the layers: L the full sequence, S a quarter of it (in "
+      "tiles of 128); the last layer is always L.",
+      check_window_pattern));
+  // data
+  keys.push_back(string_key(
+      "data_path", S::Data, [](auto& c) -> auto& { return c.data.data_path; },
+      "Folder of token shards to train on; empty: the built-in corpus."));
+  keys.push_back(string_key(
+      "tokenizer_path", S::Data, [](auto& c) -> auto& { return c.data.tokenizer_path; },
+      "Tokenizer file; empty: the data source's default tokenizer."));
+  // training
+  keys.push_back(integer_key(
+      "micro_batch_size", S::Training, [](auto& c) -> auto& { return c.training.micro_batch_size; },
+      {1, 1 << 20},
+      "Sequences per device in one forward/backward pass (nanochat's device batch size)."));
+  keys.push_back(integer_key(
+      "global_batch_size", S::Training,
+      [](auto& c) -> auto& { return c.training.global_batch_size; }, {0},
+      "Sequences per optimizer step over all devices, a multiple of micro_batch_size × devices; "
+      "gradients accumulate over the micro-batches in between. 0: micro_batch_size × devices."));
+  keys.push_back(integer_key(
+      "train_iters", S::Training, [](auto& c) -> auto& { return c.training.train_iters; }, {1},
+      "Optimizer steps to train for (nanochat derives its count from a data:param ratio; here "
+      "it is explicit)."));
+  keys.push_back(integer_key(
+      "seed", S::Training, [](auto& c) -> auto& { return c.training.seed; }, {0},
+      "Seed of the parameter initialization and the data order."));
+  // optimizer
+  keys.push_back(choice_key(
+      "optimizer", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.kind; },
+      Choices<OptimizerKind>(kOptimizers),
+      "muon: nanochat's MuonAdamW (Muon for the block matrices; AdamW for embeddings, lm_head "
+      "and scalars with nanochat's per-group betas); adamw: AdamW for every parameter."));
+  keys.push_back(number_key(
+      "lr", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.lr; }, {0, true},
+      "muon: the block matrices' learning rate (nanochat's --matrix-lr); adamw: every "
+      "parameter's."));
+  keys.push_back(number_key(
+      "embedding_lr", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.embedding_lr; },
+      {0, true}, "muon: the embeddings' AdamW learning rate, as nanochat's --embedding-lr."));
+  keys.push_back(number_key(
+      "unembedding_lr", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.unembedding_lr; },
+      {0, true}, "muon: lm_head's AdamW learning rate, as nanochat's --unembedding-lr."));
+  keys.push_back(number_key(
+      "scalar_lr", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.scalar_lr; }, {0, true},
+      "muon: the residual scalars' learning rate, as nanochat's --scalar-lr."));
+  keys.push_back(number_key(
+      "min_lr", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.min_lr; }, {0},
+      "cosine decay: the learning rate at the last step, at most lr; each group decays to the "
+      "same fraction min_lr / lr of its rate."));
+  keys.push_back(number_key(
+      "weight_decay", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.weight_decay; }, {0},
+      "muon: the block matrices' cautious weight decay, as nanochat's --weight-decay: the value "
+      "at nanochat's reference (d12, 2^19 tokens per step), scaled as nanochat scales it by "
+      "sqrt(tokens per step / 2^19) x D_ref / D (D: 12 tokens per scaling parameter) and by a "
+      "cosine over the run; adamw: AdamW's decoupled decay, as given."));
+  keys.push_back(number_key(
+      "adam_beta1", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.adam_beta1; },
+      {0, false, 1, true}, "adamw: β1 (muon keeps nanochat's per-group betas)."));
+  keys.push_back(number_key(
+      "adam_beta2", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.adam_beta2; },
+      {0, false, 1, true}, "adamw: β2."));
+  keys.push_back(number_key(
+      "adam_eps", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.adam_eps; }, {0, true},
+      "adamw: ε."));
+  keys.push_back(number_key(
+      "clip_grad", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.clip_grad; }, {0},
+      "Clip the global gradient norm to this value; 0: no clipping (as nanochat)."));
+  // schedule
+  keys.push_back(integer_key(
+      "lr_warmup_iters", S::Schedule, [](auto& c) -> auto& { return c.schedule.lr_warmup_iters; },
+      {0}, "Steps of linear warmup: the multiplier is (step + 1) / lr_warmup_iters."));
+  keys.push_back(choice_key(
+      "lr_decay_style", S::Schedule, [](auto& c) -> auto& { return c.schedule.lr_decay_style; },
+      Choices<optim::LrDecayStyle>(kDecayStyles),
+      "After warmup. nanochat: constant, then linear over the last lr_warmdown_ratio of the "
+      "steps down to final_lr_frac; cosine: down to min_lr at the last step; constant: no "
+      "decay."));
+  keys.push_back(number_key(
+      "lr_warmdown_ratio", S::Schedule,
+      [](auto& c) -> auto& { return c.schedule.lr_warmdown_ratio; }, {0, false, 1},
+      "nanochat decay: the fraction of the steps spent in the warmdown."));
+  keys.push_back(number_key(
+      "final_lr_frac", S::Schedule, [](auto& c) -> auto& { return c.schedule.final_lr_frac; },
+      {0, false, 1}, "nanochat decay: the learning-rate multiplier at the last step."));
+  // fp8
+  ConfigKey mode = choice_key(
+      "fp8", S::Fp8, [](auto& c) -> auto& { return c.fp8.scaling.mode; },
+      Choices<Fp8Mode>(kFp8ModeNames),
+      "Which tensors of the linear layers are FP8: none (BF16 training), e4m3, or hybrid (E4M3 "
+      "forward, E5M2 gradients).",
+      kFp8Details);
+  mode.bare_flag_value = "hybrid";
+  keys.push_back(std::move(mode));
+  keys.push_back(choice_key(
+      "fp8_recipe", S::Fp8, [](auto& c) -> auto& { return c.fp8.scaling.recipe; },
+      Choices<ScalingRecipe>(kScalingRecipeNames), "How scales are chosen.", kRecipeDetails,
+      kRecipeAdvice));
+  keys.push_back(integer_key(
+      "fp8_amax_history_len", S::Fp8,
+      [](auto& c) -> auto& { return c.fp8.scaling.amax_history_len; }, {1},
+      "delayed: steps of amax the history keeps.", kHistoryDetails));
+  keys.push_back(choice_key(
+      "fp8_amax_compute_algo", S::Fp8,
+      [](auto& c) -> auto& { return c.fp8.scaling.amax_compute_algo; },
+      Choices<AmaxComputeAlgo>(kAmaxComputeAlgoNames),
+      "delayed: the amax of the scale, the history's maximum or the latest.", kAmaxAlgoDetails));
+  keys.push_back(number_key(
+      "fp8_margin", S::Fp8, [](auto& c) -> auto& { return c.fp8.scaling.margin; }, {0},
+      "delayed: headroom in powers of two.", kMarginDetails));
+  keys.push_back(choice_key(
+      "fp8_dtype_family", S::Fp8, [](auto& c) -> auto& { return c.fp8.scaling.dtype_family; },
+      Choices<FamilySetting>(kFamilySettingNames), "OCP or fnuz formats.", kFamilyDetails));
+  ConfigKey power_of_2 =
+      make_key("fp8_power_of_2_scales", S::Fp8, ValueType::Boolean,
+               "true or false (or auto: the recipe's default)",
+               "tensorwise, blockwise: round scales down to powers of two.", kPowerOf2Details);
+  power_of_2.set = [](TrainConfig& config, std::string_view text) -> std::optional<std::string> {
+    if (text == "auto") {
+      config.fp8.scaling.power_of_2_scales.reset();
+      return std::nullopt;
+    }
+    const std::optional<bool> value = parse_boolean(text);
+    if (!value) {
+      return fmt::format("expected true or false (or auto: the recipe's default), found '{}'",
+                         text);
+    }
+    config.fp8.scaling.power_of_2_scales = *value;
+    return std::nullopt;
+  };
+  power_of_2.get = [](const TrainConfig& config) {
+    const std::optional<bool> value = config.fp8.scaling.power_of_2_scales;
+    return std::string(!value ? "auto" : *value ? "true" : "false");
+  };
+  power_of_2.bare_flag_value = "true";
+  keys.push_back(std::move(power_of_2));
+  keys.push_back(number_key(
+      "fp8_amax_epsilon", S::Fp8, [](auto& c) -> auto& { return c.fp8.scaling.amax_epsilon; }, {0},
+      "tensorwise, blockwise: a floor for the amax.", kEpsilonDetails));
+  keys.push_back(boolean_key(
+      "fp8_wgrad", S::Fp8, [](auto& c) -> auto& { return c.fp8.wgrad; },
+      "The weight-gradient GEMM in FP8; false: in BF16.", kWgradDetails));
+  keys.push_back(boolean_key(
+      "fp8_dot_product_attention", S::Fp8,
+      [](auto& c) -> auto& { return c.fp8.dot_product_attention; },
+      "FP8 attention products (reserved: only false for now).", kDotProductAttentionDetails,
+      kAttentionInBf16));
+  keys.push_back(boolean_key(
+      "fp8_multi_head_attention", S::Fp8,
+      [](auto& c) -> auto& { return c.fp8.multi_head_attention; },
+      "FP8 between the attention block's operations (reserved: only false for now).",
+      kMultiHeadAttentionDetails, kAttentionInBf16));
+  keys.push_back(boolean_key(
+      "lm_head_fp8", S::Fp8, [](auto& c) -> auto& { return c.fp8.lm_head_fp8; },
+      "lm_head in FP8 (nanochat); false: in BF16.", kLmHeadDetails));
+  keys.push_back(boolean_key(
+      "first_last_layers_bf16", S::Fp8,
+      [](auto& c) -> auto& { return c.fp8.first_last_layers_bf16; },
+      "Keep the first and last blocks in BF16 (Primus).", kEdgeLayersDetails));
+  keys.push_back(integer_key(
+      "num_layers_at_start_in_bf16", S::Fp8,
+      [](auto& c) -> auto& { return c.fp8.num_layers_at_start_in_bf16; }, {0, 1000},
+      "With first_last_layers_bf16: blocks at the start kept in BF16."));
+  keys.push_back(integer_key(
+      "num_layers_at_end_in_bf16", S::Fp8,
+      [](auto& c) -> auto& { return c.fp8.num_layers_at_end_in_bf16; }, {0, 1000},
+      "With first_last_layers_bf16: blocks at the end kept in BF16."));
+  return keys;
+}
+
+constexpr FlagAlias kAliases[] = {
+    {"device_batch_size", "micro_batch_size"},
+    {"total_batch_size", "global_batch_size", true},
+    {"num_iterations", "train_iters"},
+    {"max_seq_len", "sequence_len"},
+    {"matrix_lr", "lr"},
+    {"warmup_steps", "lr_warmup_iters"},
+    {"warmdown_ratio", "lr_warmdown_ratio"},
+    {"device_type", "device"},
+};
+
+// nanochat settings that are done differently here.
+constexpr ValueAdvice kNameAdvice[] = {
+    {"target_param_data_ratio",
+     "nanochat's step count from a data:param ratio is not computed here; set train_iters"},
+    {"target_flops",
+     "nanochat's step count from a FLOP budget is not computed here; set "
+     "train_iters"},
+    {"eval_tokens", "evaluations are counted in micro-batches here: eval_iters"},
+    {"model_tag", "the run folder is named by run"},
+};
+
+size_t edit_distance(std::string_view a, std::string_view b) {
+  std::vector<size_t> row(b.size() + 1);
+  for (size_t j = 0; j <= b.size(); ++j)
+    row[j] = j;
+  for (size_t i = 1; i <= a.size(); ++i) {
+    size_t diagonal = row[0];
+    row[0] = i;
+    for (size_t j = 1; j <= b.size(); ++j) {
+      const size_t substitution = diagonal + (a[i - 1] == b[j - 1] ? 0 : 1);
+      diagonal = row[j];
+      row[j] = std::min({row[j] + 1, row[j - 1] + 1, substitution});
+    }
+  }
+  return row[b.size()];
+}
+
+}  // namespace
+
+std::optional<int64_t> parse_integer(std::string_view text) {
+  if (text.starts_with('+')) text.remove_prefix(1);
+  int64_t value = 0;
+  const char* end = text.data() + text.size();
+  const auto [stop, error] = std::from_chars(text.data(), end, value);
+  if (text.empty() || error != std::errc{} || stop != end) return std::nullopt;
+  return value;
+}
+
+std::string_view section_name(ConfigSection section) {
+  switch (section) {
+    case ConfigSection::Run:
+      return "run";
+    case ConfigSection::Model:
+      return "model";
+    case ConfigSection::Data:
+      return "data";
+    case ConfigSection::Training:
+      return "training";
+    case ConfigSection::Optimizer:
+      return "optimizer";
+    case ConfigSection::Schedule:
+      return "schedule";
+    case ConfigSection::Fp8:
+      return "fp8";
+  }
+  return "?";
+}
+
+std::string_view section_summary(ConfigSection section) {
+  switch (section) {
+    case ConfigSection::Run:
+      return "The run's name and folder, checkpoints, logging, evaluation, device.";
+    case ConfigSection::Model:
+      return "The nanochat GPT's shape.";
+    case ConfigSection::Data:
+      return "What to train on.";
+    case ConfigSection::Training:
+      return "Batch sizes, length of training, seed.";
+    case ConfigSection::Optimizer:
+      return "Optimizer, learning rates, weight decay, clipping.";
+    case ConfigSection::Schedule:
+      return "The learning-rate schedule.";
+    case ConfigSection::Fp8:
+      return "FP8 training: format, scaling recipe, which layers (Primus/Megatron names).";
+  }
+  return "?";
+}
+
+std::string_view value_type_name(ValueType type) {
+  switch (type) {
+    case ValueType::Integer:
+      return "integer";
+    case ValueType::Number:
+      return "number";
+    case ValueType::Boolean:
+      return "bool";
+    case ValueType::String:
+      return "string";
+    case ValueType::Choice:
+      return "choice";
+  }
+  return "?";
+}
+
+std::span<const ConfigKey> config_keys() {
+  static const std::vector<ConfigKey> keys = build_keys();
+  return keys;
+}
+
+const ConfigKey* find_config_key(std::string_view name) {
+  for (const ConfigKey& key : config_keys()) {
+    if (key.name == name) return &key;
+  }
+  return nullptr;
+}
+
+std::span<const FlagAlias> flag_aliases() {
+  return kAliases;
+}
+
+std::string unknown_key_advice(std::string_view name) {
+  for (const FlagAlias& alias : kAliases) {
+    if (alias.flag == name) {
+      return fmt::format("did you mean '{}'? (nanochat's {}{})", alias.key, alias.flag,
+                         alias.in_tokens ? ", in tokens" : "");
+    }
+  }
+  for (const ValueAdvice& entry : kNameAdvice) {
+    if (entry.value == name) return std::string(entry.advice);
+  }
+  // The closest key, when close enough to be a typo, or one that contains the name (a
+  // shortened key).
+  const size_t typo_distance = std::max<size_t>(2, name.size() / 3);
+  const ConfigKey* best = nullptr;
+  size_t best_distance = std::numeric_limits<size_t>::max();
+  for (const ConfigKey& key : config_keys()) {
+    const size_t distance = edit_distance(name, key.name);
+    const bool shortened = name.size() >= 4 && key.name.find(name) != std::string_view::npos;
+    if ((distance <= typo_distance || shortened) && distance < best_distance) {
+      best = &key;
+      best_distance = distance;
+    }
+  }
+  return best != nullptr ? fmt::format("did you mean '{}'?", best->name) : std::string();
+}
+
+}  // namespace fp8t

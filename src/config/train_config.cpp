@@ -1,0 +1,466 @@
+#include "config/train_config.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <ios>
+#include <map>
+#include <optional>
+#include <span>
+
+#include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
+
+#include "config/config_keys.h"
+#include "core/error.h"
+
+namespace fp8t {
+
+GptConfig TrainConfig::gpt_config() const {
+  GptConfig config;
+  config.n_layer = model.depth;
+  const int width = model.depth * model.aspect_ratio;
+  config.n_embd = (width + model.head_dim - 1) / model.head_dim * model.head_dim;
+  config.n_head = config.n_embd / model.head_dim;
+  config.n_kv_head = config.n_head;
+  config.vocab_size = model.vocab_size;
+  config.sequence_len = model.sequence_len;
+  config.window_pattern = model.window_pattern;
+  return config;
+}
+
+PrecisionOptions TrainConfig::precision_options() const {
+  PrecisionOptions options = fp8t::precision_options(fp8.scaling);
+  options.lm_head_fp8 = fp8.lm_head_fp8;
+  options.first_last_layers_bf16 = fp8.first_last_layers_bf16;
+  options.num_layers_at_start_in_bf16 = fp8.num_layers_at_start_in_bf16;
+  options.num_layers_at_end_in_bf16 = fp8.num_layers_at_end_in_bf16;
+  return options;
+}
+
+optim::OptimizerSettings TrainConfig::optimizer_settings() const {
+  optim::OptimizerSettings settings;
+  settings.kind = optimizer.kind;
+  settings.matrix_lr = optimizer.lr;
+  settings.embedding_lr = optimizer.embedding_lr;
+  settings.unembedding_lr = optimizer.unembedding_lr;
+  settings.scalar_lr = optimizer.scalar_lr;
+  settings.weight_decay = optimizer.weight_decay;
+  settings.adamw = {.lr = optimizer.lr,
+                    .beta1 = optimizer.adam_beta1,
+                    .beta2 = optimizer.adam_beta2,
+                    .eps = optimizer.adam_eps,
+                    .weight_decay = optimizer.weight_decay};
+  return settings;
+}
+
+optim::LrSchedule TrainConfig::lr_schedule() const {
+  optim::LrSchedule result;
+  result.style = schedule.lr_decay_style;
+  result.total_iters = training.train_iters;
+  result.warmup_iters = schedule.lr_warmup_iters;
+  result.warmdown_ratio = schedule.lr_warmdown_ratio;
+  result.final_lr_frac = schedule.final_lr_frac;
+  result.min_lr_frac = optimizer.min_lr / optimizer.lr;
+  return result;
+}
+
+int64_t TrainConfig::global_batch_size(int world_size) const {
+  const int64_t per_step = training.micro_batch_size * world_size;
+  return training.global_batch_size == 0 ? per_step : training.global_batch_size;
+}
+
+int64_t TrainConfig::grad_accum_steps(int world_size) const {
+  return global_batch_size(world_size) / (training.micro_batch_size * world_size);
+}
+
+namespace {
+
+constexpr std::string_view kCommandLine = "command line";
+
+// A configuration being assembled, with where each key got its value ("file:line: key" or
+// "command line: --flag"), so that checks of the whole can point at the setting at fault.
+struct ConfigBuilder {
+  TrainConfig config;
+  std::map<std::string, std::string, std::less<>> origins;
+  std::string source = "defaults";  // the top-level file, or the command line
+
+  std::string origin(std::string_view key) const {
+    const auto found = origins.find(key);
+    return found != origins.end() ? found->second : fmt::format("{}: {}", source, key);
+  }
+};
+
+// "file:line" of a node, or "file" when the node was not read from text.
+std::string location(std::string_view file, const YAML::Node& node) {
+  const YAML::Mark mark = node.Mark();
+  if (mark.is_null() || mark.line < 0) return std::string(file);
+  return fmt::format("{}:{}", file, mark.line + 1);
+}
+
+std::string_view node_kind(const YAML::Node& node) {
+  if (node.IsSequence()) return "a list";
+  if (node.IsMap()) return "a mapping";
+  return "nothing";
+}
+
+// Sets `key` from a YAML value; `where` is "file:line: key".
+void set_from_yaml(TrainConfig& config, const ConfigKey& key, const YAML::Node& value,
+                   const std::string& where) {
+  std::string text;
+  if (value.IsScalar()) {
+    text = value.Scalar();
+  } else if (!(value.IsNull() && key.type == ValueType::String)) {  // `data_path:` is empty
+    throw ConfigError(
+        fmt::format("{}: expected {}, found {}", where, key.expected, node_kind(value)));
+  }
+  if (std::optional<std::string> problem = key.set(config, text)) {
+    throw ConfigError(fmt::format("{}: {}", where, *problem));
+  }
+}
+
+std::optional<ConfigSection> section_named(std::string_view name) {
+  for (ConfigSection section : kConfigSections) {
+    if (section_name(section) == name) return section;
+  }
+  return std::nullopt;
+}
+
+std::string key_name(const YAML::Node& key_node, std::string_view file) {
+  if (!key_node.IsScalar()) {
+    throw ConfigError(fmt::format("{}: expected a key name, found {}", location(file, key_node),
+                                  node_kind(key_node)));
+  }
+  return key_node.Scalar();
+}
+
+// The entries of a mapping that set keys, with the section they sit in (none at the top level).
+// A top-level entry named like a section is the section when its value is a mapping; `fp8` and
+// `optimizer` are also keys, so a scalar there is the key (and for other sections an error).
+struct KeyEntry {
+  YAML::Node key;
+  YAML::Node value;
+  std::optional<ConfigSection> section;
+};
+
+std::vector<KeyEntry> key_entries(const YAML::Node& root, std::string_view file) {
+  std::vector<KeyEntry> entries;
+  for (const auto& entry : root) {
+    const std::string name = key_name(entry.first, file);
+    const std::optional<ConfigSection> section = section_named(name);
+    if (section && entry.second.IsMap()) {
+      for (const auto& inner : entry.second)
+        entries.push_back({inner.first, inner.second, section});
+    } else {
+      entries.push_back({entry.first, entry.second, std::nullopt});
+    }
+  }
+  return entries;
+}
+
+// Looks the entry's key up and checks its section; "file:line: key" prefixes the errors.
+const ConfigKey& known_key(const KeyEntry& entry, std::string_view file, std::string_view advice) {
+  const std::string name = key_name(entry.key, file);
+  const std::string where = fmt::format("{}: {}", location(file, entry.key), name);
+  const ConfigKey* key = find_config_key(name);
+  if (key == nullptr && section_named(name) && !entry.section) {
+    throw ConfigError(fmt::format("{}: expected a mapping of the {} section's keys, found {}",
+                                  where, name,
+                                  entry.value.IsScalar() ? "'" + entry.value.Scalar() + "'"
+                                                         : std::string(node_kind(entry.value))));
+  }
+  if (key == nullptr) {
+    throw ConfigError(
+        fmt::format("{}: unknown key{}{}", where, advice.empty() ? "" : "; ", advice));
+  }
+  if (entry.section && key->section != *entry.section) {
+    throw ConfigError(fmt::format("{}: belongs in the {} section, not in {}", where,
+                                  section_name(key->section), section_name(*entry.section)));
+  }
+  return *key;
+}
+
+// yaml-cpp's errors, as configuration errors that name the file. `included_by` is "file:line:
+// base" when the file is another's base.
+YAML::Node read_yaml_file(const std::string& path, std::string_view included_by) {
+  const auto cannot_read = [&](std::string_view reason) {
+    if (included_by.empty()) {
+      return ConfigError(fmt::format("{}: cannot read the config file: {}", path, reason));
+    }
+    return ConfigError(fmt::format("{}: cannot read '{}': {}", included_by, path, reason));
+  };
+  try {
+    return YAML::LoadFile(path);
+  } catch (const YAML::BadFile&) {
+    // yaml-cpp does not say why the file could not be opened; access() does.
+    throw cannot_read(::access(path.c_str(), R_OK) != 0 ? std::strerror(errno)
+                                                        : "cannot be opened");
+  } catch (const std::ios_base::failure& error) {  // opened, but reading failed (a directory)
+    throw cannot_read(error.what());
+  } catch (const YAML::Exception& error) {
+    if (error.mark.is_null()) throw ConfigError(fmt::format("{}: {}", path, error.msg));
+    throw ConfigError(fmt::format("{}:{}:{}: invalid YAML: {}", path, error.mark.line + 1,
+                                  error.mark.column + 1, error.msg));
+  }
+}
+
+constexpr std::string_view kBaseKey = "base";
+
+// Loads `path` into the builder: its base first, then its own keys. `chain` holds the files
+// that include this one, to catch a cycle.
+void load_file(ConfigBuilder& builder, const std::string& path, std::string_view included_by,
+               std::vector<std::filesystem::path>& chain) {
+  const YAML::Node root = read_yaml_file(path, included_by);
+  if (!root || root.IsNull()) return;
+  if (!root.IsMap()) {
+    throw ConfigError(
+        fmt::format("{}: expected a mapping of keys to values at the top level", path));
+  }
+  chain.push_back(std::filesystem::weakly_canonical(path));
+  for (const auto& entry : root) {
+    if (key_name(entry.first, path) != kBaseKey) continue;
+    const std::string where = fmt::format("{}: base", location(path, entry.first));
+    if (!entry.second.IsScalar() || entry.second.Scalar().empty()) {
+      throw ConfigError(
+          fmt::format("{}: expected a file name, found {}", where, node_kind(entry.second)));
+    }
+    const std::string base = (std::filesystem::path(path).parent_path() / entry.second.Scalar())
+                                 .lexically_normal()
+                                 .string();
+    if (std::find(chain.begin(), chain.end(), std::filesystem::weakly_canonical(base)) !=
+        chain.end()) {
+      throw ConfigError(
+          fmt::format("{}: '{}' is already being loaded: the bases form a cycle", where, base));
+    }
+    load_file(builder, base, where, chain);
+  }
+  std::map<std::string, int64_t, std::less<>> lines;  // a key given twice in one file is an error
+  for (const KeyEntry& entry : key_entries(root, path)) {
+    if (!entry.section && key_name(entry.key, path) == kBaseKey) continue;
+    const ConfigKey& key = known_key(entry, path, unknown_key_advice(entry.key.Scalar()));
+    const std::string where = fmt::format("{}: {}", location(path, entry.key), key.name);
+    const int64_t line = entry.key.Mark().line + 1;
+    if (const auto [previous, inserted] = lines.emplace(key.name, line); !inserted) {
+      throw ConfigError(fmt::format("{}: given twice (also at line {})", where, previous->second));
+    }
+    set_from_yaml(builder.config, key, entry.value, where);
+    builder.origins[std::string(key.name)] = where;
+  }
+  chain.pop_back();
+}
+
+const FlagAlias* find_alias(std::string_view flag) {
+  for (const FlagAlias& alias : flag_aliases()) {
+    if (alias.flag == flag) return &alias;
+  }
+  return nullptr;
+}
+
+// Applies `--key=value`, `--key value` and `--flag` arguments in order; later ones win.
+void apply_overrides(ConfigBuilder& builder, std::span<const std::string> args) {
+  struct TokenBatch {
+    int64_t tokens;
+    std::string where;
+  };
+  std::optional<TokenBatch> token_batch;  // converted once sequence_len is final
+  std::string previous_bare_flag;         // for the hint on `--fp8 e4m3`
+  for (size_t i = 0; i < args.size(); ++i) {
+    const std::string& arg = args[i];
+    if (!arg.starts_with("--") || arg.size() == 2) {
+      std::string hint;
+      if (!previous_bare_flag.empty()) {
+        hint = fmt::format(" ({} takes a value only with '=': {}={})", previous_bare_flag,
+                           previous_bare_flag, arg);
+      }
+      throw ConfigError(fmt::format("{}: '{}': expected --key=value, --key value or --flag{}",
+                                    kCommandLine, arg, hint));
+    }
+    const size_t equals = arg.find('=');
+    const std::string flag = arg.substr(0, equals);
+    std::string name = flag.substr(2);
+    std::replace(name.begin(), name.end(), '-', '_');
+    const std::string where = fmt::format("{}: {}", kCommandLine, flag);
+    const FlagAlias* alias = find_alias(name);
+    const ConfigKey* key = find_config_key(alias != nullptr ? alias->key : name);
+    if (key == nullptr) {
+      const std::string advice = unknown_key_advice(name);
+      throw ConfigError(
+          fmt::format("{}: unknown key{}{}", where, advice.empty() ? "" : "; ", advice));
+    }
+    const bool in_tokens = alias != nullptr && alias->in_tokens;
+    std::string value;
+    previous_bare_flag.clear();
+    if (equals != std::string::npos) {
+      value = arg.substr(equals + 1);
+    } else if (!key->bare_flag_value.empty() && !in_tokens) {
+      value = key->bare_flag_value;
+      previous_bare_flag = flag;
+    } else if (i + 1 < args.size() && !args[i + 1].starts_with("--")) {
+      value = args[++i];
+    } else {
+      throw ConfigError(fmt::format("{}: expects a value: {}", where, key->expected));
+    }
+    if (in_tokens) {
+      const std::optional<int64_t> tokens = parse_integer(value);
+      if (!tokens || *tokens < 1) {
+        throw ConfigError(
+            fmt::format("{}: expected a number of tokens >= 1, found '{}'", where, value));
+      }
+      token_batch = TokenBatch{*tokens, where};
+      continue;
+    }
+    if (std::optional<std::string> problem = key->set(builder.config, value)) {
+      throw ConfigError(fmt::format("{}: {}", where, *problem));
+    }
+    builder.origins[std::string(key->name)] = where;
+    if (key->name == "global_batch_size") token_batch.reset();
+  }
+  if (token_batch) {
+    const int64_t sequence_len = builder.config.model.sequence_len;
+    if (token_batch->tokens % sequence_len != 0) {
+      throw ConfigError(
+          fmt::format("{}: {} tokens is not a whole number of sequences of sequence_len {}",
+                      token_batch->where, token_batch->tokens, sequence_len));
+    }
+    builder.config.training.global_batch_size = token_batch->tokens / sequence_len;
+    builder.origins["global_batch_size"] = token_batch->where;
+  }
+}
+
+// The checks of validate(); `origin(key)` prefixes a message about that key, `source` one about
+// several.
+void check_whole(const TrainConfig& config, int world_size,
+                 const std::function<std::string(std::string_view)>& origin,
+                 std::string_view source) {
+  FP8T_CHECK(world_size >= 1, "expected a world size >= 1, found {}", world_size);
+  const TrainingSection& training = config.training;
+  const int64_t per_step = training.micro_batch_size * world_size;
+  if (training.global_batch_size % per_step != 0) {
+    throw ConfigError(
+        fmt::format("{}: must be a multiple of micro_batch_size × devices ({} × {} = {}), found {}",
+                    origin("global_batch_size"), training.micro_batch_size, world_size, per_step,
+                    training.global_batch_size));
+  }
+  if (config.run.resume_from_step > training.train_iters) {
+    throw ConfigError(fmt::format("{}: must be at most train_iters ({}), found {}",
+                                  origin("resume_from_step"), training.train_iters,
+                                  config.run.resume_from_step));
+  }
+  if (config.optimizer.min_lr > config.optimizer.lr) {
+    throw ConfigError(fmt::format("{}: must be at most lr ({}), found {}", origin("min_lr"),
+                                  config.optimizer.lr, config.optimizer.min_lr));
+  }
+  if (config.model.head_dim % 2 != 0) {
+    throw ConfigError(fmt::format("{}: must be even (rotary), found {}", origin("head_dim"),
+                                  config.model.head_dim));
+  }
+  // The GPT's and the schedule's own checks name their fields; the source says where.
+  try {
+    config.gpt_config().validate();
+    config.lr_schedule().validate();
+  } catch (const ConfigError& error) {
+    throw ConfigError(fmt::format("{}: {}", source, error.what()));
+  }
+  validate(config.fp8.scaling, source);
+}
+
+}  // namespace
+
+TrainConfig load_train_config(const std::vector<std::string>& args, int world_size) {
+  std::optional<std::string> config_path;
+  std::vector<std::string> overrides;
+  for (size_t i = 0; i < args.size(); ++i) {
+    std::optional<std::string> path;
+    if (args[i] == "--config") {
+      if (i + 1 == args.size()) {
+        throw ConfigError(fmt::format("{}: --config: expects a file name", kCommandLine));
+      }
+      path = args[++i];
+    } else if (args[i].starts_with("--config=")) {
+      path = args[i].substr(std::string_view("--config=").size());
+    } else {
+      overrides.push_back(args[i]);
+      continue;
+    }
+    if (config_path) {
+      throw ConfigError(fmt::format("{}: --config: given twice ('{}' and '{}')", kCommandLine,
+                                    *config_path, *path));
+    }
+    config_path = path;
+  }
+  ConfigBuilder builder;
+  if (config_path) {
+    std::vector<std::filesystem::path> chain;
+    load_file(builder, *config_path, {}, chain);
+    builder.source = *config_path;
+  } else if (!overrides.empty()) {
+    builder.source = kCommandLine;
+  }
+  apply_overrides(builder, overrides);
+  check_whole(
+      builder.config, world_size, [&](std::string_view key) { return builder.origin(key); },
+      builder.source);
+  return builder.config;
+}
+
+void validate(const TrainConfig& config, int world_size) {
+  check_whole(
+      config, world_size, [](std::string_view key) { return std::string(key); }, "config");
+}
+
+std::string to_yaml(const TrainConfig& config) {
+  std::string text =
+      "# The resolved fp8train configuration: every key. Load it with --config; "
+      "docs/configuration.md\n# explains each.\n";
+  for (ConfigSection section : kConfigSections) {
+    text += fmt::format("{}:\n", section_name(section));
+    for (const ConfigKey& key : config_keys()) {
+      if (key.section == section) text += fmt::format("  {}: {}\n", key.name, key.get(config));
+    }
+  }
+  return text;
+}
+
+void save_train_config(const TrainConfig& config, const std::filesystem::path& file) {
+  std::ofstream out(file);
+  out << to_yaml(config);
+  out.close();
+  if (!out) {
+    throw Error(
+        fmt::format("{}: cannot write the configuration: {}", file.string(), std::strerror(errno)));
+  }
+}
+
+Fp8Config fp8_config_from_yaml(const YAML::Node& root, std::string_view source) {
+  TrainConfig config;
+  config.fp8.scaling = Fp8Config{};  // this reader's defaults: hybrid, as the fp8 tools check
+  if (!root || root.IsNull()) return config.fp8.scaling;
+  if (!root.IsMap()) {
+    throw ConfigError(
+        fmt::format("{}: expected a mapping of keys to values at the top level", source));
+  }
+  std::string fp8_keys;
+  for (const ConfigKey& key : config_keys()) {
+    if (key.name.starts_with("fp8"))
+      fp8_keys += fmt::format("{}{}", fp8_keys.empty() ? "" : ", ", key.name);
+  }
+  for (const KeyEntry& entry : key_entries(root, source)) {
+    const std::string name = key_name(entry.key, source);
+    if (!entry.section && !name.starts_with("fp8")) continue;  // other owners' keys
+    if (entry.section && entry.section != ConfigSection::Fp8) continue;
+    // A typo's advice is a question ("did you mean 'fp8_recipe'?"); the list follows it.
+    std::string advice = unknown_key_advice(name);
+    advice += fmt::format("{}fp8 keys are: {}", advice.empty() ? "" : " ", fp8_keys);
+    const ConfigKey& key = known_key(entry, source, advice);
+    set_from_yaml(config, key, entry.value,
+                  fmt::format("{}: {}", location(source, entry.key), name));
+  }
+  validate(config.fp8.scaling, source);
+  return config.fp8.scaling;
+}
+
+}  // namespace fp8t

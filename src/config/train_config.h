@@ -1,0 +1,143 @@
+// The configuration of a training run: every setting of an experiment, read from a YAML file
+// and command-line overrides (config/config_keys.h holds the one table of keys that reads,
+// writes and documents them), with conversions to the settings each component takes.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <string>
+#include <vector>
+
+#include "models/gpt_config.h"
+#include "models/precision_policy.h"
+#include "numerics/scaling.h"
+#include "optim/gpt_optimizer.h"
+#include "optim/schedule.h"
+
+namespace fp8t {
+
+enum class DeviceChoice : uint8_t { Auto, Cpu, Cuda };
+
+using optim::OptimizerKind;
+
+// Fields are named as their keys, except where the key repeats the section (run.name is the key
+// `run`, optimizer.kind the key `optimizer`, fp8.scaling.mode the key `fp8`).
+struct RunSection {
+  std::string name = "default";
+  std::string output_dir = "runs";
+  int64_t resume_from_step = -1;  // -1: a fresh run
+  bool overwrite = false;         // a fresh run may replace the run folder's checkpoints
+  int64_t save_every = -1;        // -1 or 0: a checkpoint only at the end
+  int64_t log_every = 1;
+  int64_t sample_tokens = 0;  // 0: no sample at the end
+  int64_t eval_every = 250;   // -1 or 0: no evaluation
+  int64_t eval_iters = 100;   // micro-batches per evaluation
+  DeviceChoice device = DeviceChoice::Auto;
+};
+
+struct ModelSection {
+  int depth = 20;
+  int aspect_ratio = 64;
+  int head_dim = 128;
+  int vocab_size = 32768;
+  int sequence_len = 2048;
+  std::string window_pattern = "SSSL";
+};
+
+struct DataSection {
+  std::string data_path;       // empty: the built-in corpus
+  std::string tokenizer_path;  // empty: the data source's default tokenizer
+};
+
+struct TrainingSection {
+  int64_t micro_batch_size = 32;  // sequences per device per forward/backward
+  int64_t global_batch_size = 0;  // sequences per optimizer step; 0: micro_batch_size x world
+  int64_t train_iters = 1000;
+  int64_t seed = 42;
+};
+
+struct OptimizerSection {
+  OptimizerKind kind = OptimizerKind::Muon;
+  double lr = 0.02;  // muon: the matrix lr; adamw: the lr of every parameter
+  double embedding_lr = 0.3;
+  double unembedding_lr = 0.008;
+  double scalar_lr = 0.5;
+  double min_lr = 0.0;
+  double weight_decay = 0.28;
+  double adam_beta1 = 0.9;
+  double adam_beta2 = 0.95;
+  double adam_eps = 1e-8;
+  double clip_grad = 0.0;  // 0: no clipping
+};
+
+struct ScheduleSection {
+  int64_t lr_warmup_iters = 40;
+  optim::LrDecayStyle lr_decay_style = optim::LrDecayStyle::Nanochat;
+  double lr_warmdown_ratio = 0.65;
+  double final_lr_frac = 0.05;
+};
+
+struct Fp8Section {
+  // Training defaults to BF16; the other fp8 settings keep Fp8Config's defaults.
+  Fp8Config scaling = [] {
+    Fp8Config bf16;
+    bf16.mode = Fp8Mode::None;
+    return bf16;
+  }();
+  bool wgrad = true;
+  bool dot_product_attention = false;  // reserved: attention is BF16 for now
+  bool multi_head_attention = false;   // reserved: attention is BF16 for now
+  bool lm_head_fp8 = true;
+  bool first_last_layers_bf16 = false;
+  int num_layers_at_start_in_bf16 = 1;
+  int num_layers_at_end_in_bf16 = 1;
+};
+
+struct TrainConfig {
+  RunSection run;
+  ModelSection model;
+  DataSection data;
+  TrainingSection training;
+  OptimizerSection optimizer;
+  ScheduleSection schedule;
+  Fp8Section fp8;
+
+  // nanochat's sizing: n_embd = depth * aspect_ratio rounded up to a multiple of head_dim,
+  // n_head = n_embd / head_dim, as many kv heads.
+  GptConfig gpt_config() const;
+  const Fp8Config& fp8_config() const { return fp8.scaling; }
+  PrecisionOptions precision_options() const;
+  // min_lr_frac = min_lr / lr.
+  optim::LrSchedule lr_schedule() const;
+  // muon: lr is Muon's matrix lr, the AdamW groups keep nanochat's betas and eps; adamw: lr,
+  // adam_beta1, adam_beta2, adam_eps and weight_decay for every parameter.
+  optim::OptimizerSettings optimizer_settings() const;
+  // Sequences per optimizer step, with global_batch_size 0 resolved.
+  int64_t global_batch_size(int world_size) const;
+  // Micro-batches each device runs per optimizer step.
+  int64_t grad_accum_steps(int world_size) const;
+  std::filesystem::path run_dir() const { return std::filesystem::path(run.output_dir) / run.name; }
+};
+
+// Reads the configuration from command-line arguments (the argv tail of a command): an optional
+// `--config FILE` (anywhere among them) is loaded first, then every other argument overrides a
+// key, in order (`--key=value`, `--key value`, `--flag`, nanochat's flag names; see
+// docs/configuration.md). The result is validated for `world_size` devices. Throws ConfigError
+// naming the file and line, or the flag, and the key.
+TrainConfig load_train_config(const std::vector<std::string>& args, int world_size = 1);
+
+// Checks what single keys cannot: the batch sizes against each other and the world size, the
+// model's shape, the schedule, the fp8 settings together. Throws ConfigError "KEY: message".
+void validate(const TrainConfig& config, int world_size = 1);
+
+// Every key, in sections, as a YAML file that load_train_config reads back to the same config.
+std::string to_yaml(const TrainConfig& config);
+
+// Writes to_yaml(config) to `file` (the run folder's config.yaml); throws Error on failure.
+void save_train_config(const TrainConfig& config, const std::filesystem::path& file);
+
+// docs/configuration.md: every key with its type, default, allowed values and meaning, the
+// command-line rules and the nanochat flag names, generated from the key table.
+std::string configuration_markdown();
+
+}  // namespace fp8t

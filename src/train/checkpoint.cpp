@@ -1,0 +1,199 @@
+#include "train/checkpoint.h"
+
+#include <algorithm>
+#include <charconv>
+#include <cstring>
+#include <set>
+#include <system_error>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "core/error.h"
+#include "io/files.h"
+#include "io/safetensors.h"
+
+namespace fp8t::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+constexpr std::string_view kStepPrefix = "step_";
+constexpr int kFormatVersion = 1;
+
+std::vector<int64_t> shape_of(const TensorView& view) {
+  std::vector<int64_t> shape(static_cast<size_t>(view.rank()));
+  for (int i = 0; i < view.rank(); ++i)
+    shape[static_cast<size_t>(i)] = view.dim(i);
+  return shape;
+}
+
+io::DType file_dtype(const NamedTensor& buffer) {
+  switch (buffer.view.dtype()) {
+    case DType::F32:
+      return io::DType::F32;
+    case DType::I64:
+      return io::DType::I64;
+    default:
+      throw Error(fmt::format("state buffer '{}': dtype {} cannot be checkpointed", buffer.name,
+                              dtype_name(buffer.view.dtype())));
+  }
+}
+
+void write_tensors(const fs::path& path, const std::vector<NamedTensor>& buffers) {
+  std::vector<io::TensorToWrite> tensors;
+  tensors.reserve(buffers.size());
+  for (const NamedTensor& buffer : buffers) {
+    const auto* bytes = static_cast<const std::byte*>(buffer.view.raw());
+    tensors.push_back({buffer.name, file_dtype(buffer), shape_of(buffer.view),
+                       std::span<const std::byte>(bytes, buffer.view.bytes())});
+  }
+  io::write_safetensors(path, tensors, {{"format", "pt"}});
+}
+
+// Fills every buffer from the file, which must hold exactly these tensors; F32 buffers also
+// read BF16 tensors (nanochat stores its embeddings in bf16).
+void read_tensors(const fs::path& path, const std::vector<NamedTensor>& buffers) {
+  const io::SafetensorsFile file(path);
+  std::set<std::string> expected;
+  for (const NamedTensor& buffer : buffers) {
+    expected.insert(buffer.name);
+    if (!file.contains(buffer.name)) {
+      throw Error(fmt::format("{}: tensor '{}' is missing", path.string(), buffer.name));
+    }
+    const io::TensorInfo& info = file.info(buffer.name);
+    const std::vector<int64_t> shape = shape_of(buffer.view);
+    if (info.shape != shape) {
+      throw Error(fmt::format("{}: tensor '{}' has shape [{}], expected [{}]", path.string(),
+                              buffer.name, fmt::join(info.shape, ", "), fmt::join(shape, ", ")));
+    }
+    const io::DType wanted = file_dtype(buffer);
+    if (info.dtype == wanted) {
+      const io::RawTensor raw = file.raw(buffer.name);
+      std::memcpy(buffer.view.raw(), raw.bytes.data(), raw.bytes.size());
+    } else if (wanted == io::DType::F32 && info.dtype == io::DType::BF16) {
+      const std::vector<bf16> values = file.tensor<bf16>(buffer.name).data;
+      std::transform(values.begin(), values.end(), buffer.view.data<float>(),
+                     [](bf16 value) { return bf16_to_float(value); });
+    } else {
+      throw Error(fmt::format("{}: tensor '{}' has dtype {}, expected {}", path.string(),
+                              buffer.name, io::dtype_name(info.dtype), io::dtype_name(wanted)));
+    }
+  }
+  for (const std::string& name : file.names()) {
+    if (!expected.contains(name)) {
+      throw Error(
+          fmt::format("{}: unexpected tensor '{}' (not part of this model)", path.string(), name));
+    }
+  }
+}
+
+// Parses "step_000300" into 300; nothing for other names (temporary folders among them).
+std::optional<int64_t> step_of(const std::string& name) {
+  if (!name.starts_with(kStepPrefix)) return std::nullopt;
+  const std::string_view digits = std::string_view(name).substr(kStepPrefix.size());
+  int64_t step = 0;
+  const auto [end, error] = std::from_chars(digits.data(), digits.data() + digits.size(), step);
+  if (error != std::errc() || end != digits.data() + digits.size() || digits.empty()) {
+    return std::nullopt;
+  }
+  return step;
+}
+
+}  // namespace
+
+fs::path checkpoint_folder(const fs::path& run_folder, int64_t step) {
+  return run_folder / "checkpoints" / fmt::format("{}{:06d}", kStepPrefix, step);
+}
+
+std::vector<int64_t> saved_steps(const fs::path& run_folder) {
+  std::vector<int64_t> steps;
+  std::error_code error;
+  for (const fs::directory_entry& entry :
+       fs::directory_iterator(run_folder / "checkpoints", error)) {
+    const std::optional<int64_t> step = step_of(entry.path().filename().string());
+    if (step && fs::exists(entry.path() / "trainer_state.json")) steps.push_back(*step);
+  }
+  std::sort(steps.begin(), steps.end());
+  return steps;
+}
+
+void save_checkpoint(const fs::path& run_folder, const CheckpointContents& contents) {
+  const fs::path final_folder = checkpoint_folder(run_folder, contents.step);
+  const fs::path checkpoints = final_folder.parent_path();
+  const fs::path partial = checkpoints / (final_folder.filename().string() + ".partial");
+  std::error_code error;
+  fs::create_directories(checkpoints, error);
+  if (error) {
+    throw Error(fmt::format("{}: cannot create the checkpoint folder: {}", checkpoints.string(),
+                            error.message()));
+  }
+  fs::remove_all(partial, error);  // left by a crash during an earlier save
+  if (!fs::create_directory(partial, error) || error) {
+    throw Error(fmt::format("{}: cannot create: {}", partial.string(),
+                            error ? error.message() : "it exists"));
+  }
+  try {
+    write_tensors(partial / "model.safetensors", contents.model);
+    write_tensors(partial / "optimizer.safetensors", contents.optimizer);
+    if (!contents.fp8_scaling.empty()) {
+      write_tensors(partial / "fp8_scaling.safetensors", contents.fp8_scaling);
+    }
+    io::write_file_atomically(partial / "config.yaml", contents.config_yaml);
+    nlohmann::json state = contents.trainer_state;
+    state["format_version"] = kFormatVersion;
+    state["step"] = contents.step;
+    // Written last: a folder without it is never taken for a checkpoint.
+    io::write_file_atomically(partial / "trainer_state.json", state.dump(2) + "\n");
+  } catch (const Error&) {
+    fs::remove_all(partial, error);
+    throw;
+  }
+  // Swap in: the old checkpoint of this step (a re-save after resuming) goes only once the new
+  // one is complete.
+  const fs::path replaced = checkpoints / (final_folder.filename().string() + ".replaced");
+  fs::remove_all(replaced, error);
+  if (fs::exists(final_folder)) fs::rename(final_folder, replaced, error);
+  if (!error) fs::rename(partial, final_folder, error);
+  if (error) {
+    throw Error(fmt::format("{}: cannot move the new checkpoint into place: {}",
+                            final_folder.string(), error.message()));
+  }
+  io::sync_folder(checkpoints);
+  fs::remove_all(replaced, error);
+}
+
+LoadedCheckpoint load_checkpoint(const fs::path& run_folder, int64_t step,
+                                 const CheckpointContents& contents) {
+  const fs::path folder = checkpoint_folder(run_folder, step);
+  const fs::path state_path = folder / "trainer_state.json";
+  if (!fs::exists(state_path)) {
+    const std::vector<int64_t> steps = saved_steps(run_folder);
+    throw Error(fmt::format("{}: no checkpoint of step {}; saved steps: {}", run_folder.string(),
+                            step,
+                            steps.empty() ? "none" : fmt::format("{}", fmt::join(steps, ", "))));
+  }
+  LoadedCheckpoint loaded;
+  try {
+    loaded.trainer_state = nlohmann::json::parse(io::read_file(state_path));
+  } catch (const nlohmann::json::exception& e) {
+    throw Error(fmt::format("{}: not valid JSON: {}", state_path.string(), e.what()));
+  }
+  const int version = loaded.trainer_state.value("format_version", 0);
+  if (version != kFormatVersion) {
+    throw Error(fmt::format("{}: format_version {} is not supported (this build reads {})",
+                            state_path.string(), version, kFormatVersion));
+  }
+  read_tensors(folder / "model.safetensors", contents.model);
+  read_tensors(folder / "optimizer.safetensors", contents.optimizer);
+  const fs::path fp8_path = folder / "fp8_scaling.safetensors";
+  loaded.had_fp8_scaling = fs::exists(fp8_path);
+  if (loaded.had_fp8_scaling && !contents.fp8_scaling.empty()) {
+    read_tensors(fp8_path, contents.fp8_scaling);
+  }
+  loaded.config_yaml = io::read_file(folder / "config.yaml");
+  return loaded;
+}
+
+}  // namespace fp8t::train

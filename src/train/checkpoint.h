@@ -1,0 +1,59 @@
+// Checkpoints of a training run: one folder per saved step inside the run folder,
+//
+//   RUN/checkpoints/step_000300/
+//     model.safetensors        weights under nanochat's state_dict names (fp32 masters)
+//     optimizer.safetensors    every optimizer state buffer and the step counters
+//     fp8_scaling.safetensors  delayed scaling's scales and amax histories (delayed recipe only)
+//     trainer_state.json       step, data position, RNG and run totals
+//     config.yaml              the resolved configuration the run was saved with
+//
+// A checkpoint is written into a temporary folder and renamed into place only when every file
+// is on disk, so a crash or a full disk during a save never damages an earlier checkpoint.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "core/tensor.h"
+
+namespace fp8t::train {
+
+struct CheckpointContents {
+  int64_t step = 0;
+  std::vector<NamedTensor> model;
+  std::vector<NamedTensor> optimizer;
+  std::vector<NamedTensor> fp8_scaling;  // empty unless the recipe keeps state
+  nlohmann::json trainer_state = nlohmann::json::object();
+  std::string config_yaml;
+};
+
+std::filesystem::path checkpoint_folder(const std::filesystem::path& run_folder, int64_t step);
+
+// Steps that have a complete checkpoint in the run folder, ascending.
+std::vector<int64_t> saved_steps(const std::filesystem::path& run_folder);
+
+// Writes the checkpoint of contents.step. Replaces an existing checkpoint of the same step only
+// once the new one is complete. Throws fp8t::Error naming the file that could not be written.
+void save_checkpoint(const std::filesystem::path& run_folder, const CheckpointContents& contents);
+
+struct LoadedCheckpoint {
+  nlohmann::json trainer_state;
+  std::string config_yaml;
+  bool had_fp8_scaling = false;  // false: the run that saved it kept no FP8 scaling state
+};
+
+// Reads the checkpoint of `step` into the buffers of `contents` (names and shapes must match:
+// a missing, extra or misshapen tensor is an error naming the file and the tensor). The
+// fp8_scaling buffers are filled when the checkpoint has them and left alone otherwise (a BF16
+// checkpoint resumed with FP8). Throws fp8t::Error listing the saved steps when there is no
+// checkpoint of `step`.
+LoadedCheckpoint load_checkpoint(const std::filesystem::path& run_folder, int64_t step,
+                                 const CheckpointContents& contents);
+
+}  // namespace fp8t::train

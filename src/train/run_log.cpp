@@ -1,0 +1,142 @@
+#include "train/run_log.h"
+
+#include <algorithm>
+#include <cmath>
+#include <iostream>
+#include <numeric>
+
+#include <fmt/format.h>
+#include <nlohmann/json.hpp>
+
+#include "core/error.h"
+
+namespace fp8t::train {
+
+namespace {
+
+double status_kib(const std::string& field) {
+  std::ifstream status("/proc/self/status");
+  std::string line;
+  while (std::getline(status, line)) {
+    if (line.starts_with(field + ":")) return std::stod(line.substr(field.size() + 1)) * 1024.0;
+  }
+  return 0.0;
+}
+
+nlohmann::json optional_number(const std::optional<double>& value) {
+  return value ? nlohmann::json(*value) : nlohmann::json(nullptr);
+}
+
+}  // namespace
+
+void StepTimer::add(double seconds) {
+  recent_.push_back(seconds);
+  if (recent_.size() > kWindow) recent_.pop_front();
+}
+
+double StepTimer::seconds_per_step() const {
+  if (recent_.empty()) return 0.0;
+  return std::accumulate(recent_.begin(), recent_.end(), 0.0) / double(recent_.size());
+}
+
+std::string format_duration(double seconds) {
+  const auto total = static_cast<int64_t>(std::llround(std::max(0.0, seconds)));
+  const int64_t hours = total / 3600, minutes = total / 60 % 60, secs = total % 60;
+  if (hours > 0) return fmt::format("{}h{:02d}m", hours, minutes);
+  if (minutes > 0) return fmt::format("{}m{:02d}s", minutes, secs);
+  return fmt::format("{}s", secs);
+}
+
+std::string format_bytes(double bytes) {
+  if (bytes >= 1024.0 * 1024.0 * 1024.0) return fmt::format("{:.1f} GiB", bytes / (1 << 30));
+  return fmt::format("{:.1f} MiB", bytes / (1 << 20));
+}
+
+double resident_memory_bytes() {
+  return status_kib("VmRSS");
+}
+double peak_resident_memory_bytes() {
+  return status_kib("VmHWM");
+}
+
+RunLog::RunLog(const std::filesystem::path& run_folder, bool terminal)
+    : jsonl_path_(run_folder / "metrics.jsonl"), terminal_(terminal) {
+  jsonl_.open(jsonl_path_, std::ios::app);
+  if (!jsonl_) throw Error(fmt::format("{}: cannot open for writing", jsonl_path_.string()));
+}
+
+RunLog::~RunLog() {
+  clear_bar();
+}
+
+std::string RunLog::step_line(const StepMetrics& m) {
+  const int width = static_cast<int>(std::to_string(m.total_steps).size());
+  std::string line =
+      fmt::format("step {:{}d}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | ",
+                  m.step, width, m.total_steps, m.loss, m.lr, m.grad_norm, m.tokens_per_second);
+  if (m.mfu) {
+    line += fmt::format("MFU {:.1f}% | ", 100.0 * *m.mfu);
+  } else {
+    line += fmt::format("{:.1f} GFLOP/s | ", m.flops_per_second / 1e9);
+  }
+  line += fmt::format("mem {} | {:.0f} ms | ETA {}", format_bytes(m.memory_bytes),
+                      1e3 * m.step_seconds, format_duration(m.eta_seconds));
+  if (m.val_loss) line += fmt::format(" | val loss {:.4f}", *m.val_loss);
+  return line;
+}
+
+void RunLog::step(const StepMetrics& m, bool print) {
+  const nlohmann::json record = {
+      {"step", m.step},
+      {"total_steps", m.total_steps},
+      {"loss", m.loss},
+      {"lr", m.lr},
+      {"lr_multiplier", m.lr_multiplier},
+      {"grad_norm", std::isfinite(m.grad_norm) ? nlohmann::json(m.grad_norm) : nullptr},
+      {"step_seconds", m.step_seconds},
+      {"tokens_per_second", m.tokens_per_second},
+      {"flops_per_second", m.flops_per_second},
+      {"mfu", optional_number(m.mfu)},
+      {"memory_bytes", m.memory_bytes},
+      {"eta_seconds", m.eta_seconds},
+      {"val_loss", optional_number(m.val_loss)},
+  };
+  jsonl_ << record.dump() << '\n' << std::flush;
+  if (!jsonl_) throw Error(fmt::format("{}: cannot write", jsonl_path_.string()));
+  if (print) {
+    clear_bar();
+    fmt::print("{}\n", step_line(m));
+    std::fflush(stdout);
+  }
+  if (terminal_) draw_bar(m);
+}
+
+void RunLog::event(const std::string& kind, const std::string& message) {
+  // Generated text can end inside a multi-byte character: store U+FFFD for broken bytes.
+  jsonl_ << nlohmann::json{{"event", kind}, {"message", message}}.dump(
+                -1, ' ', false, nlohmann::json::error_handler_t::replace)
+         << '\n'
+         << std::flush;
+  clear_bar();
+  fmt::print("{}\n", message);
+  std::fflush(stdout);
+}
+
+void RunLog::clear_bar() {
+  if (!bar_drawn_) return;
+  std::fputs("\r\033[K", stderr);
+  bar_drawn_ = false;
+}
+
+void RunLog::draw_bar(const StepMetrics& m) {
+  constexpr int kWidth = 30;
+  const double done = m.total_steps > 0 ? double(m.step) / double(m.total_steps) : 1.0;
+  const int filled = static_cast<int>(done * kWidth);
+  fmt::print(stderr, "\r\033[K[{}{}] {:3.0f}% step {}/{} ETA {}", std::string(filled, '#'),
+             std::string(kWidth - filled, '.'), 100.0 * done, m.step, m.total_steps,
+             format_duration(m.eta_seconds));
+  std::fflush(stderr);
+  bar_drawn_ = true;
+}
+
+}  // namespace fp8t::train

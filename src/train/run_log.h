@@ -1,0 +1,81 @@
+// What a run shows while it trains: a line per logged step, a progress bar on a terminal, the
+// same metrics as JSON lines in the run folder, and a summary at the end.
+#pragma once
+
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <deque>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <string>
+
+namespace fp8t::train {
+
+struct StepMetrics {
+  int64_t step = 0;  // steps done, counting from 1
+  int64_t total_steps = 0;
+  double loss = 0.0;
+  double lr_multiplier = 0.0;
+  double lr = 0.0;  // the main group's learning rate
+  double grad_norm = 0.0;
+  double step_seconds = 0.0;
+  double tokens_per_second = 0.0;
+  double flops_per_second = 0.0;
+  std::optional<double> mfu;  // against the GPU's BF16 peak; none on the CPU
+  double memory_bytes = 0.0;  // resident (CPU) or allocated (GPU)
+  double eta_seconds = 0.0;
+  std::optional<double> val_loss;
+};
+
+// Seconds per step from the recent steps (the first steps are slower and fade out).
+class StepTimer {
+ public:
+  void add(double seconds);
+  double seconds_per_step() const;
+  double eta_seconds(int64_t steps_left) const { return seconds_per_step() * double(steps_left); }
+
+ private:
+  static constexpr size_t kWindow = 20;
+  std::deque<double> recent_;
+};
+
+// "1h02m", "3m05s", "12s".
+std::string format_duration(double seconds);
+// "1.2 GiB", "300.0 MiB".
+std::string format_bytes(double bytes);
+
+// The resident set size of this process, and its peak, from /proc/self/status; 0 when unknown.
+double resident_memory_bytes();
+double peak_resident_memory_bytes();
+
+class RunLog {
+ public:
+  // Appends to RUN/metrics.jsonl (a resumed run continues the same file). `terminal`: draw a
+  // progress bar on stderr between the step lines.
+  RunLog(const std::filesystem::path& run_folder, bool terminal);
+  ~RunLog();
+  RunLog(const RunLog&) = delete;
+  RunLog& operator=(const RunLog&) = delete;
+
+  // The step line goes to stdout when `print` (every log_every steps, and the last); the JSON
+  // line is always written.
+  void step(const StepMetrics& metrics, bool print);
+  // Any other message: printed without breaking the progress bar, and kept in the JSONL as
+  // {"event": ...}.
+  void event(const std::string& kind, const std::string& message);
+
+  static std::string step_line(const StepMetrics& metrics);
+
+ private:
+  void clear_bar();
+  void draw_bar(const StepMetrics& metrics);
+
+  std::ofstream jsonl_;
+  std::filesystem::path jsonl_path_;
+  bool terminal_;
+  bool bar_drawn_ = false;
+};
+
+}  // namespace fp8t::train

@@ -1,0 +1,407 @@
+#include "train/trainer.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "data/text_corpus.h"
+#include "data/token_loader.h"
+#include "data/token_shard.h"
+#include "io/files.h"
+#include "models/gpt_memory.h"
+#include "models/gpt_model.h"
+#include "models/gpt_sampling.h"
+#include "optim/clip.h"
+#include "optim/gpt_optimizer.h"
+#include "tokenizer/bpe_tokenizer.h"
+#include "train/checkpoint.h"
+#include "train/run_log.h"
+#include "train/stop_signal.h"
+
+namespace fp8t::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// The H100/H200 BF16 dense peak that nanochat's MFU is measured against, for FP8 runs too.
+constexpr double kGpuPeakFlops = 989e12;
+
+struct DataSources {
+  fs::path tokenizer;
+  std::vector<fs::path> train_shards;
+  std::vector<fs::path> val_shards;
+};
+
+std::vector<fs::path> shards_with_prefix(const fs::path& folder, std::string_view prefix) {
+  std::vector<fs::path> shards;
+  std::error_code error;
+  for (const fs::directory_entry& entry : fs::directory_iterator(folder, error)) {
+    const std::string name = entry.path().filename().string();
+    if (name.starts_with(prefix) && entry.path().extension() == ".tokens") {
+      shards.push_back(entry.path());
+    }
+  }
+  if (error) throw Error(fmt::format("{}: cannot list: {}", folder.string(), error.message()));
+  std::sort(shards.begin(), shards.end());
+  return shards;
+}
+
+DataSources find_data(const TrainConfig& config) {
+  DataSources sources;
+  if (config.data.data_path.empty()) {
+    data::BuiltinCorpusOptions options;
+    options.vocab_size = config.model.vocab_size;
+    const fs::path cache = cache_folder() / fmt::format("fortunes-vocab{}", options.vocab_size);
+    const data::PreparedCorpus corpus = data::prepare_builtin_corpus(cache, options);
+    if (!corpus.reused) {
+      fmt::print(
+          "data: prepared the built-in corpus (Debian's fortunes) in {}: {} + {} documents, "
+          "{} + {} tokens\n",
+          cache.string(), corpus.train_documents, corpus.val_documents, corpus.train_tokens,
+          corpus.val_tokens);
+    }
+    sources.tokenizer = corpus.tokenizer;
+    sources.train_shards = {corpus.train_shard};
+    sources.val_shards = {corpus.val_shard};
+  } else {
+    const fs::path folder = config.data.data_path;
+    if (!fs::is_directory(folder)) {
+      throw ConfigError(
+          fmt::format("data_path: {} is not a folder of token shards", folder.string()));
+    }
+    sources.tokenizer = folder / "tokenizer.tiktoken";
+    sources.train_shards = shards_with_prefix(folder, "train_");
+    sources.val_shards = shards_with_prefix(folder, "val_");
+    if (sources.train_shards.empty()) {
+      throw ConfigError(
+          fmt::format("data_path: {} holds no training shards (train_*.tokens; "
+                      "`fp8train tokenize` writes them)",
+                      folder.string()));
+    }
+  }
+  if (!config.data.tokenizer_path.empty()) sources.tokenizer = config.data.tokenizer_path;
+  return sources;
+}
+
+// The tokenizer, the shards and the model must agree on the vocabulary.
+void check_vocabulary(const TrainConfig& config, const tokenizer::BpeTokenizer& tokenizer,
+                      const DataSources& sources) {
+  if (tokenizer.vocab_size() != config.model.vocab_size) {
+    throw ConfigError(fmt::format(
+        "vocab_size: the model has {} tokens but the tokenizer {} has {}; set vocab_size: {}",
+        config.model.vocab_size, sources.tokenizer.string(), tokenizer.vocab_size(),
+        tokenizer.vocab_size()));
+  }
+  for (const std::vector<fs::path>* shards : {&sources.train_shards, &sources.val_shards}) {
+    for (const fs::path& shard : *shards) {
+      const data::TokenShardHeader header = data::read_token_shard_header(shard);
+      if (int64_t(header.vocab_size) != tokenizer.vocab_size() ||
+          int32_t(header.bos_id) != tokenizer.bos_id()) {
+        throw Error(
+            fmt::format("{}: tokenized with vocab_size {} and BOS {}, but the tokenizer "
+                        "{} has vocab_size {} and BOS {}",
+                        shard.string(), header.vocab_size, header.bos_id,
+                        sources.tokenizer.string(), tokenizer.vocab_size(), tokenizer.bos_id()));
+      }
+    }
+  }
+}
+
+GptPrecision precision_of(const TrainConfig& config) {
+  GptPrecision precision;
+  precision.fp8 = config.fp8_config();
+  precision.family = resolve_family(precision.fp8.dtype_family, "cpu");
+  precision.policy = config.precision_options();
+  precision.fp8_wgrad = config.fp8.wgrad;
+  precision.other_linears = ops::LinearOperands::Bf16;
+  return precision;
+}
+
+std::vector<NamedTensor> model_buffers(ParameterSet& parameters) {
+  std::vector<NamedTensor> buffers;
+  for (const ParamSpec& spec : parameters.specs()) {
+    buffers.push_back({spec.name, parameters[spec.name]});
+  }
+  return buffers;
+}
+
+// The run folder must exist and take files before any time is spent training.
+void prepare_run_folder(const TrainConfig& config, const fs::path& run_folder) {
+  std::error_code error;
+  fs::create_directories(run_folder, error);
+  if (error) {
+    throw Error(
+        fmt::format("{}: cannot create the run folder: {}", run_folder.string(), error.message()));
+  }
+  const std::vector<int64_t> steps = saved_steps(run_folder);
+  if (config.run.resume_from_step < 0 && !steps.empty()) {
+    if (!config.run.overwrite) {
+      throw Error(
+          fmt::format("{}: the run folder already holds checkpoints (last step {}); resume with "
+                      "--resume-from-step={}, pick another --run, or start over with --overwrite",
+                      run_folder.string(), steps.back(), steps.back()));
+    }
+    fs::remove_all(run_folder / "checkpoints", error);
+    fs::remove(run_folder / "metrics.jsonl", error);
+  }
+  save_train_config(config, run_folder / "config.yaml");
+}
+
+std::string describe_data(const data::TokenLoader& loader, const DataSources& sources) {
+  return fmt::format("{} shard(s), {} documents, {} tokens per epoch; tokenizer {}",
+                     sources.train_shards.size(), loader.documents_per_epoch(),
+                     loader.tokens_per_epoch(), sources.tokenizer.string());
+}
+
+// The lr shown per step: the block matrices' (Muon's), else the first group's.
+double main_lr(const optim::GptOptimizer& optimizer) {
+  for (const optim::OptimizerGroup& group : optimizer.groups()) {
+    if (group.rule == optim::UpdateRule::Muon) return group.lr;
+  }
+  return optimizer.groups().front().lr;
+}
+
+}  // namespace
+
+fs::path cache_folder() {
+  if (const char* cache = std::getenv("FP8TRAIN_CACHE"); cache != nullptr && *cache != '\0') {
+    return cache;
+  }
+  if (const char* xdg = std::getenv("XDG_CACHE_HOME"); xdg != nullptr && *xdg != '\0') {
+    return fs::path(xdg) / "fp8train";
+  }
+  if (const char* home = std::getenv("HOME"); home != nullptr && *home != '\0') {
+    return fs::path(home) / ".cache" / "fp8train";
+  }
+  return ".fp8train-cache";
+}
+
+TrainOutcome run_training(const TrainConfig& config) {
+  if (config.run.device == DeviceChoice::Cuda) {
+    throw ConfigError("device: cuda: GPU training is not available yet; use device: cpu");
+  }
+  const fs::path run_folder = config.run_dir();
+  fmt::print("fp8train {}: run '{}' in {}\n", FP8TRAIN_VERSION, config.run.name,
+             run_folder.string());
+  fmt::print("--- resolved configuration ---\n{}------------------------------\n", to_yaml(config));
+  prepare_run_folder(config, run_folder);
+
+  // Data and tokenizer.
+  const DataSources sources = find_data(config);
+  const tokenizer::BpeTokenizer tokenizer = tokenizer::BpeTokenizer::load(sources.tokenizer);
+  check_vocabulary(config, tokenizer, sources);
+  const int64_t batch = config.training.micro_batch_size;
+  const int64_t seq = config.model.sequence_len;
+  const auto seed = static_cast<uint64_t>(config.training.seed);
+  data::TokenLoader loader(sources.train_shards, {.batch = batch, .sequence = seq, .seed = seed});
+
+  // Model and optimizer.
+  const GptConfig model_config = config.gpt_config();
+  const GptPrecision precision = precision_of(config);
+  GptModel model(model_config, batch, seq, precision);
+  const int64_t accumulation = config.grad_accum_steps(1);
+  const int64_t tokens_per_step = config.global_batch_size(1) * seq;
+  optim::GptOptimizer optimizer(model_config, config.optimizer_settings(), tokens_per_step);
+  const optim::LrSchedule schedule = config.lr_schedule();
+  const int64_t total_steps = config.training.train_iters;
+  const double flops_per_token = gpt_flops_per_token(model_config);
+
+  const GptMemoryPlan plan = plan_gpt_memory(model_config, batch, seq);
+  fmt::print("model: depth {}, dim {}, {} heads, vocab {}, sequence {}; {:.2f}M parameters\n",
+             model_config.n_layer, model_config.n_embd, model_config.n_head,
+             model_config.vocab_size, seq,
+             double(ParameterSet::planned_bytes(model_config, DType::F32)) / 4e6);
+  fmt::print("precision: {}; {}\n", describe(precision.fp8),
+             precision_summary(model.linear_precision()));
+  fmt::print(
+      "batch: {} x {} tokens per micro-batch, {} micro-batch(es) per step, {} tokens per "
+      "step; {} steps\n",
+      batch, seq, accumulation, tokens_per_step, total_steps);
+  fmt::print("memory plan: {} (parameters {}, gradients {}, optimizer {}, activations {})\n",
+             format_bytes(double(plan.total())), format_bytes(double(plan.parameters)),
+             format_bytes(double(plan.gradients)), format_bytes(double(optimizer.state_bytes())),
+             format_bytes(double(plan.activations)));
+  fmt::print("data: {}\ndevice: cpu\n", describe_data(loader, sources));
+
+  // Checkpoint contents: views of the model's, the optimizer's and the FP8 state.
+  const std::vector<std::pair<std::string, DelayedScaling*>> scalings = model.delayed_scalings();
+  std::vector<std::vector<float>> scaling_state(scalings.size());
+  CheckpointContents contents;
+  contents.model = model_buffers(model.parameters());
+  contents.optimizer = optimizer.state();
+  for (size_t i = 0; i < scalings.size(); ++i) {
+    scaling_state[i].resize(size_t(scalings[i].second->state_size()));
+    contents.fp8_scaling.push_back(
+        {scalings[i].first + ".state",
+         TensorView(scaling_state[i].data(), DType::F32, {int64_t(scaling_state[i].size())})});
+  }
+
+  int64_t step = 0;
+  double seconds_before = 0.0;  // training time of the steps before a resume
+  if (config.run.resume_from_step >= 0) {
+    const LoadedCheckpoint loaded =
+        load_checkpoint(run_folder, config.run.resume_from_step, contents);
+    step = loaded.trainer_state.at("step").get<int64_t>();
+    loader.seek(loaded.trainer_state.at("data_position").get<data::DataPosition>());
+    seconds_before = loaded.trainer_state.value("train_seconds", 0.0);
+    model.weights_changed();
+    if (!scalings.empty() && loaded.had_fp8_scaling) {
+      for (size_t i = 0; i < scalings.size(); ++i)
+        scalings[i].second->load_state(scaling_state[i].data());
+    }
+    fmt::print("resumed from step {} of {}{}\n", step, run_folder.string(),
+               !scalings.empty() && !loaded.had_fp8_scaling
+                   ? " (no FP8 scaling state in the checkpoint: delayed scaling starts afresh)"
+                   : "");
+  } else {
+    model.init_weights(seed);
+  }
+  FP8T_CHECK(step <= total_steps, "the checkpoint is at step {}, past train_iters {}", step,
+             total_steps);
+
+  const auto save = [&](int64_t at_step, double train_seconds) {
+    for (size_t i = 0; i < scalings.size(); ++i)
+      scalings[i].second->save_state(scaling_state[i].data());
+    contents.step = at_step;
+    contents.trainer_state = {{"data_position", loader.position()},
+                              {"train_seconds", train_seconds},
+                              {"tokens_seen", at_step * tokens_per_step}};
+    contents.config_yaml = to_yaml(config);
+    save_checkpoint(run_folder, contents);
+  };
+
+  // Validation: the same batches from the start of the validation shards at every evaluation.
+  const auto validation_loss = [&]() -> std::optional<double> {
+    if (sources.val_shards.empty() || config.run.eval_iters <= 0) return std::nullopt;
+    data::TokenLoader val_loader(sources.val_shards,
+                                 {.batch = batch, .sequence = seq, .seed = seed});
+    model.set_training(false);
+    double sum = 0.0;
+    for (int64_t i = 0; i < config.run.eval_iters; ++i) {
+      const data::TokenBatch val_batch = val_loader.next_batch();
+      sum += model.forward(val_batch.inputs.data(), val_batch.targets.data());
+    }
+    model.set_training(true);
+    return sum / double(config.run.eval_iters);
+  };
+
+  RunLog log(run_folder, ::isatty(STDERR_FILENO) != 0);
+  StopSignal stop_signal;
+  StepTimer timer;
+  TrainOutcome outcome;
+  double train_seconds = seconds_before;
+  std::vector<optim::GradientSpan> gradient_spans;
+  for (const ParamSpec& spec : model.gradients().specs()) {
+    TensorView& view = model.gradients()[spec.name];
+    gradient_spans.push_back({view.data<float>(), view.numel()});
+  }
+
+  while (step < total_steps) {
+    const Clock::time_point start = Clock::now();
+    model.zero_gradients();
+    double loss = 0.0;
+    for (int64_t micro = 0; micro < accumulation; ++micro) {
+      const data::TokenBatch micro_batch = loader.next_batch();
+      loss += model.forward(micro_batch.inputs.data(), micro_batch.targets.data());
+      model.backward();
+    }
+    loss /= double(accumulation);
+    if (accumulation > 1) {  // the gradient of the mean over micro-batches
+      const float inverse = 1.0f / float(accumulation);
+      for (const optim::GradientSpan& span : gradient_spans)
+        for (int64_t i = 0; i < span.count; ++i)
+          span.data[i] *= inverse;
+    }
+    const double grad_norm = config.optimizer.clip_grad > 0.0
+                                 ? optim::clip_gradients(gradient_spans, config.optimizer.clip_grad)
+                                 : optim::global_norm(gradient_spans);
+    optim::StepSchedule step_schedule = optim::nanochat_step_schedule(schedule, step);
+    if (optimizer.kind() == optim::OptimizerKind::AdamW) {
+      step_schedule = {.lr_multiplier = optim::lr_multiplier(schedule, step)};
+    }
+    if (std::isfinite(grad_norm)) {
+      optimizer.step(model.parameters(), model.gradients(), step_schedule);
+      model.end_step();
+    } else {
+      log.event("skipped_step", fmt::format("step {}: gradient norm {}; the update is skipped",
+                                            step + 1, grad_norm));
+    }
+    ++step;
+    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
+    train_seconds += seconds;
+    timer.add(seconds);
+
+    StepMetrics metrics;
+    metrics.step = step;
+    metrics.total_steps = total_steps;
+    metrics.loss = loss;
+    metrics.lr_multiplier = step_schedule.lr_multiplier;
+    metrics.lr = main_lr(optimizer);
+    metrics.grad_norm = grad_norm;
+    metrics.step_seconds = seconds;
+    metrics.tokens_per_second = double(tokens_per_step) / seconds;
+    metrics.flops_per_second = metrics.tokens_per_second * flops_per_token;
+    metrics.memory_bytes = resident_memory_bytes();
+    metrics.eta_seconds = timer.eta_seconds(total_steps - step);
+    const bool last = step == total_steps;
+    const int64_t eval_every = config.run.eval_every;
+    if (eval_every > 0 && (step % eval_every == 0 || last)) metrics.val_loss = validation_loss();
+    log.step(metrics, step % config.run.log_every == 0 || last || metrics.val_loss);
+    outcome.last_loss = loss;
+    if (metrics.val_loss) outcome.last_val_loss = metrics.val_loss;
+
+    const int64_t save_every = config.run.save_every;
+    if (last || (save_every > 0 && step % save_every == 0)) save(step, train_seconds);
+    if (StopSignal::received() != 0) {
+      if (!last && !(save_every > 0 && step % save_every == 0)) save(step, train_seconds);
+      outcome.stop_signal = StopSignal::received();
+      log.event("interrupted", fmt::format("stopped by signal {} after step {}; checkpoint saved "
+                                           "in {}; continue with --resume-from-step={}",
+                                           outcome.stop_signal, step,
+                                           checkpoint_folder(run_folder, step).string(), step));
+      break;
+    }
+  }
+  outcome.steps_done = step;
+
+  if (outcome.stop_signal == 0) {
+    log.event(
+        "summary",
+        fmt::format("done: {} steps, final loss {:.4f}{}, {} of training, peak memory {}; "
+                    "checkpoint in {}",
+                    step, outcome.last_loss,
+                    outcome.last_val_loss
+                        ? fmt::format(" (validation {:.4f})", *outcome.last_val_loss)
+                        : "",
+                    format_duration(train_seconds), format_bytes(peak_resident_memory_bytes()),
+                    checkpoint_folder(run_folder, step).string()));
+    if (config.run.sample_tokens > 0) {
+      const std::string prompt_text = "The";
+      std::vector<int32_t> prompt = tokenizer.encode_document(prompt_text);
+      SamplingOptions options;
+      options.tokens = int(config.run.sample_tokens);
+      options.seed = seed;
+      options.stop_token = tokenizer.bos_id();
+      std::vector<int32_t> generated =
+          sample_tokens(model_config, model.parameters(), prompt, options);
+      if (!generated.empty() && generated.back() == tokenizer.bos_id()) generated.pop_back();
+      outcome.sample = prompt_text + tokenizer.decode(generated);
+      log.event("sample", fmt::format("sample: {}", outcome.sample));
+    }
+  }
+  return outcome;
+}
+
+}  // namespace fp8t::train

@@ -1,0 +1,444 @@
+#include "config/train_config.h"
+
+#include <gtest/gtest.h>
+
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+#include <yaml-cpp/yaml.h>
+
+#include "config/config_keys.h"
+#include "core/error.h"
+#include "test_files.h"
+
+namespace fp8t {
+namespace {
+
+namespace fs = std::filesystem;
+
+// __FILE__ is absolute in CMake builds, so the fixtures and presets are found from any working
+// directory.
+const fs::path kFixtures = fs::path(__FILE__).parent_path();
+const fs::path kSourceRoot = kFixtures.parent_path().parent_path();
+
+std::string fixture(const std::string& name) {
+  return (kFixtures / name).string();
+}
+std::string preset(const std::string& name) {
+  return (kSourceRoot / "configs" / name).string();
+}
+
+TrainConfig load(std::vector<std::string> args) {
+  return load_train_config(args);
+}
+
+// The message of the ConfigError that loading `args` raises.
+std::string load_error(const std::vector<std::string>& args) {
+  return test::error_message<ConfigError>([&] { load_train_config(args); });
+}
+
+std::string file_error(const std::string& name) {
+  return load_error({"--config", fixture(name)});
+}
+
+std::string read_text(const fs::path& path) {
+  std::ifstream in(path);
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+TEST(TrainConfig, DefaultsAreNanochatsInBf16) {
+  const TrainConfig config;
+  EXPECT_NO_THROW(validate(config));
+  EXPECT_EQ(config.fp8.scaling.mode, Fp8Mode::None);
+  EXPECT_EQ(config.fp8.scaling.recipe, ScalingRecipe::Tensorwise);
+  EXPECT_EQ(config.optimizer.kind, OptimizerKind::Muon);
+  EXPECT_EQ(config.optimizer.lr, 0.02);
+  EXPECT_EQ(config.schedule.lr_warmup_iters, 40);
+  EXPECT_EQ(config.run_dir(), fs::path("runs") / "default");
+  // With no arguments the loader gives the defaults.
+  EXPECT_EQ(to_yaml(load({})), to_yaml(config));
+}
+
+TEST(TrainConfig, GptConfigFollowsNanochatSizing) {
+  TrainConfig config;
+  for (int depth : {3, 12, 20, 24}) {
+    config.model.depth = depth;
+    const GptConfig gpt = config.gpt_config();
+    const GptConfig expected = GptConfig::from_depth(depth);
+    EXPECT_EQ(gpt.n_layer, expected.n_layer);
+    EXPECT_EQ(gpt.n_embd, expected.n_embd) << depth;
+    EXPECT_EQ(gpt.n_head, expected.n_head) << depth;
+    EXPECT_EQ(gpt.n_kv_head, expected.n_kv_head) << depth;
+  }
+  config.model.depth = 6;
+  config.model.aspect_ratio = 48;  // 288, rounded up to 320 with heads of 64
+  config.model.head_dim = 64;
+  config.model.vocab_size = 4096;
+  config.model.sequence_len = 512;
+  config.model.window_pattern = "SL";
+  const GptConfig gpt = config.gpt_config();
+  EXPECT_EQ(gpt.n_embd, 320);
+  EXPECT_EQ(gpt.n_head, 5);
+  EXPECT_EQ(gpt.head_dim(), 64);
+  EXPECT_EQ(gpt.vocab_size, 4096);
+  EXPECT_EQ(gpt.sequence_len, 512);
+  EXPECT_EQ(gpt.window_pattern, "SL");
+}
+
+TEST(TrainConfig, ConversionsCarryTheKeys) {
+  TrainConfig config;
+  config.fp8.scaling.mode = Fp8Mode::Hybrid;
+  config.fp8.scaling.recipe = ScalingRecipe::Blockwise;
+  config.fp8.lm_head_fp8 = false;
+  config.fp8.first_last_layers_bf16 = true;
+  config.fp8.num_layers_at_start_in_bf16 = 2;
+  config.fp8.num_layers_at_end_in_bf16 = 3;
+  const PrecisionOptions precision = config.precision_options();
+  EXPECT_EQ(precision.mode, Fp8Mode::Hybrid);
+  EXPECT_EQ(precision.recipe, ScalingRecipe::Blockwise);
+  EXPECT_FALSE(precision.lm_head_fp8);
+  EXPECT_TRUE(precision.first_last_layers_bf16);
+  EXPECT_EQ(precision.num_layers_at_start_in_bf16, 2);
+  EXPECT_EQ(precision.num_layers_at_end_in_bf16, 3);
+
+  config.optimizer.lr = 0.004;
+  config.optimizer.min_lr = 0.001;
+  config.training.train_iters = 500;
+  config.schedule.lr_decay_style = optim::LrDecayStyle::Cosine;
+  const optim::LrSchedule schedule = config.lr_schedule();
+  EXPECT_EQ(schedule.style, optim::LrDecayStyle::Cosine);
+  EXPECT_EQ(schedule.total_iters, 500);
+  EXPECT_EQ(schedule.warmup_iters, 40);
+  EXPECT_DOUBLE_EQ(schedule.min_lr_frac, 0.25);
+  EXPECT_DOUBLE_EQ(schedule.warmdown_ratio, 0.65);
+  EXPECT_DOUBLE_EQ(schedule.final_lr_frac, 0.05);
+}
+
+TEST(TrainConfig, BatchSizesResolveWithTheWorldSize) {
+  TrainConfig config;
+  config.training.micro_batch_size = 16;
+  EXPECT_EQ(config.global_batch_size(1), 16);  // 0: no accumulation
+  EXPECT_EQ(config.global_batch_size(8), 128);
+  EXPECT_EQ(config.grad_accum_steps(8), 1);
+  config.training.global_batch_size = 256;
+  EXPECT_EQ(config.grad_accum_steps(1), 16);
+  EXPECT_EQ(config.grad_accum_steps(8), 2);
+  EXPECT_NO_THROW(validate(config, 8));
+  EXPECT_THROW(validate(config, 32), ConfigError);  // 16 x 32 = 512 does not divide 256
+}
+
+TEST(TrainConfig, PresetsLoad) {
+  for (const auto& entry : fs::directory_iterator(kSourceRoot / "configs")) {
+    if (entry.path().extension() != ".yaml") continue;
+    EXPECT_NO_THROW(load({"--config", entry.path().string()})) << entry.path();
+  }
+  const TrainConfig tiny = load({"--config", preset("tiny.yaml")});
+  EXPECT_EQ(tiny.gpt_config().n_embd, 256);
+  EXPECT_EQ(tiny.model.vocab_size, 4096);
+  EXPECT_EQ(tiny.model.sequence_len, 128);
+  EXPECT_EQ(tiny.training.micro_batch_size, 8);
+  EXPECT_EQ(tiny.training.train_iters, 200);
+  EXPECT_EQ(tiny.schedule.lr_warmup_iters, 10);
+  EXPECT_EQ(tiny.run.save_every, 100);
+  EXPECT_EQ(tiny.run.sample_tokens, 48);
+  EXPECT_EQ(tiny.data.data_path, "");
+  EXPECT_EQ(tiny.fp8.scaling.mode, Fp8Mode::None);
+
+  for (const char* depth : {"12", "20", "24"}) {
+    const TrainConfig bf16 = load({"--config", preset(fmt::format("d{}.yaml", depth))});
+    const TrainConfig fp8 = load({"--config", preset(fmt::format("d{}_fp8.yaml", depth))});
+    EXPECT_EQ(bf16.model.depth, std::stoi(depth));
+    EXPECT_EQ(bf16.global_batch_size(1) * bf16.model.sequence_len, 524288) << depth;
+    EXPECT_EQ(bf16.fp8.scaling.mode, Fp8Mode::None);
+    EXPECT_EQ(fp8.fp8.scaling.mode, Fp8Mode::Hybrid);
+    EXPECT_EQ(fp8.fp8.scaling.recipe, ScalingRecipe::Tensorwise);
+    EXPECT_EQ(fp8.run.name, fmt::format("d{}_fp8", depth));
+    // Apart from the name and the fp8 mode, an FP8 preset is its base.
+    TrainConfig same = fp8;
+    same.run.name = bf16.run.name;
+    same.fp8.scaling.mode = Fp8Mode::None;
+    EXPECT_EQ(to_yaml(same), to_yaml(bf16)) << depth;
+  }
+  EXPECT_EQ(load({"--config", preset("d24.yaml")}).training.micro_batch_size, 16);
+}
+
+TEST(TrainConfig, FlatKeysAndSectionsMeanTheSame) {
+  const TrainConfig flat = load({"--config", fixture("flat.yaml")});
+  EXPECT_EQ(flat.model.depth, 6);
+  EXPECT_EQ(flat.optimizer.kind, OptimizerKind::AdamW);
+  EXPECT_EQ(flat.fp8.scaling.recipe, ScalingRecipe::Delayed);
+  EXPECT_TRUE(flat.fp8.first_last_layers_bf16);
+  EXPECT_EQ(to_yaml(flat), to_yaml(load({"--config", fixture("sectioned.yaml")})));
+}
+
+TEST(TrainConfig, BaseFileIsLoadedFirstRelativeToTheFile) {
+  const TrainConfig child = load({"--config", fixture("child_of_tiny.yaml")});
+  EXPECT_EQ(child.run.name, "tiny_child");
+  EXPECT_EQ(child.optimizer.lr, 0.01);
+  EXPECT_EQ(child.model.depth, 4);  // from configs/tiny.yaml
+  EXPECT_EQ(child.training.train_iters, 200);
+}
+
+TEST(TrainConfig, FileErrorsNameFileLineAndKey) {
+  struct Case {
+    const char* file;
+    std::string expected;  // after the fixture's path
+  };
+  const Case cases[] = {
+      {"unknown_key.yaml", ":3: micro_batch_sise: unknown key; did you mean 'micro_batch_size'?"},
+      {"wrong_section.yaml", ":4: lr: belongs in the optimizer section, not in model"},
+      {"wrong_type.yaml", ":2: depth: expected an integer in [1, 1000], found 'deep'"},
+      {"out_of_range.yaml", ":2: lr_warmdown_ratio: must be a number in [0, 1], found 1.5"},
+      {"bad_enum.yaml", ":2: optimizer: unknown value 'sgd'; allowed: muon, adamw"},
+      {"bad_base.yaml", fmt::format(":2: base: cannot read '{}': No such file or directory",
+                                    fixture("nothere.yaml"))},
+      {"bad_batch.yaml",
+       ":3: global_batch_size: must be a multiple of micro_batch_size × devices (32 × 1 = 32), "
+       "found 48"},
+      {"section_scalar.yaml",
+       ":1: model: expected a mapping of the model section's keys, found "
+       "'d12'"},
+      {"given_twice.yaml", ":3: depth: given twice (also at line 1)"},
+      {"fp8_attention.yaml",
+       ":2: fp8_dot_product_attention: true is not supported yet: attention runs in BF16 until "
+       "the GPU attention kernel lands"},
+      {"rowwise.yaml",
+       ":1: fp8_recipe: unknown value 'rowwise'; allowed: delayed, tensorwise, blockwise, mxfp8 "
+       "(nanochat's rowwise, a scale per row, is not implemented; blockwise, a scale per 1x128 "
+       "block, is the closest)"},
+      {"nanochat_key.yaml",
+       ":1: device_batch_size: unknown key; did you mean 'micro_batch_size'? (nanochat's "
+       "device_batch_size)"},
+      // A check of several keys names the file.
+      {"fp8_conflict.yaml",
+       ": fp8_power_of_2_scales: mxfp8 scales are E8M0 powers of two; false is not possible"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(file_error(c.file), fixture(c.file) + c.expected);
+  }
+}
+
+TEST(TrainConfig, MissingFileAndCyclesAreErrors) {
+  EXPECT_EQ(file_error("absent.yaml"),
+            fixture("absent.yaml") + ": cannot read the config file: No such file or directory");
+  const std::string cycle = file_error("cycle_a.yaml");
+  EXPECT_EQ(cycle, fixture("cycle_b.yaml") + ":1: base: '" + fixture("cycle_a.yaml") +
+                       "' is already being loaded: the bases form a cycle");
+}
+
+TEST(TrainConfig, OverridesInEveryForm) {
+  const TrainConfig config =
+      load({"--micro-batch-size=4", "--global_batch_size", "8", "--lr=0.01",
+            "--first-last-layers-bf16", "--lm-head-fp8=false", "--fp8", "--run", "smoke",
+            "--window-pattern=SL", "--fp8-power-of-2-scales=true", "--min_lr", "0"});
+  EXPECT_EQ(config.training.micro_batch_size, 4);
+  EXPECT_EQ(config.training.global_batch_size, 8);
+  EXPECT_EQ(config.optimizer.lr, 0.01);
+  EXPECT_TRUE(config.fp8.first_last_layers_bf16);
+  EXPECT_FALSE(config.fp8.lm_head_fp8);
+  EXPECT_EQ(config.fp8.scaling.mode, Fp8Mode::Hybrid);  // --fp8 alone, as nanochat's
+  EXPECT_EQ(config.run.name, "smoke");
+  EXPECT_EQ(config.model.window_pattern, "SL");
+  EXPECT_EQ(config.fp8.scaling.power_of_2_scales, true);
+  EXPECT_EQ(load({"--fp8=e4m3"}).fp8.scaling.mode, Fp8Mode::E4M3);
+  EXPECT_EQ(load({"--fp8=none"}).fp8.scaling.mode, Fp8Mode::None);
+  EXPECT_EQ(load({"--resume-from-step", "-1"}).run.resume_from_step, -1);  // a negative value
+}
+
+TEST(TrainConfig, NanochatFlags) {
+  const TrainConfig config = load({"--depth=24",
+                                   "--fp8",
+                                   "--run=d24",
+                                   "--resume-from-step=100",
+                                   "--device-batch-size=16",
+                                   "--num-iterations=5000",
+                                   "--matrix-lr=0.03",
+                                   "--warmup-steps=10",
+                                   "--warmdown-ratio=0.5",
+                                   "--final-lr-frac=0.1",
+                                   "--save-every=1000",
+                                   "--eval-every=-1",
+                                   "--fp8-recipe=tensorwise",
+                                   "--device-type=cpu",
+                                   "--embedding-lr=0.2",
+                                   "--unembedding-lr=0.004",
+                                   "--scalar-lr=0.4",
+                                   "--weight-decay=0.1",
+                                   "--aspect-ratio=64",
+                                   "--head-dim=128"});
+  EXPECT_EQ(config.model.depth, 24);
+  EXPECT_EQ(config.fp8.scaling.mode, Fp8Mode::Hybrid);
+  EXPECT_EQ(config.run.name, "d24");
+  EXPECT_EQ(config.run.resume_from_step, 100);
+  EXPECT_EQ(config.training.micro_batch_size, 16);
+  EXPECT_EQ(config.training.train_iters, 5000);
+  EXPECT_EQ(config.optimizer.lr, 0.03);
+  EXPECT_EQ(config.schedule.lr_warmup_iters, 10);
+  EXPECT_EQ(config.schedule.lr_warmdown_ratio, 0.5);
+  EXPECT_EQ(config.schedule.final_lr_frac, 0.1);
+  EXPECT_EQ(config.run.save_every, 1000);
+  EXPECT_EQ(config.run.eval_every, -1);
+  EXPECT_EQ(config.run.device, DeviceChoice::Cpu);
+  EXPECT_EQ(config.optimizer.embedding_lr, 0.2);
+  EXPECT_EQ(config.optimizer.unembedding_lr, 0.004);
+  EXPECT_EQ(config.optimizer.scalar_lr, 0.4);
+  EXPECT_EQ(config.optimizer.weight_decay, 0.1);
+
+  // --total-batch-size counts tokens, converted with the final sequence length.
+  const TrainConfig tokens =
+      load({"--device-batch-size=8", "--total-batch-size=524288", "--max-seq-len=1024"});
+  EXPECT_EQ(tokens.model.sequence_len, 1024);
+  EXPECT_EQ(tokens.training.global_batch_size, 512);
+  EXPECT_EQ(tokens.grad_accum_steps(1), 64);
+}
+
+TEST(TrainConfig, OverridesApplyAfterTheFileAndLaterOnesWin) {
+  // --config is read first wherever it stands.
+  const TrainConfig config =
+      load({"--lr=0.05", "--config", preset("tiny.yaml"), "--depth=6", "--depth=8"});
+  EXPECT_EQ(config.optimizer.lr, 0.05);
+  EXPECT_EQ(config.model.depth, 8);
+  EXPECT_EQ(config.training.train_iters, 200);  // from the file
+  // Between the token and the sequence batch sizes, the later one wins too.
+  EXPECT_EQ(load({"--total-batch-size=4096", "--global-batch-size=64"}).training.global_batch_size,
+            64);
+  EXPECT_EQ(load({"--micro-batch-size=2", "--global-batch-size=64", "--total-batch-size=4096"})
+                .training.global_batch_size,
+            2);
+}
+
+TEST(TrainConfig, CommandLineErrorsNameTheFlag) {
+  struct Case {
+    std::vector<std::string> args;
+    std::string expected;  // after "command line: "
+  };
+  const Case cases[] = {
+      {{"--lr=x"}, "--lr: expected a finite number > 0, found 'x'"},
+      {{"--matrix-lr", "-1"}, "--matrix-lr: must be a finite number > 0, found -1"},
+      {{"--micro-batch-sise=4"},
+       "--micro-batch-sise: unknown key; did you mean 'micro_batch_size'?"},
+      {{"--target-param-data-ratio=8"},
+       "--target-param-data-ratio: unknown key; nanochat's step count from a data:param ratio is "
+       "not computed here; set train_iters"},
+      {{"--depth"}, "--depth: expects a value: an integer in [1, 1000]"},
+      {{"--fp8", "e4m3"},
+       "'e4m3': expected --key=value, --key value or --flag (--fp8 takes a value only with '=': "
+       "--fp8=e4m3)"},
+      {{"--fp8-wgrad=maybe"}, "--fp8-wgrad: expected true or false, found 'maybe'"},
+      {{"--config", "a.yaml", "--config=b.yaml"}, "--config: given twice ('a.yaml' and 'b.yaml')"},
+      {{"--total-batch-size=1000"},
+       "--total-batch-size: 1000 tokens is not a whole number of sequences of sequence_len 2048"},
+      {{"--min-lr=0.5"}, "--min-lr: must be at most lr (0.02), found 0.5"},
+      {{"--num-iterations=10", "--resume-from-step=20"},
+       "--resume-from-step: must be at most train_iters (10), found 20"},
+      {{"--head-dim=63"}, "--head-dim: must be even (rotary), found 63"},
+      // A key at its default is named with the top-level source.
+      {{"--config", preset("tiny.yaml"), "--global-batch-size=12"},
+       "--global-batch-size: must be a multiple of micro_batch_size × devices (8 × 1 = 8), found "
+       "12"},
+      {{"--fp8-recipe=delayed", "--fp8-amax-epsilon=0.5"},
+       "fp8_amax_epsilon: applies to tensorwise and blockwise only, found 0.5 with fp8_recipe: "
+       "delayed"},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(load_error(c.args), "command line: " + c.expected);
+  }
+}
+
+TEST(TrainConfig, EveryKeyRoundTripsThroughYaml) {
+  TrainConfig config;
+  config.run.name = "round \"trip\"";
+  config.run.output_dir = "/tmp/runs";
+  config.run.save_every = 7;
+  config.run.device = DeviceChoice::Cuda;
+  config.model.depth = 6;
+  config.model.window_pattern = "SL";
+  config.data.data_path = "data/shards";
+  config.training.micro_batch_size = 4;
+  config.training.global_batch_size = 12;
+  config.training.seed = 1234567890123;
+  config.optimizer.kind = OptimizerKind::AdamW;
+  config.optimizer.lr = 3e-4;
+  config.optimizer.min_lr = 1e-5;
+  config.optimizer.adam_eps = 1e-10;
+  config.schedule.lr_decay_style = optim::LrDecayStyle::Cosine;
+  config.fp8.scaling.mode = Fp8Mode::E4M3;
+  config.fp8.scaling.recipe = ScalingRecipe::Blockwise;
+  config.fp8.scaling.power_of_2_scales = false;
+  config.fp8.scaling.amax_epsilon = 1e-12f;
+  config.fp8.scaling.dtype_family = FamilySetting::Fnuz;
+  config.fp8.wgrad = false;
+  config.fp8.num_layers_at_end_in_bf16 = 2;
+
+  const test::TempFolder folder;
+  const fs::path file = folder / "round_trip.yaml";
+  save_train_config(config, file);
+  const TrainConfig loaded = load({"--config", file.string()});
+  EXPECT_EQ(to_yaml(loaded), to_yaml(config));
+  EXPECT_EQ(loaded.run.name, config.run.name);
+  EXPECT_EQ(loaded.training.seed, config.training.seed);
+  EXPECT_EQ(loaded.optimizer.lr, config.optimizer.lr);
+  EXPECT_EQ(loaded.fp8.scaling.amax_epsilon, config.fp8.scaling.amax_epsilon);
+  EXPECT_EQ(loaded.fp8.scaling.power_of_2_scales, false);
+
+  // Every key is written, in its section.
+  const YAML::Node written = YAML::Load(to_yaml(config));
+  for (const ConfigKey& key : config_keys()) {
+    EXPECT_TRUE(written[std::string(section_name(key.section))][std::string(key.name)]) << key.name;
+  }
+}
+
+TEST(TrainConfig, EveryKeyParsesItsOwnDefault) {
+  const TrainConfig defaults;
+  for (const ConfigKey& key : config_keys()) {
+    TrainConfig config;
+    const std::string text = YAML::Load(key.get(defaults)).as<std::string>();
+    EXPECT_EQ(key.set(config, text), std::nullopt) << key.name;
+    EXPECT_EQ(key.get(config), key.get(defaults)) << key.name;
+  }
+}
+
+TEST(TrainConfig, UnknownKeyAdvice) {
+  EXPECT_EQ(unknown_key_advice("fp8_recipee"), "did you mean 'fp8_recipe'?");
+  EXPECT_EQ(unknown_key_advice("warmup_iters"), "did you mean 'lr_warmup_iters'?");
+  EXPECT_EQ(unknown_key_advice("max_seq_len"),
+            "did you mean 'sequence_len'? (nanochat's "
+            "max_seq_len)");
+  EXPECT_EQ(unknown_key_advice("total_batch_size"),
+            "did you mean 'global_batch_size'? (nanochat's total_batch_size, in tokens)");
+  EXPECT_EQ(unknown_key_advice("zzzzzzzz"), "");
+}
+
+TEST(TrainConfig, Fp8ReaderSharesTheTable) {
+  // The fp8 tools' reader: hybrid by default, fp8 keys flat or in the fp8 section, other keys
+  // left alone.
+  EXPECT_EQ(fp8_config_from_yaml(YAML::Load("lr: 0.1\nmodel: d12\n"), "x.yaml").mode,
+            Fp8Mode::Hybrid);
+  const Fp8Config sectioned = fp8_config_from_yaml(
+      YAML::Load("model:\n  depth: 4\nfp8:\n  fp8: e4m3\n  fp8_recipe: delayed\n"), "x.yaml");
+  EXPECT_EQ(sectioned.mode, Fp8Mode::E4M3);
+  EXPECT_EQ(sectioned.recipe, ScalingRecipe::Delayed);
+  const Fp8Config preset_fp8 = fp8_config_from_yaml(YAML::LoadFile(preset("d24_fp8.yaml")), "d24");
+  EXPECT_EQ(preset_fp8.recipe, ScalingRecipe::Tensorwise);
+  const std::string message = test::error_message<ConfigError>(
+      [] { fp8_config_from_yaml(YAML::Load("depth: 4\nfp8_recipee: delayed\n"), "x.yaml"); });
+  EXPECT_TRUE(message.starts_with(
+      "x.yaml:2: fp8_recipee: unknown key; did you mean 'fp8_recipe'? fp8 keys are: fp8, "
+      "fp8_recipe, "))
+      << message;
+}
+
+TEST(TrainConfig, DocsMatchTheKeyTable) {
+  const fs::path docs = kSourceRoot / "docs" / "configuration.md";
+  EXPECT_TRUE(read_text(docs) == configuration_markdown())
+      << docs << " is out of date with the key table: run scripts/gen_config_docs.sh";
+}
+
+}  // namespace
+}  // namespace fp8t
