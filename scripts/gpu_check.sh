@@ -4,7 +4,9 @@
 # table comes last. Usage: gpu_check.sh [benchmark args]
 set -uo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
-export LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+# cuBLASLt (and cuDNN) from the CUDA toolkit or the Python environment's nvidia packages.
+nvidia_libs=$(python3 -c "import glob, os, nvidia; print(':'.join(d for p in nvidia.__path__ for d in glob.glob(os.path.join(p, '*', 'lib'))))" 2>/dev/null || true)
+export LD_LIBRARY_PATH="$here/lib:/usr/local/cuda/lib64${nvidia_libs:+:$nvidia_libs}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 status=0
 "$here/fp8train" doctor || status=1
 "$here/fp8train_tests" --gtest_brief=1 || status=1

@@ -14,8 +14,9 @@ namespace fp8t::train {
 
 namespace {
 
-double status_kib(const std::string& field) {
-  std::ifstream status("/proc/self/status");
+// A "Field:   123 kB" line of a /proc file, in bytes.
+double proc_kib(const char* file, const std::string& field) {
+  std::ifstream status(file);
   std::string line;
   while (std::getline(status, line)) {
     if (line.starts_with(field + ":")) return std::stod(line.substr(field.size() + 1)) * 1024.0;
@@ -53,10 +54,13 @@ std::string format_bytes(double bytes) {
 }
 
 double resident_memory_bytes() {
-  return status_kib("VmRSS");
+  return proc_kib("/proc/self/status", "VmRSS");
 }
 double peak_resident_memory_bytes() {
-  return status_kib("VmHWM");
+  return proc_kib("/proc/self/status", "VmHWM");
+}
+double available_memory_bytes() {
+  return proc_kib("/proc/meminfo", "MemAvailable");
 }
 
 RunLog::RunLog(const std::filesystem::path& run_folder, bool terminal)

@@ -49,6 +49,8 @@ std::string format_bytes(double bytes);
 // The resident set size of this process, and its peak, from /proc/self/status; 0 when unknown.
 double resident_memory_bytes();
 double peak_resident_memory_bytes();
+// MemAvailable of /proc/meminfo; 0 when unknown.
+double available_memory_bytes();
 
 class RunLog {
  public:

@@ -165,6 +165,19 @@ std::string describe_data(const data::TokenLoader& loader, const DataSources& so
                      loader.tokens_per_epoch(), sources.tokenizer.string());
 }
 
+// Fails before allocating when the plan cannot fit in the memory the system has available.
+void check_memory_fits(const GptMemoryPlan& plan) {
+  const double available = available_memory_bytes();
+  if (available > 0.0 && double(plan.total()) > available) {
+    throw ConfigError(fmt::format(
+        "the CPU path needs {} for this model and batch (parameters {}, gradients {}, optimizer "
+        "{}, activations {}) but {} is available; lower micro_batch_size, sequence_len or depth",
+        format_bytes(double(plan.total())), format_bytes(double(plan.parameters)),
+        format_bytes(double(plan.gradients)), format_bytes(double(plan.optimizer_state)),
+        format_bytes(double(plan.activations)), format_bytes(available)));
+  }
+}
+
 // The lr shown per step: the block matrices' (Muon's), else the first group's.
 double main_lr(const optim::GptOptimizer& optimizer) {
   for (const optim::OptimizerGroup& group : optimizer.groups()) {
@@ -210,6 +223,8 @@ TrainOutcome run_training(const TrainConfig& config) {
   // Model and optimizer.
   const GptConfig model_config = config.gpt_config();
   const GptPrecision precision = precision_of(config);
+  const GptMemoryPlan plan = plan_gpt_memory(model_config, batch, seq);
+  check_memory_fits(plan);
   GptModel model(model_config, batch, seq, precision);
   const int64_t accumulation = config.grad_accum_steps(1);
   const int64_t tokens_per_step = config.global_batch_size(1) * seq;
@@ -218,7 +233,6 @@ TrainOutcome run_training(const TrainConfig& config) {
   const int64_t total_steps = config.training.train_iters;
   const double flops_per_token = gpt_flops_per_token(model_config);
 
-  const GptMemoryPlan plan = plan_gpt_memory(model_config, batch, seq);
   fmt::print("model: depth {}, dim {}, {} heads, vocab {}, sequence {}; {:.2f}M parameters\n",
              model_config.n_layer, model_config.n_embd, model_config.n_head,
              model_config.vocab_size, seq,

@@ -182,6 +182,15 @@ TEST_F(TrainerTest, MissingDataFolderIsAnError) {
       ConfigError);
 }
 
+// A plan larger than the machine's available memory fails before anything is allocated.
+TEST_F(TrainerTest, ModelThatDoesNotFitInMemoryIsRefused) {
+  const std::string message = test::error_message<ConfigError>([&] {
+    run_training(load_train_config(
+        args("huge", {"--micro-batch-size=1000000", "--global-batch-size=1000000"})));
+  });
+  EXPECT_TRUE(test::Contains(message, "is available; lower micro_batch_size"));
+}
+
 TEST_F(TrainerTest, RunFolderThatCannotBeCreatedIsNamed) {
   std::ofstream(root_ / "file") << "x";
   EXPECT_THAT(
