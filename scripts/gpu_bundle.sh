@@ -13,7 +13,7 @@ cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DFP8TRAIN_CUDA=ON "
 cmake --build build-gpu --parallel "$(nproc)"
 rm -rf "$dest" && mkdir -p "$dest/lib"
 binaries=(build-gpu/src/fp8train build-gpu/tests/fp8train_tests build-gpu/tests/fp8train_gpu_tests
-          build-gpu/bench/quantize_bench)
+          build-gpu/bench/quantize_bench build-gpu/bench/gemm_bench)
 cp "${binaries[@]}" "$dest/"
 # The C++ libraries from Debian's packages; glibc, libstdc++ and the driver come from the host.
 ldd "${binaries[@]}" | awk '/=> \// {print $3}' | sort -u | grep -E 'libyaml-cpp|libfmt|libgtest|libgmock|libopenblas|libgfortran|libquadmath|libpcre2' |

@@ -62,8 +62,8 @@ AttentionTile tile_at(const AttentionIndex& index, int64_t t0) {
 // lse null, the row's own log-sum-exp is computed first and written to row_lse.
 template <typename T>
 void tile_probabilities(T* probabilities, const AttentionIndex& index, const AttentionTile& tile,
-                        const T* q_tile, const T* k_tile, T scale,
-                        std::type_identity_t<const T*> lse, std::type_identity_t<T*> row_lse) {
+                        const T* q_tile, const T* k_tile, T scale, NonDeduced<const T*> lse,
+                        NonDeduced<T*> row_lse) {
   const AttentionShape& shape = index.shape;
   gemm::forward_xwt(tile.rows, tile.keys, shape.head_dim, q_tile, shape.heads * shape.head_dim,
                     k_tile, shape.kv_heads * shape.head_dim, probabilities, tile.keys, false);
@@ -95,7 +95,7 @@ void tile_probabilities(T* probabilities, const AttentionIndex& index, const Att
 
 template <typename T>
 void attention_forward(T* out, T* lse, const T* q, const T* k, const T* v,
-                       const AttentionShape& shape, std::type_identity_t<T> scale) {
+                       const AttentionShape& shape, NonDeduced<T> scale) {
   check_attention_shape(shape);
   const AttentionIndex index{shape};
   const int64_t dim = shape.head_dim, q_stride = shape.heads * dim;
@@ -121,7 +121,7 @@ void attention_forward(T* out, T* lse, const T* q, const T* k, const T* v,
 
 template <typename T>
 void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v,
-                        const T* lse, const AttentionShape& shape, std::type_identity_t<T> scale) {
+                        const T* lse, const AttentionShape& shape, NonDeduced<T> scale) {
   check_attention_shape(shape);
   const AttentionIndex index{shape};
   const int64_t dim = shape.head_dim, q_stride = shape.heads * dim;

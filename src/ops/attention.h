@@ -10,7 +10,8 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
+
+#include "core/non_deduced.h"
 
 namespace fp8t::ops {
 
@@ -27,11 +28,11 @@ struct AttentionShape {
 // the sum of exp(score) over the keys each query sees (scores already scaled).
 template <typename T>
 void attention_forward(T* out, T* lse, const T* q, const T* k, const T* v,
-                       const AttentionShape& shape, std::type_identity_t<T> scale);
+                       const AttentionShape& shape, NonDeduced<T> scale);
 
 // dq, dk, dv += the gradients of sum(out * dout); lse is the forward's.
 template <typename T>
 void attention_backward(T* dq, T* dk, T* dv, const T* dout, const T* q, const T* k, const T* v,
-                        const T* lse, const AttentionShape& shape, std::type_identity_t<T> scale);
+                        const T* lse, const AttentionShape& shape, NonDeduced<T> scale);
 
 }  // namespace fp8t::ops

@@ -81,18 +81,16 @@ double softcap_cross_entropy_rows(const T* logits, T* gradient, T* token_losses,
 
 template <typename T>
 double softcap_cross_entropy(const T* logits, const int32_t* targets,
-                             const CrossEntropyShape& shape, std::type_identity_t<T>* token_losses,
-                             std::type_identity_t<T> softcap) {
+                             const CrossEntropyShape& shape, NonDeduced<T>* token_losses,
+                             NonDeduced<T> softcap) {
   return softcap_cross_entropy_rows<T>(logits, nullptr, token_losses, targets, shape, softcap,
                                        T(0));
 }
 
 template <typename T>
 double softcap_cross_entropy_with_gradient(T* logits, const int32_t* targets,
-                                           const CrossEntropyShape& shape,
-                                           std::type_identity_t<T> dloss,
-                                           std::type_identity_t<T>* token_losses,
-                                           std::type_identity_t<T> softcap) {
+                                           const CrossEntropyShape& shape, NonDeduced<T> dloss,
+                                           NonDeduced<T>* token_losses, NonDeduced<T> softcap) {
   return softcap_cross_entropy_rows<T>(logits, logits, token_losses, targets, shape, softcap,
                                        dloss);
 }

@@ -7,7 +7,8 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
+
+#include "core/non_deduced.h"
 
 namespace fp8t::ops {
 
@@ -27,9 +28,8 @@ struct CrossEntropyShape {
 // anything is written).
 template <typename T>
 double softcap_cross_entropy(const T* logits, const int32_t* targets,
-                             const CrossEntropyShape& shape,
-                             std::type_identity_t<T>* token_losses = nullptr,
-                             std::type_identity_t<T> softcap = kLogitSoftcap);
+                             const CrossEntropyShape& shape, NonDeduced<T>* token_losses = nullptr,
+                             NonDeduced<T> softcap = kLogitSoftcap);
 
 // As softcap_cross_entropy, and overwrites logits with dloss * d(loss)/d(raw logits):
 // (softmax - onehot(target)) / valid_rows * (1 - tanh^2) * dloss on the real vocab columns,
@@ -37,9 +37,8 @@ double softcap_cross_entropy(const T* logits, const int32_t* targets,
 // adds: the gradient takes the place of the logits it came from.
 template <typename T>
 double softcap_cross_entropy_with_gradient(T* logits, const int32_t* targets,
-                                           const CrossEntropyShape& shape,
-                                           std::type_identity_t<T> dloss,
-                                           std::type_identity_t<T>* token_losses = nullptr,
-                                           std::type_identity_t<T> softcap = kLogitSoftcap);
+                                           const CrossEntropyShape& shape, NonDeduced<T> dloss,
+                                           NonDeduced<T>* token_losses = nullptr,
+                                           NonDeduced<T> softcap = kLogitSoftcap);
 
 }  // namespace fp8t::ops

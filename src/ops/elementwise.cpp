@@ -102,8 +102,8 @@ void value_gate_backward(T* dx_norm, T* dgate_weight, T* dvalue_embed, const T* 
 }
 
 template <typename T>
-void smear_forward(T* out, T* gate, const T* inp, const T* gate_weight,
-                   std::type_identity_t<T> smear_lambda, const SmearShape& shape) {
+void smear_forward(T* out, T* gate, const T* inp, const T* gate_weight, NonDeduced<T> smear_lambda,
+                   const SmearShape& shape) {
   check_smear_shape(shape);
   const int64_t channels = shape.channels;
   for (int64_t b = 0; b < shape.batch; ++b) {
@@ -130,7 +130,7 @@ void smear_forward(T* out, T* gate, const T* inp, const T* gate_weight,
 
 template <typename T>
 void smear_backward(T* dinp, T* dgate_weight, T* dsmear_lambda, const T* dout, const T* inp,
-                    const T* gate, const T* gate_weight, std::type_identity_t<T> smear_lambda,
+                    const T* gate, const T* gate_weight, NonDeduced<T> smear_lambda,
                     const SmearShape& shape) {
   check_smear_shape(shape);
   const int64_t channels = shape.channels;
@@ -164,8 +164,8 @@ void smear_backward(T* dinp, T* dgate_weight, T* dsmear_lambda, const T* dout, c
 }
 
 template <typename T>
-void residual_mix_forward(T* out, const T* x, const T* x0, std::type_identity_t<T> resid_lambda,
-                          std::type_identity_t<T> x0_lambda, int64_t n) {
+void residual_mix_forward(T* out, const T* x, const T* x0, NonDeduced<T> resid_lambda,
+                          NonDeduced<T> x0_lambda, int64_t n) {
   check_count(n);
   for (int64_t i = 0; i < n; ++i)
     out[i] = resid_lambda * x[i] + x0_lambda * x0[i];
@@ -173,8 +173,8 @@ void residual_mix_forward(T* out, const T* x, const T* x0, std::type_identity_t<
 
 template <typename T>
 void residual_mix_backward(T* dx, T* dx0, T* dresid_lambda, T* dx0_lambda, const T* dout,
-                           const T* x, const T* x0, std::type_identity_t<T> resid_lambda,
-                           std::type_identity_t<T> x0_lambda, int64_t n) {
+                           const T* x, const T* x0, NonDeduced<T> resid_lambda,
+                           NonDeduced<T> x0_lambda, int64_t n) {
   check_count(n);
   double dresid = 0.0;
   double dx0_scalar = 0.0;
@@ -189,7 +189,7 @@ void residual_mix_backward(T* dx, T* dx0, T* dresid_lambda, T* dx0_lambda, const
 }
 
 template <typename T>
-void backout_forward(T* out, const T* x, const T* x_backout, std::type_identity_t<T> backout_lambda,
+void backout_forward(T* out, const T* x, const T* x_backout, NonDeduced<T> backout_lambda,
                      int64_t n) {
   check_count(n);
   for (int64_t i = 0; i < n; ++i)
@@ -198,7 +198,7 @@ void backout_forward(T* out, const T* x, const T* x_backout, std::type_identity_
 
 template <typename T>
 void backout_backward(T* dx, T* dx_backout, T* dbackout_lambda, const T* dout, const T* x_backout,
-                      std::type_identity_t<T> backout_lambda, int64_t n) {
+                      NonDeduced<T> backout_lambda, int64_t n) {
   check_count(n);
   double dlambda = 0.0;
   for (int64_t i = 0; i < n; ++i) {

@@ -8,7 +8,8 @@
 #pragma once
 
 #include <cstdint>
-#include <type_traits>
+
+#include "core/non_deduced.h"
 
 namespace fp8t::ops {
 
@@ -63,36 +64,36 @@ struct SmearShape {
 // out may be inp: rows are processed from the last position down, so each reads inputs not
 // yet overwritten. The backward needs inp, so the caller keeps a copy when smearing in place.
 template <typename T>
-void smear_forward(T* out, T* gate, const T* inp, const T* gate_weight,
-                   std::type_identity_t<T> smear_lambda, const SmearShape& shape);
+void smear_forward(T* out, T* gate, const T* inp, const T* gate_weight, NonDeduced<T> smear_lambda,
+                   const SmearShape& shape);
 
 // Adds into dinp, dgate_weight [gate_channels] and dsmear_lambda (one scalar).
 template <typename T>
 void smear_backward(T* dinp, T* dgate_weight, T* dsmear_lambda, const T* dout, const T* inp,
-                    const T* gate, const T* gate_weight, std::type_identity_t<T> smear_lambda,
+                    const T* gate, const T* gate_weight, NonDeduced<T> smear_lambda,
                     const SmearShape& shape);
 
 // out = resid_lambda * x + x0_lambda * x0 over n elements (the per-layer mix with the
 // embedding x0). out may be x, but the backward needs x.
 template <typename T>
-void residual_mix_forward(T* out, const T* x, const T* x0, std::type_identity_t<T> resid_lambda,
-                          std::type_identity_t<T> x0_lambda, int64_t n);
+void residual_mix_forward(T* out, const T* x, const T* x0, NonDeduced<T> resid_lambda,
+                          NonDeduced<T> x0_lambda, int64_t n);
 
 // dx += resid_lambda dout; dx0 += x0_lambda dout; dresid_lambda += sum(dout x);
 // dx0_lambda += sum(dout x0).
 template <typename T>
 void residual_mix_backward(T* dx, T* dx0, T* dresid_lambda, T* dx0_lambda, const T* dout,
-                           const T* x, const T* x0, std::type_identity_t<T> resid_lambda,
-                           std::type_identity_t<T> x0_lambda, int64_t n);
+                           const T* x, const T* x0, NonDeduced<T> resid_lambda,
+                           NonDeduced<T> x0_lambda, int64_t n);
 
 // out = x - backout_lambda * x_backout over n elements; out may be x.
 template <typename T>
-void backout_forward(T* out, const T* x, const T* x_backout, std::type_identity_t<T> backout_lambda,
+void backout_forward(T* out, const T* x, const T* x_backout, NonDeduced<T> backout_lambda,
                      int64_t n);
 
 // dx += dout; dx_backout -= backout_lambda dout; dbackout_lambda -= sum(dout x_backout).
 template <typename T>
 void backout_backward(T* dx, T* dx_backout, T* dbackout_lambda, const T* dout, const T* x_backout,
-                      std::type_identity_t<T> backout_lambda, int64_t n);
+                      NonDeduced<T> backout_lambda, int64_t n);
 
 }  // namespace fp8t::ops

@@ -7,8 +7,7 @@
 namespace fp8t::ops {
 
 template <typename T>
-void rmsnorm_forward(T* out, T* rstd, const T* inp, int64_t rows, int64_t dim,
-                     std::type_identity_t<T> eps) {
+void rmsnorm_forward(T* out, T* rstd, const T* inp, int64_t rows, int64_t dim, NonDeduced<T> eps) {
   FP8T_CHECK(rows >= 0, "expected rows >= 0, found {}", rows);
   FP8T_CHECK(dim > 0, "expected dim > 0, found {}", dim);
   FP8T_CHECK(eps >= 0, "expected eps >= 0, found {}", eps);

@@ -6,7 +6,8 @@
 
 #include <cstdint>
 #include <limits>
-#include <type_traits>
+
+#include "core/non_deduced.h"
 
 namespace fp8t::ops {
 
@@ -19,7 +20,7 @@ inline constexpr double kRmsNormEps = std::numeric_limits<float>::epsilon();
 // rstd: [rows], saved for the backward.
 template <typename T>
 void rmsnorm_forward(T* out, T* rstd, const T* inp, int64_t rows, int64_t dim,
-                     std::type_identity_t<T> eps = kRmsNormEps);
+                     NonDeduced<T> eps = kRmsNormEps);
 
 // dinp += rstd * (dout - out * mean(dout * out)), row by row. It needs the forward's output
 // and rstd, not its input, so an in-place forward loses nothing the backward needs.

@@ -1,0 +1,1019 @@
+// cuBLASLt GEMMs against the CPU GEMM (float64) of the same operands: BF16 in its three forms,
+// FP8 with per-tensor, row-wise and block scales. Inputs are fresh random draws (replay a
+// failure with the FP8T_TEST_SEED the failure prints); outputs are poisoned with NaN before
+// each call, so unwritten elements show, and padding beyond the output's columns must stay
+// poisoned. Every comparison prints its measured error ("[ measured ]"), and the block-scaled
+// test prints which modes this cuBLASLt accepts on this GPU ("[ support  ]").
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <initializer_list>
+#include <iterator>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "../numerics/test_util.h"
+#include "core/cuda_check.h"
+#include "core/device_buffer.h"
+#include "core/error.h"
+#include "gemm/cpu_gemm.h"
+#include "gemm/cublaslt_gemm.h"
+#include "numerics/quantize.h"
+#include "numerics/scaling.h"
+
+namespace fp8t::gemm {
+namespace {
+
+using test::TestRng;
+
+// ‖out − ref‖ / ‖ref‖ bounds, the reference being the exact (float64) product of the operands
+// the GPU reads.
+// BF16 products are exact in fp32 and the sums are fp32: rounding grows like sqrt(K)·2^-24,
+// about 5e-6 at K = 6144 even for plain recursive summation.
+constexpr double kF32Bound = 1e-5;
+// A bf16 output rounds each element by up to 2^-9 relative.
+constexpr double kBf16OutBound = 1e-2;
+// Hopper's FP8 tensor cores add products with about 14 bits kept (DeepSeek-V3 report, §3.3.2),
+// so even fp32 outputs are not fp32-accurate. Without fast accumulation cuBLASLt promotes the
+// partial sums to fp32 every few K-blocks, which bounds the loss near 2^-14 per block;
+// 2e-3 leaves a margin of ~10x over that estimate. With fast accumulation the partial sums are
+// never promoted and the loss grows with K: DeepSeek measured ~2 % (max relative) at K = 4096.
+// A wrong layout or scale gives errors of order 1, far above both bounds. Measured on the H200
+// (cuBLASLt 13.1, 2026-11-29), fp32 outputs, K up to 6144: at most 1.6e-4 without fast
+// accumulation and 2.2e-3 with it.
+constexpr double kFp8Bound = 2e-3;
+constexpr double kFp8FastBound = 1e-2;
+
+double fp8_bound(GemmType out_type, bool fast_accumulation) {
+  const double accumulation = fast_accumulation ? kFp8FastBound : kFp8Bound;
+  return out_type == GemmType::F32 ? accumulation : std::max(accumulation, kBf16OutBound);
+}
+
+struct Shape {
+  int64_t m;
+  int64_t n;
+  int64_t k;
+};
+
+std::string text(const Shape& shape) {
+  return "M=" + std::to_string(shape.m) + " N=" + std::to_string(shape.n) +
+         " K=" + std::to_string(shape.k);
+}
+
+Fp8Format format_of(GemmType type) {
+  return type == GemmType::E5M2 ? Fp8Format::E5M2 : Fp8Format::E4M3;
+}
+
+// Normal values whose magnitudes vary by row and by 128-column block (2^-3 to 2^3), so that
+// per-tensor, row-wise and block scales all differ.
+std::vector<float> random_values(TestRng& rng, int64_t rows, int64_t cols) {
+  std::normal_distribution<float> normal;
+  std::vector<int> row_exponent(static_cast<size_t>(rows));
+  std::vector<int> block_exponent(static_cast<size_t>((cols + 127) / 128));
+  for (int& e : row_exponent)
+    e = rng.uniform_int(-3, 3);
+  for (int& e : block_exponent)
+    e = rng.uniform_int(-3, 3);
+  std::vector<float> values(static_cast<size_t>(rows * cols));
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      values[r * cols + c] =
+          std::ldexp(normal(rng.engine()), row_exponent[r] + block_exponent[c / 128]);
+    }
+  }
+  return values;
+}
+
+// A bf16 matrix [rows, cols] with row stride ld (padding zero), and its values.
+struct Bf16Matrix {
+  std::vector<bf16> data;
+  std::vector<double> values;  // [rows, cols]
+};
+
+Bf16Matrix random_bf16(TestRng& rng, int64_t rows, int64_t cols, int64_t ld) {
+  const std::vector<float> x = random_values(rng, rows, cols);
+  Bf16Matrix matrix{std::vector<bf16>(static_cast<size_t>(rows * ld), bf16{0}),
+                    std::vector<double>(static_cast<size_t>(rows * cols))};
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t c = 0; c < cols; ++c) {
+      const bf16 value = float_to_bf16(x[r * cols + c]);
+      matrix.data[r * ld + c] = value;
+      matrix.values[r * cols + c] = bf16_to_float(value);
+    }
+  }
+  return matrix;
+}
+
+// Values exactly representable in `type` (f32 or bf16), and their bytes.
+std::vector<double> random_exact(TestRng& rng, size_t count, GemmType type) {
+  std::vector<double> values(count);
+  for (double& value : values) {
+    const float x = static_cast<float>(rng.uniform(-4.0, 4.0));
+    value = type == GemmType::BF16 ? bf16_to_float(float_to_bf16(x)) : x;
+  }
+  return values;
+}
+
+std::vector<uint8_t> to_bytes(const std::vector<double>& values, GemmType type) {
+  std::vector<uint8_t> bytes(values.size() * gemm_type_bytes(type));
+  for (size_t i = 0; i < values.size(); ++i) {
+    if (type == GemmType::BF16) {
+      const bf16 value = float_to_bf16(static_cast<float>(values[i]));
+      std::memcpy(&bytes[2 * i], &value, 2);
+    } else {
+      const float value = static_cast<float>(values[i]);
+      std::memcpy(&bytes[4 * i], &value, 4);
+    }
+  }
+  return bytes;
+}
+
+// An output [rows, cols] with row stride ld in device memory, of any GEMM output type.
+class DeviceOutput {
+ public:
+  DeviceOutput(GemmType type, int64_t rows, int64_t cols, int64_t ld)
+      : type_(type), rows_(rows), cols_(cols), ld_(ld), bytes_(rows * ld * gemm_type_bytes(type)) {
+    fill_nan();
+  }
+
+  // NaN in every element, padding included.
+  void fill_nan() {
+    const size_t size = gemm_type_bytes(type_);
+    std::vector<uint8_t> host(bytes_.count());
+    for (size_t i = 0; i < host.size(); i += size) {
+      if (type_ == GemmType::F32) {
+        const uint32_t nan = 0x7FC00000u;
+        std::memcpy(&host[i], &nan, 4);
+      } else if (type_ == GemmType::BF16) {
+        const uint16_t nan = 0x7FC0u;
+        std::memcpy(&host[i], &nan, 2);
+      } else {
+        host[i] = 0x7F;  // NaN in E4M3 and in E5M2
+      }
+    }
+    bytes_.upload(host.data());
+  }
+
+  // Sets the elements (f32 or bf16 outputs) to `values` [rows, cols]; the padding stays NaN.
+  void set(const std::vector<double>& values) {
+    fill_nan();
+    std::vector<uint8_t> host(bytes_.count());
+    FP8T_CUDA_CHECK(cudaMemcpy(host.data(), bytes_.get(), host.size(), cudaMemcpyDeviceToHost));
+    for (int64_t r = 0; r < rows_; ++r) {
+      const std::vector<double> row(values.begin() + r * cols_, values.begin() + (r + 1) * cols_);
+      const std::vector<uint8_t> row_bytes = to_bytes(row, type_);
+      std::memcpy(&host[r * ld_ * gemm_type_bytes(type_)], row_bytes.data(), row_bytes.size());
+    }
+    bytes_.upload(host.data());
+  }
+
+  // The elements [rows, cols] as doubles (FP8 codes decoded).
+  std::vector<double> values() const {
+    const std::vector<uint8_t> host = bytes_.download();
+    std::vector<double> result(static_cast<size_t>(rows_ * cols_));
+    for (int64_t r = 0; r < rows_; ++r) {
+      for (int64_t c = 0; c < cols_; ++c)
+        result[r * cols_ + c] = element(host, r * ld_ + c);
+    }
+    return result;
+  }
+
+  std::vector<uint8_t> codes() const {  // FP8 outputs: the codes [rows, cols]
+    const std::vector<uint8_t> host = bytes_.download();
+    std::vector<uint8_t> result(static_cast<size_t>(rows_ * cols_));
+    for (int64_t r = 0; r < rows_; ++r)
+      std::copy_n(&host[r * ld_], cols_, &result[r * cols_]);
+    return result;
+  }
+
+  // Padding elements (columns cols..ld-1) that are no longer NaN: the GEMM wrote past its output.
+  int64_t written_padding() const {
+    const std::vector<uint8_t> host = bytes_.download();
+    int64_t written = 0;
+    for (int64_t r = 0; r < rows_; ++r) {
+      for (int64_t c = cols_; c < ld_; ++c)
+        written += std::isnan(element(host, r * ld_ + c)) ? 0 : 1;
+    }
+    return written;
+  }
+
+  GemmOutput view(bool accumulate = false) const {
+    GemmOutput out;
+    out.data = bytes_.get();
+    out.ld = ld_;
+    out.type = type_;
+    out.accumulate = accumulate;
+    return out;
+  }
+
+ private:
+  double element(const std::vector<uint8_t>& host, int64_t index) const {
+    const size_t offset = static_cast<size_t>(index) * gemm_type_bytes(type_);
+    if (type_ == GemmType::F32) {
+      float value;
+      std::memcpy(&value, &host[offset], 4);
+      return value;
+    }
+    if (type_ == GemmType::BF16) {
+      bf16 value;
+      std::memcpy(&value, &host[offset], 2);
+      return bf16_to_float(value);
+    }
+    return decode(host[offset], format_of(type_));
+  }
+
+  GemmType type_;
+  int64_t rows_, cols_, ld_;
+  DeviceBuffer<uint8_t> bytes_;
+};
+
+struct Errors {
+  double relative = 0;     // ‖out − ref‖ / ‖ref‖; inf when an element is not finite
+  int64_t non_finite = 0;  // NaN or inf outputs (poison left unwritten shows here)
+  int64_t worst = -1;      // index of the largest |out − ref|
+  double worst_out = 0, worst_ref = 0;
+  int64_t mismatches = 0;  // elements with out != ref exactly
+};
+
+Errors compare(const std::vector<double>& out, const std::vector<double>& ref) {
+  Errors errors;
+  double diff2 = 0, ref2 = 0, worst_diff = -1;
+  for (size_t i = 0; i < out.size(); ++i) {
+    ref2 += ref[i] * ref[i];
+    if (!std::isfinite(out[i])) {
+      if (errors.non_finite++ == 0) errors.worst = static_cast<int64_t>(i);
+      continue;
+    }
+    const double diff = out[i] - ref[i];
+    errors.mismatches += diff != 0 ? 1 : 0;
+    diff2 += diff * diff;
+    if (std::fabs(diff) > worst_diff && errors.non_finite == 0) {
+      worst_diff = std::fabs(diff);
+      errors.worst = static_cast<int64_t>(i);
+    }
+  }
+  errors.relative = errors.non_finite > 0 ? std::numeric_limits<double>::infinity()
+                                          : std::sqrt(diff2 / std::max(ref2, 1e-300));
+  if (errors.worst >= 0) {
+    errors.worst_out = out[errors.worst];
+    errors.worst_ref = ref[errors.worst];
+  }
+  return errors;
+}
+
+// Compares, prints the measured error, and fails with the details when it exceeds `bound`.
+void check(const std::vector<double>& out, const std::vector<double>& ref, int64_t cols,
+           double bound, const std::string& what) {
+  const Errors errors = compare(out, ref);
+  std::printf("[ measured ] %s: |out - ref|/|ref| = %.3g (bound %.3g)\n", what.c_str(),
+              errors.relative, bound);
+  EXPECT_LE(errors.relative, bound)
+      << what << ": " << errors.non_finite << " non-finite outputs; worst element [row "
+      << errors.worst / cols << ", col " << errors.worst % cols << "]: out " << errors.worst_out
+      << ", ref " << errors.worst_ref;
+}
+
+void check_padding(const DeviceOutput& out, const std::string& what) {
+  EXPECT_EQ(out.written_padding(), 0) << what << ": the GEMM wrote into the output's padding";
+}
+
+std::vector<double> xwt_reference(const Shape& s, const std::vector<double>& a,
+                                  const std::vector<double>& b) {
+  std::vector<double> ref(static_cast<size_t>(s.m * s.n));
+  forward_xwt(s.m, s.n, s.k, a.data(), s.k, b.data(), s.k, ref.data(), s.n, false);
+  return ref;
+}
+
+void add_bias(std::vector<double>& ref, const std::vector<double>& bias) {
+  for (size_t i = 0; i < ref.size(); ++i)
+    ref[i] += bias[i % bias.size()];
+}
+
+// ---- FP8 operands ----
+
+// An FP8 operand [rows, K] as the GEMM reads it (codes with row stride ld, scale_inv in the
+// GEMM's layout) and the values it stands for.
+struct HostOperand {
+  int64_t rows = 0, k = 0, ld = 0;
+  Fp8Format format = Fp8Format::E4M3;
+  ScaleMode mode = ScaleMode::Tensor;
+  std::vector<uint8_t> codes;    // [rows, ld]
+  std::vector<float> scale_inv;  // scale_count(mode, rows, k) values
+  std::vector<double> values;    // dequantized, [rows, k]
+};
+
+HostOperand empty_operand(int64_t rows, int64_t k, int64_t ld, Fp8Format format, ScaleMode mode) {
+  HostOperand op;
+  op.rows = rows;
+  op.k = k;
+  op.ld = ld;
+  op.format = format;
+  op.mode = mode;
+  op.codes.assign(static_cast<size_t>(rows * ld), 0);
+  op.scale_inv.assign(static_cast<size_t>(scale_count(mode, rows, k)), 0.0f);
+  op.values.assign(static_cast<size_t>(rows * k), 0.0);
+  return op;
+}
+
+// The index in scale_inv of element (r, c)'s scale.
+int64_t scale_index(const HostOperand& op, int64_t r, int64_t c) {
+  const int64_t k_blocks = (op.k + 127) / 128;
+  switch (op.mode) {
+    case ScaleMode::Tensor:
+      return 0;
+    case ScaleMode::Row:
+      return r;
+    case ScaleMode::Block1x128:
+      return (c / 128) * op.rows + r;
+    case ScaleMode::Block128x128:
+      return (r / 128) * ((k_blocks + 3) / 4 * 4) + c / 128;
+  }
+  return 0;
+}
+
+void fill_values(HostOperand& op) {
+  for (int64_t r = 0; r < op.rows; ++r) {
+    for (int64_t c = 0; c < op.k; ++c) {
+      op.values[r * op.k + c] = double(decode(op.codes[r * op.ld + c], op.format)) *
+                                double(op.scale_inv[scale_index(op, r, c)]);
+    }
+  }
+}
+
+// Quantizes x [rows, k] with the CPU reference of quantize.h: per-tensor and row-wise scales
+// by current scaling (scale_from_amax), blocks by quantize_blocks() (power-of-2 scales).
+HostOperand quantize_operand(const std::vector<float>& x, int64_t rows, int64_t k, int64_t ld,
+                             Fp8Format format, ScaleMode mode) {
+  HostOperand op = empty_operand(rows, k, ld, format, mode);
+  const float top = format_max(format);
+  if (mode == ScaleMode::Tensor || mode == ScaleMode::Row) {
+    const float tensor_amax = amax(x.data(), rows * k);
+    for (int64_t r = 0; r < rows; ++r) {
+      const float row_amax = mode == ScaleMode::Row ? amax(x.data() + r * k, k) : tensor_amax;
+      const float scale = scale_from_amax(row_amax, top, false, 0.0f);
+      quantize(x.data() + r * k, k, scale, format, op.codes.data() + r * ld, nullptr);
+      op.scale_inv[mode == ScaleMode::Row ? r : 0] = 1.0f / scale;
+    }
+  } else {
+    const BlockScaling scaling =
+        mode == ScaleMode::Block1x128 ? BlockScaling::Rows1x128 : BlockScaling::Tile128x128;
+    const BlockQuantization spec{scaling, format, true, 0.0f};
+    const BlockShape grid = scale_grid(scaling, rows, k);
+    std::vector<uint8_t> dense(static_cast<size_t>(rows * k));
+    std::vector<float> scales(static_cast<size_t>(grid.rows * grid.cols));
+    quantize_blocks(x.data(), rows, k, spec, dense.data(), scales.data());
+    for (int64_t r = 0; r < rows; ++r)
+      std::copy_n(&dense[r * k], k, &op.codes[r * ld]);
+    // From quantize_blocks()' row-major grid to the GEMM's layout (see ScaleMode).
+    for (int64_t gr = 0; gr < grid.rows; ++gr) {
+      for (int64_t gc = 0; gc < grid.cols; ++gc) {
+        op.scale_inv[scale_index(op, gr * block_shape(scaling).rows, gc * 128)] =
+            scales[gr * grid.cols + gc];
+      }
+    }
+  }
+  fill_values(op);
+  return op;
+}
+
+// Small integers (|v| <= 4, exact in E4M3 and E5M2) times power-of-2 scales (2^-1 .. 2^1): every
+// product, every 128-long partial sum and the whole sum are exact in 14 bits and in fp32, so a
+// GEMM that promotes its partial sums (no fast accumulation) must give the exact result.
+HostOperand integer_operand(TestRng& rng, int64_t rows, int64_t k, Fp8Format format,
+                            ScaleMode mode) {
+  HostOperand op = empty_operand(rows, k, k, format, mode);
+  for (float& scale : op.scale_inv)
+    scale = std::ldexp(1.0f, rng.uniform_int(-1, 1));
+  for (uint8_t& code : op.codes)
+    code =
+        encode_reference(static_cast<float>(rng.uniform_int(-4, 4)), format, Saturation::Saturate);
+  fill_values(op);
+  return op;
+}
+
+struct DeviceOperand {
+  explicit DeviceOperand(const HostOperand& host)
+      : codes(host.codes),
+        scales(host.scale_inv),
+        format(host.format),
+        mode(host.mode),
+        ld(host.ld) {}
+  Fp8Operand view() const {
+    Fp8Operand op;
+    op.data = codes.get();
+    op.ld = ld;
+    op.format = format;
+    op.scale_mode = mode;
+    op.scale_inv = scales.get();
+    return op;
+  }
+  DeviceBuffer<uint8_t> codes;
+  DeviceBuffer<float> scales;
+  Fp8Format format;
+  ScaleMode mode;
+  int64_t ld;
+};
+
+std::string fp8_text(const Shape& shape, const HostOperand& a, const HostOperand& b,
+                     GemmType out_type, bool fast) {
+  return std::string("FP8 ") + text(shape) + " a " + std::string(format_name(a.format)) + " (" +
+         scale_mode_name(a.mode) + ") b " + std::string(format_name(b.format)) + " (" +
+         scale_mode_name(b.mode) + ") out " + gemm_type_name(out_type) + " fast accumulation " +
+         (fast ? "on" : "off");
+}
+
+// Runs a·bᵀ in FP8 and waits for it: "" when it ran, else cuBLASLt's refusal (the error message).
+std::string try_fp8_gemm(CublasLtGemm& gemm, const Shape& s, const DeviceOperand& a,
+                         const DeviceOperand& b, const DeviceOutput& out, bool fast,
+                         cudaStream_t stream) {
+  try {
+    gemm.fp8_gemm(s.m, s.n, s.k, a.view(), b.view(), out.view(), fast, stream);
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+    return "";
+  } catch (const Error& error) {
+    return error.what();
+  }
+}
+
+class CublasLtGemmTest : public ::testing::Test {
+ protected:
+  void SetUp() override { FP8T_CUDA_CHECK(cudaStreamCreate(&stream_)); }
+  void TearDown() override { cudaStreamDestroy(stream_); }
+
+  // Runs a·bᵀ in FP8 and compares with the float64 product of the dequantized operands.
+  void run_fp8(const Shape& shape, const HostOperand& a, const HostOperand& b, GemmType out_type,
+               bool fast, const std::vector<double>& ref, int64_t out_ld) {
+    const std::string what = fp8_text(shape, a, b, out_type, fast);
+    const DeviceOperand device_a(a), device_b(b);
+    DeviceOutput out(out_type, shape.m, shape.n, out_ld);
+    const std::string refusal = try_fp8_gemm(gemm_, shape, device_a, device_b, out, fast, stream_);
+    if (!refusal.empty()) {
+      ADD_FAILURE() << what << ": " << refusal;
+      return;
+    }
+    check(out.values(), ref, shape.n, fp8_bound(out_type, fast), what);
+    check_padding(out, what);
+  }
+
+  TestRng rng_;
+  cudaStream_t stream_ = nullptr;
+  CublasLtGemm gemm_;
+};
+
+// ---- BF16 ----
+
+constexpr Shape kBf16Shapes[] = {{48, 80, 32}, {33, 17, 45}, {256, 512, 1024}, {1024, 1536, 6144}};
+
+TEST_F(CublasLtGemmTest, ReportsLibraryAndDevice) {
+  std::printf("[ device   ] %s, cuBLASLt %s\n", gemm_.architecture().c_str(),
+              CublasLtGemm::library_version().c_str());
+  EXPECT_EQ(gemm_.counters().heuristic_queries, 0);
+  EXPECT_EQ(gemm_.cached_problems(), 0u);
+}
+
+TEST_F(CublasLtGemmTest, Bf16ForwardMatchesCpu) {
+  SCOPED_TRACE(rng_.trace());
+  for (size_t index = 0; index < std::size(kBf16Shapes); ++index) {
+    const Shape s = kBf16Shapes[index];
+    const bool padded = index % 2 == 0;  // row strides beyond the row lengths
+    const int64_t ldx = padded ? s.k + 8 : s.k, ldw = padded ? s.k + 24 : s.k;
+    const Bf16Matrix x = random_bf16(rng_, s.m, s.k, ldx);
+    const Bf16Matrix w = random_bf16(rng_, s.n, s.k, ldw);
+    const DeviceBuffer<bf16> device_x(x.data), device_w(w.data);
+    const std::vector<double> product = xwt_reference(s, x.values, w.values);
+    for (GemmType out_type : {GemmType::F32, GemmType::BF16}) {
+      for (bool with_bias : {false, true}) {
+        const std::string what = std::string("BF16 forward ") + text(s) + " out " +
+                                 gemm_type_name(out_type) + (with_bias ? " + bias" : "") +
+                                 (padded ? " (padded strides)" : "");
+        const std::vector<double> bias = random_exact(rng_, static_cast<size_t>(s.n), out_type);
+        const DeviceBuffer<uint8_t> device_bias(to_bytes(bias, out_type));
+        DeviceOutput out(out_type, s.m, s.n, padded ? s.n + 8 : s.n);
+        GemmOutput view = out.view();
+        if (with_bias) {
+          view.bias = device_bias.get();
+          view.bias_type = out_type;
+        }
+        gemm_.bf16_gemm(Bf16Form::XWt, s.m, s.n, s.k, device_x.get(), ldx, device_w.get(), ldw,
+                        view, stream_);
+        std::vector<double> ref = product;
+        if (with_bias) add_bias(ref, bias);
+        check(out.values(), ref, s.n, out_type == GemmType::F32 ? kF32Bound : kBf16OutBound, what);
+        check_padding(out, what);
+      }
+    }
+  }
+}
+
+TEST_F(CublasLtGemmTest, Bf16DgradMatchesCpu) {
+  SCOPED_TRACE(rng_.trace());
+  for (const Shape s : kBf16Shapes) {
+    const Bf16Matrix dy = random_bf16(rng_, s.m, s.n, s.n);
+    const Bf16Matrix w = random_bf16(rng_, s.n, s.k, s.k);
+    const DeviceBuffer<bf16> device_dy(dy.data), device_w(w.data);
+    std::vector<double> ref(static_cast<size_t>(s.m * s.k), 0.0);
+    dgrad_dyw(s.m, s.n, s.k, dy.values.data(), s.n, w.values.data(), s.k, ref.data(), s.k);
+    for (GemmType out_type : {GemmType::F32, GemmType::BF16}) {
+      const std::string what =
+          std::string("BF16 dgrad dx = dy·W ") + text(s) + " out " + gemm_type_name(out_type);
+      DeviceOutput out(out_type, s.m, s.k, s.k + 8);
+      gemm_.bf16_gemm(Bf16Form::DyW, s.m, s.n, s.k, device_dy.get(), s.n, device_w.get(), s.k,
+                      out.view(), stream_);
+      check(out.values(), ref, s.k, out_type == GemmType::F32 ? kF32Bound : kBf16OutBound, what);
+      check_padding(out, what);
+    }
+  }
+}
+
+// Weight gradients accumulate over micro-batches: dW starts from existing values and takes two
+// products in turn.
+TEST_F(CublasLtGemmTest, Bf16WgradAccumulatesIntoFp32) {
+  SCOPED_TRACE(rng_.trace());
+  for (const Shape s : kBf16Shapes) {
+    const std::string what = std::string("BF16 wgrad dW += dyᵀ·x, two micro-batches ") + text(s);
+    std::vector<double> ref = random_exact(rng_, static_cast<size_t>(s.n * s.k), GemmType::F32);
+    DeviceOutput dw(GemmType::F32, s.n, s.k, s.k + 4);
+    dw.set(ref);
+    for (int micro_batch = 0; micro_batch < 2; ++micro_batch) {
+      const Bf16Matrix dy = random_bf16(rng_, s.m, s.n, s.n);
+      const Bf16Matrix x = random_bf16(rng_, s.m, s.k, s.k);
+      const DeviceBuffer<bf16> device_dy(dy.data), device_x(x.data);
+      wgrad_dytx(s.m, s.n, s.k, dy.values.data(), s.n, x.values.data(), s.k, ref.data(), s.k);
+      gemm_.bf16_gemm(Bf16Form::DytX, s.m, s.n, s.k, device_dy.get(), s.n, device_x.get(), s.k,
+                      dw.view(/*accumulate=*/true), stream_);
+      FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the inputs die with this iteration
+    }
+    check(dw.values(), ref, s.k, kF32Bound, what);
+    check_padding(dw, what);
+  }
+}
+
+TEST_F(CublasLtGemmTest, Bf16ForwardAccumulatesWithBias) {
+  SCOPED_TRACE(rng_.trace());
+  const Shape s{256, 512, 1024};
+  const Bf16Matrix x = random_bf16(rng_, s.m, s.k, s.k);
+  const Bf16Matrix w = random_bf16(rng_, s.n, s.k, s.k);
+  const DeviceBuffer<bf16> device_x(x.data), device_w(w.data);
+  const std::vector<double> bias = random_exact(rng_, static_cast<size_t>(s.n), GemmType::F32);
+  const DeviceBuffer<uint8_t> device_bias(to_bytes(bias, GemmType::F32));
+  std::vector<double> ref = random_exact(rng_, static_cast<size_t>(s.m * s.n), GemmType::F32);
+  DeviceOutput out(GemmType::F32, s.m, s.n, s.n);
+  out.set(ref);
+  GemmOutput view = out.view(/*accumulate=*/true);
+  view.bias = device_bias.get();
+  view.bias_type = GemmType::F32;
+  gemm_.bf16_gemm(Bf16Form::XWt, s.m, s.n, s.k, device_x.get(), s.k, device_w.get(), s.k, view,
+                  stream_);
+  const std::vector<double> product = xwt_reference(s, x.values, w.values);
+  for (size_t i = 0; i < ref.size(); ++i)
+    ref[i] += product[i] + bias[i % bias.size()];
+  check(out.values(), ref, s.n, kF32Bound, "BF16 forward y += x·Wᵀ + bias " + text(s));
+}
+
+// ---- FP8 ----
+
+constexpr Shape kFp8Shapes[] = {{48, 80, 32}, {40, 48, 144}, {256, 512, 1024}, {1024, 1536, 6144}};
+
+struct FormatPair {
+  Fp8Format a;
+  Fp8Format b;
+};
+// E4M3 everywhere, and the hybrid recipe's gradients (E5M2) on either side.
+constexpr FormatPair kFormatPairs[] = {{Fp8Format::E4M3, Fp8Format::E4M3},
+                                       {Fp8Format::E5M2, Fp8Format::E4M3},
+                                       {Fp8Format::E4M3, Fp8Format::E5M2}};
+
+// Every shape, format pair, output type and accumulation mode with `mode` scales on both sides.
+void run_scaled_cases(
+    TestRng& rng, ScaleMode mode,
+    const std::function<void(const Shape&, const HostOperand&, const HostOperand&, GemmType, bool,
+                             const std::vector<double>&, int64_t)>& run) {
+  for (size_t index = 0; index < std::size(kFp8Shapes); ++index) {
+    const Shape s = kFp8Shapes[index];
+    const bool padded = index == 1;  // strides beyond the rows, multiples of 16 bytes
+    const int64_t ld_a = padded ? s.k + 16 : s.k, ld_b = padded ? s.k + 32 : s.k;
+    const std::vector<float> x = random_values(rng, s.m, s.k);
+    const std::vector<float> w = random_values(rng, s.n, s.k);
+    for (const FormatPair formats : kFormatPairs) {
+      const HostOperand a = quantize_operand(x, s.m, s.k, ld_a, formats.a, mode);
+      const HostOperand b = quantize_operand(w, s.n, s.k, ld_b, formats.b, mode);
+      const std::vector<double> ref = xwt_reference(s, a.values, b.values);
+      for (GemmType out_type : {GemmType::F32, GemmType::BF16}) {
+        for (bool fast : {false, true})
+          run(s, a, b, out_type, fast, ref, padded ? s.n + 16 : s.n);
+      }
+    }
+  }
+}
+
+TEST_F(CublasLtGemmTest, Fp8TensorScaledMatchesCpu) {
+  SCOPED_TRACE(rng_.trace());
+  run_scaled_cases(
+      rng_, ScaleMode::Tensor,
+      [this](const Shape& s, const HostOperand& a, const HostOperand& b, GemmType t, bool fast,
+             const std::vector<double>& ref, int64_t ld) { run_fp8(s, a, b, t, fast, ref, ld); });
+}
+
+TEST_F(CublasLtGemmTest, Fp8RowWiseMatchesCpu) {
+  SCOPED_TRACE(rng_.trace());
+  run_scaled_cases(
+      rng_, ScaleMode::Row,
+      [this](const Shape& s, const HostOperand& a, const HostOperand& b, GemmType t, bool fast,
+             const std::vector<double>& ref, int64_t ld) { run_fp8(s, a, b, t, fast, ref, ld); });
+}
+
+struct ModePair {
+  ScaleMode a;
+  ScaleMode b;
+};
+// The combinations cuBLASLt documents for sm_90 (128x128 on both sides is not one of them).
+constexpr ModePair kBlockModes[] = {{ScaleMode::Block1x128, ScaleMode::Block1x128},
+                                    {ScaleMode::Block1x128, ScaleMode::Block128x128},
+                                    {ScaleMode::Block128x128, ScaleMode::Block1x128}};
+
+// Whether cuBLASLt accepts block scales here is for this test to find out: it tries every
+// documented combination with fast accumulation off and on, prints what the library accepts,
+// and checks the accepted ones against the CPU. A refusal must come as the API's clear error.
+TEST_F(CublasLtGemmTest, Fp8BlockScaledReportsSupportAndMatchesCpu) {
+  SCOPED_TRACE(rng_.trace());
+  const Shape shapes[] = {{48, 80, 144}, {256, 512, 1024}, {1024, 1536, 6144}};
+  std::vector<std::string> accepted, refused;
+  for (const Shape s : shapes) {
+    const std::vector<float> x = random_values(rng_, s.m, s.k);
+    const std::vector<float> w = random_values(rng_, s.n, s.k);
+    for (const ModePair modes : kBlockModes) {
+      for (const FormatPair formats : {kFormatPairs[0], kFormatPairs[1]}) {
+        const HostOperand a = quantize_operand(x, s.m, s.k, s.k, formats.a, modes.a);
+        const HostOperand b = quantize_operand(w, s.n, s.k, s.k, formats.b, modes.b);
+        const std::vector<double> ref = xwt_reference(s, a.values, b.values);
+        for (GemmType out_type : {GemmType::BF16, GemmType::F32}) {
+          for (bool fast : {false, true}) {
+            const std::string what = fp8_text(s, a, b, out_type, fast);
+            const DeviceOperand device_a(a), device_b(b);
+            DeviceOutput out(out_type, s.m, s.n, s.n);
+            const std::string message =
+                try_fp8_gemm(gemm_, s, device_a, device_b, out, fast, stream_);
+            if (!message.empty()) {
+              std::printf("[ support  ] %s: refused: %s\n", what.c_str(), message.c_str());
+              refused.push_back(what);
+              EXPECT_NE(message.find("M=" + std::to_string(s.m) + ", N=" + std::to_string(s.n) +
+                                     ", K=" + std::to_string(s.k)),
+                        std::string::npos)
+                  << "the refusal should name the shape: " << message;
+              if (message.find("cublasLtMatmulAlgoGetHeuristic") != std::string::npos) {
+                EXPECT_NE(message.find("does not support block-scaled FP8 on sm_"),
+                          std::string::npos)
+                    << message;
+              }
+              continue;
+            }
+            std::printf("[ support  ] %s: accepted\n", what.c_str());
+            accepted.push_back(what);
+            check(out.values(), ref, s.n, fp8_bound(out_type, fast), what);
+          }
+        }
+      }
+    }
+  }
+  std::printf("[ support  ] block-scaled FP8 on %s, cuBLASLt %s: %zu accepted, %zu refused\n",
+              gemm_.architecture().c_str(), CublasLtGemm::library_version().c_str(),
+              accepted.size(), refused.size());
+}
+
+// Integer codes and power-of-2 scales make the exact product reachable (see integer_operand):
+// without fast accumulation every scaling mode must give it, element for element. This checks
+// layouts and scale placement with no tolerance at all.
+TEST_F(CublasLtGemmTest, Fp8IntegerInputsGiveExactProducts) {
+  SCOPED_TRACE(rng_.trace());
+  const ModePair modes[] = {{ScaleMode::Tensor, ScaleMode::Tensor},
+                            {ScaleMode::Row, ScaleMode::Row},
+                            kBlockModes[0],
+                            kBlockModes[1],
+                            kBlockModes[2]};
+  for (const Shape s : {Shape{48, 80, 144}, Shape{256, 512, 1024}}) {
+    for (const ModePair mode : modes) {
+      for (const FormatPair formats : kFormatPairs) {
+        const HostOperand a = integer_operand(rng_, s.m, s.k, formats.a, mode.a);
+        const HostOperand b = integer_operand(rng_, s.n, s.k, formats.b, mode.b);
+        const std::vector<double> ref = xwt_reference(s, a.values, b.values);
+        for (bool fast : {false, true}) {
+          const std::string what = "integer " + fp8_text(s, a, b, GemmType::F32, fast);
+          const DeviceOperand device_a(a), device_b(b);
+          DeviceOutput out(GemmType::F32, s.m, s.n, s.n);
+          const std::string refusal =
+              try_fp8_gemm(gemm_, s, device_a, device_b, out, fast, stream_);
+          if (!refusal.empty()) {
+            // Only block scales may be refused: the block-scaled test reports those.
+            EXPECT_TRUE(mode.a != ScaleMode::Tensor && mode.a != ScaleMode::Row) << refusal;
+            std::printf("[ support  ] %s: refused (see the block-scaled test)\n", what.c_str());
+            continue;
+          }
+          const Errors errors = compare(out.values(), ref);
+          std::printf("[ measured ] %s: %lld of %lld elements differ, |out - ref|/|ref| = %.3g\n",
+                      what.c_str(), static_cast<long long>(errors.mismatches),
+                      static_cast<long long>(ref.size()), errors.relative);
+          if (!fast) {
+            EXPECT_EQ(errors.mismatches + errors.non_finite, 0)
+                << what << ": worst element [row " << errors.worst / s.n << ", col "
+                << errors.worst % s.n << "]: out " << errors.worst_out << ", ref "
+                << errors.worst_ref;
+          } else {
+            EXPECT_LE(errors.relative, kFp8FastBound) << what;
+          }
+        }
+      }
+    }
+  }
+}
+
+// FP8 outputs: the codes of encode(result · scale), and amax of the result before the scale.
+TEST_F(CublasLtGemmTest, Fp8OutputWithScaleAndAmax) {
+  SCOPED_TRACE(rng_.trace());
+  struct Case {
+    Shape shape;
+    FormatPair formats;
+    GemmType out_type;
+  };
+  const Case cases[] = {{{48, 80, 32}, kFormatPairs[0], GemmType::E4M3},
+                        {{256, 512, 1024}, kFormatPairs[0], GemmType::E4M3},
+                        {{256, 512, 1024}, kFormatPairs[1], GemmType::E5M2},
+                        {{1024, 1536, 6144}, kFormatPairs[2], GemmType::E4M3}};
+  for (const Case& c : cases) {
+    const Shape s = c.shape;
+    const HostOperand a = quantize_operand(random_values(rng_, s.m, s.k), s.m, s.k, s.k,
+                                           c.formats.a, ScaleMode::Tensor);
+    const HostOperand b = quantize_operand(random_values(rng_, s.n, s.k), s.n, s.k, s.k,
+                                           c.formats.b, ScaleMode::Tensor);
+    const std::vector<double> ref = xwt_reference(s, a.values, b.values);
+    double ref_amax = 0, ref2 = 0;
+    for (double value : ref) {
+      ref_amax = std::max(ref_amax, std::fabs(value));
+      ref2 += value * value;
+    }
+    const double ref_rms = std::sqrt(ref2 / double(ref.size()));
+    const Fp8Format out_format = format_of(c.out_type);
+    const DeviceOperand device_a(a), device_b(b);
+    for (bool overflow : {false, true}) {
+      // In range: the scale that maps the result's amax to the format's max. Overflowing: 4x
+      // that, to see what cuBLASLt writes for values beyond the format (printed, not checked).
+      const float scale =
+          scale_from_amax(static_cast<float>(ref_amax), format_max(out_format), false, 0.0f) *
+          (overflow ? 4.0f : 1.0f);
+      const DeviceBuffer<float> device_scale(std::vector<float>{scale});
+      DeviceBuffer<float> device_amax(std::vector<float>{std::nanf("")});
+      DeviceOutput out(c.out_type, s.m, s.n, s.n);
+      GemmOutput view = out.view();
+      view.scale = device_scale.get();
+      view.amax = device_amax.get();
+      const std::string what = fp8_text(s, a, b, c.out_type, false) + " scale " +
+                               std::to_string(scale) + (overflow ? " (overflowing)" : "");
+      gemm_.fp8_gemm(s.m, s.n, s.k, device_a.view(), device_b.view(), view, false, stream_);
+      const std::vector<uint8_t> codes = out.codes();
+      const float amax_out = device_amax.download()[0];
+      EXPECT_NEAR(amax_out, ref_amax, kFp8Bound * ref_amax) << what << ": amax";
+      if (overflow) {
+        const size_t top = static_cast<size_t>(
+            std::max_element(ref.begin(), ref.end(),
+                             [](double x, double y) { return std::fabs(x) < std::fabs(y); }) -
+            ref.begin());
+        std::printf("[ info     ] %s: result %.6g x scale -> code 0x%02X (%g): %s\n", what.c_str(),
+                    ref[top], codes[top], double(decode(codes[top], out_format)),
+                    std::isnan(decode(codes[top], out_format))   ? "NaN, not saturating"
+                    : std::isinf(decode(codes[top], out_format)) ? "inf, not saturating"
+                                                                 : "saturated");
+        continue;
+      }
+      // Each code within one step of the format at that magnitude (the rounding plus the
+      // accumulation error, which can carry the value across a rounding boundary).
+      int64_t out_of_bounds = 0, identical = 0;
+      for (size_t i = 0; i < ref.size(); ++i) {
+        const double target = ref[i] * double(scale);
+        const double got = decode(codes[i], out_format);
+        const double allowed = 2 * test::half_ulp(out_format, std::fabs(target)) +
+                               4 * kFp8Bound * ref_rms * double(scale);
+        if (!(std::fabs(got - target) <= allowed) && ++out_of_bounds <= 5) {
+          ADD_FAILURE() << what << ": element [" << i / s.n << ", " << i % s.n << "]: code 0x"
+                        << std::hex << int(codes[i]) << std::dec << " = " << got << ", expected "
+                        << target;
+        }
+        identical += codes[i] == encode_reference(static_cast<float>(target), out_format,
+                                                  Saturation::Saturate)
+                         ? 1
+                         : 0;
+      }
+      std::printf(
+          "[ measured ] %s: amax %.7g (ref %.7g); %.2f%% of codes equal the reference "
+          "cast of the float64 result\n",
+          what.c_str(), double(amax_out), ref_amax, 100.0 * double(identical) / double(ref.size()));
+      EXPECT_EQ(out_of_bounds, 0) << what;
+    }
+  }
+}
+
+TEST_F(CublasLtGemmTest, Fp8BiasAndAccumulate) {
+  SCOPED_TRACE(rng_.trace());
+  const Shape s{256, 512, 1024};
+  const HostOperand a = quantize_operand(random_values(rng_, s.m, s.k), s.m, s.k, s.k,
+                                         Fp8Format::E4M3, ScaleMode::Tensor);
+  const HostOperand b = quantize_operand(random_values(rng_, s.n, s.k), s.n, s.k, s.k,
+                                         Fp8Format::E4M3, ScaleMode::Tensor);
+  const DeviceOperand device_a(a), device_b(b);
+  const std::vector<double> product = xwt_reference(s, a.values, b.values);
+  const std::vector<double> bias = random_exact(rng_, static_cast<size_t>(s.n), GemmType::BF16);
+  const DeviceBuffer<uint8_t> device_bias(to_bytes(bias, GemmType::BF16));
+  for (GemmType out_type : {GemmType::F32, GemmType::BF16}) {
+    const std::string what = fp8_text(s, a, b, out_type, false) + " + bf16 bias";
+    DeviceOutput out(out_type, s.m, s.n, s.n);
+    GemmOutput view = out.view();
+    view.bias = device_bias.get();
+    view.bias_type = GemmType::BF16;
+    gemm_.fp8_gemm(s.m, s.n, s.k, device_a.view(), device_b.view(), view, false, stream_);
+    std::vector<double> ref = product;
+    add_bias(ref, bias);
+    check(out.values(), ref, s.n, fp8_bound(out_type, false), what);
+  }
+  for (bool fast : {false, true}) {
+    const std::string what = fp8_text(s, a, b, GemmType::F32, fast) + ", accumulating";
+    std::vector<double> ref = random_exact(rng_, static_cast<size_t>(s.m * s.n), GemmType::F32);
+    DeviceOutput out(GemmType::F32, s.m, s.n, s.n);
+    out.set(ref);
+    gemm_.fp8_gemm(s.m, s.n, s.k, device_a.view(), device_b.view(), out.view(true), fast, stream_);
+    for (size_t i = 0; i < ref.size(); ++i)
+      ref[i] += product[i];
+    check(out.values(), ref, s.n, fp8_bound(GemmType::F32, fast), what);
+  }
+}
+
+// The heuristic runs once per problem; a repeated problem reuses its answer, a refusal included.
+TEST_F(CublasLtGemmTest, AlgorithmCacheHitsOnSecondCall) {
+  SCOPED_TRACE(rng_.trace());
+  CublasLtGemm gemm;
+  const Shape s{256, 512, 1024};
+  const Bf16Matrix x = random_bf16(rng_, s.m, s.k, s.k);
+  const Bf16Matrix w = random_bf16(rng_, s.n, s.k, s.k);
+  const DeviceBuffer<bf16> device_x(x.data), device_w(w.data);
+  DeviceOutput out(GemmType::F32, s.m, s.n, s.n);
+  const auto counters = [&gemm] { return gemm.counters(); };
+  EXPECT_EQ(counters().heuristic_queries, 0);
+
+  gemm.bf16_gemm(Bf16Form::XWt, s.m, s.n, s.k, device_x.get(), s.k, device_w.get(), s.k, out.view(),
+                 stream_);
+  EXPECT_EQ(counters().heuristic_queries, 1);
+  EXPECT_EQ(counters().cache_hits, 0);
+  // Other buffers of the same shape and alignment: the same problem.
+  const DeviceBuffer<bf16> other_x(x.data);
+  gemm.bf16_gemm(Bf16Form::XWt, s.m, s.n, s.k, other_x.get(), s.k, device_w.get(), s.k, out.view(),
+                 stream_);
+  EXPECT_EQ(counters().heuristic_queries, 1);
+  EXPECT_EQ(counters().cache_hits, 1);
+  // A new problem: another output type, another shape.
+  const DeviceOutput out_bf16(GemmType::BF16, s.m, s.n, s.n);
+  gemm.bf16_gemm(Bf16Form::XWt, s.m, s.n, s.k, device_x.get(), s.k, device_w.get(), s.k,
+                 out_bf16.view(), stream_);
+  gemm.bf16_gemm(Bf16Form::XWt, s.m / 2, s.n, s.k, device_x.get(), s.k, device_w.get(), s.k,
+                 out.view(), stream_);
+  EXPECT_EQ(counters().heuristic_queries, 3);
+  EXPECT_EQ(gemm.cached_problems(), 3u);
+
+  const HostOperand a = quantize_operand(random_values(rng_, s.m, s.k), s.m, s.k, s.k,
+                                         Fp8Format::E4M3, ScaleMode::Tensor);
+  const HostOperand b = quantize_operand(random_values(rng_, s.n, s.k), s.n, s.k, s.k,
+                                         Fp8Format::E4M3, ScaleMode::Tensor);
+  const DeviceOperand device_a(a), device_b(b);
+  for (int call = 0; call < 3; ++call) {
+    gemm.fp8_gemm(s.m, s.n, s.k, device_a.view(), device_b.view(), out.view(), true, stream_);
+  }
+  EXPECT_EQ(counters().heuristic_queries, 4);
+  EXPECT_EQ(counters().cache_hits, 3);
+  check(out.values(), xwt_reference(s, a.values, b.values), s.n, kFp8FastBound,
+        "FP8 after cache hits");
+
+  // A problem cuBLASLt may refuse (128x128 tiles with fast accumulation): asked once either way.
+  const HostOperand tiled = quantize_operand(random_values(rng_, s.n, s.k), s.n, s.k, s.k,
+                                             Fp8Format::E4M3, ScaleMode::Block128x128);
+  const HostOperand blocks = quantize_operand(random_values(rng_, s.m, s.k), s.m, s.k, s.k,
+                                              Fp8Format::E4M3, ScaleMode::Block1x128);
+  const DeviceOperand device_tiled(tiled), device_blocks(blocks);
+  const auto attempt = [&] {
+    return try_fp8_gemm(gemm, s, device_blocks, device_tiled, out, true, stream_);
+  };
+  const std::string first = attempt();
+  const CublasLtGemm::Counters before = counters();
+  const std::string second = attempt();
+  EXPECT_EQ(counters().heuristic_queries, before.heuristic_queries) << first;
+  EXPECT_EQ(counters().cache_hits, before.cache_hits + 1);
+  EXPECT_EQ(first, second);
+  EXPECT_EQ(counters().calls, 9);
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
+// Errors name the problem and what is wrong, before anything reaches cuBLASLt.
+TEST_F(CublasLtGemmTest, RejectsBadArguments) {
+  const auto expect_error = [](const std::function<void()>& call,
+                               std::initializer_list<const char*> expected) {
+    try {
+      call();
+      ADD_FAILURE() << "expected an error mentioning '" << *expected.begin() << "'";
+    } catch (const Error& error) {
+      const std::string message = error.what();
+      for (const char* part : expected) {
+        EXPECT_NE(message.find(part), std::string::npos)
+            << "expected '" << part << "' in: " << message;
+      }
+    }
+  };
+  const int64_t m = 64, n = 64, k = 256;
+  DeviceBuffer<uint8_t> codes(static_cast<size_t>(4 * m * k) + 16);
+  DeviceBuffer<float> scales(static_cast<size_t>(4 * m * k));
+  DeviceOutput out(GemmType::F32, m, n, n);
+  DeviceOutput out_bf16(GemmType::BF16, m, n, n);
+  Fp8Operand a;
+  a.data = codes.get();
+  a.ld = k;
+  a.scale_inv = scales.get();
+  const Fp8Operand b = a;
+  const auto fp8 = [&](int64_t mm, int64_t nn, int64_t kk, const Fp8Operand& aa,
+                       const Fp8Operand& bb, const GemmOutput& o) {
+    return [&, mm, nn, kk, aa, bb, o] { gemm_.fp8_gemm(mm, nn, kk, aa, bb, o, false, stream_); };
+  };
+
+  expect_error(fp8(m, n, 40, a, b, out.view()), {"K to be a multiple of 16", "K=40", "M=64"});
+  Fp8Operand e5m2 = a;
+  e5m2.format = Fp8Format::E5M2;
+  expect_error(fp8(m, n, k, e5m2, e5m2, out.view()), {"e5m2 x e5m2"});
+  Fp8Operand fnuz = a;
+  fnuz.format = Fp8Format::E4M3FNUZ;
+  expect_error(fp8(m, n, k, fnuz, b, out.view()), {"no fnuz formats", "e4m3fnuz"});
+  Fp8Operand odd_ld = a;
+  odd_ld.ld = k + 8;
+  expect_error(fp8(m, n, k, odd_ld, b, out.view()), {"leading dimension of a", "264"});
+  Fp8Operand misaligned = a;
+  misaligned.data = codes.get() + 1;
+  expect_error(fp8(m, n, k, misaligned, b, out.view()), {"16-byte aligned"});
+  Fp8Operand no_scale = a;
+  no_scale.scale_inv = nullptr;
+  expect_error(fp8(m, n, k, a, no_scale, out.view()), {"b's scale_inv", "null"});
+  Fp8Operand row = a;
+  row.scale_mode = ScaleMode::Row;
+  expect_error(fp8(m, n, k, row, b, out.view()), {"both operands tensor-scaled"});
+  Fp8Operand tiles = a;
+  tiles.scale_mode = ScaleMode::Block128x128;
+  expect_error(fp8(m, n, k, tiles, tiles, out.view()), {"two 128x128"});
+  Fp8Operand blocks = a;
+  blocks.scale_mode = ScaleMode::Block1x128;
+  expect_error(fp8(18, n, k, blocks, blocks, out.view()), {"multiples of 4", "M=18"});
+  expect_error(fp8(m, n, k, a, b, out_bf16.view(true)), {"accumulation needs an f32 output"});
+  expect_error(fp8(m, 36, k, a, b, out_bf16.view()), {"multiples of 16 bytes", "N=36"});
+  DeviceOutput fp8_out(GemmType::E4M3, m, n, n);
+  expect_error(fp8(m, n, k, row, row, fp8_out.view()), {"per-tensor scaled"});
+  expect_error(fp8(m, n, k, a, b, fp8_out.view()), {"output's scale"});
+  DeviceOutput e5m2_out(GemmType::E5M2, m, n, n);
+  GemmOutput e5m2_view = e5m2_out.view();
+  e5m2_view.scale = scales.get();
+  expect_error(fp8(m, n, k, a, b, e5m2_view), {"e5m2 only from an e5m2 operand"});
+  GemmOutput f32_bias = out.view();
+  f32_bias.bias = scales.get();
+  f32_bias.bias_type = GemmType::F32;
+  expect_error(fp8(m, n, k, a, b, f32_bias), {"bf16 bias"});
+  expect_error(fp8(0, n, k, a, b, out.view()), {"positive sizes", "M=0"});
+
+  DeviceBuffer<bf16> matrix(static_cast<size_t>(m * k));
+  expect_error(
+      [&] {
+        gemm_.bf16_gemm(Bf16Form::XWt, m, n, k, matrix.get(), k - 1, matrix.get(), k, out.view(),
+                        stream_);
+      },
+      {"leading dimension of x", "255"});
+  expect_error(
+      [&] {
+        gemm_.bf16_gemm(Bf16Form::XWt, m, n, k, matrix.get(), k, matrix.get(), k,
+                        out_bf16.view(true), stream_);
+      },
+      {"accumulation needs an f32 output"});
+  GemmOutput bf16_bias = out.view();
+  bf16_bias.bias = matrix.get();
+  bf16_bias.bias_type = GemmType::BF16;
+  expect_error(
+      [&] {
+        gemm_.bf16_gemm(Bf16Form::XWt, m, n, k, matrix.get(), k, matrix.get(), k, bf16_bias,
+                        stream_);
+      },
+      {"bias of the output's type f32"});
+  expect_error(
+      [&] {
+        gemm_.bf16_gemm(Bf16Form::DytX, m, n, k, matrix.get(), n, nullptr, k, out.view(), stream_);
+      },
+      {"expected x", "null"});
+  EXPECT_EQ(gemm_.counters().calls, 0);
+}
+
+}  // namespace
+}  // namespace fp8t::gemm
