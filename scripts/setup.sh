@@ -37,6 +37,13 @@ if ! python3 -c "import safetensors.numpy" 2>/dev/null; then
     python3 -m pip install --quiet --break-system-packages safetensors numpy
 fi
 
+# The cuDNN frontend's headers (attention on the GPU) come from its Python package.
+if ! python3 -c "import cudnn" 2>/dev/null; then
+  echo "setup: installing the Python package nvidia-cudnn-frontend (cuDNN frontend headers)"
+  python3 -m pip install --quiet nvidia-cudnn-frontend ||
+    python3 -m pip install --quiet --break-system-packages nvidia-cudnn-frontend
+fi
+
 if command -v nvcc >/dev/null || [[ -x /usr/local/cuda/bin/nvcc ]]; then
   echo "setup: CUDA toolkit found: the CUDA path will be built"
 else
