@@ -29,7 +29,9 @@ namespace fp8t {
 namespace {
 
 using test::expect_close;
+using test::random_bf16;
 using test::Tolerance;
+using test::widen;
 
 using ops::AttentionShape;
 using ops::cuda::CudnnAttention;
@@ -42,24 +44,6 @@ constexpr Tolerance kOutTolerance{1e-2, 2e-2, 1e-2};
 constexpr Tolerance kGradTolerance{2e-2, 5e-2, 2e-2};
 // fp32 log-sum-exp of fp32 scores from exact bf16 inputs.
 constexpr Tolerance kStatsTolerance{1e-4, 1e-4, 1e-4};
-
-std::vector<bf16> random_bf16(TestRng& rng, size_t count, double lo, double hi) {
-  std::vector<bf16> values(count);
-  for (bf16& value : values)
-    value = float_to_bf16(static_cast<float>(rng.uniform(lo, hi)));
-  return values;
-}
-
-std::vector<double> widen(const std::vector<bf16>& values) {
-  std::vector<double> wide(values.size());
-  for (size_t i = 0; i < values.size(); ++i)
-    wide[i] = bf16_to_float(values[i]);
-  return wide;
-}
-
-std::vector<double> widen(const std::vector<float>& values) {
-  return std::vector<double>(values.begin(), values.end());
-}
 
 // All-ones bytes: NaN as bf16 and as fp32.
 template <typename T>

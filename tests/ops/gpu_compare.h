@@ -1,6 +1,6 @@
-// Comparison of GPU results with the CPU reference for the GPU tests: the norm of the error
-// relative to the reference's, and a bound on every element, so that one wrong row cannot hide
-// in a norm. C++17 (CUDA tests include it).
+// Helpers of the GPU tests: bf16 test data, and the comparison of GPU results with the CPU
+// reference (the norm of the error relative to the reference's, and a bound on every element,
+// so that one wrong row cannot hide in a norm). C++17 (CUDA tests include it).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -16,6 +16,9 @@
 
 #include <fmt/format.h>
 
+#include "numerics/float_bits.h"
+#include "numerics/test_util.h"
+
 namespace fp8t::test {
 
 // ‖gpu − cpu‖ / ‖cpu‖ ≤ norm, and every |gpu − cpu| ≤ relative·|cpu| + floor·max|cpu|.
@@ -24,6 +27,27 @@ struct Tolerance {
   double relative;
   double floor;
 };
+
+// Uniform in [lo, hi), rounded to bf16.
+inline std::vector<bf16> random_bf16(TestRng& rng, size_t count, double lo = -1.0,
+                                     double hi = 1.0) {
+  std::vector<bf16> values(count);
+  for (bf16& value : values)
+    value = float_to_bf16(static_cast<float>(rng.uniform(lo, hi)));
+  return values;
+}
+
+// GPU results as doubles, for expect_close.
+inline std::vector<double> widen(const std::vector<bf16>& values) {
+  std::vector<double> wide(values.size());
+  for (size_t i = 0; i < values.size(); ++i)
+    wide[i] = bf16_to_float(values[i]);
+  return wide;
+}
+
+inline std::vector<double> widen(const std::vector<float>& values) {
+  return std::vector<double>(values.begin(), values.end());
+}
 
 // FP8T_TEST_VERBOSE=1 prints every comparison's error.
 inline bool verbose() {

@@ -34,8 +34,10 @@ namespace fp8t {
 namespace {
 
 using test::expect_close;
+using test::random_bf16;
 using test::Tolerance;
 using test::verbose;
+using test::widen;
 
 using ops::cuda::GradStore;
 using test::TestRng;
@@ -80,25 +82,6 @@ void expect_bitwise_equal(const std::vector<T>& a, const std::vector<T>& b,
 
 // ---------------------------------------------------------------------------------------------
 // Data
-
-std::vector<double> widen(const std::vector<bf16>& values) {
-  std::vector<double> wide(values.size());
-  for (size_t i = 0; i < values.size(); ++i)
-    wide[i] = bf16_to_float(values[i]);
-  return wide;
-}
-
-std::vector<double> widen(const std::vector<float>& values) {
-  return std::vector<double>(values.begin(), values.end());
-}
-
-// Uniform in [lo, hi), rounded to bf16.
-std::vector<bf16> random_bf16(TestRng& rng, size_t count, double lo = -1.0, double hi = 1.0) {
-  std::vector<bf16> values(count);
-  for (bf16& value : values)
-    value = float_to_bf16(static_cast<float>(rng.uniform(lo, hi)));
-  return values;
-}
 
 std::vector<float> random_floats(TestRng& rng, size_t count, double lo = -1.0, double hi = 1.0) {
   std::vector<float> values(count);
