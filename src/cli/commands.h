@@ -74,6 +74,26 @@ struct TokenizeOptions {
 // Turns text files into token shards (docs/data.md), training the tokenizer first when asked.
 int run_tokenize(const TokenizeOptions& options);
 
+struct BenchGptOptions {
+  // Defaults: W-GPT24 of docs/benchmarks.md (nanochat d24, sequence 2048, micro-batch 16,
+  // all windows long, MuonAdamW, random tokens).
+  int depth = 24;
+  int64_t batch = 16;
+  int sequence_len = 2048;
+  int vocab_size = 32768;
+  std::string window_pattern = "L";
+  std::vector<std::string> precisions = {"bf16", "fp8"};  // each is measured in turn
+  std::vector<std::string> fp8_recipes = {"tensorwise"};  // each, for the fp8 precision
+  std::string fp8 = "hybrid";                             // fp8 formats: hybrid or e4m3
+  int warmup = 4;
+  int steps = 10;
+};
+
+// Times training steps of the GPT on the GPU (docs/benchmarks.md): step ms (median), tokens/s,
+// bf16-MFU, peak device memory, FP8 layers, forward / backward / optimizer times (CUDA events
+// between the phases), and each run's step time relative to the first.
+int run_bench_gpt(const BenchGptOptions& options);
+
 // Runs the training job configured by `args` (--config FILE and overrides, see
 // load_train_config). kExitOk when it ran to the end; 128 + the signal after SIGINT or SIGTERM
 // (a checkpoint was saved).

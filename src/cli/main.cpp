@@ -70,6 +70,49 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
 
+  fp8t::cli::BenchGptOptions bench_options;
+  CLI::App* bench = app.add_subcommand("bench", "Benchmarks on the GPU");
+  bench->require_subcommand(1);
+  CLI::App* bench_gpt = bench->add_subcommand(
+      "gpt", "Time GPT training steps (default: W-GPT24, BF16 then FP8) and print a table");
+  bench_gpt->add_option("--depth", bench_options.depth, "Number of layers (nanochat sizing)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000));
+  bench_gpt->add_option("--batch", bench_options.batch, "Sequences per micro-batch")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  bench_gpt->add_option("--sequence-len", bench_options.sequence_len, "Tokens per sequence")
+      ->capture_default_str()
+      ->check(CLI::Range(16, 1 << 20));
+  bench_gpt->add_option("--vocab-size", bench_options.vocab_size, "Vocabulary size")
+      ->capture_default_str()
+      ->check(CLI::Range(64, 1 << 24));
+  bench_gpt
+      ->add_option("--window-pattern", bench_options.window_pattern,
+                   "Attention windows tiled over layers: S short, L long")
+      ->capture_default_str();
+  bench_gpt
+      ->add_option("--precision", bench_options.precisions,
+                   "bf16 and/or fp8, measured in the order given")
+      ->delimiter(',')
+      ->capture_default_str()
+      ->check(CLI::IsMember({"bf16", "fp8"}));
+  bench_gpt
+      ->add_option("--fp8-recipe", bench_options.fp8_recipes,
+                   "FP8 recipes to measure (GPU path: delayed, tensorwise)")
+      ->delimiter(',')
+      ->capture_default_str()
+      ->check(CLI::IsMember({"delayed", "tensorwise", "blockwise", "mxfp8"}));
+  bench_gpt->add_option("--fp8", bench_options.fp8, "FP8 formats: hybrid or e4m3")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"e4m3", "hybrid"}));
+  bench_gpt->add_option("--warmup", bench_options.warmup, "Untimed steps first")
+      ->capture_default_str()
+      ->check(CLI::Range(0, 1000));
+  bench_gpt->add_option("--steps", bench_options.steps, "Timed steps (the median is reported)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 100000));
+
   fp8t::cli::ConfigOptions config_options;
   CLI::App* config =
       app.add_subcommand("config", "Print the resolved training configuration (every key) as YAML");
@@ -128,6 +171,7 @@ int main(int argc, char** argv) {
     if (*model) return fp8t::cli::run_model_summary(model_options);
     if (*tokenize) return fp8t::cli::run_tokenize(tokenize_options);
     if (*train) return fp8t::cli::run_train(train->remaining());
+    if (*bench_gpt) return fp8t::cli::run_bench_gpt(bench_options);
     if (*config) {
       config_options.overrides = config->remaining();
       return fp8t::cli::run_config(config_options);

@@ -6,8 +6,10 @@
 
 #include <cublasLt.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -108,12 +110,26 @@ bool is_block(ScaleMode mode) {
 
 // The largest power of two (at most 256, cuBLASLt's default assumption) dividing the address:
 // the heuristic must only offer algorithms that work at the alignment the buffers really have.
-uint32_t alignment_of(const void* pointer) {
-  const auto address = reinterpret_cast<uintptr_t>(pointer);
+uint32_t alignment_of(uintptr_t address) {
   uint32_t alignment = 1;
   while (alignment < 256 && address % (2 * alignment) == 0)
     alignment *= 2;
   return alignment;
+}
+
+uint32_t alignment_of(const void* pointer) {
+  return alignment_of(reinterpret_cast<uintptr_t>(pointer));
+}
+
+size_t cuda_type_bytes(cudaDataType_t type) {
+  switch (type) {
+    case CUDA_R_32F:
+      return 4;
+    case CUDA_R_16BF:
+      return 2;
+    default:
+      return 1;  // the FP8 types
+  }
 }
 
 std::string status_text(cublasStatus_t status) {
@@ -128,7 +144,17 @@ struct Matrix {
   uint64_t rows = 0;
   uint64_t cols = 0;
   int64_t ld = 0;
+  int64_t batch = 1;   // matrices in a strided batch
+  int64_t stride = 0;  // elements from one matrix of the batch to the next
 };
+
+// The alignment every matrix of the batch has: the first one's, and the stride's in bytes.
+uint32_t alignment_of(const Matrix& matrix) {
+  const uint32_t first = alignment_of(matrix.data);
+  if (matrix.batch <= 1 || matrix.stride == 0) return first;
+  const auto stride_bytes = static_cast<uintptr_t>(matrix.stride) * cuda_type_bytes(matrix.type);
+  return std::min(first, alignment_of(stride_bytes));
+}
 
 enum class Kind : uint8_t { Bf16XWt, Bf16DyW, Bf16DytX, Fp8 };
 
@@ -170,6 +196,7 @@ std::string describe(const Problem& p) {
     text = fmt::format("BF16 GEMM {} with M={}, N={}, K={}: out {}", bf16_form_name(form), p.m, p.n,
                        p.k, gemm_type_name(p.out_type));
   }
+  if (p.d.batch > 1) text += fmt::format(", batch of {}", p.d.batch);
   if (p.beta != 0.0f) text += " (accumulate)";
   if (p.bias != nullptr) text += fmt::format(", {} bias", gemm_type_name(p.bias_type));
   if (p.kind == Kind::Fp8) {
@@ -247,15 +274,16 @@ using Preference = std::unique_ptr<cublasLtMatmulPreferenceOpaque_t, PreferenceD
 struct PlanKey {
   Kind kind;
   int64_t m, n, k, lda, ldb, ldd;
-  int32_t a_type, b_type, d_type, bias_type;  // cudaDataType_t; bias kNone when absent
-  int32_t a_scale_mode, b_scale_mode;         // kNone for BF16
+  int64_t batch, stride_a, stride_b, stride_d;  // cuBLASLt's A and B
+  int32_t a_type, b_type, d_type, bias_type;    // cudaDataType_t; bias kNone when absent
+  int32_t a_scale_mode, b_scale_mode;           // kNone for BF16
   bool d_scale, amax, accumulate, fast_accumulation;
   uint32_t align_a, align_b, align_d, align_bias;
 
   auto tie() const {
-    return std::tie(kind, m, n, k, lda, ldb, ldd, a_type, b_type, d_type, bias_type, a_scale_mode,
-                    b_scale_mode, d_scale, amax, accumulate, fast_accumulation, align_a, align_b,
-                    align_d, align_bias);
+    return std::tie(kind, m, n, k, lda, ldb, ldd, batch, stride_a, stride_b, stride_d, a_type,
+                    b_type, d_type, bias_type, a_scale_mode, b_scale_mode, d_scale, amax,
+                    accumulate, fast_accumulation, align_a, align_b, align_d, align_bias);
   }
   bool operator==(const PlanKey& other) const { return tie() == other.tie(); }
 };
@@ -281,6 +309,10 @@ PlanKey key_of(const Problem& p) {
           .lda = p.a.ld,
           .ldb = p.b.ld,
           .ldd = p.d.ld,
+          .batch = p.d.batch,
+          .stride_a = p.a.stride,
+          .stride_b = p.b.stride,
+          .stride_d = p.d.stride,
           .a_type = static_cast<int32_t>(p.a.type),
           .b_type = static_cast<int32_t>(p.b.type),
           .d_type = static_cast<int32_t>(p.d.type),
@@ -291,9 +323,9 @@ PlanKey key_of(const Problem& p) {
           .amax = p.amax != nullptr,
           .accumulate = p.beta != 0.0f,
           .fast_accumulation = fp8 && p.fast_accumulation,
-          .align_a = alignment_of(p.a.data),
-          .align_b = alignment_of(p.b.data),
-          .align_d = alignment_of(p.d.data),
+          .align_a = alignment_of(p.a),
+          .align_b = alignment_of(p.b),
+          .align_d = alignment_of(p.d),
           .align_bias = p.bias != nullptr ? alignment_of(p.bias) : 0u};
 }
 
@@ -306,11 +338,22 @@ struct Plan {
 };
 
 Layout make_layout(const Matrix& matrix, const Problem& problem) {
-  cublasLtMatrixLayout_t layout = nullptr;
+  cublasLtMatrixLayout_t raw_layout = nullptr;
   FP8T_CUBLASLT_CHECK(
-      cublasLtMatrixLayoutCreate(&layout, matrix.type, matrix.rows, matrix.cols, matrix.ld),
+      cublasLtMatrixLayoutCreate(&raw_layout, matrix.type, matrix.rows, matrix.cols, matrix.ld),
       problem);
-  return Layout(layout);
+  Layout layout(raw_layout);
+  if (matrix.batch > 1) {
+    const auto count = static_cast<int32_t>(matrix.batch);
+    FP8T_CUBLASLT_CHECK(cublasLtMatrixLayoutSetAttribute(
+                            raw_layout, CUBLASLT_MATRIX_LAYOUT_BATCH_COUNT, &count, sizeof count),
+                        problem);
+    FP8T_CUBLASLT_CHECK(
+        cublasLtMatrixLayoutSetAttribute(raw_layout, CUBLASLT_MATRIX_LAYOUT_STRIDED_BATCH_OFFSET,
+                                         &matrix.stride, sizeof matrix.stride),
+        problem);
+  }
+  return layout;
 }
 
 template <typename T>
@@ -403,9 +446,6 @@ void check_output(const GemmOutput& out, const Problem& p) {
              cols);
   FP8T_CHECK(out.ld >= cols, "{}: expected the output's leading dimension >= {}, found {}",
              describe(p), cols, out.ld);
-  FP8T_CHECK(!out.accumulate || out.type == GemmType::F32,
-             "{}: accumulation needs an f32 output, found {}", describe(p),
-             gemm_type_name(out.type));
 }
 
 }  // namespace
@@ -483,8 +523,7 @@ struct CublasLtGemm::State {
     FP8T_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&raw_preference), p);
     const Preference preference(raw_preference);
     const uint64_t workspace_bytes = kWorkspaceBytes;
-    const uint32_t alignments[] = {alignment_of(p.a.data), alignment_of(p.b.data),
-                                   alignment_of(p.out)};
+    const uint32_t alignments[] = {alignment_of(p.a), alignment_of(p.b), alignment_of(p.d)};
     FP8T_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
                             raw_preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                             &workspace_bytes, sizeof workspace_bytes),
@@ -561,6 +600,12 @@ std::string CublasLtGemm::library_version() {
 void CublasLtGemm::bf16_gemm(Bf16Form form, int64_t m, int64_t n, int64_t k, const bf16* a,
                              int64_t lda, const bf16* b, int64_t ldb, const GemmOutput& out,
                              cudaStream_t stream) {
+  bf16_gemm(form, m, n, k, a, lda, b, ldb, out, GemmBatch{}, stream);
+}
+
+void CublasLtGemm::bf16_gemm(Bf16Form form, int64_t m, int64_t n, int64_t k, const bf16* a,
+                             int64_t lda, const bf16* b, int64_t ldb, const GemmOutput& out,
+                             const GemmBatch& batch, cudaStream_t stream) {
   Problem p;
   p.kind = form == Bf16Form::XWt   ? Kind::Bf16XWt
            : form == Bf16Form::DyW ? Kind::Bf16DyW
@@ -572,6 +617,7 @@ void CublasLtGemm::bf16_gemm(Bf16Form form, int64_t m, int64_t n, int64_t k, con
   p.beta = out.accumulate ? 1.0f : 0.0f;
   p.bias = out.bias;
   p.bias_type = out.bias_type;
+  p.d.batch = batch.count;
   FP8T_CHECK(m > 0 && n > 0 && k > 0, "{}: expected positive sizes", describe(p));
   FP8T_CHECK(out.type == GemmType::F32 || out.type == GemmType::BF16,
              "{}: expected an f32 or bf16 output, found {}", describe(p), gemm_type_name(out.type));
@@ -594,11 +640,31 @@ void CublasLtGemm::bf16_gemm(Bf16Form form, int64_t m, int64_t n, int64_t k, con
   FP8T_CHECK(ldb >= k, "{}: expected the leading dimension of {} >= {}, found {}", describe(p),
              b_name, k, ldb);
   check_output(out, p);
+  FP8T_CHECK(batch.count >= 1 && batch.count <= std::numeric_limits<int32_t>::max(),
+             "{}: expected a batch of 1 to {} matrices, found {}", describe(p),
+             std::numeric_limits<int32_t>::max(), batch.count);
+  if (batch.count > 1) {
+    const int64_t out_rows = output_shape(p).first;
+    FP8T_CHECK(batch.stride_a >= 0 && batch.stride_b >= 0,
+               "{}: expected operand strides >= 0, found {} ({}) and {} ({})", describe(p),
+               batch.stride_a, a_name, batch.stride_b, b_name);
+    FP8T_CHECK(batch.stride_out >= out_rows * out.ld,
+               "{}: expected the output's batch stride >= rows x ld = {}, found {}", describe(p),
+               out_rows * out.ld, batch.stride_out);
+    FP8T_CHECK(out.bias == nullptr, "{}: batched GEMMs take no bias", describe(p));
+  }
   map_operands(p, a, CUDA_R_16BF, lda, b, CUDA_R_16BF, ldb);
   p.out = out.data;
   p.d.data = out.data;
   p.d.type = cuda_type(out.type);
   p.d.ld = out.ld;
+  if (batch.count > 1) {  // a single matrix's strides are no part of its problem
+    // cuBLASLt's A is the caller's b, its B the caller's a (see map_operands).
+    p.a.batch = p.b.batch = batch.count;
+    p.a.stride = batch.stride_b;
+    p.b.stride = batch.stride_a;
+    p.d.stride = batch.stride_out;
+  }
   state_->run(p, stream);
 }
 
@@ -661,6 +727,9 @@ void CublasLtGemm::fp8_gemm(int64_t m, int64_t n, int64_t k, const Fp8Operand& a
              "{}: block scales need M and N multiples of 4, found M={}, N={}", describe(p), m, n);
 
   check_output(out, p);
+  FP8T_CHECK(!out.accumulate || !is_fp8(out.type),
+             "{}: accumulation needs an f32 or bf16 output, found {}", describe(p),
+             gemm_type_name(out.type));
   const auto out_bytes = static_cast<int64_t>(gemm_type_bytes(out.type));
   FP8T_CHECK(n * out_bytes % 16 == 0 && out.ld * out_bytes % 16 == 0,
              "{}: expected N and the output's leading dimension to be multiples of 16 bytes "

@@ -4,11 +4,11 @@
 // pointers; every call is asynchronous on the stream it is given.
 //
 // A CublasLtGemm owns a cuBLASLt handle, a 32 MiB workspace and a cache of algorithms: the first
-// call for a problem (sizes, strides, types, scale modes, accumulate, fast accumulation, bias,
-// pointer alignments) asks cuBLASLt's heuristic and keeps its answer, a refusal included; later
-// calls reuse it and query nothing. The workspace is shared by all calls, so calls on different
-// streams must not overlap in time (use one CublasLtGemm per concurrent stream); an instance is
-// not thread-safe.
+// call for a problem (sizes, strides, batch, types, scale modes, accumulate, fast accumulation,
+// bias, pointer alignments) asks cuBLASLt's heuristic and keeps its answer, a refusal included;
+// later calls reuse it and query nothing. The workspace is shared by all calls, so calls on
+// different streams must not overlap in time (use one CublasLtGemm per concurrent stream); an
+// instance is not thread-safe.
 //
 // This header stays within C++17 and without fmt: CUDA tests and benchmarks include it.
 #pragma once
@@ -93,8 +93,10 @@ struct GemmOutput {
   void* data = nullptr;
   int64_t ld = 0;  // row stride in elements, >= cols
   GemmType type = GemmType::F32;
-  // data += result (beta = 1) instead of data = result: fp32 outputs only (gradient
-  // accumulation). Without it the output is only written and may hold anything, NaN included.
+  // data += result (beta = 1) instead of data = result: F32 or BF16 outputs (gradient
+  // accumulation, sums of dgrads). A BF16 output adds the fp32 result to its bf16
+  // value and rounds once. Without it the output is only written and may hold anything, NaN
+  // included.
   bool accumulate = false;
   // Optional bias, one value per output column, added to every row before any output scale.
   // BF16 GEMMs: of the output's type (BF16 or F32). FP8 GEMMs: BF16.
@@ -105,6 +107,15 @@ struct GemmOutput {
   // it does not accumulate like the quantization kernels' amax buffers.
   const float* scale = nullptr;
   float* amax = nullptr;
+};
+
+// A strided batch of BF16 GEMMs: how many, and the distance in elements from one matrix of each
+// operand and of the output to the next.
+struct GemmBatch {
+  int64_t count = 1;
+  int64_t stride_a = 0;
+  int64_t stride_b = 0;
+  int64_t stride_out = 0;
 };
 
 class CublasLtGemm {
@@ -121,6 +132,13 @@ class CublasLtGemm {
   // named by `form`, with their leading dimensions; the output has the form's result shape.
   void bf16_gemm(Bf16Form form, int64_t m, int64_t n, int64_t k, const bf16* a, int64_t lda,
                  const bf16* b, int64_t ldb, const GemmOutput& out, cudaStream_t stream);
+  // The same GEMM for batch.count independent matrices in one launch: matrix i of a, b and the
+  // output starts batch.stride_* elements after matrix i - 1. An operand stride of 0 uses one
+  // matrix for the whole batch; the output's stride must keep the matrices apart (>= rows · ld).
+  // No bias.
+  void bf16_gemm(Bf16Form form, int64_t m, int64_t n, int64_t k, const bf16* a, int64_t lda,
+                 const bf16* b, int64_t ldb, const GemmOutput& out, const GemmBatch& batch,
+                 cudaStream_t stream);
 
   // out[M, N] = (a[M, K] · b[N, K]ᵀ) with a's and b's scales applied: the one form of every FP8
   // GEMM (forward x·Wᵀ; dgrad dy·(Wᵀ)ᵀ; wgrad dyᵀ·(xᵀ)ᵀ). K must be a multiple of 16, N·(output

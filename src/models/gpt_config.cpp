@@ -1,6 +1,7 @@
 #include "models/gpt_config.h"
 
 #include <algorithm>
+#include <cmath>
 
 #include <fmt/format.h>
 
@@ -129,6 +130,11 @@ double gpt_flops_per_token(const GptConfig& config) {
                  std::min(config.window(layer), config.sequence_len);
   }
   return 6.0 * matmul_params + attention;
+}
+
+float GptConfig::attention_scale() const {
+  constexpr double kQkScale = 1.2;
+  return static_cast<float>(kQkScale * kQkScale / std::sqrt(double(head_dim())));
 }
 
 }  // namespace fp8t

@@ -31,6 +31,9 @@ struct GptConfig {
   // S = short_window or ceil(ceil(sequence_len / 4) / 128) * 128; the last layer is always L.
   int window(int layer) const;
   int backout_layer() const { return n_layer / 2; }  // its output is remembered for backout
+  // The attention's softmax scale: nanochat multiplies the normed q and k by 1.2 each, folded
+  // in here, over sqrt(head_dim).
+  float attention_scale() const;
 
   // Throws ConfigError naming the field when the configuration is inconsistent.
   void validate() const;

@@ -16,9 +16,6 @@ namespace fp8t {
 
 namespace {
 
-// nanochat scales q and k by 1.2 each after the QK norm; folded into the softmax scale.
-constexpr double kQkScale = 1.2;
-
 void zero(const TensorView& view) {
   std::memset(view.raw(), 0, view.bytes());
 }
@@ -85,11 +82,11 @@ GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
   }
 }
 
-void GptModel::init_weights(uint64_t seed) {
+void init_gpt_weights(ParameterSet& parameters, const GptConfig& config, uint64_t seed) {
   std::mt19937_64 generator(seed);
   const auto fill_normal = [&](const std::string& name, double std_dev) {
     std::normal_distribution<float> normal(0.0f, static_cast<float>(std_dev));
-    TensorView& view = (*parameters_)[name];
+    TensorView& view = parameters[name];
     float* data = view.data<float>();
     for (int64_t i = 0; i < view.numel(); ++i)
       data[i] = normal(generator);
@@ -97,33 +94,49 @@ void GptModel::init_weights(uint64_t seed) {
   const auto fill_uniform = [&](const std::string& name, double low, double high) {
     std::uniform_real_distribution<float> uniform(static_cast<float>(low),
                                                   static_cast<float>(high));
-    TensorView& view = (*parameters_)[name];
+    TensorView& view = parameters[name];
     float* data = view.data<float>();
     for (int64_t i = 0; i < view.numel(); ++i)
       data[i] = uniform(generator);
   };
   const double bound =
-      std::sqrt(3.0) / std::sqrt(double(config_.n_embd));  // uniform with std 1/sqrt(dim)
-  parameters_->fill_zero();  // c_proj weights and smear_lambda start at zero
+      std::sqrt(3.0) / std::sqrt(double(config.n_embd));  // uniform with std 1/sqrt(dim)
+  parameters.fill_zero();  // c_proj weights and smear_lambda start at zero
   fill_normal("transformer.wte.weight", 0.8);
   fill_normal("lm_head.weight", 0.001);
-  const int layers = config_.n_layer;
+  const int layers = config.n_layer;
   for (int layer = 0; layer < layers; ++layer) {
     const std::string prefix = fmt::format("transformer.h.{}.", layer);
     for (const char* name : {"attn.c_q.weight", "attn.c_k.weight", "attn.c_v.weight"}) {
       fill_uniform(prefix + name, -bound, bound);
     }
     fill_uniform(prefix + "mlp.c_fc.weight", -0.4 * bound, 0.4 * bound);
-    if (config_.has_value_embedding(layer)) {
+    if (config.has_value_embedding(layer)) {
       fill_uniform(prefix + "attn.ve_gate.weight", 0.0, 0.02);
       fill_uniform(fmt::format("value_embeds.{}.weight", layer), -bound, bound);
     }
     const double depth = layers > 1 ? double(layer) / (layers - 1) : 0.0;
-    (*parameters_)["resid_lambdas"].data<float>()[layer] = static_cast<float>(1.15 - 0.10 * depth);
-    (*parameters_)["x0_lambdas"].data<float>()[layer] = static_cast<float>(0.20 - 0.15 * depth);
+    parameters["resid_lambdas"].data<float>()[layer] = static_cast<float>(1.15 - 0.10 * depth);
+    parameters["x0_lambdas"].data<float>()[layer] = static_cast<float>(0.20 - 0.15 * depth);
   }
   fill_uniform("smear_gate.weight", 0.0, 0.02);
-  (*parameters_)["backout_lambda"].data<float>()[0] = 0.2f;
+  parameters["backout_lambda"].data<float>()[0] = 0.2f;
+}
+
+void check_tokens(const GptConfig& config, const int32_t* idx, const int32_t* targets,
+                  int64_t count) {
+  for (int64_t i = 0; i < count; ++i) {
+    FP8T_CHECK(idx[i] >= 0 && idx[i] < config.vocab_size,
+               "token {} at position {} is outside the vocabulary [0, {})", idx[i], i,
+               config.vocab_size);
+    FP8T_CHECK(targets[i] == -1 || (targets[i] >= 0 && targets[i] < config.vocab_size),
+               "target {} at position {} is neither -1 nor in [0, {})", targets[i], i,
+               config.vocab_size);
+  }
+}
+
+void GptModel::init_weights(uint64_t seed) {
+  init_gpt_weights(*parameters_, config_, seed);
   end_step();  // the FP8 weight caches hold the old weights
 }
 
@@ -196,14 +209,7 @@ double GptModel::forward(const int32_t* idx, const int32_t* targets) {
   const int64_t B = batch_, T = seq_, N = B * T, C = config_.n_embd;
   const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
   const int64_t vocab = config_.padded_vocab();
-  for (int64_t i = 0; i < N; ++i) {
-    FP8T_CHECK(idx[i] >= 0 && idx[i] < config_.vocab_size,
-               "token {} at position {} is outside the vocabulary [0, {})", idx[i], i,
-               config_.vocab_size);
-    FP8T_CHECK(targets[i] == -1 || (targets[i] >= 0 && targets[i] < config_.vocab_size),
-               "target {} at position {} is neither -1 nor in [0, {})", targets[i], i,
-               config_.vocab_size);
-  }
+  check_tokens(config_, idx, targets, N);
   std::copy(idx, idx + N, idx_.begin());
   std::copy(targets, targets + N, targets_.begin());
   GptActivations& act = *activations_;
@@ -250,7 +256,7 @@ double GptModel::forward(const int32_t* idx, const int32_t* targets) {
     const ops::AttentionShape shape{B, T, H, Hkv, D, config_.window(layer)};
     ops::attention_forward(block.attn_out.data<float>(), block.logsumexp.data<float>(),
                            block.q.data<float>(), block.k.data<float>(), block.v.data<float>(),
-                           shape, static_cast<float>(kQkScale * kQkScale / std::sqrt(double(D))));
+                           shape, config_.attention_scale());
     linear_forward(linear(prefix + "attn.c_proj"), block.attn_out.data<float>(),
                    ws.branch.data<float>());
     add(block.mid.data<float>(), block.input.data<float>(), ws.branch.data<float>(), N * C);
@@ -331,8 +337,7 @@ void GptModel::backward() {
     ops::attention_backward(ws.dq.data<float>(), ws.dk.data<float>(), ws.dv.data<float>(),
                             ws.dattn_out.data<float>(), block.q.data<float>(),
                             block.k.data<float>(), block.v.data<float>(),
-                            block.logsumexp.data<float>(), shape,
-                            static_cast<float>(kQkScale * kQkScale / std::sqrt(double(D))));
+                            block.logsumexp.data<float>(), shape, config_.attention_scale());
     ops::rmsnorm_backward(ws.dq_rot.data<float>(), ws.dq.data<float>(), block.q.data<float>(),
                           block.q_rstd.data<float>(), N * H, D);
     ops::rmsnorm_backward(ws.dk_rot.data<float>(), ws.dk.data<float>(), block.k.data<float>(),

@@ -32,6 +32,15 @@ struct GptPrecision {
   static GptPrecision fp32_reference();
 };
 
+// nanochat's initialization (MODELS.md) of every parameter, from a seed: the same values on
+// the CPU and the GPU path.
+void init_gpt_weights(ParameterSet& parameters, const GptConfig& config, uint64_t seed);
+
+// Throws fp8t::Error naming the position of the first token outside the vocabulary, or target
+// neither -1 (ignored) nor in it.
+void check_tokens(const GptConfig& config, const int32_t* idx, const int32_t* targets,
+                  int64_t count);
+
 class GptModel {
  public:
   GptModel(const GptConfig& config, int64_t batch, int64_t seq, const GptPrecision& precision);

@@ -20,6 +20,8 @@ T sigmoid(T z) {
 // The value gate is 3 sigmoid(z): range (0, 3), neutral (1.5) at z = 0.
 constexpr double kValueGateRange = 3.0;
 
+}  // namespace
+
 void check_value_gate_shape(const ValueGateShape& shape) {
   FP8T_CHECK(shape.tokens >= 0, "expected tokens >= 0, found {}", shape.tokens);
   FP8T_CHECK(shape.kv_heads > 0, "expected kv_heads > 0, found {}", shape.kv_heads);
@@ -36,8 +38,6 @@ void check_smear_shape(const SmearShape& shape) {
              "expected gate_channels in [1, channels = {}], found {}", shape.channels,
              shape.gate_channels);
 }
-
-}  // namespace
 
 template <typename T>
 void relu2_forward(T* out, const T* inp, int64_t n) {

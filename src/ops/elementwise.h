@@ -31,6 +31,10 @@ struct ValueGateShape {
   int64_t gate_channels;  // <= channels
 };
 
+// Throws fp8t::Error unless tokens >= 0, kv_heads > 0, head_dim > 0 and gate_channels in
+// [1, channels]. The CPU and GPU value gates check their shapes with it.
+void check_value_gate_shape(const ValueGateShape& shape);
+
 // v += gate * value_embed, per token and kv head, with
 // gate[n, h] = 3 sigmoid(x_norm[n, :gate_channels] . gate_weight[h, :]).
 // v, value_embed: [tokens, kv_heads, head_dim]; x_norm: [tokens, channels];
@@ -56,6 +60,10 @@ struct SmearShape {
   int64_t channels;
   int64_t gate_channels;  // <= channels
 };
+
+// Throws fp8t::Error unless batch >= 0, seq_len >= 0 and gate_channels in [1, channels]. The
+// CPU and GPU smears check their shapes with it.
+void check_smear_shape(const SmearShape& shape);
 
 // For t >= 1 in each batch row: out[t] = inp[t] + smear_lambda * gate[t] * inp[t - 1], with
 // gate[t] = sigmoid(inp[t, :gate_channels] . gate_weight); out[0] = inp[0].

@@ -20,12 +20,13 @@
 #include "models/gpt_memory.h"
 #include "models/gpt_model.h"
 #include "models/gpt_sampling.h"
-#include "optim/clip.h"
 #include "optim/gpt_optimizer.h"
+#include "platform/device_info.h"
 #include "tokenizer/bpe_tokenizer.h"
 #include "train/checkpoint.h"
 #include "train/run_log.h"
 #include "train/stop_signal.h"
+#include "train/training_engine.h"
 
 namespace fp8t::train {
 
@@ -119,10 +120,11 @@ void check_vocabulary(const TrainConfig& config, const tokenizer::BpeTokenizer& 
   }
 }
 
-GptPrecision precision_of(const TrainConfig& config) {
+GptPrecision precision_of(const TrainConfig& config, bool cuda) {
   GptPrecision precision;
   precision.fp8 = config.fp8_config();
-  precision.family = resolve_family(precision.fp8.dtype_family, "cpu");
+  precision.family =
+      resolve_family(precision.fp8.dtype_family, cuda ? fp8_architecture(query_gpus()) : "cpu");
   precision.policy = config.precision_options();
   precision.fp8_wgrad = config.fp8.wgrad;
   precision.other_linears = ops::LinearOperands::Bf16;
@@ -165,25 +167,12 @@ std::string describe_data(const data::TokenLoader& loader, const DataSources& so
                      loader.tokens_per_epoch(), sources.tokenizer.string());
 }
 
-// Fails before allocating when the plan cannot fit in the memory the system has available.
-void check_memory_fits(const GptMemoryPlan& plan) {
-  const double available = available_memory_bytes();
-  if (available > 0.0 && double(plan.total()) > available) {
-    throw ConfigError(fmt::format(
-        "the CPU path needs {} for this model and batch (parameters {}, gradients {}, optimizer "
-        "{}, activations {}) but {} is available; lower micro_batch_size, sequence_len or depth",
-        format_bytes(double(plan.total())), format_bytes(double(plan.parameters)),
-        format_bytes(double(plan.gradients)), format_bytes(double(plan.optimizer_state)),
-        format_bytes(double(plan.activations)), format_bytes(available)));
-  }
-}
-
 // The lr shown per step: the block matrices' (Muon's), else the first group's.
-double main_lr(const optim::GptOptimizer& optimizer) {
-  for (const optim::OptimizerGroup& group : optimizer.groups()) {
+double main_lr(const std::vector<optim::OptimizerGroup>& groups) {
+  for (const optim::OptimizerGroup& group : groups) {
     if (group.rule == optim::UpdateRule::Muon) return group.lr;
   }
-  return optimizer.groups().front().lr;
+  return groups.front().lr;
 }
 
 }  // namespace
@@ -202,9 +191,6 @@ fs::path cache_folder() {
 }
 
 TrainOutcome run_training(const TrainConfig& config) {
-  if (config.run.device == DeviceChoice::Cuda) {
-    throw ConfigError("device: cuda: GPU training is not available yet; use device: cpu");
-  }
   const fs::path run_folder = config.run_dir();
   fmt::print("fp8train {}: run '{}' in {}\n", FP8TRAIN_VERSION, config.run.name,
              run_folder.string());
@@ -221,40 +207,43 @@ TrainOutcome run_training(const TrainConfig& config) {
   data::TokenLoader loader(sources.train_shards, {.batch = batch, .sequence = seq, .seed = seed});
 
   // Model and optimizer.
+  const bool cuda = use_cuda(config.run.device);
   const GptConfig model_config = config.gpt_config();
-  const GptPrecision precision = precision_of(config);
-  const GptMemoryPlan plan = plan_gpt_memory(model_config, batch, seq);
-  check_memory_fits(plan);
-  GptModel model(model_config, batch, seq, precision);
   const int64_t accumulation = config.grad_accum_steps(1);
   const int64_t tokens_per_step = config.global_batch_size(1) * seq;
-  optim::GptOptimizer optimizer(model_config, config.optimizer_settings(), tokens_per_step);
+  EngineSetup setup;
+  setup.model = model_config;
+  setup.precision = precision_of(config, cuda);
+  setup.batch = batch;
+  setup.seq = seq;
+  setup.optimizer = config.optimizer_settings();
+  setup.tokens_per_step = tokens_per_step;
+  const std::unique_ptr<TrainingEngine> engine =
+      cuda ? make_cuda_engine(setup) : make_cpu_engine(setup);
   const optim::LrSchedule schedule = config.lr_schedule();
   const int64_t total_steps = config.training.train_iters;
   const double flops_per_token = gpt_flops_per_token(model_config);
+  const bool adamw = config.optimizer.kind == optim::OptimizerKind::AdamW;
 
   fmt::print("model: depth {}, dim {}, {} heads, vocab {}, sequence {}; {:.2f}M parameters\n",
              model_config.n_layer, model_config.n_embd, model_config.n_head,
              model_config.vocab_size, seq,
              double(ParameterSet::planned_bytes(model_config, DType::F32)) / 4e6);
-  fmt::print("precision: {}; {}\n", describe(precision.fp8),
-             precision_summary(model.linear_precision()));
+  fmt::print("precision: {}; {}\n", describe(setup.precision.fp8),
+             precision_summary(engine->linear_precision()));
   fmt::print(
       "batch: {} x {} tokens per micro-batch, {} micro-batch(es) per step, {} tokens per "
       "step; {} steps\n",
       batch, seq, accumulation, tokens_per_step, total_steps);
-  fmt::print("memory plan: {} (parameters {}, gradients {}, optimizer {}, activations {})\n",
-             format_bytes(double(plan.total())), format_bytes(double(plan.parameters)),
-             format_bytes(double(plan.gradients)), format_bytes(double(optimizer.state_bytes())),
-             format_bytes(double(plan.activations)));
-  fmt::print("data: {}\ndevice: cpu\n", describe_data(loader, sources));
+  fmt::print("memory plan: {}\n", engine->memory_plan());
+  fmt::print("data: {}\ndevice: {}\n", describe_data(loader, sources), engine->device_name());
 
   // Checkpoint contents: views of the model's, the optimizer's and the FP8 state.
-  const std::vector<std::pair<std::string, DelayedScaling*>> scalings = model.delayed_scalings();
+  const std::vector<std::pair<std::string, DelayedScaling*>> scalings = engine->delayed_scalings();
   std::vector<std::vector<float>> scaling_state(scalings.size());
   CheckpointContents contents;
-  contents.model = model_buffers(model.parameters());
-  contents.optimizer = optimizer.state();
+  contents.model = model_buffers(engine->host_parameters());
+  contents.optimizer = engine->host_optimizer().state();
   for (size_t i = 0; i < scalings.size(); ++i) {
     scaling_state[i].resize(size_t(scalings[i].second->state_size()));
     contents.fp8_scaling.push_back(
@@ -270,22 +259,24 @@ TrainOutcome run_training(const TrainConfig& config) {
     step = loaded.trainer_state.at("step").get<int64_t>();
     loader.seek(loaded.trainer_state.at("data_position").get<data::DataPosition>());
     seconds_before = loaded.trainer_state.value("train_seconds", 0.0);
-    model.weights_changed();
     if (!scalings.empty() && loaded.had_fp8_scaling) {
       for (size_t i = 0; i < scalings.size(); ++i)
         scalings[i].second->load_state(scaling_state[i].data());
     }
+    engine->from_host();
     fmt::print("resumed from step {} of {}{}\n", step, run_folder.string(),
                !scalings.empty() && !loaded.had_fp8_scaling
                    ? " (no FP8 scaling state in the checkpoint: delayed scaling starts afresh)"
                    : "");
   } else {
-    model.init_weights(seed);
+    init_gpt_weights(engine->host_parameters(), model_config, seed);
+    engine->from_host();
   }
   FP8T_CHECK(step <= total_steps, "the checkpoint is at step {}, past train_iters {}", step,
              total_steps);
 
   const auto save = [&](int64_t at_step, double train_seconds) {
+    engine->to_host();
     for (size_t i = 0; i < scalings.size(); ++i)
       scalings[i].second->save_state(scaling_state[i].data());
     contents.step = at_step;
@@ -301,13 +292,9 @@ TrainOutcome run_training(const TrainConfig& config) {
     if (sources.val_shards.empty() || config.run.eval_iters <= 0) return std::nullopt;
     data::TokenLoader val_loader(sources.val_shards,
                                  {.batch = batch, .sequence = seq, .seed = seed});
-    model.set_training(false);
     double sum = 0.0;
-    for (int64_t i = 0; i < config.run.eval_iters; ++i) {
-      const data::TokenBatch val_batch = val_loader.next_batch();
-      sum += model.forward(val_batch.inputs.data(), val_batch.targets.data());
-    }
-    model.set_training(true);
+    for (int64_t i = 0; i < config.run.eval_iters; ++i)
+      sum += engine->evaluation_loss(val_loader.next_batch());
     return sum / double(config.run.eval_iters);
   };
 
@@ -316,39 +303,16 @@ TrainOutcome run_training(const TrainConfig& config) {
   StepTimer timer;
   TrainOutcome outcome;
   double train_seconds = seconds_before;
-  std::vector<optim::GradientSpan> gradient_spans;
-  for (const ParamSpec& spec : model.gradients().specs()) {
-    TensorView& view = model.gradients()[spec.name];
-    gradient_spans.push_back({view.data<float>(), view.numel()});
-  }
 
   while (step < total_steps) {
     const Clock::time_point start = Clock::now();
-    model.zero_gradients();
-    double loss = 0.0;
-    for (int64_t micro = 0; micro < accumulation; ++micro) {
-      const data::TokenBatch micro_batch = loader.next_batch();
-      loss += model.forward(micro_batch.inputs.data(), micro_batch.targets.data());
-      model.backward();
-    }
-    loss /= double(accumulation);
-    if (accumulation > 1) {  // the gradient of the mean over micro-batches
-      const float inverse = 1.0f / float(accumulation);
-      for (const optim::GradientSpan& span : gradient_spans)
-        for (int64_t i = 0; i < span.count; ++i)
-          span.data[i] *= inverse;
-    }
-    const double grad_norm = config.optimizer.clip_grad > 0.0
-                                 ? optim::clip_gradients(gradient_spans, config.optimizer.clip_grad)
-                                 : optim::global_norm(gradient_spans);
     optim::StepSchedule step_schedule = optim::nanochat_step_schedule(schedule, step);
-    if (optimizer.kind() == optim::OptimizerKind::AdamW) {
-      step_schedule = {.lr_multiplier = optim::lr_multiplier(schedule, step)};
-    }
-    if (std::isfinite(grad_norm)) {
-      optimizer.step(model.parameters(), model.gradients(), step_schedule);
-      model.end_step();
-    } else {
+    if (adamw) step_schedule = {.lr_multiplier = optim::lr_multiplier(schedule, step)};
+    const StepResult result =
+        engine->train_step(loader, accumulation, config.optimizer.clip_grad, step_schedule);
+    const double loss = result.loss;
+    const double grad_norm = result.grad_norm;
+    if (!std::isfinite(grad_norm)) {
       log.event("skipped_step", fmt::format("step {}: gradient norm {}; the update is skipped",
                                             step + 1, grad_norm));
     }
@@ -362,12 +326,13 @@ TrainOutcome run_training(const TrainConfig& config) {
     metrics.total_steps = total_steps;
     metrics.loss = loss;
     metrics.lr_multiplier = step_schedule.lr_multiplier;
-    metrics.lr = main_lr(optimizer);
+    metrics.lr = main_lr(engine->optimizer_groups());
     metrics.grad_norm = grad_norm;
     metrics.step_seconds = seconds;
     metrics.tokens_per_second = double(tokens_per_step) / seconds;
     metrics.flops_per_second = metrics.tokens_per_second * flops_per_token;
-    metrics.memory_bytes = resident_memory_bytes();
+    if (cuda) metrics.mfu = metrics.flops_per_second / kGpuPeakFlops;
+    metrics.memory_bytes = cuda ? engine->peak_memory_bytes() : resident_memory_bytes();
     metrics.eta_seconds = timer.eta_seconds(total_steps - step);
     const bool last = step == total_steps;
     const int64_t eval_every = config.run.eval_every;
@@ -391,16 +356,15 @@ TrainOutcome run_training(const TrainConfig& config) {
   outcome.steps_done = step;
 
   if (outcome.stop_signal == 0) {
-    log.event(
-        "summary",
-        fmt::format("done: {} steps, final loss {:.4f}{}, {} of training, peak memory {}; "
-                    "checkpoint in {}",
-                    step, outcome.last_loss,
-                    outcome.last_val_loss
-                        ? fmt::format(" (validation {:.4f})", *outcome.last_val_loss)
-                        : "",
-                    format_duration(train_seconds), format_bytes(peak_resident_memory_bytes()),
-                    checkpoint_folder(run_folder, step).string()));
+    log.event("summary",
+              fmt::format("done: {} steps, final loss {:.4f}{}, {} of training, peak memory {}; "
+                          "checkpoint in {}",
+                          step, outcome.last_loss,
+                          outcome.last_val_loss
+                              ? fmt::format(" (validation {:.4f})", *outcome.last_val_loss)
+                              : "",
+                          format_duration(train_seconds), format_bytes(engine->peak_memory_bytes()),
+                          checkpoint_folder(run_folder, step).string()));
     if (config.run.sample_tokens > 0) {
       const std::string prompt_text = "The";
       std::vector<int32_t> prompt = tokenizer.encode_document(prompt_text);
@@ -409,7 +373,7 @@ TrainOutcome run_training(const TrainConfig& config) {
       options.seed = seed;
       options.stop_token = tokenizer.bos_id();
       std::vector<int32_t> generated =
-          sample_tokens(model_config, model.parameters(), prompt, options);
+          sample_tokens(model_config, engine->host_parameters(), prompt, options);
       if (!generated.empty() && generated.back() == tokenizer.bos_id()) generated.pop_back();
       outcome.sample = prompt_text + tokenizer.decode(generated);
       log.event("sample", fmt::format("sample: {}", outcome.sample));

@@ -1,5 +1,6 @@
-// cuBLASLt GEMMs against the CPU GEMM (float64) of the same operands: BF16 in its three forms,
-// FP8 with per-tensor, row-wise and block scales. Inputs are fresh random draws (replay a
+// cuBLASLt GEMMs against the CPU GEMM (float64) of the same operands: BF16 in its three forms
+// (single and in strided batches, accumulating into f32 or bf16), FP8 with per-tensor, row-wise
+// and block scales. Inputs are fresh random draws (replay a
 // failure with the FP8T_TEST_SEED the failure prints); outputs are poisoned with NaN before
 // each call, so unwritten elements show, and padding beyond the output's columns must stay
 // poisoned. Every comparison prints its measured error ("[ measured ]"), and the block-scaled
@@ -578,6 +579,156 @@ TEST_F(CublasLtGemmTest, Bf16ForwardAccumulatesWithBias) {
   check(out.values(), ref, s.n, kF32Bound, "BF16 forward y += x·Wᵀ + bias " + text(s));
 }
 
+// A BF16 output accumulates: out = bf16(out + a·bᵀ), the fp32 sum rounded once. The prior
+// values are of the product's size, so that a GEMM ignoring them misses by far more than the
+// bound.
+TEST_F(CublasLtGemmTest, Bf16AccumulatesIntoBf16) {
+  SCOPED_TRACE(rng_.trace());
+  const Shape s{256, 512, 1024};
+  const Bf16Matrix x = random_bf16(rng_, s.m, s.k, s.k);
+  const Bf16Matrix w = random_bf16(rng_, s.n, s.k, s.k);
+  const DeviceBuffer<bf16> device_x(x.data), device_w(w.data);
+  const std::vector<double> product = xwt_reference(s, x.values, w.values);
+  std::vector<double> ref(product.size());
+  for (size_t i = 0; i < ref.size(); ++i)
+    ref[i] = bf16_to_float(float_to_bf16(static_cast<float>(product[i] * rng_.uniform(-1, 1))));
+  DeviceOutput out(GemmType::BF16, s.m, s.n, s.n + 8);
+  out.set(ref);
+  gemm_.bf16_gemm(Bf16Form::XWt, s.m, s.n, s.k, device_x.get(), s.k, device_w.get(), s.k,
+                  out.view(/*accumulate=*/true), stream_);
+  for (size_t i = 0; i < ref.size(); ++i)
+    ref[i] += product[i];
+  const std::string what = "BF16 forward y += x·Wᵀ into bf16 " + text(s);
+  check(out.values(), ref, s.n, kBf16OutBound, what);
+  check_padding(out, what);
+}
+
+// The row-major shapes of a BF16 GEMM's operands and output, per form.
+struct Bf16Shapes {
+  int64_t a_rows, a_cols, b_rows, b_cols, out_rows, out_cols;
+};
+
+Bf16Shapes bf16_shapes(Bf16Form form, const Shape& s) {
+  switch (form) {
+    case Bf16Form::XWt:
+      return {s.m, s.k, s.n, s.k, s.m, s.n};
+    case Bf16Form::DyW:
+      return {s.m, s.n, s.n, s.k, s.m, s.k};
+    case Bf16Form::DytX:
+      return {s.m, s.n, s.m, s.k, s.n, s.k};
+  }
+  return {};
+}
+
+// The float64 product of one matrix of each operand, in the form's result shape.
+std::vector<double> bf16_reference(Bf16Form form, const Shape& s, const std::vector<double>& a,
+                                   const std::vector<double>& b) {
+  const Bf16Shapes shapes = bf16_shapes(form, s);
+  std::vector<double> out(static_cast<size_t>(shapes.out_rows * shapes.out_cols), 0.0);
+  switch (form) {
+    case Bf16Form::XWt:
+      forward_xwt(s.m, s.n, s.k, a.data(), s.k, b.data(), s.k, out.data(), s.n, false);
+      break;
+    case Bf16Form::DyW:
+      dgrad_dyw(s.m, s.n, s.k, a.data(), s.n, b.data(), s.k, out.data(), s.k);
+      break;
+    case Bf16Form::DytX:
+      wgrad_dytx(s.m, s.n, s.k, a.data(), s.n, b.data(), s.k, out.data(), s.k);
+      break;
+  }
+  return out;
+}
+
+// `count` random matrices [rows, cols] stacked `stride` elements apart (the gaps zero); a stride
+// of 0 gives one matrix that stands for all of them.
+struct Bf16Stack {
+  std::vector<bf16> data;
+  std::vector<std::vector<double>> values;  // per matrix of the batch
+};
+
+Bf16Stack random_stack(TestRng& rng, int64_t count, int64_t rows, int64_t cols, int64_t stride) {
+  Bf16Stack stack;
+  const int64_t stored = stride == 0 ? 1 : count;
+  stack.data.assign(static_cast<size_t>(std::max<int64_t>(stride, rows * cols) * stored), bf16{0});
+  for (int64_t index = 0; index < stored; ++index) {
+    const Bf16Matrix matrix = random_bf16(rng, rows, cols, cols);
+    std::copy(matrix.data.begin(), matrix.data.end(), stack.data.begin() + index * stride);
+    stack.values.push_back(matrix.values);
+  }
+  stack.values.resize(static_cast<size_t>(count), stack.values.front());
+  return stack;
+}
+
+// Strided batches in the three forms: each matrix against the CPU product of its operands. The
+// operands' strides leave gaps (matrices 16-byte aligned, or 2-byte for odd sizes), one case
+// shares b across the batch (stride 0), and the output keeps two rows of NaN between matrices,
+// which must stay NaN.
+TEST_F(CublasLtGemmTest, Bf16BatchedMatchesCpu) {
+  SCOPED_TRACE(rng_.trace());
+  constexpr int64_t kBatch = 3;
+  constexpr int64_t kGapRows = 2;
+  const Shape shapes[] = {{48, 80, 32}, {33, 17, 45}, {128, 128, 512}};
+  for (const Shape s : shapes) {
+    for (Bf16Form form : {Bf16Form::XWt, Bf16Form::DyW, Bf16Form::DytX}) {
+      for (bool shared_b : {false, true}) {
+        const Bf16Shapes shape = bf16_shapes(form, s);
+        const int64_t stride_a = shape.a_rows * shape.a_cols + 40;
+        const int64_t stride_b = shared_b ? 0 : shape.b_rows * shape.b_cols + 24;
+        const Bf16Stack a = random_stack(rng_, kBatch, shape.a_rows, shape.a_cols, stride_a);
+        const Bf16Stack b = random_stack(rng_, kBatch, shape.b_rows, shape.b_cols, stride_b);
+        const DeviceBuffer<bf16> device_a(a.data), device_b(b.data);
+        for (GemmType out_type : {GemmType::F32, GemmType::BF16}) {
+          const std::string what = std::string("BF16 batch of ") + std::to_string(kBatch) + " " +
+                                   bf16_form_name(form) + " " + text(s) + " out " +
+                                   gemm_type_name(out_type) + (shared_b ? ", b shared" : "");
+          const int64_t rows_apart = shape.out_rows + kGapRows;
+          DeviceOutput out(out_type, kBatch * rows_apart, shape.out_cols, shape.out_cols);
+          const GemmBatch batch{kBatch, stride_a, stride_b, rows_apart * shape.out_cols};
+          gemm_.bf16_gemm(form, s.m, s.n, s.k, device_a.get(), shape.a_cols, device_b.get(),
+                          shape.b_cols, out.view(), batch, stream_);
+          const std::vector<double> values = out.values();
+          for (int64_t index = 0; index < kBatch; ++index) {
+            const auto first = values.begin() + index * rows_apart * shape.out_cols;
+            const std::vector<double> matrix(first, first + shape.out_rows * shape.out_cols);
+            const std::vector<double> ref =
+                bf16_reference(form, s, a.values[static_cast<size_t>(index)],
+                               b.values[static_cast<size_t>(index)]);
+            check(matrix, ref, shape.out_cols,
+                  out_type == GemmType::F32 ? kF32Bound : kBf16OutBound,
+                  what + ", matrix " + std::to_string(index));
+            const int64_t gap_nan = std::count_if(first + shape.out_rows * shape.out_cols,
+                                                  first + rows_apart * shape.out_cols,
+                                                  [](double value) { return std::isnan(value); });
+            EXPECT_EQ(gap_nan, kGapRows * shape.out_cols)
+                << what << ": the GEMM wrote between matrices " << index << " and " << index + 1;
+          }
+        }
+      }
+    }
+  }
+}
+
+// The batch (count and strides) is part of the problem a plan is cached for.
+TEST_F(CublasLtGemmTest, BatchIsPartOfTheCachedProblem) {
+  CublasLtGemm gemm;
+  const Shape s{64, 64, 64};
+  const DeviceBuffer<bf16> operands(static_cast<size_t>(4 * s.m * s.k));
+  const DeviceOutput out(GemmType::F32, 4 * s.m, s.n, s.n);
+  const auto run = [&](int64_t count, int64_t stride) {
+    gemm.bf16_gemm(Bf16Form::XWt, s.m, s.n, s.k, operands.get(), s.k, operands.get(), s.k,
+                   out.view(), GemmBatch{count, stride, stride, s.m * s.n}, stream_);
+  };
+  run(2, s.m * s.k);
+  run(2, s.m * s.k);
+  EXPECT_EQ(gemm.counters().heuristic_queries, 1);
+  EXPECT_EQ(gemm.counters().cache_hits, 1);
+  run(3, s.m * s.k);
+  run(2, 2 * s.m * s.k);
+  EXPECT_EQ(gemm.counters().heuristic_queries, 3);
+  EXPECT_EQ(gemm.cached_problems(), 3u);
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+}
+
 // ---- FP8 ----
 
 constexpr Shape kFp8Shapes[] = {{48, 80, 32}, {40, 48, 144}, {256, 512, 1024}, {1024, 1536, 6144}};
@@ -970,9 +1121,9 @@ TEST_F(CublasLtGemmTest, RejectsBadArguments) {
   Fp8Operand blocks = a;
   blocks.scale_mode = ScaleMode::Block1x128;
   expect_error(fp8(18, n, k, blocks, blocks, out.view()), {"multiples of 4", "M=18"});
-  expect_error(fp8(m, n, k, a, b, out_bf16.view(true)), {"accumulation needs an f32 output"});
   expect_error(fp8(m, 36, k, a, b, out_bf16.view()), {"multiples of 16 bytes", "N=36"});
   DeviceOutput fp8_out(GemmType::E4M3, m, n, n);
+  expect_error(fp8(m, n, k, a, b, fp8_out.view(true)), {"accumulation needs an f32 or bf16"});
   expect_error(fp8(m, n, k, row, row, fp8_out.view()), {"per-tensor scaled"});
   expect_error(fp8(m, n, k, a, b, fp8_out.view()), {"output's scale"});
   DeviceOutput e5m2_out(GemmType::E5M2, m, n, n);
@@ -992,12 +1143,20 @@ TEST_F(CublasLtGemmTest, RejectsBadArguments) {
                         stream_);
       },
       {"leading dimension of x", "255"});
-  expect_error(
-      [&] {
-        gemm_.bf16_gemm(Bf16Form::XWt, m, n, k, matrix.get(), k, matrix.get(), k,
-                        out_bf16.view(true), stream_);
-      },
-      {"accumulation needs an f32 output"});
+  const auto batched = [&](const GemmOutput& output, const GemmBatch& batch) {
+    return [&, output, batch] {
+      gemm_.bf16_gemm(Bf16Form::XWt, m, n, k, matrix.get(), k, matrix.get(), k, output, batch,
+                      stream_);
+    };
+  };
+  expect_error(batched(out.view(), GemmBatch{0, 0, 0, 0}), {"batch of 1 to", "found 0"});
+  expect_error(batched(out.view(), GemmBatch{2, m * k, -1, m * n}), {"operand strides >= 0"});
+  expect_error(batched(out.view(), GemmBatch{2, m * k, m * k, m * n - 1}),
+               {"output's batch stride >= rows x ld = 4096", "batch of 2"});
+  GemmOutput batched_bias = out.view();
+  batched_bias.bias = scales.get();
+  batched_bias.bias_type = GemmType::F32;
+  expect_error(batched(batched_bias, GemmBatch{2, m * k, m * k, m * n}), {"no bias"});
   GemmOutput bf16_bias = out.view();
   bf16_bias.bias = matrix.get();
   bf16_bias.bias_type = GemmType::BF16;

@@ -57,15 +57,8 @@ std::string describe(const AttentionShape& s) {
                      s.window >= s.seq_len - 1 ? " (full causal)" : " (sliding window)");
 }
 
-class CudnnAttentionTest : public ::testing::Test {
+class CudnnAttentionTest : public test::StreamTest {
  protected:
-  void SetUp() override { FP8T_CUDA_CHECK(cudaStreamCreate(&stream_)); }
-  void TearDown() override {
-    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    FP8T_CUDA_CHECK(cudaGetLastError());
-    FP8T_CUDA_CHECK(cudaStreamDestroy(stream_));
-  }
-
   // Forward and backward of one shape against the CPU op, then the same calls again, which
   // must reuse the cached graphs. new_graphs: what the first call builds (0 where an equivalent
   // shape ran before).
@@ -138,8 +131,6 @@ class CudnnAttentionTest : public ::testing::Test {
     }
   }
 
-  TestRng rng_;
-  cudaStream_t stream_ = nullptr;
   CudnnAttention attention_;
 };
 

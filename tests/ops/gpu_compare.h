@@ -1,6 +1,8 @@
-// Helpers of the GPU tests: bf16 test data, and the comparison of GPU results with the CPU
-// reference (the norm of the error relative to the reference's, and a bound on every element,
-// so that one wrong row cannot hide in a norm). C++17 (CUDA tests include it).
+// Helpers of the GPU tests: bf16 and fp32 test data, device buffers that can be misaligned, a
+// fixture with a stream, gradient buffers to start a backward from, and the comparison of GPU
+// results with the CPU reference (the norm of the error relative to the reference's, and a
+// bound on every element, so that one wrong row cannot hide in a norm) or with another GPU
+// result (bit for bit). C++17 (CUDA tests include it).
 #pragma once
 
 #include <gtest/gtest.h>
@@ -14,10 +16,14 @@
 #include <string>
 #include <vector>
 
+#include <cuda_runtime_api.h>
 #include <fmt/format.h>
 
+#include "core/cuda_check.h"
+#include "core/device_buffer.h"
 #include "numerics/float_bits.h"
 #include "numerics/test_util.h"
+#include "ops/cuda/ops_cuda.h"
 
 namespace fp8t::test {
 
@@ -34,6 +40,15 @@ inline std::vector<bf16> random_bf16(TestRng& rng, size_t count, double lo = -1.
   std::vector<bf16> values(count);
   for (bf16& value : values)
     value = float_to_bf16(static_cast<float>(rng.uniform(lo, hi)));
+  return values;
+}
+
+// Uniform in [lo, hi), in fp32.
+inline std::vector<float> random_floats(TestRng& rng, size_t count, double lo = -1.0,
+                                        double hi = 1.0) {
+  std::vector<float> values(count);
+  for (float& value : values)
+    value = static_cast<float>(rng.uniform(lo, hi));
   return values;
 }
 
@@ -99,6 +114,104 @@ inline void expect_close(const std::vector<double>& gpu, const std::vector<doubl
       << "); " << nonfinite << " NaN/inf from the GPU (first at " << first_nonfinite << "); "
       << bad_elements << " of " << cpu.size() << " elements beyond " << tolerance.relative
       << " |cpu| + " << tolerance.floor << " max|cpu| (max|cpu| = " << largest << ")" << examples;
+}
+
+// Lengths for the pointwise kernels: shorter than a vector, a vector tail, misaligned (offset 1
+// element into the buffer), and more blocks than the grid has.
+struct PointwiseCase {
+  int64_t n;
+  size_t offset;
+};
+
+inline constexpr PointwiseCase kPointwiseCases[] = {{1, 0},
+                                                    {7, 0},
+                                                    {8, 0},
+                                                    {4099, 0},
+                                                    {4099, 1},
+                                                    {65536, 0},
+                                                    {(1 << 20) + 3, 0},
+                                                    {(1 << 20) + 3, 1}};
+
+inline std::string describe(const PointwiseCase& c) {
+  return fmt::format("n {}{}", c.n, c.offset ? " unaligned" : "");
+}
+
+// Bitwise equality of two GPU results (in place against out of place, repeated runs).
+template <typename T>
+void expect_bitwise_equal(const std::vector<T>& a, const std::vector<T>& b,
+                          const std::string& what) {
+  ASSERT_EQ(a.size(), b.size()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) {
+      ADD_FAILURE() << what << ": first difference at " << i;
+      return;
+    }
+  }
+}
+
+// Device memory starting offset elements into its allocation: offset 1 makes a bf16 or fp32
+// pointer that is not 16-byte aligned, for the kernels' unvectorized paths.
+template <typename T>
+class Device {
+ public:
+  explicit Device(size_t count, size_t offset = 0)
+      : buffer_(count + offset), offset_(offset), count_(count) {}
+  explicit Device(const std::vector<T>& host, size_t offset = 0) : Device(host.size(), offset) {
+    upload(host);
+  }
+
+  T* get() const { return buffer_.get() + offset_; }
+  void upload(const std::vector<T>& host) {
+    ASSERT_EQ(host.size(), count_);
+    FP8T_CUDA_CHECK(cudaMemcpy(get(), host.data(), count_ * sizeof(T), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download() const {
+    std::vector<T> host(count_);
+    FP8T_CUDA_CHECK(cudaDeviceSynchronize());
+    FP8T_CUDA_CHECK(cudaMemcpy(host.data(), get(), count_ * sizeof(T), cudaMemcpyDeviceToHost));
+    return host;
+  }
+  // All-ones bytes: NaN as bf16 and as fp32.
+  void poison_nan() { FP8T_CUDA_CHECK(cudaMemset(get(), 0xFF, count_ * sizeof(T))); }
+
+ private:
+  DeviceBuffer<T> buffer_;
+  size_t offset_;
+  size_t count_;
+};
+
+// A test with its own stream, synchronized and checked for a pending error at the end, and a
+// random generator whose seed the failure trace gives.
+class StreamTest : public ::testing::Test {
+ protected:
+  void SetUp() override { FP8T_CUDA_CHECK(cudaStreamCreate(&stream_)); }
+  void TearDown() override {
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    FP8T_CUDA_CHECK(cudaGetLastError());
+    FP8T_CUDA_CHECK(cudaStreamDestroy(stream_));
+  }
+
+  TestRng rng_;
+  cudaStream_t stream_ = nullptr;
+};
+
+inline const char* store_name(ops::cuda::GradStore store) {
+  return store == ops::cuda::GradStore::Write ? "write" : "add";
+}
+
+// An activation gradient before a backward: NaN for Write (every element must be written),
+// random values for Add (which the CPU reference starts from too).
+struct GradientStart {
+  std::vector<bf16> device;
+  std::vector<double> cpu;
+};
+
+inline GradientStart gradient_start(TestRng& rng, size_t count, ops::cuda::GradStore store) {
+  if (store == ops::cuda::GradStore::Write) {
+    return {std::vector<bf16>(count, bf16{0xFFFF}), std::vector<double>(count, 0.0)};
+  }
+  std::vector<bf16> start = random_bf16(rng, count);
+  return {start, widen(start)};
 }
 
 }  // namespace fp8t::test

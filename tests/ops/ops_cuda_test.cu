@@ -33,14 +33,9 @@
 namespace fp8t {
 namespace {
 
-using test::expect_close;
-using test::random_bf16;
-using test::Tolerance;
-using test::verbose;
-using test::widen;
-
 using ops::cuda::GradStore;
-using test::TestRng;
+// The GPU test helpers (ops/gpu_compare.h).
+using namespace test;
 
 constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
 const float kEps = static_cast<float>(ops::kRmsNormEps);
@@ -67,91 +62,7 @@ void expect_close_sum(double gpu, double cpu, double terms, const std::string& w
       << " > allowed " << allowed << " (terms " << terms << ")";
 }
 
-// Bitwise equality of two GPU results (in place against out of place, repeated runs).
-template <typename T>
-void expect_bitwise_equal(const std::vector<T>& a, const std::vector<T>& b,
-                          const std::string& what) {
-  ASSERT_EQ(a.size(), b.size()) << what;
-  for (size_t i = 0; i < a.size(); ++i) {
-    if (std::memcmp(&a[i], &b[i], sizeof(T)) != 0) {
-      ADD_FAILURE() << what << ": first difference at " << i;
-      return;
-    }
-  }
-}
-
-// ---------------------------------------------------------------------------------------------
-// Data
-
-std::vector<float> random_floats(TestRng& rng, size_t count, double lo = -1.0, double hi = 1.0) {
-  std::vector<float> values(count);
-  for (float& value : values)
-    value = static_cast<float>(rng.uniform(lo, hi));
-  return values;
-}
-
-// Device memory starting offset elements into its allocation: offset 1 makes a bf16 or fp32
-// pointer that is not 16-byte aligned, for the kernels' unvectorized paths.
-template <typename T>
-class Device {
- public:
-  explicit Device(size_t count, size_t offset = 0)
-      : buffer_(count + offset), offset_(offset), count_(count) {}
-  explicit Device(const std::vector<T>& host, size_t offset = 0) : Device(host.size(), offset) {
-    upload(host);
-  }
-
-  T* get() const { return buffer_.get() + offset_; }
-  void upload(const std::vector<T>& host) {
-    ASSERT_EQ(host.size(), count_);
-    FP8T_CUDA_CHECK(cudaMemcpy(get(), host.data(), count_ * sizeof(T), cudaMemcpyHostToDevice));
-  }
-  std::vector<T> download() const {
-    std::vector<T> host(count_);
-    FP8T_CUDA_CHECK(cudaDeviceSynchronize());
-    FP8T_CUDA_CHECK(cudaMemcpy(host.data(), get(), count_ * sizeof(T), cudaMemcpyDeviceToHost));
-    return host;
-  }
-  // All-ones bytes: NaN as bf16 and as fp32.
-  void poison_nan() { FP8T_CUDA_CHECK(cudaMemset(get(), 0xFF, count_ * sizeof(T))); }
-
- private:
-  DeviceBuffer<T> buffer_;
-  size_t offset_;
-  size_t count_;
-};
-
-class OpsCuda : public ::testing::Test {
- protected:
-  void SetUp() override { FP8T_CUDA_CHECK(cudaStreamCreate(&stream_)); }
-  void TearDown() override {
-    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    FP8T_CUDA_CHECK(cudaGetLastError());
-    FP8T_CUDA_CHECK(cudaStreamDestroy(stream_));
-  }
-
-  TestRng rng_;
-  cudaStream_t stream_ = nullptr;
-};
-
-const char* store_name(GradStore store) {
-  return store == GradStore::Write ? "write" : "add";
-}
-
-// The gradient buffer before a backward: NaN for Write (every element must be written), random
-// values for Add (which the CPU reference starts from too).
-struct GradientStart {
-  std::vector<bf16> device;
-  std::vector<double> cpu;
-};
-
-GradientStart gradient_start(TestRng& rng, size_t count, GradStore store) {
-  if (store == GradStore::Write) {
-    return {std::vector<bf16>(count, bf16{0xFFFF}), std::vector<double>(count, 0.0)};
-  }
-  std::vector<bf16> start = random_bf16(rng, count);
-  return {start, widen(start)};
-}
+class OpsCuda : public test::StreamTest {};
 
 // ---------------------------------------------------------------------------------------------
 // RMSNorm
@@ -351,24 +262,6 @@ TEST_F(OpsCuda, RotaryRmsNormMatchesCpuRotaryThenRmsNorm) {
 
 // ---------------------------------------------------------------------------------------------
 // relu^2 and the residual mix
-
-struct PointwiseCase {
-  int64_t n;
-  size_t offset;
-};
-
-const PointwiseCase kPointwiseCases[] = {{1, 0},
-                                         {7, 0},
-                                         {8, 0},
-                                         {4099, 0},
-                                         {4099, 1},
-                                         {65536, 0},
-                                         {(1 << 20) + 3, 0},
-                                         {(1 << 20) + 3, 1}};
-
-std::string describe(const PointwiseCase& c) {
-  return fmt::format("n {}{}", c.n, c.offset ? " unaligned" : "");
-}
 
 TEST_F(OpsCuda, Relu2MatchesCpu) {
   SCOPED_TRACE(rng_.trace());

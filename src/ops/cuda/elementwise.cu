@@ -1,45 +1,20 @@
-// Pointwise kernels: relu^2 and the residual mix, forward and backward. One grid-stride kernel
-// runs every op: 16-byte vectors (8 bf16) while every pointer is 16-byte aligned, then single
-// elements for the tail (or for everything, unaligned). An op is a small struct copied into
-// each thread, whose begin()/end() load its scalars and publish its per-thread sums.
-#include <algorithm>
-#include <initializer_list>
+// Pointwise kernels: relu^2, the residual mix and the fp32 -> bf16 cast, forward and backward,
+// each an op of the grid-stride pointwise kernel (pointwise.cuh).
 
 #include "core/cuda_check.h"
-#include "core/error.h"
 #include "ops/cuda/ops_cuda.h"
+#include "ops/cuda/pointwise.cuh"
 
 namespace fp8t::ops::cuda {
 namespace {
 
+using device::all_aligned;
+using device::check_pointwise_args;
 using device::kBf16Vector;
-
-constexpr int kThreads = 256;
-constexpr int kBlocksPerSm = 8;
-
-template <typename Op>
-__global__ void __launch_bounds__(kThreads) pointwise_kernel(Op op, int64_t n, bool vectorized) {
-  Op local = op;
-  local.begin();
-  const int64_t stride = int64_t(gridDim.x) * kThreads;
-  const int64_t first = int64_t(blockIdx.x) * kThreads + threadIdx.x;
-  int64_t scalar_begin = 0;
-  if (vectorized) {
-    const int64_t vectors = n / kBf16Vector;
-    for (int64_t v = first; v < vectors; v += stride)
-      local.template apply<kBf16Vector>(v * kBf16Vector);
-    scalar_begin = vectors * kBf16Vector;
-  }
-  for (int64_t i = scalar_begin + first; i < n; i += stride)
-    local.template apply<1>(i);
-  local.end();
-}
-
-// Ops without scalars to load or sums to publish.
-struct PlainOp {
-  __device__ void begin() {}
-  __device__ void end() {}
-};
+using device::kPointwiseThreads;
+using device::launch_pointwise;
+using device::launch_pointwise_partials;
+using device::PlainOp;
 
 struct Relu2Forward : PlainOp {
   bf16* out;
@@ -76,6 +51,22 @@ struct Relu2Backward : PlainOp {
       dx[k] = add ? dx[k] + g : g;
     }
     device::store_bf16(dinp + i, dx);
+  }
+};
+
+struct CastToBf16 : PlainOp {
+  bf16* out;
+  const float* inp;
+
+  template <int kWidth>
+  __device__ void apply(int64_t i) {
+    float x[kWidth];
+    if constexpr (kWidth == kBf16Vector) {
+      device::load_f32x8(inp + i, x);
+    } else {
+      x[0] = inp[i];
+    }
+    device::store_bf16(out + i, x);
   }
 };
 
@@ -145,8 +136,8 @@ struct ResidualMixBackward {
   }
 
   __device__ void end() {
-    const float block_x = device::block_sum<kThreads>(sum_dout_x);
-    const float block_x0 = device::block_sum<kThreads>(sum_dout_x0);
+    const float block_x = device::block_sum<kPointwiseThreads>(sum_dout_x);
+    const float block_x0 = device::block_sum<kPointwiseThreads>(sum_dout_x0);
     if (threadIdx.x == 0) {
       block_partials[2 * blockIdx.x] = block_x;
       block_partials[2 * blockIdx.x + 1] = block_x0;
@@ -173,29 +164,6 @@ __global__ void __launch_bounds__(kFinishThreads)
   }
 }
 
-bool all_aligned(std::initializer_list<const void*> pointers) {
-  for (const void* pointer : pointers)
-    if (!device::aligned16(pointer)) return false;
-  return true;
-}
-
-unsigned pointwise_grid(int64_t n, bool vectorized) {
-  const int64_t items = vectorized ? (n + kBf16Vector - 1) / kBf16Vector : n;
-  return device::grid_size((items + kThreads - 1) / kThreads, kBlocksPerSm);
-}
-
-template <typename Op>
-void launch_pointwise(const Op& op, int64_t n, bool vectorized, cudaStream_t stream) {
-  pointwise_kernel<<<pointwise_grid(n, vectorized), kThreads, 0, stream>>>(op, n, vectorized);
-  FP8T_CUDA_CHECK_LAUNCH();
-}
-
-void check_pointwise_args(int64_t n, std::initializer_list<const void*> pointers) {
-  FP8T_CHECK(n >= 0, "expected n >= 0, found {}", n);
-  for (const void* pointer : pointers)
-    FP8T_CHECK(n == 0 || pointer != nullptr, "null device pointer for {} elements", n);
-}
-
 }  // namespace
 
 void relu2_forward(bf16* out, const bf16* inp, int64_t n, cudaStream_t stream) {
@@ -217,6 +185,15 @@ void relu2_backward(bf16* dinp, const bf16* dout, const bf16* inp, int64_t n, Gr
   op.inp = inp;
   op.add = store == GradStore::Add;
   launch_pointwise(op, n, all_aligned({dinp, dout, inp}), stream);
+}
+
+void cast_to_bf16(bf16* out, const float* inp, int64_t n, cudaStream_t stream) {
+  check_pointwise_args(n, {out, inp});
+  if (n == 0) return;
+  CastToBf16 op;
+  op.out = out;
+  op.inp = inp;
+  launch_pointwise(op, n, all_aligned({out, inp}), stream);
 }
 
 void residual_mix_forward(bf16* out, const bf16* x, const bf16* x0, const float* resid_lambda,
@@ -251,12 +228,8 @@ void residual_mix_backward(bf16* dx, bf16* dx0, float* dresid_lambda, float* dx0
   op.x0_lambda = x0_lambda;
   op.add_dx = dx_store == GradStore::Add;
   op.add_dx0 = dx0_store == GradStore::Add;
-  const bool vectorized = all_aligned({dx, dx0, dout, x, x0});
-  // The grid depends only on n and the GPU, so the order of the sums does too.
-  const unsigned grid =
-      std::min(pointwise_grid(n, vectorized), static_cast<unsigned>(kResidualMixMaxBlocks));
-  pointwise_kernel<<<grid, kThreads, 0, stream>>>(op, n, vectorized);
-  FP8T_CUDA_CHECK_LAUNCH();
+  const unsigned grid = launch_pointwise_partials(op, n, all_aligned({dx, dx0, dout, x, x0}),
+                                                  kResidualMixMaxBlocks, stream);
   add_lambda_gradients_kernel<<<1, kFinishThreads, 0, stream>>>(workspace, static_cast<int>(grid),
                                                                 dresid_lambda, dx0_lambda);
   FP8T_CUDA_CHECK_LAUNCH();

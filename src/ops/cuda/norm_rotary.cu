@@ -87,21 +87,7 @@ __global__ void __launch_bounds__(kThreads)
     const bf16* dy = dout + row * dim;
     const bf16* y = out + row * dim;
     bf16* dx = dinp + row * dim;
-    float dy_dot_y = 0.0f;
-    if constexpr (kVector) {
-      for (int64_t i = lane * kBf16Vector; i < dim; i += kWarpSize * kBf16Vector) {
-        float dy_v[kBf16Vector], y_v[kBf16Vector];
-        load_bf16x8(dy + i, dy_v);
-        load_bf16x8(y + i, y_v);
-#pragma unroll
-        for (int k = 0; k < kBf16Vector; ++k)
-          dy_dot_y = fmaf(dy_v[k], y_v[k], dy_dot_y);
-      }
-    } else {
-      for (int64_t i = lane; i < dim; i += kWarpSize)
-        dy_dot_y = fmaf(to_f32(dy[i]), to_f32(y[i]), dy_dot_y);
-    }
-    const float mean_dy_y = device::group_sum(dy_dot_y) / static_cast<float>(dim);
+    const float mean_dy_y = device::warp_dot<kVector>(dy, y, dim) / static_cast<float>(dim);
     const float row_rstd = rstd[row];
     if constexpr (kVector) {
       for (int64_t i = lane * kBf16Vector; i < dim; i += kWarpSize * kBf16Vector) {

@@ -80,6 +80,9 @@ void relu2_forward(bf16* out, const bf16* inp, int64_t n, cudaStream_t stream);
 void relu2_backward(bf16* dinp, const bf16* dout, const bf16* inp, int64_t n, GradStore store,
                     cudaStream_t stream);
 
+// out = bf16(inp), rounded to nearest even (weights cast for the BF16 GEMMs).
+void cast_to_bf16(bf16* out, const float* inp, int64_t n, cudaStream_t stream);
+
 // out = *resid_lambda * x + *x0_lambda * x0 (writes), the lambdas read on the device. out may
 // be x, but the backward needs x.
 void residual_mix_forward(bf16* out, const bf16* x, const bf16* x0, const float* resid_lambda,
@@ -147,10 +150,12 @@ void softcap_cross_entropy_with_gradient(bf16* logits, const int32_t* targets, i
 #if defined(__CUDACC__)
 // --- Device helpers shared by the kernels of src/ops/cuda (nvcc only) ---
 #include <algorithm>
+#include <initializer_list>
 
 #include <cuda_bf16.h>
 
 #include "core/cuda_check.h"
+#include "core/error.h"
 
 namespace fp8t::ops::cuda::device {
 
@@ -176,6 +181,19 @@ inline unsigned grid_size(int64_t blocks_needed, int blocks_per_sm) {
 
 inline bool aligned16(const void* pointer) {
   return reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
+}
+
+// Whether every pointer is 16-byte aligned (the vector paths' condition).
+inline bool all_aligned(std::initializer_list<const void*> pointers) {
+  for (const void* pointer : pointers)
+    if (!aligned16(pointer)) return false;
+  return true;
+}
+
+// Every pointer of a launcher over count elements (or rows, or tokens) set, unless count is 0.
+inline void check_pointers(int64_t count, std::initializer_list<const void*> pointers) {
+  for (const void* pointer : pointers)
+    FP8T_CHECK(count == 0 || pointer != nullptr, "null device pointer for {} elements", count);
 }
 
 __device__ inline float to_f32(bf16 value) {
@@ -245,6 +263,29 @@ __device__ inline float group_sum(float value) {
   for (int offset = kGroup / 2; offset > 0; offset /= 2)
     value += __shfl_xor_sync(kFullMask, value, offset);
   return value;
+}
+
+// a[:count] . b[:count] over a warp, in fp32; every lane gets the sum. kVector: lane l takes the
+// 8-element vectors at 8 l, 8 (l + 32), ... (count % 8 == 0, a and b 16-byte aligned);
+// otherwise the elements l, l + 32, ...
+template <bool kVector>
+__device__ inline float warp_dot(const bf16* a, const bf16* b, int64_t count) {
+  const int lane = threadIdx.x % kWarpSize;
+  float sum = 0.0f;
+  if constexpr (kVector) {
+    for (int64_t i = lane * kBf16Vector; i < count; i += kWarpSize * kBf16Vector) {
+      float a_v[kBf16Vector], b_v[kBf16Vector];
+      load_bf16x8(a + i, a_v);
+      load_bf16x8(b + i, b_v);
+#pragma unroll
+      for (int k = 0; k < kBf16Vector; ++k)
+        sum = fmaf(a_v[k], b_v[k], sum);
+    }
+  } else {
+    for (int64_t i = lane; i < count; i += kWarpSize)
+      sum = fmaf(to_f32(a[i]), to_f32(b[i]), sum);
+  }
+  return group_sum(sum);
 }
 
 // Sum over a block of kThreads threads (a multiple of 32), in a fixed order; every thread gets

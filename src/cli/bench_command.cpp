@@ -1,0 +1,220 @@
+// `fp8train bench gpt`: GPT training steps on the GPU with random tokens, timed with CUDA events.
+#include <algorithm>
+#include <cmath>
+#include <random>
+#include <string>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "cli/commands.h"
+#include "core/error.h"
+#include "models/gpt_config.h"
+#include "models/gpt_model.h"
+#include "optim/gpt_optimizer.h"
+#include "platform/device_info.h"
+#include "train/run_log.h"
+
+#if FP8TRAIN_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "core/cuda_check.h"
+#include "models/cuda/gpt_model_cuda.h"
+#include "optim/cuda/gpu_optimizer.h"
+#endif
+
+namespace fp8t::cli {
+
+#if FP8TRAIN_WITH_CUDA
+
+namespace {
+
+// nanochat's MFU reference: the H100/H200 dense BF16 peak, for FP8 runs too.
+constexpr double kBf16PeakFlops = 989e12;
+
+double median(std::vector<double> values) {
+  std::sort(values.begin(), values.end());
+  const size_t middle = values.size() / 2;
+  return values.size() % 2 == 1 ? values[middle] : 0.5 * (values[middle - 1] + values[middle]);
+}
+
+double device_memory_in_use() {
+  size_t free = 0, total = 0;
+  FP8T_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  return double(total - free);
+}
+
+struct Measurement {
+  std::string name;
+  double step_ms = 0.0;
+  double forward_ms = 0.0, backward_ms = 0.0, optimizer_ms = 0.0;
+  double tokens_per_second = 0.0;
+  double mfu = 0.0;
+  double peak_memory = 0.0;
+  std::string fp8_layers;
+  double final_loss = 0.0;
+};
+
+class Events {
+ public:
+  explicit Events(int count) : events_(static_cast<size_t>(count)) {
+    for (cudaEvent_t& event : events_)
+      FP8T_CUDA_CHECK(cudaEventCreate(&event));
+  }
+  ~Events() {
+    for (cudaEvent_t event : events_)
+      cudaEventDestroy(event);
+  }
+  Events(const Events&) = delete;
+  Events& operator=(const Events&) = delete;
+  void record(int index, cudaStream_t stream) {
+    FP8T_CUDA_CHECK(cudaEventRecord(events_[static_cast<size_t>(index)], stream));
+  }
+  double ms(int from, int to) const {
+    float elapsed = 0.0f;
+    FP8T_CUDA_CHECK(cudaEventElapsedTime(&elapsed, events_[static_cast<size_t>(from)],
+                                         events_[static_cast<size_t>(to)]));
+    return elapsed;
+  }
+
+ private:
+  std::vector<cudaEvent_t> events_;
+};
+
+Measurement measure(const BenchGptOptions& options, const GptConfig& config, bool fp8,
+                    ScalingRecipe recipe, cudaStream_t stream) {
+  GptPrecision precision;
+  precision.fp8.mode =
+      fp8 ? (options.fp8 == "e4m3" ? Fp8Mode::E4M3 : Fp8Mode::Hybrid) : Fp8Mode::None;
+  precision.fp8.recipe = recipe;
+  precision.policy.mode = precision.fp8.mode;
+  precision.policy.recipe = recipe;
+  precision.family = Fp8Family::Ocp;
+  const int64_t batch = options.batch, seq = options.sequence_len, tokens = batch * seq;
+
+  Measurement result;
+  result.name = fp8 ? fmt::format("fp8 {} {}", options.fp8, recipe_name(recipe)) : "bf16";
+  CudaGptModel model(config, batch, seq, precision, stream);
+  const optim::GptOptimizer host_optimizer(config, optim::OptimizerSettings{}, tokens);
+  optim::CudaGptOptimizer optimizer(host_optimizer, model.layout(), model.gemm());
+  {
+    Arena arena("parameters", ParameterSet::planned_bytes(config, DType::F32));
+    ParameterSet parameters(arena, config, DType::F32);
+    init_gpt_weights(parameters, config, 1);
+    model.upload_parameters(parameters);
+  }
+  result.fp8_layers = precision_summary(model.linear_precision());
+
+  std::mt19937 generator(7);
+  std::uniform_int_distribution<int32_t> token(0, config.vocab_size - 1);
+  std::vector<int32_t> idx(static_cast<size_t>(tokens)), targets(idx.size());
+  float* norm = nullptr;
+  FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm), sizeof(float)));
+  Events events(4);
+  std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms;
+  const optim::StepSchedule schedule;
+  const int64_t count = model.layout().total_elements;
+  for (int step = 0; step < options.warmup + options.steps; ++step) {
+    for (size_t i = 0; i < idx.size(); ++i) {
+      idx[i] = token(generator);
+      targets[i] = token(generator);
+    }
+    events.record(0, stream);
+    model.zero_gradients();
+    model.forward(idx.data(), targets.data(), true);
+    events.record(1, stream);
+    model.backward();
+    events.record(2, stream);
+    optimizer.global_norm(model.gradients(), count, norm, stream);
+    optimizer.step(model.parameters(), model.gradients(), schedule, stream);
+    model.end_step();
+    events.record(3, stream);
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+    if (step < options.warmup) continue;
+    step_ms.push_back(events.ms(0, 3));
+    forward_ms.push_back(events.ms(0, 1));
+    backward_ms.push_back(events.ms(1, 2));
+    optimizer_ms.push_back(events.ms(2, 3));
+    result.peak_memory = std::max(result.peak_memory, device_memory_in_use());
+  }
+  result.final_loss = model.loss_value();
+  cudaFree(norm);
+  result.step_ms = median(step_ms);
+  result.forward_ms = median(forward_ms);
+  result.backward_ms = median(backward_ms);
+  result.optimizer_ms = median(optimizer_ms);
+  result.tokens_per_second = double(tokens) / (result.step_ms * 1e-3);
+  result.mfu = result.tokens_per_second * gpt_flops_per_token(config) / kBf16PeakFlops;
+  return result;
+}
+
+}  // namespace
+
+int run_bench_gpt(const BenchGptOptions& options) {
+  const std::vector<GpuInfo> gpus = query_gpus();
+  if (gpus.empty()) throw Error("bench gpt: no CUDA GPU is visible");
+  GptConfig config = GptConfig::from_depth(options.depth);
+  config.vocab_size = options.vocab_size;
+  config.sequence_len = options.sequence_len;
+  config.window_pattern = options.window_pattern;
+  config.validate();
+  const double flops_per_token = gpt_flops_per_token(config);
+  fmt::print(
+      "bench gpt: depth {}, dim {}, {} heads, vocab {}, sequence {}, windows {}, micro-batch {} "
+      "({} tokens), {:.3f}B parameters, {:.4g} FLOPs/token; MuonAdamW, random tokens; {} "
+      "warm-up + {} timed steps\nGPU: {} ({})\n",
+      config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.sequence_len,
+      config.window_pattern, options.batch, options.batch * config.sequence_len,
+      double(ParameterSet::planned_bytes(config, DType::F32)) / 4e9, flops_per_token,
+      options.warmup, options.steps, gpus[0].name, gpus[0].architecture());
+
+  cudaStream_t stream = nullptr;
+  FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::vector<Measurement> results;
+  for (const std::string& precision : options.precisions) {
+    const bool fp8 = precision == "fp8";
+    const std::vector<std::string> recipes =
+        fp8 ? options.fp8_recipes : std::vector<std::string>{"tensorwise"};
+    for (const std::string& recipe_text : recipes) {
+      ScalingRecipe recipe = ScalingRecipe::Tensorwise;
+      for (const auto& [name, value] : kScalingRecipeNames) {
+        if (name == recipe_text) recipe = value;
+      }
+      const Measurement result = measure(options, config, fp8, recipe, stream);
+      fmt::print(
+          "{}: {:.1f} ms/step (forward {:.1f}, backward {:.1f}, optimizer {:.1f}), {:.1f}K "
+          "tokens/s, bf16-MFU {:.1f} %, peak {}, loss {:.3f}; {}\n",
+          result.name, result.step_ms, result.forward_ms, result.backward_ms, result.optimizer_ms,
+          result.tokens_per_second / 1e3, 100.0 * result.mfu,
+          train::format_bytes(result.peak_memory), result.final_loss, result.fp8_layers);
+      results.push_back(result);
+    }
+  }
+  FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
+
+  fmt::print(
+      "\n| run | step ms | tokens/s | bf16-MFU | peak memory | forward | backward | "
+      "optimizer | vs {} |\n|---|---|---|---|---|---|---|---|---|\n",
+      results.front().name);
+  for (const Measurement& result : results) {
+    fmt::print(
+        "| {} | {:.1f} | {:.1f} K | {:.1f} % | {} | {:.1f} ms | {:.1f} ms | {:.1f} ms | {:.3f}x "
+        "step |\n",
+        result.name, result.step_ms, result.tokens_per_second / 1e3, 100.0 * result.mfu,
+        train::format_bytes(result.peak_memory), result.forward_ms, result.backward_ms,
+        result.optimizer_ms, result.step_ms / results.front().step_ms);
+  }
+  return kExitOk;
+}
+
+#else
+
+int run_bench_gpt(const BenchGptOptions&) {
+  throw Error(
+      "bench gpt: this fp8train was built without CUDA (FP8TRAIN_CUDA=ON needs the CUDA "
+      "toolkit)");
+}
+
+#endif  // FP8TRAIN_WITH_CUDA
+
+}  // namespace fp8t::cli

@@ -1,0 +1,598 @@
+#if FP8TRAIN_WITH_CUDA
+
+#include "models/cuda/gpt_model_cuda.h"
+
+#include <algorithm>
+#include <cstring>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "core/cuda_check.h"
+#include "core/device_arena.h"
+#include "core/error.h"
+#include "gemm/cublaslt_gemm.h"
+#include "ops/cross_entropy.h"
+#include "ops/cuda/attention_cudnn.h"
+#include "ops/cuda/gpt_gates.h"
+#include "ops/cuda/linear_cuda.h"
+#include "ops/cuda/ops_cuda.h"
+#include "ops/rmsnorm.h"
+#include "ops/rotary.h"
+
+namespace fp8t {
+
+namespace kernels = ops::cuda;
+using kernels::GradStore;
+
+namespace {
+
+constexpr auto kEps = static_cast<float>(ops::kRmsNormEps);
+constexpr auto kSoftcap = static_cast<float>(ops::kLogitSoftcap);
+
+// Pinned host memory for the token ids of one micro-batch.
+template <typename T>
+struct PinnedBuffer {
+  T* data = nullptr;
+  explicit PinnedBuffer(size_t count) {
+    FP8T_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data), count * sizeof(T)));
+  }
+  ~PinnedBuffer() { cudaFreeHost(data); }
+  PinnedBuffer(const PinnedBuffer&) = delete;
+  PinnedBuffer& operator=(const PinnedBuffer&) = delete;
+};
+
+}  // namespace
+
+struct CudaGptModel::Linear {
+  std::string weight;   // parameter name
+  int index = 0;        // FP8: its slice of the scaling floats
+  int input_index = 0;  // FP8: the slice whose input amax it records (q's for k and v)
+  std::unique_ptr<kernels::CudaLinear> layer;
+  std::vector<DelayedScaling> delayed;  // by TensorRole; delayed recipe only
+};
+
+// What one block saves for backward.
+struct CudaGptModel::Layer {
+  bf16* attn_norm;
+  float* attn_rstd;
+  bf16 *q, *k, *v;
+  float *q_rstd, *k_rstd;
+  float* value_gate;  // layers with a value embedding
+  float* stats;       // [B, H, T]
+  bf16* attn_out;
+  bf16* mlp_norm;
+  float* mlp_rstd;
+  bf16* fc;  // before relu²
+  bf16* output;
+};
+
+struct CudaGptModel::Buffers {
+  DeviceArena parameters{"parameters"};
+  DeviceArena gradients{"gradients"};
+  DeviceArena activations{"activations"};
+  DeviceArena workspace{"workspace"};
+  DeviceArena linear_scratch{"FP8 scratch"};
+  gemm::CublasLtGemm gemm;
+  kernels::CudnnAttention attention;
+  std::map<std::string, Linear> linears;
+  float* scaling = nullptr;  // kLinearScalingFloats per FP8 linear
+  std::vector<float> scaling_host;
+  int fp8_linears = 0;
+  kernels::Fp8Scratch fp8_scratch;
+
+  PinnedBuffer<int32_t> idx_host, targets_host;
+  cudaEvent_t ids_copied = nullptr;
+  int32_t *idx = nullptr, *targets = nullptr;
+  float *rotary_cos = nullptr, *rotary_sin = nullptr;
+
+  // Saved activations.
+  bf16* embedding_norm = nullptr;
+  float* embedding_rstd = nullptr;
+  float* smear_gate = nullptr;
+  bf16* x0 = nullptr;
+  std::vector<Layer> layers;
+  bf16* final_norm = nullptr;
+  float* final_rstd = nullptr;
+
+  // Workspace: forward temporaries, then backward's.
+  bf16 *input = nullptr, *mid = nullptr, *branch = nullptr;
+  bf16 *q_lin = nullptr, *k_lin = nullptr, *value_embed = nullptr, *fc_act = nullptr;
+  bf16* logits = nullptr;
+  float* row_losses = nullptr;
+  int32_t* valid_rows = nullptr;
+  float* reduction = nullptr;  // block partial sums of the parameter-gradient reductions
+  bf16 *dres = nullptr, *dres_next = nullptr, *dbackout = nullptr, *dx0 = nullptr;
+  bf16 *dnorm = nullptr, *dattn_out = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
+  bf16 *dq_lin = nullptr, *dk_lin = nullptr, *dvalue_embed = nullptr, *dfc_act = nullptr;
+  bool forward_has_gradient = false;
+
+  explicit Buffers(size_t tokens) : idx_host(tokens), targets_host(tokens) {
+    FP8T_CUDA_CHECK(cudaEventCreateWithFlags(&ids_copied, cudaEventDisableTiming));
+  }
+  ~Buffers() { cudaEventDestroy(ids_copied); }
+};
+
+CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
+                           const GptPrecision& precision, cudaStream_t stream)
+    : config_(config),
+      batch_(batch),
+      seq_(seq),
+      tokens_(batch * seq),
+      precision_(precision),
+      stream_(stream) {
+  config_.validate();
+  FP8T_CHECK(batch >= 1, "expected a batch of at least 1, found {}", batch);
+  FP8T_CHECK(seq >= 2 && seq <= config_.sequence_len,
+             "expected a sequence of 2 to {} tokens, found {}", config_.sequence_len, seq);
+  FP8T_CHECK(tokens_ % 16 == 0,
+             "the GPU path needs batch x sequence to be a multiple of 16, found {} x {}", batch,
+             seq);
+  buffers_ = std::make_unique<Buffers>(static_cast<size_t>(tokens_));
+  linear_precision_ = decide_precision(config_, precision_.policy);
+
+  layout_ = optim::device_parameter_layout(config_);
+  lay_out();
+  for (DeviceArena* arena : {&buffers_->parameters, &buffers_->gradients, &buffers_->activations,
+                             &buffers_->workspace, &buffers_->linear_scratch}) {
+    arena->allocate_planned();
+  }
+  lay_out();
+  memory_.parameters = buffers_->parameters.bytes();
+  memory_.gradients = buffers_->gradients.bytes();
+  memory_.activations = buffers_->activations.bytes();
+  memory_.workspace = buffers_->workspace.bytes();
+  memory_.linear_copies = buffers_->linear_scratch.bytes();
+
+  // Rotary tables, and the linears.
+  const int64_t half = config_.head_dim() / 2;
+  std::vector<float> cos(static_cast<size_t>(seq * half)), sin(cos.size());
+  ops::rotary_tables(cos.data(), sin.data(), seq, config_.head_dim());
+  FP8T_CUDA_CHECK(cudaMemcpy(buffers_->rotary_cos, cos.data(), cos.size() * sizeof(float),
+                             cudaMemcpyHostToDevice));
+  FP8T_CUDA_CHECK(cudaMemcpy(buffers_->rotary_sin, sin.data(), sin.size() * sizeof(float),
+                             cudaMemcpyHostToDevice));
+  std::vector<float> initial_scaling(buffers_->scaling_host.size());
+  for (size_t i = 0; i < initial_scaling.size(); ++i) {
+    const auto slot = static_cast<int>(i % kernels::kScalingFloatsPerRole);
+    initial_scaling[i] =
+        slot == kernels::kScaleSlot || slot == kernels::kScaleInvSlot ? 1.0f : 0.0f;
+  }
+  buffers_->scaling_host = initial_scaling;
+  if (!initial_scaling.empty()) {
+    FP8T_CUDA_CHECK(cudaMemcpy(buffers_->scaling, initial_scaling.data(),
+                               initial_scaling.size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+  int fp8_index = 0;
+  for (const LinearPrecision& decision : linear_precision_) {
+    if (decision.linear.kind == ParamKind::Gate) continue;  // the gates are kernels of their own
+    kernels::LinearSetup setup;
+    setup.in_features = decision.linear.in_features;
+    setup.out_features = decision.linear.out_features;
+    setup.max_tokens = tokens_;
+    setup.fp8 = decision.fp8;
+    setup.fp8_config = precision_.fp8;
+    setup.family = precision_.family;
+    setup.fp8_wgrad = precision_.fp8_wgrad;
+    Linear linear;
+    linear.weight = decision.linear.name + ".weight";
+    // k and v read the input q has just quantized.
+    const std::string& name = decision.linear.name;
+    if (decision.fp8 && (name.ends_with("attn.c_k") || name.ends_with("attn.c_v"))) {
+      const std::string q_name = name.substr(0, name.size() - 3) + "c_q";
+      const auto q = buffers_->linears.find(q_name);
+      if (q != buffers_->linears.end() && q->second.layer->fp8()) {
+        setup.input_from = q->second.layer.get();
+        linear.input_index = q->second.index;
+      }
+    }
+    if (decision.fp8) {
+      linear.index = fp8_index++;
+      if (setup.input_from == nullptr) linear.input_index = linear.index;
+      setup.scaling = buffers_->scaling + linear.index * kernels::kLinearScalingFloats;
+      if (precision_.fp8.recipe == ScalingRecipe::Delayed) {
+        for (TensorRole role : {TensorRole::Input, TensorRole::Weight, TensorRole::GradOutput}) {
+          linear.delayed.emplace_back(
+              precision_.fp8.amax_history_len, precision_.fp8.amax_compute_algo,
+              precision_.fp8.margin, format_max(precision_.fp8.format_for(role, precision_.family)),
+              role);
+        }
+      }
+    }
+    linear.layer =
+        std::make_unique<kernels::CudaLinear>(setup, buffers_->gemm, buffers_->fp8_scratch);
+    memory_.linear_copies += linear.layer->device_bytes();
+    buffers_->linears.emplace(decision.linear.name, std::move(linear));
+  }
+  FP8T_CUDA_CHECK(cudaMemsetAsync(gradients_, 0, layout_.total_bytes(), stream_));
+  FP8T_CUDA_CHECK(cudaMemsetAsync(parameters_, 0, layout_.total_bytes(), stream_));
+}
+
+CudaGptModel::~CudaGptModel() {
+  cudaStreamSynchronize(stream_);
+}
+
+void CudaGptModel::lay_out() {
+  Buffers& b = *buffers_;
+  const auto N = static_cast<size_t>(tokens_);
+  const auto C = static_cast<size_t>(config_.n_embd);
+  const auto H = static_cast<size_t>(config_.n_head);
+  const auto Hkv = static_cast<size_t>(config_.n_kv_head);
+  const auto D = static_cast<size_t>(config_.head_dim());
+  const auto vocab = static_cast<size_t>(config_.padded_vocab());
+
+  parameters_ = b.parameters.take<float>(static_cast<size_t>(layout_.total_elements));
+  gradients_ = b.gradients.take<float>(static_cast<size_t>(layout_.total_elements));
+
+  DeviceArena& act = b.activations;
+  b.embedding_norm = act.take<bf16>(N * C);
+  b.embedding_rstd = act.take<float>(N);
+  b.smear_gate = act.take<float>(N);
+  b.x0 = act.take<bf16>(N * C);
+  b.layers.resize(static_cast<size_t>(config_.n_layer));
+  for (int index = 0; index < config_.n_layer; ++index) {
+    Layer& layer = b.layers[static_cast<size_t>(index)];
+    layer.attn_norm = act.take<bf16>(N * C);
+    layer.attn_rstd = act.take<float>(N);
+    layer.q = act.take<bf16>(N * H * D);
+    layer.k = act.take<bf16>(N * Hkv * D);
+    layer.v = act.take<bf16>(N * Hkv * D);
+    layer.q_rstd = act.take<float>(N * H);
+    layer.k_rstd = act.take<float>(N * Hkv);
+    layer.value_gate = config_.has_value_embedding(index) ? act.take<float>(N * Hkv) : nullptr;
+    layer.stats = act.take<float>(N * H);
+    layer.attn_out = act.take<bf16>(N * H * D);
+    layer.mlp_norm = act.take<bf16>(N * C);
+    layer.mlp_rstd = act.take<float>(N);
+    layer.fc = act.take<bf16>(N * 4 * C);
+    layer.output = act.take<bf16>(N * C);
+  }
+  b.final_norm = act.take<bf16>(N * C);
+  b.final_rstd = act.take<float>(N);
+
+  DeviceArena& ws = b.workspace;
+  b.idx = ws.take<int32_t>(N);
+  b.targets = ws.take<int32_t>(N);
+  b.rotary_cos = ws.take<float>(static_cast<size_t>(seq_) * D / 2);
+  b.rotary_sin = ws.take<float>(static_cast<size_t>(seq_) * D / 2);
+  b.input = ws.take<bf16>(N * C);
+  b.mid = ws.take<bf16>(N * C);
+  b.branch = ws.take<bf16>(N * C);
+  b.q_lin = ws.take<bf16>(N * H * D);
+  b.k_lin = ws.take<bf16>(N * Hkv * D);
+  b.value_embed = ws.take<bf16>(N * Hkv * D);
+  b.fc_act = ws.take<bf16>(N * 4 * C);
+  b.logits = ws.take<bf16>(N * vocab);
+  b.row_losses = ws.take<float>(N);
+  b.valid_rows = ws.take<int32_t>(1);
+  loss_ = ws.take<float>(1);
+  b.reduction = ws.take<float>(static_cast<size_t>(
+      std::max<int64_t>({kernels::kResidualMixWorkspaceFloats, kernels::kValueGateWorkspaceFloats,
+                         kernels::kSmearWorkspaceFloats, kernels::kBackoutWorkspaceFloats})));
+  b.dres = ws.take<bf16>(N * C);
+  b.dres_next = ws.take<bf16>(N * C);
+  b.dbackout = ws.take<bf16>(N * C);
+  b.dx0 = ws.take<bf16>(N * C);
+  b.dnorm = ws.take<bf16>(N * C);
+  b.dattn_out = ws.take<bf16>(N * H * D);
+  b.dq = ws.take<bf16>(N * H * D);
+  b.dk = ws.take<bf16>(N * Hkv * D);
+  b.dv = ws.take<bf16>(N * Hkv * D);
+  b.dq_lin = ws.take<bf16>(N * H * D);
+  b.dk_lin = ws.take<bf16>(N * Hkv * D);
+  b.dvalue_embed = ws.take<bf16>(N * Hkv * D);
+  b.dfc_act = ws.take<bf16>(N * 4 * C);
+
+  // FP8: the scaling floats and the quantization scratch of the largest linear.
+  int fp8_count = 0;
+  size_t max_in = 0, max_out = 0;
+  for (const LinearPrecision& decision : linear_precision_) {
+    if (!decision.fp8 || decision.linear.kind == ParamKind::Gate) continue;
+    ++fp8_count;
+    max_in = std::max(max_in, static_cast<size_t>(decision.linear.in_features));
+    max_out = std::max(max_out, static_cast<size_t>(decision.linear.out_features));
+  }
+  b.fp8_linears = fp8_count;
+  b.scaling_host.assign(static_cast<size_t>(fp8_count) * kernels::kLinearScalingFloats, 0.0f);
+  if (fp8_count > 0) {
+    DeviceArena& scratch = b.linear_scratch;
+    b.scaling = scratch.take<float>(b.scaling_host.size());
+    b.fp8_scratch.input = scratch.take<uint8_t>(N * max_in);
+    b.fp8_scratch.grad_output = scratch.take<uint8_t>(N * max_out);
+    b.fp8_scratch.grad_output_t = scratch.take<uint8_t>(N * max_out);
+  }
+}
+
+gemm::CublasLtGemm& CudaGptModel::gemm() {
+  return buffers_->gemm;
+}
+
+float* CudaGptModel::parameter(const std::string& name) const {
+  return parameters_ + layout_[name].offset;
+}
+float* CudaGptModel::gradient(const std::string& name) const {
+  return gradients_ + layout_[name].offset;
+}
+
+CudaGptModel::Linear& CudaGptModel::linear(const std::string& name) {
+  const auto found = buffers_->linears.find(name);
+  FP8T_CHECK(found != buffers_->linears.end(), "no linear layer named '{}'", name);
+  return found->second;
+}
+
+void CudaGptModel::upload_parameters(const ParameterSet& host) {
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (const optim::DeviceParameter& tensor : layout_.parameters) {
+    const TensorView& view = host[tensor.name];
+    FP8T_CHECK(view.dtype() == DType::F32, "expected f32 parameters, '{}' is {}", tensor.name,
+               dtype_name(view.dtype()));
+    FP8T_CUDA_CHECK(
+        cudaMemcpy(parameters_ + tensor.offset, view.raw(), view.bytes(), cudaMemcpyHostToDevice));
+  }
+  weights_ready_ = false;
+}
+
+namespace {
+
+// Copies device fp32 tensors at the layout's offsets from `base` into a host ParameterSet.
+void copy_to_host(const optim::DeviceParameterLayout& layout, const float* base,
+                  ParameterSet& host) {
+  for (const optim::DeviceParameter& tensor : layout.parameters) {
+    TensorView& view = host[tensor.name];
+    FP8T_CUDA_CHECK(
+        cudaMemcpy(view.raw(), base + tensor.offset, view.bytes(), cudaMemcpyDeviceToHost));
+  }
+}
+
+}  // namespace
+
+void CudaGptModel::download_parameters(ParameterSet& host) const {
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  copy_to_host(layout_, parameters_, host);
+}
+
+void CudaGptModel::download_gradients(ParameterSet& host) const {
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  copy_to_host(layout_, gradients_, host);
+}
+
+void CudaGptModel::zero_gradients() {
+  FP8T_CUDA_CHECK(cudaMemsetAsync(gradients_, 0, layout_.total_bytes(), stream_));
+}
+
+double CudaGptModel::loss_value() {
+  float loss = 0.0f;
+  FP8T_CUDA_CHECK(cudaMemcpyAsync(&loss, loss_, sizeof loss, cudaMemcpyDeviceToHost, stream_));
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return loss;
+}
+
+void CudaGptModel::prepare_weights() {
+  for (auto& [name, linear] : buffers_->linears)
+    linear.layer->prepare_weight(parameter(linear.weight), training_, stream_);
+  weights_ready_ = true;
+}
+
+void CudaGptModel::end_step() {
+  weights_ready_ = false;
+  Buffers& b = *buffers_;
+  if (precision_.fp8.recipe != ScalingRecipe::Delayed || b.fp8_linears == 0) return;
+  // Fold the step's amaxes into the histories on the host (DelayedScaling, exactly as the CPU
+  // path), then hand the new scales back with the amaxes cleared.
+  FP8T_CUDA_CHECK(cudaMemcpyAsync(b.scaling_host.data(), b.scaling,
+                                  b.scaling_host.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                  stream_));
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  for (auto& [name, linear] : b.linears) {
+    for (size_t role = 0; role < linear.delayed.size(); ++role) {
+      // A shared input's amax is its owner's: the history stays as the CPU path's would.
+      const int source = role == size_t(TensorRole::Input) ? linear.input_index : linear.index;
+      const float* slots = b.scaling_host.data() + source * kernels::kLinearScalingFloats +
+                           role * kernels::kScalingFloatsPerRole;
+      DelayedScaling& state = linear.delayed[role];
+      state.record_amax(slots[kernels::kAmaxSlot]);
+      state.update();
+    }
+  }
+  scalings_changed();
+}
+
+void CudaGptModel::scalings_changed() {
+  Buffers& b = *buffers_;
+  for (auto& [name, linear] : b.linears) {
+    for (size_t role = 0; role < linear.delayed.size(); ++role) {
+      float* slots = b.scaling_host.data() + linear.index * kernels::kLinearScalingFloats +
+                     role * kernels::kScalingFloatsPerRole;
+      slots[kernels::kScaleSlot] = linear.delayed[role].scale();
+      slots[kernels::kScaleInvSlot] = linear.delayed[role].scale_inv();
+      slots[kernels::kAmaxSlot] = 0.0f;
+    }
+  }
+  if (b.scaling_host.empty()) return;
+  FP8T_CUDA_CHECK(cudaMemcpyAsync(b.scaling, b.scaling_host.data(),
+                                  b.scaling_host.size() * sizeof(float), cudaMemcpyHostToDevice,
+                                  stream_));
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));  // scaling_host may change after we return
+}
+
+std::vector<std::pair<std::string, DelayedScaling*>> CudaGptModel::delayed_scalings() {
+  std::vector<std::pair<std::string, DelayedScaling*>> scalings;
+  constexpr const char* kRoles[] = {"input", "weight", "grad_output"};
+  for (auto& [name, linear] : buffers_->linears) {  // std::map: ordered by name, as the CPU's
+    for (size_t role = 0; role < linear.delayed.size(); ++role)
+      scalings.emplace_back(name + "." + kRoles[role], &linear.delayed[role]);
+  }
+  return scalings;
+}
+
+void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with_gradient) {
+  const int64_t B = batch_, T = seq_, N = tokens_, C = config_.n_embd;
+  const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
+  const int64_t vocab = config_.padded_vocab();
+  Buffers& b = *buffers_;
+  check_tokens(config_, idx, targets, N);
+  // The previous copy out of the pinned buffers must be done before they are refilled.
+  FP8T_CUDA_CHECK(cudaEventSynchronize(b.ids_copied));
+  std::memcpy(b.idx_host.data, idx, size_t(N) * sizeof(int32_t));
+  std::memcpy(b.targets_host.data, targets, size_t(N) * sizeof(int32_t));
+  FP8T_CUDA_CHECK(cudaMemcpyAsync(b.idx, b.idx_host.data, size_t(N) * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, stream_));
+  FP8T_CUDA_CHECK(cudaMemcpyAsync(b.targets, b.targets_host.data, size_t(N) * sizeof(int32_t),
+                                  cudaMemcpyHostToDevice, stream_));
+  FP8T_CUDA_CHECK(cudaEventRecord(b.ids_copied, stream_));
+  if (!weights_ready_) prepare_weights();
+
+  const bool record = training_;
+  cudaStream_t s = stream_;
+  kernels::embedding_forward(b.input, b.idx, parameter("transformer.wte.weight"), N, vocab, C, s);
+  kernels::rmsnorm_forward(b.embedding_norm, b.embedding_rstd, b.input, N, C, kEps, s);
+  kernels::smear_forward(b.x0, b.smear_gate, b.embedding_norm, parameter("smear_gate.weight"),
+                         parameter("smear_lambda"), {B, T, C, kSmearGateChannels}, s);
+  const kernels::RotaryShape q_shape{B, T, H, D}, k_shape{B, T, Hkv, D};
+  const bf16* previous = b.x0;
+  for (int index = 0; index < config_.n_layer; ++index) {
+    Layer& layer = b.layers[static_cast<size_t>(index)];
+    const std::string prefix = fmt::format("transformer.h.{}.", index);
+    kernels::residual_mix_forward(b.input, previous, b.x0, parameter("resid_lambdas") + index,
+                                  parameter("x0_lambdas") + index, N * C, s);
+    kernels::rmsnorm_forward(layer.attn_norm, layer.attn_rstd, b.input, N, C, kEps, s);
+    linear(prefix + "attn.c_q").layer->forward(layer.attn_norm, N, b.q_lin, record, s);
+    linear(prefix + "attn.c_k").layer->forward(layer.attn_norm, N, b.k_lin, record, s);
+    linear(prefix + "attn.c_v").layer->forward(layer.attn_norm, N, layer.v, record, s);
+    if (config_.has_value_embedding(index)) {
+      kernels::embedding_forward(b.value_embed, b.idx,
+                                 parameter(fmt::format("value_embeds.{}.weight", index)), N, vocab,
+                                 Hkv * D, s);
+      kernels::value_gate_forward(layer.v, layer.value_gate, layer.attn_norm, b.value_embed,
+                                  parameter(prefix + "attn.ve_gate.weight"),
+                                  {N, C, Hkv, D, kValueGateChannels}, s);
+    }
+    kernels::rotary_rmsnorm_forward(layer.q, layer.q_rstd, b.q_lin, b.rotary_cos, b.rotary_sin,
+                                    q_shape, kEps, s);
+    kernels::rotary_rmsnorm_forward(layer.k, layer.k_rstd, b.k_lin, b.rotary_cos, b.rotary_sin,
+                                    k_shape, kEps, s);
+    const ops::AttentionShape shape{B, T, H, Hkv, D, config_.window(index)};
+    b.attention.forward(layer.attn_out, layer.stats, layer.q, layer.k, layer.v, shape,
+                        config_.attention_scale(), s);
+    linear(prefix + "attn.c_proj").layer->forward(layer.attn_out, N, b.branch, record, s);
+    kernels::add_forward(b.mid, b.input, b.branch, N * C, s);
+    kernels::rmsnorm_forward(layer.mlp_norm, layer.mlp_rstd, b.mid, N, C, kEps, s);
+    linear(prefix + "mlp.c_fc").layer->forward(layer.mlp_norm, N, layer.fc, record, s);
+    kernels::relu2_forward(b.fc_act, layer.fc, N * 4 * C, s);
+    linear(prefix + "mlp.c_proj").layer->forward(b.fc_act, N, b.branch, record, s);
+    kernels::add_forward(layer.output, b.mid, b.branch, N * C, s);
+    previous = layer.output;
+  }
+  const Layer& backout = b.layers[static_cast<size_t>(config_.backout_layer())];
+  kernels::backout_forward(b.input, previous, backout.output, parameter("backout_lambda"), N * C,
+                           s);
+  kernels::rmsnorm_forward(b.final_norm, b.final_rstd, b.input, N, C, kEps, s);
+  linear("lm_head").layer->forward(b.final_norm, N, b.logits, record, s);
+  if (with_gradient) {
+    kernels::softcap_cross_entropy_with_gradient(b.logits, b.targets, N, config_.vocab_size, vocab,
+                                                 kSoftcap, 1.0f, b.row_losses, loss_, b.valid_rows,
+                                                 s);
+  } else {
+    kernels::softcap_cross_entropy_forward(b.logits, b.targets, N, config_.vocab_size, vocab,
+                                           kSoftcap, b.row_losses, loss_, b.valid_rows, s);
+  }
+  b.forward_has_gradient = with_gradient;
+}
+
+void CudaGptModel::backward() {
+  const int64_t B = batch_, T = seq_, N = tokens_, C = config_.n_embd;
+  const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
+  const int64_t vocab = config_.padded_vocab();
+  Buffers& b = *buffers_;
+  FP8T_CHECK(b.forward_has_gradient, "backward() needs a forward with the gradient first");
+  b.forward_has_gradient = false;
+  const bool record = training_;
+  cudaStream_t s = stream_;
+
+  // The logits hold their gradient (the fused cross-entropy wrote it).
+  linear("lm_head").layer->backward(b.logits, b.final_norm, N, b.dnorm, false,
+                                    gradient("lm_head.weight"), record, s);
+  kernels::rmsnorm_backward(b.dres_next, b.dnorm, b.final_norm, b.final_rstd, N, C,
+                            GradStore::Write, s);  // d final_input
+  // final_input = output - backout_lambda * backout layer's output: d output of the last
+  // block, and the share of the backout layer's output, added when the loop reaches it.
+  const int backout_layer = config_.backout_layer();
+  kernels::backout_backward(b.dres, b.dbackout, gradient("backout_lambda"), b.dres_next,
+                            b.layers[static_cast<size_t>(backout_layer)].output,
+                            parameter("backout_lambda"), N * C, GradStore::Write, GradStore::Write,
+                            b.reduction, s);
+  const kernels::RotaryShape q_shape{B, T, H, D}, k_shape{B, T, Hkv, D};
+  bool dx0_written = false;
+  for (int index = config_.n_layer - 1; index >= 0; --index) {
+    Layer& layer = b.layers[static_cast<size_t>(index)];
+    const std::string prefix = fmt::format("transformer.h.{}.", index);
+    if (index == backout_layer) kernels::add_forward(b.dres, b.dres, b.dbackout, N * C, s);
+
+    // MLP: output = mid + c_proj(relu²(c_fc(norm(mid))))
+    Linear& mlp_proj = linear(prefix + "mlp.c_proj");
+    const bool needs_act = !mlp_proj.layer->fp8() || !precision_.fp8_wgrad;
+    if (needs_act) kernels::relu2_forward(b.fc_act, layer.fc, N * 4 * C, s);
+    mlp_proj.layer->backward(b.dres, b.fc_act, N, b.dfc_act, false, gradient(mlp_proj.weight),
+                             record, s);
+    kernels::relu2_backward(b.fc_act, b.dfc_act, layer.fc, N * 4 * C, GradStore::Write, s);
+    linear(prefix + "mlp.c_fc")
+        .layer->backward(b.fc_act, layer.mlp_norm, N, b.dnorm, false,
+                         gradient(prefix + "mlp.c_fc.weight"), record, s);
+    kernels::rmsnorm_backward(b.dres, b.dnorm, layer.mlp_norm, layer.mlp_rstd, N, C, GradStore::Add,
+                              s);  // dres: d mid
+
+    // Attention: mid = input + c_proj(attention(q, k, v))
+    linear(prefix + "attn.c_proj")
+        .layer->backward(b.dres, layer.attn_out, N, b.dattn_out, false,
+                         gradient(prefix + "attn.c_proj.weight"), record, s);
+    const ops::AttentionShape shape{B, T, H, Hkv, D, config_.window(index)};
+    b.attention.backward(b.dq, b.dk, b.dv, b.dattn_out, layer.q, layer.k, layer.v, layer.attn_out,
+                         layer.stats, shape, config_.attention_scale(), s);
+    kernels::rotary_rmsnorm_backward(b.dq_lin, b.dq, layer.q, layer.q_rstd, b.rotary_cos,
+                                     b.rotary_sin, q_shape, GradStore::Write, s);
+    kernels::rotary_rmsnorm_backward(b.dk_lin, b.dk, layer.k, layer.k_rstd, b.rotary_cos,
+                                     b.rotary_sin, k_shape, GradStore::Write, s);
+    linear(prefix + "attn.c_q")
+        .layer->backward(b.dq_lin, layer.attn_norm, N, b.dnorm, false,
+                         gradient(prefix + "attn.c_q.weight"), record, s);
+    linear(prefix + "attn.c_k")
+        .layer->backward(b.dk_lin, layer.attn_norm, N, b.dnorm, true,
+                         gradient(prefix + "attn.c_k.weight"), record, s);
+    linear(prefix + "attn.c_v")
+        .layer->backward(b.dv, layer.attn_norm, N, b.dnorm, true,
+                         gradient(prefix + "attn.c_v.weight"), record, s);
+    if (config_.has_value_embedding(index)) {
+      const std::string table = fmt::format("value_embeds.{}.weight", index);
+      kernels::embedding_forward(b.value_embed, b.idx, parameter(table), N, vocab, Hkv * D, s);
+      kernels::value_gate_backward(b.dnorm, gradient(prefix + "attn.ve_gate.weight"),
+                                   b.dvalue_embed, b.dv, layer.attn_norm, b.value_embed,
+                                   parameter(prefix + "attn.ve_gate.weight"), layer.value_gate,
+                                   {N, C, Hkv, D, kValueGateChannels}, b.reduction, s);
+      kernels::embedding_backward(gradient(table), b.dvalue_embed, b.idx, N, vocab, Hkv * D, s);
+    }
+    kernels::rmsnorm_backward(b.dres, b.dnorm, layer.attn_norm, layer.attn_rstd, N, C,
+                              GradStore::Add, s);  // dres: d input
+
+    // input = resid_lambda * previous + x0_lambda * x0; the first block's previous is x0.
+    const bf16* previous = index > 0 ? b.layers[static_cast<size_t>(index - 1)].output : b.x0;
+    kernels::residual_mix_backward(
+        b.dres_next, b.dx0, gradient("resid_lambdas") + index, gradient("x0_lambdas") + index,
+        b.dres, previous, b.x0, parameter("resid_lambdas") + index, parameter("x0_lambdas") + index,
+        N * C, GradStore::Write, dx0_written ? GradStore::Add : GradStore::Write, b.reduction, s);
+    dx0_written = true;
+    std::swap(b.dres, b.dres_next);
+  }
+  kernels::add_forward(b.dx0, b.dx0, b.dres, N * C, s);
+
+  kernels::smear_backward(b.dnorm, gradient("smear_gate.weight"), gradient("smear_lambda"), b.dx0,
+                          b.embedding_norm, b.smear_gate, parameter("smear_gate.weight"),
+                          parameter("smear_lambda"), {B, T, C, kSmearGateChannels},
+                          GradStore::Write, b.reduction, s);
+  kernels::rmsnorm_backward(b.dres, b.dnorm, b.embedding_norm, b.embedding_rstd, N, C,
+                            GradStore::Write, s);
+  kernels::embedding_backward(gradient("transformer.wte.weight"), b.dres, b.idx, N, vocab, C, s);
+}
+
+}  // namespace fp8t
+
+#endif  // FP8TRAIN_WITH_CUDA

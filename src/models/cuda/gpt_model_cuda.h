@@ -1,0 +1,122 @@
+// The nanochat GPT on the GPU path (CUDA builds only): the forward and backward of the CPU model
+// (models/gpt_model.h) with bf16 activations, fp32 master parameters and gradients, linears in
+// BF16 or FP8 (ops/cuda/linear_cuda.h) per the precision policy, attention through cuDNN and the
+// soft-capped cross-entropy fused with its gradient. Everything runs asynchronously on one
+// stream; a step synchronizes only where the caller reads a result (loss_value()).
+//
+// Memory is planned from the configuration and taken at construction, one allocation per
+// category (core/device_arena.h): parameters and gradients (fp32, in gpt_parameters() order),
+// the activations saved for backward, the workspace of one step, and the weight copies and
+// saved FP8 operands of the linears.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "models/gpt_config.h"
+#include "models/gpt_memory.h"
+#include "models/gpt_model.h"
+#include "models/precision_policy.h"
+#include "numerics/scaling.h"
+#include "optim/cuda/device_parameters.h"
+
+namespace fp8t {
+
+namespace gemm {
+class CublasLtGemm;
+}
+
+// Device bytes per category, for the plan printed before step 1.
+struct CudaGptMemory {
+  size_t parameters = 0;     // fp32 master weights
+  size_t gradients = 0;      // fp32
+  size_t activations = 0;    // saved for backward (bf16, fp32 statistics)
+  size_t workspace = 0;      // temporaries of one step, logits included
+  size_t linear_copies = 0;  // bf16 / FP8 weight copies, saved FP8 inputs, FP8 scratch
+  size_t total() const { return parameters + gradients + activations + workspace + linear_copies; }
+};
+
+class CudaGptModel {
+ public:
+  // Runs on the current CUDA device. fp8 recipes: delayed and tensorwise (OCP formats).
+  CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq, const GptPrecision& precision,
+               cudaStream_t stream);
+  ~CudaGptModel();
+  CudaGptModel(const CudaGptModel&) = delete;
+  CudaGptModel& operator=(const CudaGptModel&) = delete;
+
+  const GptConfig& config() const { return config_; }
+  cudaStream_t stream() const { return stream_; }
+  const CudaGptMemory& memory() const { return memory_; }
+  // The model's GEMM runner (its workspace and algorithm cache), for the optimizer's GEMMs on
+  // the same stream.
+  gemm::CublasLtGemm& gemm();
+
+  // Parameters and gradients, fp32 on the device, laid out by optim::device_parameter_layout
+  // (the gaps between tensors stay zero).
+  float* parameters() const { return parameters_; }
+  float* gradients() const { return gradients_; }
+  const optim::DeviceParameterLayout& layout() const { return layout_; }
+  // Copies between a host ParameterSet (f32) and the device parameters (synchronizes).
+  void upload_parameters(const ParameterSet& host);
+  void download_parameters(ParameterSet& host) const;
+  void download_gradients(ParameterSet& host) const;
+
+  // idx and targets [batch, seq] on the host (checked against the vocabulary, then copied).
+  // Queues the forward; with_gradient also writes the loss's gradient into the logits, ready
+  // for backward(). The mean loss lands on the device: loss_value() reads it.
+  void forward(const int32_t* idx, const int32_t* targets, bool with_gradient);
+  // Adds d(loss)/d(parameter) to the gradients. Needs a forward with_gradient first.
+  void backward();
+  void zero_gradients();
+  // Waits for the stream and returns the mean loss of the last forward.
+  double loss_value();
+  // The device pointer of that loss (fp32), for callers that sum it on the device.
+  const float* loss_device() const { return loss_; }
+
+  // Per linear: "fp8" or the reason it is not (from the precision policy).
+  const std::vector<LinearPrecision>& linear_precision() const { return linear_precision_; }
+  // Once per optimizer step, after the weights changed: the delayed-scaling update (reads the
+  // step's amaxes back: one synchronization) and the weight casts of the next forward.
+  void end_step();
+  void set_training(bool training) { training_ = training; }
+  // After the weights were replaced: re-cast them on the next forward, without a delayed-
+  // scaling update.
+  void weights_changed() { weights_ready_ = false; }
+  // Host delayed-scaling state, named as GptModel::delayed_scalings(); the trainer saves and
+  // loads it. After load_state on these, call scalings_changed().
+  std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings();
+  void scalings_changed();
+
+ private:
+  struct Linear;
+  struct Layer;
+  struct Buffers;
+  // Takes every device tensor from its arena: run once to plan, once more to allocate.
+  void lay_out();
+  void prepare_weights();
+  Linear& linear(const std::string& name);
+  float* parameter(const std::string& name) const;
+  float* gradient(const std::string& name) const;
+
+  GptConfig config_;
+  int64_t batch_, seq_, tokens_;
+  GptPrecision precision_;
+  cudaStream_t stream_;
+  bool training_ = true;
+  bool weights_ready_ = false;
+  std::vector<LinearPrecision> linear_precision_;
+  optim::DeviceParameterLayout layout_;
+  float* parameters_ = nullptr;
+  float* gradients_ = nullptr;
+  float* loss_ = nullptr;
+  CudaGptMemory memory_;
+  std::unique_ptr<Buffers> buffers_;
+};
+
+}  // namespace fp8t

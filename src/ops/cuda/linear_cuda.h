@@ -1,0 +1,111 @@
+// A linear layer of the GPU path (CUDA builds only): y = x·Wᵀ with bf16 activations and an fp32
+// master weight, computed either in BF16 (a bf16 copy of the weight, cuBLASLt BF16 GEMMs) or in
+// FP8 with a per-tensor recipe (delayed or tensorwise), the GEMMs of ops/fp8_linear.h:
+//   forward  y  = x̂·Ŵᵀ        fast accumulation
+//   dgrad    dx = dŷ·(Ŵᵗ)ᵀ     split accumulation (fast accumulation off)
+//   wgrad    dW += dŷᵗ·(x̂ᵗ)ᵀ  split accumulation; a BF16 GEMM on x when fp8_wgrad is off
+// Quantization is one fused cast + transpose + amax pass per operand (numerics/quantize_cuda.h):
+// the forward saves x̂ᵗ for wgrad instead of needing x; the weight is cast once per optimizer
+// step. Scales and amaxes live on the device (LinearScaling), so a step needs no host sync:
+// tensorwise derives each scale from the tensor's own amax on the device; delayed reads the
+// scale its history gave and records the amax, which the model folds into the history at the
+// end of the step.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include <cuda_runtime_api.h>
+
+#include "core/device_buffer.h"
+#include "gemm/cublaslt_gemm.h"
+#include "numerics/float_bits.h"
+#include "numerics/scaling.h"
+
+namespace fp8t::ops::cuda {
+
+// The device floats of one FP8 linear's per-tensor scaling: for each TensorRole (input, weight,
+// grad_output, in that order) the inverse scale the GEMM reads, the scale the cast uses and the
+// amax recorded this step, in 16 bytes (cuBLASLt wants its scale pointers 16-byte aligned).
+inline constexpr int kScalingFloatsPerRole = 4;
+inline constexpr int kLinearScalingFloats = 3 * kScalingFloatsPerRole;
+inline constexpr int kScaleInvSlot = 0;
+inline constexpr int kScaleSlot = 1;
+inline constexpr int kAmaxSlot = 2;
+
+// Quantized operands that live only during one call, shared by the FP8 linears of a model
+// (they run one at a time on one stream).
+struct Fp8Scratch {
+  uint8_t* input = nullptr;          // >= max_tokens * the largest in_features
+  uint8_t* grad_output = nullptr;    // >= max_tokens * the largest out_features
+  uint8_t* grad_output_t = nullptr;  // as grad_output
+};
+
+struct LinearSetup {
+  int64_t in_features = 0;
+  int64_t out_features = 0;
+  int64_t max_tokens = 0;
+  // FP8 (per-tensor recipes) or, when false, BF16.
+  bool fp8 = false;
+  Fp8Config fp8_config;
+  Fp8Family family = Fp8Family::Ocp;  // cuBLASLt runs OCP formats only
+  bool fp8_wgrad = true;
+  // FP8: kLinearScalingFloats device floats, 16-byte aligned, owned by the caller.
+  float* scaling = nullptr;
+  // FP8: a layer that quantizes the same input just before this one (q, k and v read the same
+  // normed activations): its x̂, x̂ᵗ and input scale serve this layer too, instead of a second
+  // cast and a second saved copy. The same numbers as casting again: the input and its amax
+  // are the same, so per-tensor scales are too.
+  const class CudaLinear* input_from = nullptr;
+};
+
+class CudaLinear {
+ public:
+  // Allocates the weight copy (bf16, or FP8 Ŵ and Ŵᵗ) and, for FP8 with fp8_wgrad, the saved
+  // x̂ᵗ [in, max_tokens]. Throws for shapes cuBLASLt's FP8 GEMMs cannot take (features and
+  // tokens must be multiples of 16) and for recipes other than delayed and tensorwise.
+  CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm, const Fp8Scratch& scratch);
+
+  // Once per optimizer step, before the first forward: the weight [out, in] fp32 cast to the
+  // operand(s) the GEMMs use. Delayed: records the weight's amax when record_amax.
+  void prepare_weight(const float* weight, bool record_amax, cudaStream_t stream);
+
+  // y [tokens, out] = x [tokens, in]·Wᵀ, bf16, written. FP8 with fp8_wgrad saves x̂ᵗ.
+  void forward(const bf16* x, int64_t tokens, bf16* y, bool record_amax, cudaStream_t stream);
+
+  // dx [tokens, in] (bf16; written, or added to when accumulate_dx; null: not needed) and
+  // dweight [out, in] (fp32, added to). x is the forward's input, read by BF16 wgrads only.
+  void backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* dx, bool accumulate_dx,
+                float* dweight, bool record_amax, cudaStream_t stream);
+
+  bool fp8() const { return setup_.fp8; }
+  int64_t in_features() const { return setup_.in_features; }
+  int64_t out_features() const { return setup_.out_features; }
+  // Device memory this layer owns.
+  size_t device_bytes() const;
+
+ private:
+  float* slot(TensorRole role, int index) const {
+    return setup_.scaling + static_cast<int>(role) * kScalingFloatsPerRole + index;
+  }
+  // Quantizes x [rows, cols] for `role` into out and, when not null, out_t [cols, rows].
+  template <typename T>
+  void quantize(const T* x, int64_t rows, int64_t cols, TensorRole role, uint8_t* out,
+                uint8_t* out_t, bool record_amax, cudaStream_t stream);
+  gemm::Fp8Operand operand(const uint8_t* data, int64_t ld, TensorRole role) const;
+  // The layer whose input quantization this one reads: itself, or setup.input_from.
+  const CudaLinear& input_owner() const {
+    return setup_.input_from != nullptr ? *setup_.input_from : *this;
+  }
+
+  LinearSetup setup_;
+  gemm::CublasLtGemm& gemm_;
+  Fp8Scratch scratch_;
+  std::unique_ptr<DeviceBuffer<bf16>> weight_bf16_;       // BF16: [out, in]
+  std::unique_ptr<DeviceBuffer<uint8_t>> weight_fp8_;     // FP8: Ŵ [out, in]
+  std::unique_ptr<DeviceBuffer<uint8_t>> weight_fp8_t_;   // FP8: Ŵᵗ [in, out]
+  std::unique_ptr<DeviceBuffer<uint8_t>> saved_input_t_;  // FP8 wgrad: x̂ᵗ [in, max_tokens]
+};
+
+}  // namespace fp8t::ops::cuda

@@ -1,0 +1,432 @@
+// CudaGptOptimizer's host side: the plan of its device memory, built once from the host
+// optimizer's groups and the parameter layout, and the sequence of launches of a step. CUDA
+// builds only: in a CPU-only build this file compiles to nothing.
+#if FP8TRAIN_WITH_CUDA
+
+#include "optim/cuda/gpu_optimizer.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "core/cuda_check.h"
+#include "core/device_buffer.h"
+#include "core/error.h"
+#include "optim/gpt_optimizer.h"
+#include "optim/muon.h"
+
+namespace fp8t::optim {
+
+namespace {
+
+// 256 bytes: the alignment of every state buffer, work buffer and stacked matrix.
+constexpr int64_t kAlignmentBytes = 256;
+constexpr int64_t kFloatAlignment = kAlignmentBytes / int64_t{sizeof(float)};
+constexpr int64_t kBf16Alignment = kAlignmentBytes / int64_t{sizeof(bf16)};
+// The name GptOptimizer::state() gives its step counter.
+const char* const kStepCounterName = "optimizer.step";
+
+int64_t round_up(int64_t value, int64_t multiple) {
+  return (value + multiple - 1) / multiple * multiple;
+}
+
+// adamw_step's scalars (optim/adamw.cpp), computed in double and rounded to fp32 as it does.
+cuda::AdamWScalars adamw_scalars(const OptimizerGroup& group, int64_t step) {
+  const double lr = group.lr;
+  return {.decay = static_cast<float>(1.0 - lr * group.weight_decay),
+          .weight1 = static_cast<float>(1.0 - group.beta1),
+          .weight2 = static_cast<float>(1.0 - group.beta2),
+          .inv_bias2 = static_cast<float>(1.0 / (1.0 - std::pow(group.beta2, double(step)))),
+          .step_size = static_cast<float>(lr / (1.0 - std::pow(group.beta1, double(step)))),
+          .eps = static_cast<float>(group.eps)};
+}
+
+// Where a state buffer of GptOptimizer::state() lives in the device state, in floats.
+struct StateSlice {
+  int64_t offset;
+  int64_t count;
+};
+
+// One Muon group: its matrices stacked in the bf16 work buffers, their Gram matrices, and its
+// state and offset table.
+struct MuonPlan {
+  size_t group;
+  cuda::MuonShape stack;  // [count, rows, cols]
+  cuda::MuonShape gram;   // [count, side, side], side = min(rows, cols)
+  bool tall;              // rows > cols: the Gram matrix is XᵀX, else X·Xᵀ
+  int64_t first_offset;   // index of the group's first matrix in the offset table
+  int64_t momentum;       // offsets (floats) in the state
+  int64_t second_moment;
+};
+
+// A table on the device; an empty one still gets an element, and no copy.
+template <typename T>
+std::unique_ptr<DeviceBuffer<T>> upload_table(const std::vector<T>& table) {
+  auto buffer = std::make_unique<DeviceBuffer<T>>(std::max<size_t>(1, table.size()));
+  if (!table.empty()) buffer->upload(table.data());
+  return buffer;
+}
+
+}  // namespace
+
+struct CudaGptOptimizer::State {
+  gemm::CublasLtGemm& gemm;
+  DeviceParameterLayout layout;
+  std::vector<OptimizerGroup> groups;
+  std::vector<int> adamw_slot;  // per group: its index in AdamWStep::groups, -1 for Muon groups
+  std::vector<MuonPlan> muon;
+  std::map<std::string, StateSlice> slices;
+  int64_t adamw_floats = 0;  // of exp_avg, and again of exp_avg_sq
+  int64_t chunk_count = 0;
+  int64_t steps = 0;
+
+  // State: exp_avg, exp_avg_sq (AdamW tensors, each aligned), then per Muon group its momentum
+  // [count, rows·cols] and second moment [count, max(rows, cols)].
+  std::unique_ptr<DeviceBuffer<float>> state;
+  std::unique_ptr<DeviceBuffer<cuda::AdamWChunk>> chunks;
+  std::unique_ptr<DeviceBuffer<int64_t>> offsets;  // the Muon matrices' offsets in the layout
+  std::unique_ptr<DeviceBuffer<uint8_t>> workspace;
+  // Pieces of the workspace, sized for the largest Muon group (groups take turns).
+  bf16* update = nullptr;        // the stacked update X
+  bf16* product = nullptr;       // B·X or X·B
+  bf16* gram = nullptr;          // A, then B = b·A + c·A²
+  bf16* gram_squared = nullptr;  // A²
+  double* lines = nullptr;       // sums of squares per row or column
+  float* scalars = nullptr;      // per matrix: MuonEq's target, then Polar Express's divisor
+  float* factors = nullptr;      // per matrix: Muon+'s factor
+  float* scales = nullptr;       // NorMuon's, per row or column
+  double* partials = nullptr;    // the gradient norm's block sums
+
+  State(gemm::CublasLtGemm& gemm_, const DeviceParameterLayout& layout_,
+        const std::vector<OptimizerGroup>& groups_)
+      : gemm(gemm_), layout(layout_), groups(groups_) {}
+
+  float* exp_avg() const { return state->get(); }
+  float* exp_avg_sq() const { return state->get() + adamw_floats; }
+
+  void plan(std::vector<cuda::AdamWChunk>& chunk_table, std::vector<int64_t>& offset_table);
+  void allocate_workspace();
+  void muon_step(const MuonPlan& plan, float* params, const float* grads,
+                 const StepSchedule& schedule, cudaStream_t stream);
+  void polar_express(const MuonPlan& plan, cudaStream_t stream);
+  // The host's state buffers, each checked against the device state (name, dtype, size), with
+  // the slice it maps to; the step counter maps to none.
+  std::vector<std::pair<NamedTensor, const StateSlice*>> match(GptOptimizer& host) const;
+};
+
+void CudaGptOptimizer::State::plan(std::vector<cuda::AdamWChunk>& chunk_table,
+                                   std::vector<int64_t>& offset_table) {
+  std::map<std::string, int> uses;
+  for (const OptimizerGroup& group : groups) {
+    for (const std::string& name : group.parameters) {
+      static_cast<void>(layout[name]);  // throws for a parameter the layout lacks
+      ++uses[name];
+    }
+  }
+  for (const DeviceParameter& parameter : layout.parameters) {
+    FP8T_CHECK(uses[parameter.name] == 1,
+               "expected the parameter '{}' in one optimizer group, found it in {}", parameter.name,
+               uses[parameter.name]);
+  }
+
+  int adamw_groups = 0;
+  for (const OptimizerGroup& group : groups)
+    adamw_slot.push_back(group.rule == UpdateRule::AdamW ? adamw_groups++ : -1);
+  FP8T_CHECK(adamw_groups <= cuda::kMaxAdamWGroups, "expected at most {} AdamW groups, found {}",
+             cuda::kMaxAdamWGroups, adamw_groups);
+  std::vector<std::pair<std::string, StateSlice>> adamw_tensors;
+  for (size_t index = 0; index < groups.size(); ++index) {
+    if (adamw_slot[index] < 0) continue;
+    for (const std::string& name : groups[index].parameters) {
+      const DeviceParameter& parameter = layout[name];
+      adamw_tensors.emplace_back(name, StateSlice{adamw_floats, parameter.numel});
+      for (int64_t begin = 0; begin < parameter.numel; begin += cuda::kAdamWChunkElements) {
+        chunk_table.push_back({.param = parameter.offset + begin,
+                               .state = adamw_floats + begin,
+                               .count = static_cast<int32_t>(
+                                   std::min(cuda::kAdamWChunkElements, parameter.numel - begin)),
+                               .group = adamw_slot[index]});
+      }
+      adamw_floats += round_up(parameter.numel, kFloatAlignment);
+    }
+  }
+  for (const auto& [name, slice] : adamw_tensors) {
+    slices[name + ".exp_avg"] = slice;
+    slices[name + ".exp_avg_sq"] = {adamw_floats + slice.offset, slice.count};
+  }
+  chunk_count = std::ssize(chunk_table);
+
+  int64_t state_floats = 2 * adamw_floats;
+  for (size_t index = 0; index < groups.size(); ++index) {
+    if (adamw_slot[index] >= 0) continue;
+    const std::vector<std::string>& names = groups[index].parameters;
+    const std::vector<int64_t>& shape = layout[names.front()].shape;
+    FP8T_CHECK(shape.size() == 2, "Muon group '{}': expected matrices, found '{}' of rank {}",
+               groups[index].name, names.front(), shape.size());
+    const int64_t rows = shape[0], cols = shape[1];
+    const auto count = std::ssize(names);
+    const int64_t side = std::min(rows, cols);
+    const int64_t kept = std::max(rows, cols);
+    MuonPlan muon_plan{
+        .group = index,
+        .stack = {count, rows, cols, round_up(rows * cols, kBf16Alignment)},
+        .gram = {count, side, side, round_up(side * side, kBf16Alignment)},
+        .tall = rows > cols,
+        .first_offset = std::ssize(offset_table),
+        .momentum = state_floats,
+        .second_moment = state_floats + round_up(count * rows * cols, kFloatAlignment)};
+    state_floats = muon_plan.second_moment + round_up(count * kept, kFloatAlignment);
+    for (int64_t matrix = 0; matrix < count; ++matrix) {
+      const std::string& name = names[static_cast<size_t>(matrix)];
+      const DeviceParameter& parameter = layout[name];
+      FP8T_CHECK(parameter.shape == shape,
+                 "Muon group '{}': expected every matrix [{}, {}], found '{}' [{}]",
+                 groups[index].name, rows, cols, name, fmt::join(parameter.shape, ", "));
+      offset_table.push_back(parameter.offset);
+      slices[name + ".momentum"] = {muon_plan.momentum + matrix * rows * cols, rows * cols};
+      slices[name + ".second_moment"] = {muon_plan.second_moment + matrix * kept, kept};
+    }
+    muon.push_back(muon_plan);
+  }
+  state = std::make_unique<DeviceBuffer<float>>(static_cast<size_t>(state_floats));
+  state->zero();
+}
+
+void CudaGptOptimizer::State::allocate_workspace() {
+  int64_t stack = 0, grams = 0, lines_count = 0, matrices = 0;
+  for (const MuonPlan& plan : muon) {
+    stack = std::max(stack, plan.stack.count * plan.stack.stride);
+    grams = std::max(grams, plan.gram.count * plan.gram.stride);
+    lines_count =
+        std::max(lines_count, plan.stack.count * std::max(plan.stack.rows, plan.stack.cols));
+    matrices = std::max(matrices, plan.stack.count);
+  }
+  // Byte offsets of the pieces, each aligned, then one allocation.
+  int64_t bytes = 0;
+  const auto take = [&bytes](int64_t size) {
+    const int64_t offset = bytes;
+    bytes += round_up(size, kAlignmentBytes);
+    return offset;
+  };
+  const int64_t update_at = take(stack * 2), product_at = take(stack * 2);
+  const int64_t gram_at = take(grams * 2), gram_squared_at = take(grams * 2);
+  const int64_t lines_at = take(lines_count * 8), scales_at = take(lines_count * 4);
+  const int64_t scalars_at = take(matrices * 4), factors_at = take(matrices * 4);
+  const int64_t partials_at = take(int64_t{cuda::kNormPartials} * 8);
+  workspace = std::make_unique<DeviceBuffer<uint8_t>>(static_cast<size_t>(bytes));
+  uint8_t* base = workspace->get();
+  update = reinterpret_cast<bf16*>(base + update_at);
+  product = reinterpret_cast<bf16*>(base + product_at);
+  gram = reinterpret_cast<bf16*>(base + gram_at);
+  gram_squared = reinterpret_cast<bf16*>(base + gram_squared_at);
+  lines = reinterpret_cast<double*>(base + lines_at);
+  scales = reinterpret_cast<float*>(base + scales_at);
+  scalars = reinterpret_cast<float*>(base + scalars_at);
+  factors = reinterpret_cast<float*>(base + factors_at);
+  partials = reinterpret_cast<double*>(base + partials_at);
+}
+
+// muon.h's steps 1 to 6 for every matrix of the group, with its scalars rounded as
+// MuonGroup::step rounds them.
+void CudaGptOptimizer::State::muon_step(const MuonPlan& plan, float* params, const float* grads,
+                                        const StepSchedule& schedule, cudaStream_t stream) {
+  const OptimizerGroup& group = groups[plan.group];
+  const cuda::MuonShape& x = plan.stack;
+  const auto mu = static_cast<float>(schedule.muon_momentum);
+  const auto lr = static_cast<float>(group.lr * muon_lr_scale(x.rows, x.cols));
+  const float decay =
+      lr * static_cast<float>(group.weight_decay * schedule.weight_decay_multiplier);
+  const auto beta2 = static_cast<float>(group.beta2);
+  float* momentum = state->get() + plan.momentum;
+  float* second_moment = state->get() + plan.second_moment;
+  const int64_t* matrix_offsets = offsets->get() + plan.first_offset;
+
+  cuda::muon_nesterov(update, momentum, grads, matrix_offsets, x, mu, stream);
+  cuda::muon_row_squares(lines, update, nullptr, x, stream);
+  cuda::muon_matrix_scalars(scalars, lines, x, cuda::MatrixScalar::MuonEqTarget, stream);
+  cuda::muon_equilibrate_rows(update, lines, scalars, x, stream);
+  cuda::muon_matrix_scalars(scalars, lines, x, cuda::MatrixScalar::PolarExpressDivisor, stream);
+  cuda::muon_divide(update, scalars, x, stream);
+  polar_express(plan, stream);
+  cuda::muon_row_squares(lines, update, nullptr, x, stream);
+  cuda::muon_matrix_scalars(factors, lines, x, cuda::MatrixScalar::MuonPlusFactor, stream);
+  if (x.rows >= x.cols) {
+    cuda::muon_row_squares(lines, update, factors, x, stream);
+  } else {
+    cuda::muon_column_squares(lines, update, factors, x, stream);
+  }
+  cuda::normuon_scales(scales, second_moment, lines, x, beta2, stream);
+  cuda::muon_cautious_update(params, matrix_offsets, update, factors, scales, x, lr, decay, stream);
+}
+
+// The iterations of muon.cpp's polar_express() on the whole stack: three batched GEMMs each
+// (bf16 results of fp32 sums) and the two combinations. All five steps, as GptOptimizer runs.
+void CudaGptOptimizer::State::polar_express(const MuonPlan& plan, cudaStream_t stream) {
+  using gemm::Bf16Form;
+  const int64_t rows = plan.stack.rows, cols = plan.stack.cols, side = plan.gram.rows;
+  const int64_t count = plan.stack.count, xs = plan.stack.stride, gs = plan.gram.stride;
+  const gemm::GemmOutput gram_out{.data = gram, .ld = side, .type = gemm::GemmType::BF16};
+  const gemm::GemmOutput squared_out{
+      .data = gram_squared, .ld = side, .type = gemm::GemmType::BF16};
+  const gemm::GemmOutput product_out{.data = product, .ld = cols, .type = gemm::GemmType::BF16};
+  const gemm::GemmBatch grams{.count = count, .stride_a = gs, .stride_b = gs, .stride_out = gs};
+  for (const auto& coefficients : kPolarExpressCoefficients) {
+    const auto a = static_cast<float>(coefficients[0]);
+    const auto b = static_cast<float>(coefficients[1]);
+    const auto c = static_cast<float>(coefficients[2]);
+    const gemm::GemmBatch of_stack{
+        .count = count, .stride_a = xs, .stride_b = xs, .stride_out = gs};
+    if (plan.tall) {  // A = XᵀX [cols, cols]
+      gemm.bf16_gemm(Bf16Form::DytX, rows, cols, cols, update, cols, update, cols, gram_out,
+                     of_stack, stream);
+    } else {  // A = X·Xᵀ [rows, rows]
+      gemm.bf16_gemm(Bf16Form::XWt, rows, rows, cols, update, cols, update, cols, gram_out,
+                     of_stack, stream);
+    }
+    gemm.bf16_gemm(Bf16Form::DyW, side, side, side, gram, side, gram, side, squared_out, grams,
+                   stream);
+    cuda::polar_express_combine(gram, gram_squared, b, c, plan.gram, stream);
+    if (plan.tall) {  // X·B
+      gemm.bf16_gemm(Bf16Form::DyW, rows, cols, cols, update, cols, gram, cols, product_out,
+                     {.count = count, .stride_a = xs, .stride_b = gs, .stride_out = xs}, stream);
+    } else {  // B·X
+      gemm.bf16_gemm(Bf16Form::DyW, rows, rows, cols, gram, rows, update, cols, product_out,
+                     {.count = count, .stride_a = gs, .stride_b = xs, .stride_out = xs}, stream);
+    }
+    cuda::polar_express_combine(update, product, a, 1.0f, plan.stack, stream);
+  }
+}
+
+std::vector<std::pair<NamedTensor, const StateSlice*>> CudaGptOptimizer::State::match(
+    GptOptimizer& host) const {
+  std::vector<std::pair<NamedTensor, const StateSlice*>> matched;
+  for (NamedTensor& buffer : host.state()) {
+    if (buffer.name == kStepCounterName) {
+      FP8T_CHECK(buffer.view.dtype() == DType::I64 && buffer.view.numel() == 1,
+                 "optimizer state: expected '{}' to be one I64", buffer.name);
+      matched.emplace_back(std::move(buffer), nullptr);
+      continue;
+    }
+    const auto found = slices.find(buffer.name);
+    FP8T_CHECK(found != slices.end(),
+               "optimizer state: the GPU optimizer has no buffer '{}' (a host optimizer of "
+               "another model?)",
+               buffer.name);
+    FP8T_CHECK(buffer.view.dtype() == DType::F32 && buffer.view.numel() == found->second.count,
+               "optimizer state: expected '{}' to be {} f32 values, found {} of {}", buffer.name,
+               found->second.count, buffer.view.numel(), dtype_name(buffer.view.dtype()));
+    matched.emplace_back(std::move(buffer), &found->second);
+  }
+  FP8T_CHECK(std::ssize(matched) == std::ssize(slices) + 1,
+             "optimizer state: expected {} buffers and the step counter, found {} buffers",
+             slices.size(), matched.size());
+  return matched;
+}
+
+CudaGptOptimizer::CudaGptOptimizer(const GptOptimizer& host, const DeviceParameterLayout& layout,
+                                   gemm::CublasLtGemm& gemm)
+    : state_(std::make_unique<State>(gemm, layout, host.groups())) {
+  FP8T_CHECK(layout.element_bytes == sizeof(float),
+             "expected a layout of fp32 parameters, found {}-byte elements", layout.element_bytes);
+  std::vector<cuda::AdamWChunk> chunk_table;
+  std::vector<int64_t> offset_table;
+  state_->plan(chunk_table, offset_table);
+  state_->chunks = upload_table(chunk_table);
+  state_->offsets = upload_table(offset_table);
+  state_->allocate_workspace();
+}
+
+CudaGptOptimizer::~CudaGptOptimizer() = default;
+
+void CudaGptOptimizer::step(float* params, const float* grads, const StepSchedule& schedule,
+                            cudaStream_t stream) {
+  State& s = *state_;
+  FP8T_CHECK(params != nullptr && grads != nullptr,
+             "expected device parameters and gradients, found null");
+  FP8T_CHECK(std::isfinite(schedule.lr_multiplier) && schedule.lr_multiplier >= 0,
+             "expected a finite lr multiplier >= 0, found {}", schedule.lr_multiplier);
+  FP8T_CHECK(s.muon.empty() || (schedule.muon_momentum >= 0 && schedule.muon_momentum <= 1),
+             "expected a Muon momentum in [0, 1], found {}", schedule.muon_momentum);
+
+  ++s.steps;  // as GptOptimizer: the first step's bias correction uses 1
+  cuda::AdamWStep adamw{};
+  for (size_t index = 0; index < s.groups.size(); ++index) {
+    OptimizerGroup& group = s.groups[index];
+    group.lr = group.initial_lr * schedule.lr_multiplier;
+    if (s.adamw_slot[index] >= 0) {
+      adamw.groups[s.adamw_slot[index]] = adamw_scalars(group, s.steps);
+    }
+  }
+  cuda::adamw_multi_tensor(params, grads, s.exp_avg(), s.exp_avg_sq(), s.chunks->get(),
+                           s.chunk_count, adamw, stream);
+  for (const MuonPlan& plan : s.muon) {
+    s.muon_step(plan, params, grads, schedule, stream);
+    s.groups[plan.group].lr *= muon_lr_scale(plan.stack.rows, plan.stack.cols);
+  }
+}
+
+void CudaGptOptimizer::global_norm(const float* grads, int64_t count, float* norm_out,
+                                   cudaStream_t stream) {
+  cuda::sum_of_squares_norm(norm_out, grads, count, state_->partials, stream);
+}
+
+void CudaGptOptimizer::clip(float* grads, int64_t count, const float* norm, float max_norm,
+                            cudaStream_t stream) {
+  cuda::clip_by_norm(grads, count, norm, max_norm, stream);
+}
+
+void CudaGptOptimizer::download_state(GptOptimizer& host) const {
+  const auto matched = state_->match(host);
+  FP8T_CUDA_CHECK(cudaDeviceSynchronize());
+  for (const auto& [buffer, slice] : matched) {
+    if (slice == nullptr) {
+      *buffer.view.data<int64_t>() = state_->steps;
+      continue;
+    }
+    FP8T_CUDA_CHECK(cudaMemcpy(buffer.view.raw(), state_->state->get() + slice->offset,
+                               buffer.view.bytes(), cudaMemcpyDeviceToHost));
+  }
+}
+
+void CudaGptOptimizer::upload_state(GptOptimizer& host) {
+  const auto matched = state_->match(host);
+  int64_t steps = 0;
+  for (const auto& [buffer, slice] : matched) {
+    if (slice != nullptr) continue;
+    steps = *buffer.view.data<int64_t>();
+    FP8T_CHECK(steps >= 0, "optimizer state: '{}' must be >= 0, found {}", buffer.name, steps);
+  }
+  FP8T_CUDA_CHECK(cudaDeviceSynchronize());
+  state_->steps = steps;
+  for (const auto& [buffer, slice] : matched) {
+    if (slice == nullptr) continue;
+    FP8T_CUDA_CHECK(cudaMemcpy(state_->state->get() + slice->offset, buffer.view.raw(),
+                               buffer.view.bytes(), cudaMemcpyHostToDevice));
+  }
+}
+
+size_t CudaGptOptimizer::device_state_bytes() const {
+  return state_->state->bytes();
+}
+
+size_t CudaGptOptimizer::device_workspace_bytes() const {
+  return state_->workspace->bytes() + state_->chunks->bytes() + state_->offsets->bytes();
+}
+
+int64_t CudaGptOptimizer::steps_taken() const {
+  return state_->steps;
+}
+
+const std::vector<OptimizerGroup>& CudaGptOptimizer::groups() const {
+  return state_->groups;
+}
+
+}  // namespace fp8t::optim
+
+#endif  // FP8TRAIN_WITH_CUDA

@@ -1,0 +1,437 @@
+// Kernels of the GPT's GPU optimizer (gpu_optimizer.h): AdamW over many tensors at once, the
+// elementwise and reduction steps of Muon around its batched GEMMs, the gradient norm and the
+// clipping. The fp32 arithmetic is written with the _rn intrinsics, which nvcc never contracts
+// into FMAs: every value rounds where the CPU reference (built without contraction) rounds it,
+// so AdamW matches adamw_step bit for bit and Muon differs only through its GEMMs' sums.
+// Sums of squares accumulate in double (products of two floats are exact in double) and are
+// reduced in a fixed order.
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+#include "ops/cuda/ops_cuda.h"
+#include "optim/cuda/gpu_optimizer.h"
+
+namespace fp8t::optim::cuda {
+namespace {
+
+namespace device = ops::cuda::device;
+
+constexpr int kThreads = 256;      // elementwise passes and per-matrix reductions
+constexpr int kLineThreads = 128;  // one block per row, or one thread per column
+constexpr int kBlocksPerSm = 8;
+constexpr int64_t kMaxMatrices = 65535;  // the grid's y dimension
+// Elements a block of the norm's first pass takes at least, before the grid reaches
+// kNormPartials blocks: the grid depends only on the element count, never on the GPU.
+constexpr int64_t kNormBlockElements = int64_t{kThreads} * 16;
+
+// torch.lerp in its two forms, as muon.cpp computes it.
+__device__ inline float torch_lerp(float start, float end, float weight) {
+  const float difference = __fsub_rn(end, start);
+  return fabsf(weight) < 0.5f ? __fadd_rn(start, __fmul_rn(weight, difference))
+                              : __fsub_rn(end, __fmul_rn(difference, __fsub_rn(1.0f, weight)));
+}
+
+// The value a bf16 tensor would hold.
+__device__ inline float round_bf16(float value) {
+  return device::to_f32(device::to_bf16(value));
+}
+
+// ---- AdamW ----
+
+__global__ void __launch_bounds__(kThreads)
+    adamw_kernel(float* params, const float* grads, float* exp_avg, float* exp_avg_sq,
+                 const AdamWChunk* chunks, AdamWStep step) {
+  const AdamWChunk chunk = chunks[blockIdx.x];
+  const AdamWScalars h = step.groups[chunk.group];
+  float* param = params + chunk.param;
+  const float* grad = grads + chunk.param;
+  float* m = exp_avg + chunk.state;
+  float* v = exp_avg_sq + chunk.state;
+  for (int i = threadIdx.x; i < chunk.count; i += kThreads) {
+    const float g = grad[i];
+    const float m_new = __fadd_rn(m[i], __fmul_rn(h.weight1, __fsub_rn(g, m[i])));
+    const float v_new = __fadd_rn(v[i], __fmul_rn(h.weight2, __fsub_rn(__fmul_rn(g, g), v[i])));
+    m[i] = m_new;
+    v[i] = v_new;
+    const float denominator = __fadd_rn(__fsqrt_rn(__fmul_rn(v_new, h.inv_bias2)), h.eps);
+    param[i] = __fsub_rn(__fmul_rn(param[i], h.decay),
+                         __fmul_rn(h.step_size, __fdiv_rn(m_new, denominator)));
+  }
+}
+
+// ---- Muon ----
+
+// Elementwise passes over `elements` of each matrix: blockIdx.y is the matrix, the x blocks
+// stride over its elements.
+dim3 matrix_grid(int64_t elements, int64_t count) {
+  const int64_t blocks = (elements + kThreads - 1) / kThreads;
+  const int64_t total = device::grid_size(blocks * count, kBlocksPerSm);
+  const int64_t per_matrix = std::max<int64_t>(1, std::min(blocks, total / count));
+  return dim3(static_cast<unsigned>(per_matrix), static_cast<unsigned>(count));
+}
+
+__device__ inline int64_t first_element() {
+  return int64_t(blockIdx.x) * kThreads + threadIdx.x;
+}
+__device__ inline int64_t element_stride() {
+  return int64_t(gridDim.x) * kThreads;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    nesterov_kernel(bf16* update, float* momentum, const float* grads, const int64_t* offsets,
+                    MuonShape shape, float mu, float momentum_weight) {
+  const int64_t matrix = blockIdx.y;
+  const int64_t elements = shape.rows * shape.cols;
+  const float* grad = grads + offsets[matrix];
+  float* buffer = momentum + matrix * elements;
+  bf16* out = update + matrix * shape.stride;
+  for (int64_t i = first_element(); i < elements; i += element_stride()) {
+    const float g = grad[i];
+    const float m = torch_lerp(buffer[i], g, momentum_weight);
+    buffer[i] = m;
+    out[i] = device::to_bf16(torch_lerp(g, m, mu));
+  }
+}
+
+__device__ inline float factor_of(const float* matrix_factors, int64_t matrix) {
+  return matrix_factors != nullptr ? matrix_factors[matrix] : 1.0f;
+}
+
+// Grid (rows, count): one block per row.
+__global__ void __launch_bounds__(kLineThreads)
+    row_squares_kernel(double* row_squares, const bf16* x, const float* matrix_factors,
+                       MuonShape shape) {
+  const int64_t matrix = blockIdx.y, row = blockIdx.x;
+  const bf16* line = x + matrix * shape.stride + row * shape.cols;
+  const float factor = factor_of(matrix_factors, matrix);
+  double sum = 0.0;
+  for (int64_t c = threadIdx.x; c < shape.cols; c += kLineThreads) {
+    const float value = __fmul_rn(device::to_f32(line[c]), factor);
+    sum += double(value) * double(value);
+  }
+  sum = device::block_sum<kLineThreads>(sum);
+  if (threadIdx.x == 0) row_squares[matrix * shape.rows + row] = sum;
+}
+
+// Grid (column blocks, count): one thread per column, reading whole rows at a time.
+__global__ void __launch_bounds__(kLineThreads)
+    column_squares_kernel(double* column_squares, const bf16* x, const float* matrix_factors,
+                          MuonShape shape) {
+  const int64_t matrix = blockIdx.y;
+  const int64_t column = int64_t(blockIdx.x) * kLineThreads + threadIdx.x;
+  if (column >= shape.cols) return;
+  const bf16* values = x + matrix * shape.stride + column;
+  const float factor = factor_of(matrix_factors, matrix);
+  double sum = 0.0;
+  for (int64_t r = 0; r < shape.rows; ++r) {
+    const float value = __fmul_rn(device::to_f32(values[r * shape.cols]), factor);
+    sum += double(value) * double(value);
+  }
+  column_squares[matrix * shape.cols + column] = sum;
+}
+
+// Grid (count): one block per matrix.
+__global__ void __launch_bounds__(kThreads)
+    matrix_scalars_kernel(float* scalars, const double* row_squares, MuonShape shape,
+                          MatrixScalar kind) {
+  const int64_t matrix = blockIdx.x;
+  double sum = 0.0;
+  for (int64_t r = threadIdx.x; r < shape.rows; r += kThreads)
+    sum += row_squares[matrix * shape.rows + r];
+  sum = device::block_sum<kThreads>(sum);
+  if (threadIdx.x != 0) return;
+  const auto norm = static_cast<float>(sqrt(sum));  // frobenius_norm: double, then fp32
+  switch (kind) {
+    case MatrixScalar::MuonEqTarget:
+      scalars[matrix] = __fdiv_rn(norm, static_cast<float>(sqrt(double(shape.rows))));
+      break;
+    case MatrixScalar::PolarExpressDivisor:
+      scalars[matrix] =
+          round_bf16(__fadd_rn(round_bf16(__fmul_rn(round_bf16(norm), 1.01f)), 1e-6f));
+      break;
+    case MatrixScalar::MuonPlusFactor: {
+      const auto target = static_cast<float>(sqrt(double(std::min(shape.rows, shape.cols))));
+      scalars[matrix] = __fmul_rn(__fdiv_rn(1.0f, fmaxf(norm, 1e-6f)), target);
+      break;
+    }
+  }
+}
+
+// Grid (rows, count): one block per row.
+__global__ void __launch_bounds__(kLineThreads)
+    equilibrate_rows_kernel(bf16* x, double* row_squares, const float* targets, MuonShape shape) {
+  const int64_t matrix = blockIdx.y, row = blockIdx.x;
+  const int64_t index = matrix * shape.rows + row;
+  const float row_norm = fmaxf(static_cast<float>(sqrt(row_squares[index])), 1e-6f);
+  const float scale = round_bf16(__fdiv_rn(targets[matrix], row_norm));
+  bf16* line = x + matrix * shape.stride + row * shape.cols;
+  double sum = 0.0;
+  for (int64_t c = threadIdx.x; c < shape.cols; c += kLineThreads) {
+    const float value = round_bf16(__fmul_rn(device::to_f32(line[c]), scale));
+    line[c] = device::to_bf16(value);
+    sum += double(value) * double(value);
+  }
+  sum = device::block_sum<kLineThreads>(sum);  // every thread has read row_squares[index]
+  if (threadIdx.x == 0) row_squares[index] = sum;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    divide_kernel(bf16* x, const float* divisors, MuonShape shape) {
+  const int64_t matrix = blockIdx.y;
+  const int64_t elements = shape.rows * shape.cols;
+  const float divisor = divisors[matrix];
+  bf16* values = x + matrix * shape.stride;
+  for (int64_t i = first_element(); i < elements; i += element_stride())
+    values[i] = device::to_bf16(__fdiv_rn(device::to_f32(values[i]), divisor));
+}
+
+__global__ void __launch_bounds__(kThreads)
+    combine_kernel(bf16* x, const bf16* y, float alpha, float beta, MuonShape shape) {
+  const int64_t matrix = blockIdx.y;
+  const int64_t elements = shape.rows * shape.cols;
+  bf16* xs = x + matrix * shape.stride;
+  const bf16* ys = y + matrix * shape.stride;
+  for (int64_t i = first_element(); i < elements; i += element_stride()) {
+    const float scaled_x = round_bf16(__fmul_rn(alpha, device::to_f32(xs[i])));
+    const float scaled_y = round_bf16(__fmul_rn(beta, device::to_f32(ys[i])));
+    xs[i] = device::to_bf16(__fadd_rn(scaled_x, scaled_y));
+  }
+}
+
+// Grid (count): one block per matrix, as muon.cpp's normuon() for one matrix. Each thread
+// rescales the lines it computed, so the only synchronization is inside block_sum.
+__global__ void __launch_bounds__(kThreads)
+    normuon_scales_kernel(float* scales, float* second_moment, const double* line_squares,
+                          MuonShape shape, float beta2) {
+  const int64_t matrix = blockIdx.x;
+  const bool per_row = shape.rows >= shape.cols;
+  const int64_t kept = per_row ? shape.rows : shape.cols;
+  const int64_t reduced = per_row ? shape.cols : shape.rows;
+  const auto reduced_size = static_cast<float>(reduced);
+  const float weight = __fsub_rn(1.0f, beta2);
+  const double* sums = line_squares + matrix * kept;
+  float* moments = second_moment + matrix * kept;
+  float* line_scales = scales + matrix * kept;
+  double mean_square_sum = 0.0, scaled_square_sum = 0.0;
+  for (int64_t i = threadIdx.x; i < kept; i += kThreads) {
+    const auto mean_square = static_cast<float>(sums[i] / double(reduced));
+    mean_square_sum += mean_square;
+    const float moment = torch_lerp(moments[i], mean_square, weight);
+    moments[i] = moment;
+    const float scale = __fdiv_rn(1.0f, __fsqrt_rn(fmaxf(moment, 1e-10f)));
+    line_scales[i] = scale;
+    scaled_square_sum += __fmul_rn(__fmul_rn(mean_square, reduced_size), __fmul_rn(scale, scale));
+  }
+  mean_square_sum = device::block_sum<kThreads>(mean_square_sum);
+  scaled_square_sum = device::block_sum<kThreads>(scaled_square_sum);
+  // Rescaled lines keep the norm the update had before.
+  const float norm = __fsqrt_rn(__fmul_rn(static_cast<float>(mean_square_sum), reduced_size));
+  const float new_norm = __fsqrt_rn(static_cast<float>(scaled_square_sum));
+  const float restore = __fdiv_rn(norm, fmaxf(new_norm, 1e-10f));
+  for (int64_t i = threadIdx.x; i < kept; i += kThreads)
+    line_scales[i] = __fmul_rn(line_scales[i], restore);
+}
+
+__global__ void __launch_bounds__(kThreads)
+    cautious_update_kernel(float* params, const int64_t* offsets, const bf16* x,
+                           const float* matrix_factors, const float* scales, MuonShape shape,
+                           float lr, float decay) {
+  const int64_t matrix = blockIdx.y;
+  const int64_t elements = shape.rows * shape.cols;
+  const bool per_row = shape.rows >= shape.cols;
+  const float factor = matrix_factors[matrix];
+  const float* line_scales = scales + matrix * std::max(shape.rows, shape.cols);
+  const bf16* updates = x + matrix * shape.stride;
+  float* param = params + offsets[matrix];
+  // 32-bit division (cheaper): check_shape keeps a matrix below 2^31 elements.
+  const auto cols = static_cast<int32_t>(shape.cols);
+  for (int64_t i = first_element(); i < elements; i += element_stride()) {
+    const int32_t row = static_cast<int32_t>(i) / cols;
+    const float scale = line_scales[per_row ? row : static_cast<int32_t>(i) - row * cols];
+    const float update = __fmul_rn(__fmul_rn(device::to_f32(updates[i]), factor), scale);
+    const float p = param[i];
+    const float weight_decay = __fmul_rn(update, p) >= 0.0f ? __fmul_rn(decay, p) : 0.0f;
+    param[i] = __fsub_rn(p, __fadd_rn(__fmul_rn(lr, update), weight_decay));
+  }
+}
+
+// ---- Gradient norm and clipping ----
+
+__global__ void __launch_bounds__(kThreads)
+    sum_of_squares_kernel(double* partials, const float* values, int64_t count) {
+  double sum = 0.0;
+  for (int64_t i = first_element(); i < count; i += element_stride())
+    sum += double(values[i]) * double(values[i]);
+  sum = device::block_sum<kThreads>(sum);
+  if (threadIdx.x == 0) partials[blockIdx.x] = sum;
+}
+
+__global__ void __launch_bounds__(kThreads)
+    finish_norm_kernel(float* norm, const double* partials, int blocks) {
+  double sum = 0.0;
+  for (int i = threadIdx.x; i < blocks; i += kThreads)
+    sum += partials[i];
+  sum = device::block_sum<kThreads>(sum);
+  if (threadIdx.x == 0) *norm = static_cast<float>(sqrt(sum));
+}
+
+__global__ void __launch_bounds__(kThreads)
+    clip_kernel(float* values, int64_t count, const float* norm, float max_norm) {
+  const double total = *norm;
+  if (!isfinite(total) || total <= double(max_norm)) return;
+  const auto factor = static_cast<float>(double(max_norm) / (total + 1e-6));
+  for (int64_t i = first_element(); i < count; i += element_stride())
+    values[i] = __fmul_rn(values[i], factor);
+}
+
+// ---- Argument checks ----
+
+void check_pointers(std::initializer_list<const void*> pointers, const char* what) {
+  for (const void* pointer : pointers)
+    FP8T_CHECK(pointer != nullptr, "{}: expected device pointers, found null", what);
+}
+
+void check_shape(const MuonShape& shape, const char* what) {
+  FP8T_CHECK(shape.count >= 1 && shape.count <= kMaxMatrices,
+             "{}: expected 1 to {} matrices, found {}", what, kMaxMatrices, shape.count);
+  FP8T_CHECK(shape.rows >= 1 && shape.cols >= 1 && shape.rows * shape.cols <= INT32_MAX,
+             "{}: expected a non-empty matrix of fewer than 2^31 elements, found [{}, {}]", what,
+             shape.rows, shape.cols);
+  FP8T_CHECK(shape.stride >= shape.rows * shape.cols,
+             "{}: expected a stride >= rows x cols = {}, found {}", what, shape.rows * shape.cols,
+             shape.stride);
+}
+
+}  // namespace
+
+void adamw_multi_tensor(float* params, const float* grads, float* exp_avg, float* exp_avg_sq,
+                        const AdamWChunk* chunks, int64_t chunk_count, const AdamWStep& step,
+                        cudaStream_t stream) {
+  FP8T_CHECK(chunk_count >= 0 && chunk_count <= INT32_MAX,
+             "adamw_multi_tensor: expected 0 to 2^31 - 1 chunks, found {}", chunk_count);
+  if (chunk_count == 0) return;
+  check_pointers({params, grads, exp_avg, exp_avg_sq, chunks}, "adamw_multi_tensor");
+  adamw_kernel<<<static_cast<unsigned>(chunk_count), kThreads, 0, stream>>>(
+      params, grads, exp_avg, exp_avg_sq, chunks, step);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void muon_nesterov(bf16* update, float* momentum, const float* grads, const int64_t* offsets,
+                   const MuonShape& shape, float mu, cudaStream_t stream) {
+  check_shape(shape, "muon_nesterov");
+  check_pointers({update, momentum, grads, offsets}, "muon_nesterov");
+  FP8T_CHECK(mu >= 0.0f && mu <= 1.0f, "muon_nesterov: expected a momentum in [0, 1], found {}",
+             mu);
+  nesterov_kernel<<<matrix_grid(shape.rows * shape.cols, shape.count), kThreads, 0, stream>>>(
+      update, momentum, grads, offsets, shape, mu, 1.0f - mu);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void muon_row_squares(double* row_squares, const bf16* x, const float* matrix_factors,
+                      const MuonShape& shape, cudaStream_t stream) {
+  check_shape(shape, "muon_row_squares");
+  check_pointers({row_squares, x}, "muon_row_squares");
+  const dim3 grid(static_cast<unsigned>(shape.rows), static_cast<unsigned>(shape.count));
+  row_squares_kernel<<<grid, kLineThreads, 0, stream>>>(row_squares, x, matrix_factors, shape);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void muon_column_squares(double* column_squares, const bf16* x, const float* matrix_factors,
+                         const MuonShape& shape, cudaStream_t stream) {
+  check_shape(shape, "muon_column_squares");
+  check_pointers({column_squares, x}, "muon_column_squares");
+  const dim3 grid(static_cast<unsigned>((shape.cols + kLineThreads - 1) / kLineThreads),
+                  static_cast<unsigned>(shape.count));
+  column_squares_kernel<<<grid, kLineThreads, 0, stream>>>(column_squares, x, matrix_factors,
+                                                           shape);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void muon_matrix_scalars(float* scalars, const double* row_squares, const MuonShape& shape,
+                         MatrixScalar kind, cudaStream_t stream) {
+  check_shape(shape, "muon_matrix_scalars");
+  check_pointers({scalars, row_squares}, "muon_matrix_scalars");
+  matrix_scalars_kernel<<<static_cast<unsigned>(shape.count), kThreads, 0, stream>>>(
+      scalars, row_squares, shape, kind);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void muon_equilibrate_rows(bf16* x, double* row_squares, const float* targets,
+                           const MuonShape& shape, cudaStream_t stream) {
+  check_shape(shape, "muon_equilibrate_rows");
+  check_pointers({x, row_squares, targets}, "muon_equilibrate_rows");
+  const dim3 grid(static_cast<unsigned>(shape.rows), static_cast<unsigned>(shape.count));
+  equilibrate_rows_kernel<<<grid, kLineThreads, 0, stream>>>(x, row_squares, targets, shape);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void muon_divide(bf16* x, const float* divisors, const MuonShape& shape, cudaStream_t stream) {
+  check_shape(shape, "muon_divide");
+  check_pointers({x, divisors}, "muon_divide");
+  divide_kernel<<<matrix_grid(shape.rows * shape.cols, shape.count), kThreads, 0, stream>>>(
+      x, divisors, shape);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void polar_express_combine(bf16* x, const bf16* y, float alpha, float beta, const MuonShape& shape,
+                           cudaStream_t stream) {
+  check_shape(shape, "polar_express_combine");
+  check_pointers({x, y}, "polar_express_combine");
+  combine_kernel<<<matrix_grid(shape.rows * shape.cols, shape.count), kThreads, 0, stream>>>(
+      x, y, alpha, beta, shape);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void normuon_scales(float* scales, float* second_moment, const double* line_squares,
+                    const MuonShape& shape, float beta2, cudaStream_t stream) {
+  check_shape(shape, "normuon_scales");
+  check_pointers({scales, second_moment, line_squares}, "normuon_scales");
+  FP8T_CHECK(beta2 >= 0.0f && beta2 < 1.0f, "normuon_scales: expected beta2 in [0, 1), found {}",
+             beta2);
+  normuon_scales_kernel<<<static_cast<unsigned>(shape.count), kThreads, 0, stream>>>(
+      scales, second_moment, line_squares, shape, beta2);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void muon_cautious_update(float* params, const int64_t* offsets, const bf16* x,
+                          const float* matrix_factors, const float* scales, const MuonShape& shape,
+                          float lr, float decay, cudaStream_t stream) {
+  check_shape(shape, "muon_cautious_update");
+  check_pointers({params, offsets, x, matrix_factors, scales}, "muon_cautious_update");
+  cautious_update_kernel<<<matrix_grid(shape.rows * shape.cols, shape.count), kThreads, 0,
+                           stream>>>(params, offsets, x, matrix_factors, scales, shape, lr, decay);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void sum_of_squares_norm(float* norm, const float* values, int64_t count, double* partials,
+                         cudaStream_t stream) {
+  FP8T_CHECK(count >= 0, "sum_of_squares_norm: expected count >= 0, found {}", count);
+  check_pointers({norm, partials}, "sum_of_squares_norm");
+  FP8T_CHECK(count == 0 || values != nullptr, "sum_of_squares_norm: null values for {} elements",
+             count);
+  const auto blocks = static_cast<int>(
+      std::clamp<int64_t>((count + kNormBlockElements - 1) / kNormBlockElements, 1, kNormPartials));
+  sum_of_squares_kernel<<<blocks, kThreads, 0, stream>>>(partials, values, count);
+  FP8T_CUDA_CHECK_LAUNCH();
+  finish_norm_kernel<<<1, kThreads, 0, stream>>>(norm, partials, blocks);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void clip_by_norm(float* values, int64_t count, const float* norm, float max_norm,
+                  cudaStream_t stream) {
+  FP8T_CHECK(count >= 0, "clip_by_norm: expected count >= 0, found {}", count);
+  FP8T_CHECK(max_norm > 0.0f, "clip_by_norm: expected a positive clip norm, found {}", max_norm);
+  check_pointers({norm}, "clip_by_norm");
+  if (count == 0) return;
+  check_pointers({values}, "clip_by_norm");
+  const int64_t blocks = (count + kThreads - 1) / kThreads;
+  clip_kernel<<<device::grid_size(blocks, kBlocksPerSm), kThreads, 0, stream>>>(values, count, norm,
+                                                                                max_norm);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace fp8t::optim::cuda

@@ -1,0 +1,112 @@
+// The CPU path of the training loop: GptModel and GptOptimizer in host memory.
+#include <cmath>
+#include <memory>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "optim/clip.h"
+#include "train/run_log.h"
+#include "train/training_engine.h"
+
+namespace fp8t::train {
+
+namespace {
+
+class CpuEngine final : public TrainingEngine {
+ public:
+  explicit CpuEngine(const EngineSetup& setup)
+      : plan_(plan_gpt_memory(setup.model, setup.batch, setup.seq)),
+        model_((check_memory_fits(plan_), setup.model), setup.batch, setup.seq, setup.precision),
+        optimizer_(setup.model, setup.optimizer, setup.tokens_per_step) {
+    for (const ParamSpec& spec : model_.gradients().specs()) {
+      TensorView& view = model_.gradients()[spec.name];
+      gradient_spans_.push_back({view.data<float>(), view.numel()});
+    }
+  }
+
+  std::string device_name() const override { return "cpu"; }
+
+  std::string memory_plan() const override {
+    return fmt::format("{} (parameters {}, gradients {}, optimizer {}, activations {})",
+                       format_bytes(double(plan_.total())), format_bytes(double(plan_.parameters)),
+                       format_bytes(double(plan_.gradients)),
+                       format_bytes(double(optimizer_.state_bytes())),
+                       format_bytes(double(plan_.activations)));
+  }
+  double peak_memory_bytes() const override { return peak_resident_memory_bytes(); }
+  const std::vector<LinearPrecision>& linear_precision() const override {
+    return model_.linear_precision();
+  }
+
+  StepResult train_step(data::TokenLoader& loader, int64_t accumulation, double clip_grad,
+                        const optim::StepSchedule& schedule) override {
+    model_.zero_gradients();
+    StepResult result;
+    for (int64_t micro = 0; micro < accumulation; ++micro) {
+      const data::TokenBatch batch = loader.next_batch();
+      result.loss += model_.forward(batch.inputs.data(), batch.targets.data());
+      model_.backward();
+    }
+    result.loss /= double(accumulation);
+    if (accumulation > 1) {  // the gradient of the mean over micro-batches
+      const float inverse = 1.0f / float(accumulation);
+      for (const optim::GradientSpan& span : gradient_spans_)
+        for (int64_t i = 0; i < span.count; ++i)
+          span.data[i] *= inverse;
+    }
+    result.grad_norm = clip_grad > 0.0 ? optim::clip_gradients(gradient_spans_, clip_grad)
+                                       : optim::global_norm(gradient_spans_);
+    if (std::isfinite(result.grad_norm)) {
+      optimizer_.step(model_.parameters(), model_.gradients(), schedule);
+      model_.end_step();
+    }
+    return result;
+  }
+
+  double evaluation_loss(const data::TokenBatch& batch) override {
+    model_.set_training(false);
+    const double loss = model_.forward(batch.inputs.data(), batch.targets.data());
+    model_.set_training(true);
+    return loss;
+  }
+
+  const std::vector<optim::OptimizerGroup>& optimizer_groups() const override {
+    return optimizer_.groups();
+  }
+  ParameterSet& host_parameters() override { return model_.parameters(); }
+  optim::GptOptimizer& host_optimizer() override { return optimizer_; }
+  std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() override {
+    return model_.delayed_scalings();
+  }
+  void to_host() override {}
+  void from_host() override { model_.weights_changed(); }
+
+ private:
+  // Fails before allocating when the plan cannot fit in the memory the system has available.
+  static void check_memory_fits(const GptMemoryPlan& plan) {
+    const double available = available_memory_bytes();
+    if (available > 0.0 && double(plan.total()) > available) {
+      throw ConfigError(fmt::format(
+          "the CPU path needs {} for this model and batch (parameters {}, gradients {}, "
+          "optimizer {}, activations {}) but {} is available; lower micro_batch_size, "
+          "sequence_len or depth",
+          format_bytes(double(plan.total())), format_bytes(double(plan.parameters)),
+          format_bytes(double(plan.gradients)), format_bytes(double(plan.optimizer_state)),
+          format_bytes(double(plan.activations)), format_bytes(available)));
+    }
+  }
+
+  GptMemoryPlan plan_;
+  GptModel model_;
+  optim::GptOptimizer optimizer_;
+  std::vector<optim::GradientSpan> gradient_spans_;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainingEngine> make_cpu_engine(const EngineSetup& setup) {
+  return std::make_unique<CpuEngine>(setup);
+}
+
+}  // namespace fp8t::train

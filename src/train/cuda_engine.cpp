@@ -1,0 +1,218 @@
+// The GPU path of the training loop: CudaGptModel and CudaGptOptimizer on one stream, with host
+// mirrors of the parameters and the optimizer state for checkpoints and sampling.
+#include <cmath>
+#include <memory>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "platform/device_info.h"
+#include "train/run_log.h"
+#include "train/training_engine.h"
+
+#if FP8TRAIN_WITH_CUDA
+#include <cuda_runtime_api.h>
+
+#include "core/cuda_check.h"
+#include "models/cuda/gpt_model_cuda.h"
+#include "ops/cuda/gpt_gates.h"
+#include "optim/cuda/gpu_optimizer.h"
+#endif
+
+namespace fp8t::train {
+
+bool use_cuda(DeviceChoice device) {
+  switch (device) {
+    case DeviceChoice::Cpu:
+      return false;
+    case DeviceChoice::Cuda:
+      return true;
+    case DeviceChoice::Auto:
+      return !query_gpus().empty();
+  }
+  return false;
+}
+
+#if FP8TRAIN_WITH_CUDA
+
+namespace {
+
+// Device memory in use (the CUDA context and the libraries' workspaces included).
+double device_memory_in_use() {
+  size_t free = 0, total = 0;
+  FP8T_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  return double(total - free);
+}
+
+class CudaStream {
+ public:
+  CudaStream() { FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
+  ~CudaStream() { cudaStreamDestroy(stream_); }
+  CudaStream(const CudaStream&) = delete;
+  CudaStream& operator=(const CudaStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+// A few floats the device writes and the host reads after a synchronization.
+class PinnedFloats {
+ public:
+  explicit PinnedFloats(size_t count) {
+    FP8T_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data_), count * sizeof(float)));
+  }
+  ~PinnedFloats() { cudaFreeHost(data_); }
+  PinnedFloats(const PinnedFloats&) = delete;
+  PinnedFloats& operator=(const PinnedFloats&) = delete;
+  float* data() const { return data_; }
+
+ private:
+  float* data_ = nullptr;
+};
+
+class CudaEngine final : public TrainingEngine {
+ public:
+  explicit CudaEngine(const EngineSetup& setup)
+      : gpu_(query_gpus().at(0)),
+        model_(setup.model, setup.batch, setup.seq, setup.precision, stream_.get()),
+        host_arena_("parameters (host mirror)",
+                    ParameterSet::planned_bytes(setup.model, DType::F32)),
+        host_parameters_(host_arena_, setup.model, DType::F32),
+        host_optimizer_(setup.model, setup.optimizer, setup.tokens_per_step),
+        optimizer_(host_optimizer_, model_.layout(), model_.gemm()),
+        norm_host_(1),
+        losses_host_(kMaxLossesPerRead) {
+    FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));
+    peak_memory_ = device_memory_in_use();
+  }
+  ~CudaEngine() override { cudaFree(norm_); }
+
+  std::string device_name() const override {
+    return fmt::format("cuda ({}, {}, {:.0f} GiB)", gpu_.name, gpu_.architecture(),
+                       double(gpu_.memory_bytes) / double(1 << 30));
+  }
+
+  std::string memory_plan() const override {
+    const CudaGptMemory& memory = model_.memory();
+    const size_t optimizer = optimizer_.device_state_bytes() + optimizer_.device_workspace_bytes();
+    return fmt::format(
+        "{} on the GPU (parameters {}, gradients {}, optimizer {}, activations {}, workspace {}, "
+        "linear copies {})",
+        format_bytes(double(memory.total() + optimizer)), format_bytes(double(memory.parameters)),
+        format_bytes(double(memory.gradients)), format_bytes(double(optimizer)),
+        format_bytes(double(memory.activations)), format_bytes(double(memory.workspace)),
+        format_bytes(double(memory.linear_copies)));
+  }
+  double peak_memory_bytes() const override { return peak_memory_; }
+  const std::vector<LinearPrecision>& linear_precision() const override {
+    return model_.linear_precision();
+  }
+
+  StepResult train_step(data::TokenLoader& loader, int64_t accumulation, double clip_grad,
+                        const optim::StepSchedule& schedule) override {
+    cudaStream_t stream = stream_.get();
+    model_.zero_gradients();
+    StepResult result;
+    int64_t pending = 0;  // losses copied to the host but not yet summed
+    for (int64_t micro = 0; micro < accumulation; ++micro) {
+      const data::TokenBatch batch = loader.next_batch();
+      model_.forward(batch.inputs.data(), batch.targets.data(), true);
+      FP8T_CUDA_CHECK(cudaMemcpyAsync(losses_host_.data() + pending, model_.loss_device(),
+                                      sizeof(float), cudaMemcpyDeviceToHost, stream));
+      model_.backward();
+      if (++pending == kMaxLossesPerRead) {
+        result.loss += sum_losses(pending);
+        pending = 0;
+      }
+    }
+    float* gradients = model_.gradients();
+    const int64_t count = model_.layout().total_elements;
+    if (accumulation > 1) {
+      ops::cuda::scale_f32(gradients, 1.0f / float(accumulation), count, stream);
+    }
+    optimizer_.global_norm(gradients, count, norm_, stream);
+    if (clip_grad > 0.0) optimizer_.clip(gradients, count, norm_, float(clip_grad), stream);
+    FP8T_CUDA_CHECK(
+        cudaMemcpyAsync(norm_host_.data(), norm_, sizeof(float), cudaMemcpyDeviceToHost, stream));
+    result.loss += sum_losses(pending);  // synchronizes: the norm has arrived too
+    result.loss /= double(accumulation);
+    result.grad_norm = norm_host_.data()[0];
+    if (std::isfinite(result.grad_norm)) {
+      optimizer_.step(model_.parameters(), gradients, schedule, stream);
+      model_.end_step();
+    }
+    peak_memory_ = std::max(peak_memory_, device_memory_in_use());
+    return result;
+  }
+
+  double evaluation_loss(const data::TokenBatch& batch) override {
+    model_.set_training(false);
+    model_.forward(batch.inputs.data(), batch.targets.data(), false);
+    const double loss = model_.loss_value();
+    model_.set_training(true);
+    return loss;
+  }
+
+  const std::vector<optim::OptimizerGroup>& optimizer_groups() const override {
+    return optimizer_.groups();
+  }
+  ParameterSet& host_parameters() override { return host_parameters_; }
+  optim::GptOptimizer& host_optimizer() override { return host_optimizer_; }
+  std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() override {
+    return model_.delayed_scalings();
+  }
+  void to_host() override {
+    model_.download_parameters(host_parameters_);
+    optimizer_.download_state(host_optimizer_);
+  }
+  void from_host() override {
+    model_.upload_parameters(host_parameters_);
+    optimizer_.upload_state(host_optimizer_);
+    model_.scalings_changed();
+  }
+
+ private:
+  static constexpr int64_t kMaxLossesPerRead = 64;
+
+  double sum_losses(int64_t count) {
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_.get()));
+    double sum = 0.0;
+    for (int64_t i = 0; i < count; ++i)
+      sum += losses_host_.data()[i];
+    return sum;
+  }
+
+  GpuInfo gpu_;
+  CudaStream stream_;
+  CudaGptModel model_;
+  Arena host_arena_;
+  ParameterSet host_parameters_;
+  optim::GptOptimizer host_optimizer_;
+  optim::CudaGptOptimizer optimizer_;
+  float* norm_ = nullptr;
+  PinnedFloats norm_host_;
+  PinnedFloats losses_host_;
+  double peak_memory_ = 0.0;
+};
+
+}  // namespace
+
+std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
+  if (query_gpus().empty()) {
+    throw ConfigError("device: cuda: no CUDA GPU is visible; use device: auto or cpu");
+  }
+  return std::make_unique<CudaEngine>(setup);
+}
+
+#else
+
+std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup&) {
+  throw ConfigError(
+      "device: cuda: this fp8train was built without CUDA; rebuild with the CUDA toolkit "
+      "(FP8TRAIN_CUDA=ON) or use device: cpu");
+}
+
+#endif  // FP8TRAIN_WITH_CUDA
+
+}  // namespace fp8t::train

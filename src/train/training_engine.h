@@ -1,0 +1,73 @@
+// What the training loop drives: the GPT and its optimizer on one device. The CPU engine runs
+// the CPU path in place; the CUDA engine keeps everything on the GPU and mirrors parameters and
+// optimizer state into host buffers only for checkpoints and sampling. Either way the host views
+// (host_parameters, host_optimizer, delayed_scalings) are what a checkpoint saves and loads:
+// call to_host() before saving them and from_host() after changing them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "config/train_config.h"
+#include "data/token_loader.h"
+#include "models/gpt_memory.h"
+#include "models/gpt_model.h"
+#include "optim/gpt_optimizer.h"
+
+namespace fp8t::train {
+
+struct StepResult {
+  double loss = 0.0;       // mean over the micro-batches
+  double grad_norm = 0.0;  // before clipping; not finite: the update was skipped
+};
+
+class TrainingEngine {
+ public:
+  virtual ~TrainingEngine() = default;
+
+  // "cpu", or the GPU's name.
+  virtual std::string device_name() const = 0;
+  // Lines for the log before step 1: where the memory goes.
+  virtual std::string memory_plan() const = 0;
+  // Peak memory of the device so far (resident memory on the CPU).
+  virtual double peak_memory_bytes() const = 0;
+  virtual const std::vector<LinearPrecision>& linear_precision() const = 0;
+
+  // One optimizer step: `accumulation` micro-batches from the loader, their mean gradient,
+  // the global norm (clipped to clip_grad when > 0) and, when it is finite, the update.
+  virtual StepResult train_step(data::TokenLoader& loader, int64_t accumulation, double clip_grad,
+                                const optim::StepSchedule& schedule) = 0;
+  // The loss of one batch, without gradients and without touching the FP8 scaling state.
+  virtual double evaluation_loss(const data::TokenBatch& batch) = 0;
+
+  // The optimizer's groups, with the lrs of the last step.
+  virtual const std::vector<optim::OptimizerGroup>& optimizer_groups() const = 0;
+
+  virtual ParameterSet& host_parameters() = 0;
+  virtual optim::GptOptimizer& host_optimizer() = 0;
+  virtual std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() = 0;
+  virtual void to_host() = 0;
+  virtual void from_host() = 0;
+};
+
+struct EngineSetup {
+  GptConfig model;
+  GptPrecision precision;
+  int64_t batch = 0;
+  int64_t seq = 0;
+  optim::OptimizerSettings optimizer;
+  int64_t tokens_per_step = 0;
+};
+
+// The CPU path. Throws ConfigError when the plan does not fit in the available memory.
+std::unique_ptr<TrainingEngine> make_cpu_engine(const EngineSetup& setup);
+// The GPU path on the current CUDA device; throws ConfigError in builds without CUDA.
+std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup);
+
+// `device`: auto picks CUDA when the build has it and a GPU is present.
+bool use_cuda(DeviceChoice device);
+
+}  // namespace fp8t::train
