@@ -19,4 +19,5 @@ cp "${binaries[@]}" "$dest/"
 ldd "${binaries[@]}" | awk '/=> \// {print $3}' | sort -u | grep -E 'libyaml-cpp|libfmt|libgtest|libgmock|libopenblas|libgfortran|libquadmath|libpcre2' |
   xargs -r -I{} cp -L {} "$dest/lib/"
 cp scripts/gpu_check.sh "$dest/"
+cp -r tests/data "$dest/data"  # the golden files some GPU tests compare with
 echo "gpu_bundle: $(du -sh "$dest" | cut -f1) in $dest"

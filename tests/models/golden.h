@@ -3,6 +3,7 @@
 // gpt_tiny_golden_full has none (pattern L).
 #pragma once
 
+#include <cstdlib>
 #include <filesystem>
 #include <string>
 
@@ -11,9 +12,15 @@
 
 namespace fp8t::testing {
 
+// In tests/data of the source tree, or of $FP8T_TEST_DATA where the tests run away from it
+// (a GPU machine that received the binaries and the data).
 inline std::filesystem::path golden_path(const std::string& name = "gpt_tiny_golden") {
-  return std::filesystem::path(__FILE__).parent_path().parent_path() / "data" /
-         (name + ".safetensors");
+  const char* data = std::getenv("FP8T_TEST_DATA");
+  const std::filesystem::path folder =
+      data != nullptr && *data != '\0'
+          ? std::filesystem::path(data)
+          : std::filesystem::path(__FILE__).parent_path().parent_path() / "data";
+  return folder / (name + ".safetensors");
 }
 
 inline GptConfig golden_config(const io::SafetensorsFile& file) {

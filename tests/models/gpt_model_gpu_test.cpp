@@ -3,6 +3,10 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <map>
 #include <memory>
 #include <string>
 #include <vector>
@@ -12,7 +16,9 @@
 
 #include "core/arena.h"
 #include "core/cuda_check.h"
+#include "io/safetensors.h"
 #include "models/cuda/gpt_model_cuda.h"
+#include "models/golden.h"
 #include "models/gpt_model.h"
 #include "numerics/test_util.h"
 #include "ops/gpu_compare.h"
@@ -63,14 +69,45 @@ GptPrecision precision_for(Fp8Mode mode, ScalingRecipe recipe) {
 }
 
 // ‖a − b‖ / ‖b‖
-double relative_error(const TensorView& a, const TensorView& b) {
+double relative_error(const float* a, const float* b, int64_t count) {
   double diff = 0.0, norm = 0.0;
-  for (int64_t i = 0; i < a.numel(); ++i) {
-    const double x = a.data<float>()[i], y = b.data<float>()[i];
-    diff += (x - y) * (x - y);
-    norm += y * y;
+  for (int64_t i = 0; i < count; ++i) {
+    diff += (double(a[i]) - b[i]) * (double(a[i]) - b[i]);
+    norm += double(b[i]) * b[i];
   }
   return norm > 0.0 ? std::sqrt(diff / norm) : std::sqrt(diff);
+}
+
+// Every parameter's gradient on the GPU against a reference: relative norm error below `bound`
+// per tensor, and for the scalars together.
+void expect_gradients_match(const CudaGptModel& gpu, const GptConfig& config, double bound,
+                            const std::function<const float*(const std::string&)>& reference) {
+  Arena arena("gradients", ParameterSet::planned_bytes(config, DType::F32));
+  ParameterSet gpu_gradients(arena, config, DType::F32);
+  gpu.download_gradients(gpu_gradients);
+  std::vector<double> gpu_scalars, reference_scalars;
+  for (const ParamSpec& spec : gpt_parameters(config)) {
+    const float* got = gpu_gradients[spec.name].data<float>();
+    const float* want = reference(spec.name);
+    const double error = relative_error(got, want, spec.numel());
+    if (test::verbose()) {
+      fmt::print("{:40} error {:.2e} (first: gpu {:.4e} reference {:.4e})\n", spec.name, error,
+                 got[0], want[0]);
+    }
+    if (spec.kind != ParamKind::Scalar) {
+      EXPECT_LT(error, bound) << spec.name;
+      continue;
+    }
+    gpu_scalars.insert(gpu_scalars.end(), got, got + spec.numel());
+    reference_scalars.insert(reference_scalars.end(), want, want + spec.numel());
+  }
+  // A scalar's gradient sums dout * x over every token and channel, where the terms cancel to a
+  // small remainder that bf16 activations move by much more than their own rounding: the
+  // scalars are compared together, as one vector.
+  std::vector<float> got(gpu_scalars.begin(), gpu_scalars.end());
+  std::vector<float> want(reference_scalars.begin(), reference_scalars.end());
+  EXPECT_LT(relative_error(got.data(), want.data(), std::ssize(got)), 3 * bound)
+      << "the scalars' gradients";
 }
 
 class GptModelGpuTest : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
@@ -132,40 +169,12 @@ TEST_P(GptModelGpuTest, LossAndGradientsMatchTheCpuModel) {
     gpu.backward();
     EXPECT_NEAR(gpu_loss, cpu_loss, 0.01 * cpu_loss);
 
-    Arena arena("gradients", ParameterSet::planned_bytes(config, DType::F32));
-    ParameterSet gpu_gradients(arena, config, DType::F32);
-    gpu.download_gradients(gpu_gradients);
     // FP8 quantizes bf16 activations on the GPU, fp32 ones on the CPU: a code can round the
     // other way, which the small model's few tokens do not average out; E5M2 gradient codes
     // are 12.5 to 25 % apart.
-    const double bound = mode == Fp8Mode::None ? 0.05 : 0.2;
-    std::vector<double> gpu_scalars, cpu_scalars;
-    for (const ParamSpec& spec : gpt_parameters(config)) {
-      const TensorView& gpu_gradient = gpu_gradients[spec.name];
-      const TensorView& cpu_gradient = cpu.gradients()[spec.name];
-      const double error = relative_error(gpu_gradient, cpu_gradient);
-      if (test::verbose()) {
-        fmt::print("{:40} error {:.2e} (first: gpu {:.4e} cpu {:.4e})\n", spec.name, error,
-                   gpu_gradient.data<float>()[0], cpu_gradient.data<float>()[0]);
-      }
-      if (spec.kind != ParamKind::Scalar) {
-        EXPECT_LT(error, bound) << spec.name;
-        continue;
-      }
-      for (int64_t i = 0; i < spec.numel(); ++i) {
-        gpu_scalars.push_back(gpu_gradient.data<float>()[i]);
-        cpu_scalars.push_back(cpu_gradient.data<float>()[i]);
-      }
-    }
-    // A scalar's gradient sums dout * x over every token and channel, where the terms cancel
-    // to a small remainder that bf16 activations move by much more than their own rounding:
-    // the scalars are compared together, as one vector.
-    double diff = 0.0, norm = 0.0;
-    for (size_t i = 0; i < cpu_scalars.size(); ++i) {
-      diff += (gpu_scalars[i] - cpu_scalars[i]) * (gpu_scalars[i] - cpu_scalars[i]);
-      norm += cpu_scalars[i] * cpu_scalars[i];
-    }
-    EXPECT_LT(std::sqrt(diff / norm), 3 * bound) << "the scalars' gradients";
+    expect_gradients_match(
+        gpu, config, mode == Fp8Mode::None ? 0.05 : 0.2,
+        [&](const std::string& name) { return cpu.gradients()[name].data<float>(); });
   }
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
 }
@@ -180,6 +189,48 @@ INSTANTIATE_TEST_SUITE_P(
       return fmt::format("{}_{}", mode_name(test_param.param.first),
                          recipe_name(test_param.param.second));
     });
+
+// The GPU model in BF16 against the PyTorch reference's golden files (fp32): loss and every
+// gradient within bf16 tolerances, with sliding windows and without.
+class GptGoldenGpu : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(GptGoldenGpu, MatchesThePytorchReferenceInBf16) {
+  const auto path = testing::golden_path(GetParam());
+  ASSERT_TRUE(std::filesystem::exists(path)) << path;
+  const io::SafetensorsFile file(path);
+  const GptConfig config = testing::golden_config(file);
+  const int64_t batch = std::stoi(file.metadata_value("batch"));
+  Arena arena("parameters", ParameterSet::planned_bytes(config, DType::F32));
+  ParameterSet parameters(arena, config, DType::F32);
+  for (const ParamSpec& spec : gpt_parameters(config)) {
+    const io::Tensor<float> weights = file.tensor<float>(spec.name);
+    TensorView& param = parameters[spec.name];
+    ASSERT_EQ(weights.numel(), param.numel()) << spec.name;
+    std::memcpy(param.raw(), weights.data.data(), param.bytes());
+  }
+  const io::Tensor<int32_t> idx = file.tensor<int32_t>("input.idx");
+  const io::Tensor<int32_t> targets = file.tensor<int32_t>("input.targets");
+  std::map<std::string, io::Tensor<float>> reference;
+  for (const ParamSpec& spec : gpt_parameters(config))
+    reference.emplace(spec.name, file.tensor<float>("grad." + spec.name));
+
+  cudaStream_t stream = nullptr;
+  FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
+  {
+    CudaGptModel gpu(config, batch, config.sequence_len, GptPrecision::fp32_reference(), stream);
+    gpu.upload_parameters(parameters);
+    gpu.forward(idx.data.data(), targets.data.data(), true);
+    const float reference_loss = file.tensor<float>("output.loss").data[0];
+    EXPECT_NEAR(gpu.loss_value(), reference_loss, 0.01 * std::abs(reference_loss));
+    gpu.backward();
+    expect_gradients_match(gpu, config, 0.05,
+                           [&](const std::string& name) { return reference.at(name).data.data(); });
+  }
+  FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+INSTANTIATE_TEST_SUITE_P(GptModelGpu, GptGoldenGpu,
+                         ::testing::Values("gpt_tiny_golden", "gpt_tiny_golden_full"));
 
 // Evaluation passes leave the FP8 state alone and compute the same loss as a training forward.
 TEST(GptModelGpu, EvaluationForwardMatchesTrainingForward) {

@@ -1,0 +1,73 @@
+// The trainer on the GPU path: the loss falls, a resumed run continues where it stopped (to the
+// last bits only where the GPU's atomic embedding gradients add in another order), and a CPU
+// checkpoint resumes on the GPU.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "config/train_config.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+#include "train/trainer_fixture.h"
+
+namespace fp8t::train {
+namespace {
+
+class TrainerGpuTest : public TrainerTest {
+ protected:
+  std::string device() const override { return "cuda"; }
+
+  // 6 steps straight, and a second run resumed at step 3: the losses of steps 4 to 6 agree.
+  void expect_resume_continues(const std::vector<std::string>& precision) {
+    run_training(load_train_config(args("straight", precision)));
+    run_training(load_train_config(args("resumed", precision)));
+    std::vector<std::string> resume = precision;
+    resume.push_back("--resume-from-step=3");
+    run_training(load_train_config(args("resumed", resume)));
+    const std::map<int64_t, double> straight = losses(root_ / "runs" / "straight");
+    const std::map<int64_t, double> resumed = losses(root_ / "runs" / "resumed");
+    ASSERT_EQ(straight.size(), 6u);
+    for (int64_t step = 4; step <= 6; ++step) {
+      EXPECT_NEAR(resumed.at(step), straight.at(step), 1e-3 * straight.at(step)) << "step " << step;
+    }
+  }
+};
+
+TEST_F(TrainerGpuTest, LossFalls) {
+  const TrainOutcome outcome = run_training(
+      load_train_config(args("falls", {"--train-iters=30", "--save-every=0", "--lr=0.1",
+                                       "--embedding-lr=1.5", "--unembedding-lr=0.04"})));
+  const std::map<int64_t, double> by_step = losses(root_ / "runs" / "falls");
+  ASSERT_EQ(outcome.steps_done, 30);
+  EXPECT_LT(by_step.at(30), 0.7 * by_step.at(1));
+}
+
+TEST_F(TrainerGpuTest, ResumeContinuesInBf16) {
+  expect_resume_continues({});
+}
+
+TEST_F(TrainerGpuTest, ResumeContinuesWithDelayedScaling) {
+  expect_resume_continues({"--fp8=hybrid", "--fp8-recipe=delayed", "--fp8-amax-history-len=4"});
+}
+
+TEST_F(TrainerGpuTest, ResumeContinuesWithAdamW) {
+  expect_resume_continues({"--optimizer=adamw", "--lr=0.003", "--clip-grad=1.0"});
+}
+
+// The same checkpoint format on both paths: a CPU run's step 3 resumes on the GPU, whose step 4
+// is the CPU's within bf16 activations' difference.
+TEST_F(TrainerGpuTest, CpuCheckpointResumesOnTheGpu) {
+  run_training(load_train_config(args("cpu", {"--device=cpu"})));
+  const std::map<int64_t, double> cpu = losses(root_ / "runs" / "cpu");
+  const TrainOutcome outcome =
+      run_training(load_train_config(args("cpu", {"--resume-from-step=3"})));
+  EXPECT_EQ(outcome.steps_done, 6);
+  const std::map<int64_t, double> resumed = losses(root_ / "runs" / "cpu");
+  EXPECT_NEAR(resumed.at(4), cpu.at(4), 0.02 * cpu.at(4));
+}
+
+}  // namespace
+}  // namespace fp8t::train
