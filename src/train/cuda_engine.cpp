@@ -33,6 +33,27 @@ bool use_cuda(DeviceChoice device) {
   return false;
 }
 
+namespace {
+
+// What the GPU path cannot run, refused before anything is built, naming the key.
+void check_gpu_settings(const EngineSetup& setup) {
+  const Fp8Config& fp8 = setup.precision.fp8;
+  if (fp8.mode == Fp8Mode::None) return;
+  if (fp8.recipe != ScalingRecipe::Delayed && fp8.recipe != ScalingRecipe::Tensorwise) {
+    throw ConfigError(fmt::format(
+        "fp8_recipe: {} runs on the CPU path only for now (the GPU path runs delayed and "
+        "tensorwise); set device: cpu, or fp8_recipe: tensorwise or delayed",
+        recipe_name(fp8.recipe)));
+  }
+  if (setup.precision.family != Fp8Family::Ocp) {
+    throw ConfigError(
+        "fp8_dtype_family: fnuz: the GPU path's GEMMs (cuBLASLt) take the OCP formats; set "
+        "fp8_dtype_family: auto or ocp, or device: cpu");
+  }
+}
+
+}  // namespace
+
 #if FP8TRAIN_WITH_CUDA
 
 namespace {
@@ -199,6 +220,7 @@ class CudaEngine final : public TrainingEngine {
 }  // namespace
 
 std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
+  check_gpu_settings(setup);
   if (query_gpus().empty()) {
     throw ConfigError("device: cuda: no CUDA GPU is visible; use device: auto or cpu");
   }
@@ -207,7 +229,8 @@ std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
 
 #else
 
-std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup&) {
+std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
+  check_gpu_settings(setup);
   throw ConfigError(
       "device: cuda: this fp8train was built without CUDA; rebuild with the CUDA toolkit "
       "(FP8TRAIN_CUDA=ON) or use device: cpu");
