@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"bf16", "fp8"}));
   bench_gpt
       ->add_option("--fp8-recipe", bench_options.fp8_recipes,
-                   "FP8 recipes to measure (GPU path: delayed, tensorwise)")
+                   "FP8 recipes to measure (GPU path: delayed, tensorwise, blockwise)")
       ->delimiter(',')
       ->capture_default_str()
       ->check(CLI::IsMember({"delayed", "tensorwise", "blockwise", "mxfp8"}));

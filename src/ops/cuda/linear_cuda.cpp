@@ -2,9 +2,12 @@
 
 #include "ops/cuda/linear_cuda.h"
 
+#include <algorithm>
+
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "numerics/quantize_cuda.h"
+#include "ops/cuda/gpt_gates.h"
 #include "ops/cuda/ops_cuda.h"
 
 namespace fp8t::ops::cuda {
@@ -13,8 +16,26 @@ namespace {
 
 // cuBLASLt's FP8 GEMMs want every reduced dimension and every FP8 row a multiple of 16.
 constexpr int64_t kFp8Multiple = 16;
+constexpr int64_t kBlock = 128;
+
+int64_t blocks_of(int64_t count) {
+  return (count + kBlock - 1) / kBlock;
+}
+// Floats of a 1x128 operand's GEMM scales ([ceil(k / 128), rows]).
+int64_t row_block_floats(int64_t rows, int64_t k) {
+  return blocks_of(k) * rows;
+}
+// Floats of a 128x128 operand's GEMM scales ([ceil(rows / 128), ceil(k / 128) padded to 4]).
+int64_t tile_floats(int64_t rows, int64_t k) {
+  return blocks_of(rows) * ((blocks_of(k) + 3) / 4 * 4);
+}
 
 }  // namespace
+
+int64_t block_scratch_floats(int64_t max_tokens, int64_t max_features) {
+  return std::max(row_block_floats(max_tokens, max_features),
+                  row_block_floats(max_features, max_tokens));
+}
 
 CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
                        const Fp8Scratch& scratch)
@@ -29,8 +50,9 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
     return;
   }
   const ScalingRecipe recipe = setup.fp8_config.recipe;
-  FP8T_CHECK(recipe == ScalingRecipe::Delayed || recipe == ScalingRecipe::Tensorwise,
-             "the GPU FP8 linear runs the delayed and tensorwise recipes, not {}",
+  FP8T_CHECK(recipe == ScalingRecipe::Delayed || recipe == ScalingRecipe::Tensorwise ||
+                 recipe == ScalingRecipe::Blockwise,
+             "the GPU FP8 linear runs the delayed, tensorwise and blockwise recipes, not {}",
              recipe_name(recipe));
   FP8T_CHECK(setup.family == Fp8Family::Ocp,
              "cuBLASLt's FP8 GEMMs take the OCP formats (e4m3, e5m2), not fnuz");
@@ -57,6 +79,19 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
     saved_input_t_ =
         std::make_unique<DeviceBuffer<uint8_t>>(static_cast<size_t>(in) * setup.max_tokens);
   }
+  if (blockwise()) {
+    FP8T_CHECK(scratch.grid != nullptr && scratch.grid_t != nullptr &&
+                   scratch.input_scales != nullptr && scratch.grad_output_scales != nullptr &&
+                   scratch.grad_output_t_scales != nullptr && scratch.grad_input != nullptr,
+               "a blockwise linear needs the block-scale scratch");
+    const auto floats = [](int64_t count) { return static_cast<size_t>(count); };
+    weight_scales_ = std::make_unique<DeviceBuffer<float>>(floats(tile_floats(out, in)));
+    weight_t_scales_ = std::make_unique<DeviceBuffer<float>>(floats(tile_floats(in, out)));
+    if (saved_input_t_) {
+      saved_input_t_scales_ =
+          std::make_unique<DeviceBuffer<float>>(floats(row_block_floats(in, setup.max_tokens)));
+    }
+  }
 }
 
 size_t CudaLinear::device_bytes() const {
@@ -65,14 +100,35 @@ size_t CudaLinear::device_bytes() const {
   for (const auto* buffer : {&weight_fp8_, &weight_fp8_t_, &saved_input_t_}) {
     if (*buffer) bytes += (*buffer)->bytes();
   }
+  for (const auto* buffer : {&weight_scales_, &weight_t_scales_, &saved_input_t_scales_}) {
+    if (*buffer) bytes += (*buffer)->bytes();
+  }
   return bytes;
 }
 
 template <typename T>
 void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole role, uint8_t* out,
-                          uint8_t* out_t, bool record_amax, cudaStream_t stream) {
+                          uint8_t* out_t, bool record_amax, cudaStream_t stream, float* scales,
+                          float* scales_t) {
   const Fp8Config& config = setup_.fp8_config;
   const Fp8Format format = config.format_for(role, setup_.family);
+  if (blockwise()) {
+    const bool tiles = role == TensorRole::Weight;
+    const BlockQuantization spec{tiles ? BlockScaling::Tile128x128 : BlockScaling::Rows1x128,
+                                 format, config.use_power_of_2_scales(), config.amax_epsilon};
+    fp8t::cuda::quantize_blocks(x, rows, cols, spec, out, scratch_.grid, out_t,
+                                out_t != nullptr ? scratch_.grid_t : nullptr, stream);
+    // Grids: 1x128 [rows, ceil(cols / 128)] and its transpose's [cols, ceil(rows / 128)];
+    // 128x128 [ceil(rows / 128), ceil(cols / 128)] and the transposed tiles'.
+    const GridLayout layout = tiles ? GridLayout::PaddedRows : GridLayout::Transposed;
+    gemm_scale_grid(scales, scratch_.grid, tiles ? blocks_of(rows) : rows, blocks_of(cols), layout,
+                    stream);
+    if (out_t != nullptr) {
+      gemm_scale_grid(scales_t, scratch_.grid_t, tiles ? blocks_of(cols) : cols, blocks_of(rows),
+                      layout, stream);
+    }
+    return;
+  }
   float* scale = slot(role, kScaleSlot);
   float* amax = slot(role, kAmaxSlot);
   float* recorded = nullptr;
@@ -92,13 +148,20 @@ void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole rol
   }
 }
 
-gemm::Fp8Operand CudaLinear::operand(const uint8_t* data, int64_t ld, TensorRole role) const {
+gemm::Fp8Operand CudaLinear::operand(const uint8_t* data, int64_t ld, TensorRole role,
+                                     const float* scales) const {
   gemm::Fp8Operand result;
   result.data = data;
   result.ld = ld;
   result.format = setup_.fp8_config.format_for(role, setup_.family);
-  result.scale_mode = gemm::ScaleMode::Tensor;
-  result.scale_inv = slot(role, kScaleInvSlot);
+  if (blockwise()) {
+    result.scale_mode =
+        role == TensorRole::Weight ? gemm::ScaleMode::Block128x128 : gemm::ScaleMode::Block1x128;
+    result.scale_inv = scales;
+  } else {
+    result.scale_mode = gemm::ScaleMode::Tensor;
+    result.scale_inv = slot(role, kScaleInvSlot);
+  }
   return result;
 }
 
@@ -109,7 +172,8 @@ void CudaLinear::prepare_weight(const float* weight, bool record_amax, cudaStrea
     return;
   }
   quantize(weight, out, in, TensorRole::Weight, weight_fp8_->get(), weight_fp8_t_->get(),
-           record_amax, stream);
+           record_amax, stream, weight_scales_ ? weight_scales_->get() : nullptr,
+           weight_t_scales_ ? weight_t_scales_->get() : nullptr);
 }
 
 void CudaLinear::forward(const bf16* x, int64_t tokens, bf16* y, bool record_amax,
@@ -129,11 +193,16 @@ void CudaLinear::forward(const bf16* x, int64_t tokens, bf16* y, bool record_ama
   }
   if (setup_.input_from == nullptr) {
     quantize(x, tokens, in, TensorRole::Input, scratch_.input,
-             saved_input_t_ ? saved_input_t_->get() : nullptr, record_amax, stream);
+             saved_input_t_ ? saved_input_t_->get() : nullptr, record_amax, stream,
+             scratch_.input_scales, saved_input_t_scales_ ? saved_input_t_scales_->get() : nullptr);
   }
-  gemm_.fp8_gemm(tokens, out, in, input_owner().operand(scratch_.input, in, TensorRole::Input),
-                 operand(weight_fp8_->get(), in, TensorRole::Weight), output,
-                 /*fast_accumulation=*/true, stream);
+  // Block scales need split accumulation on sm_90 (cuBLASLt has no fast variant there).
+  gemm_.fp8_gemm(
+      tokens, out, in,
+      input_owner().operand(scratch_.input, in, TensorRole::Input, scratch_.input_scales),
+      operand(weight_fp8_->get(), in, TensorRole::Weight,
+              weight_scales_ ? weight_scales_->get() : nullptr),
+      output, /*fast_accumulation=*/!blockwise(), stream);
 }
 
 void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* dx,
@@ -167,12 +236,24 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
   const bool fp8_wgrad = dweight != nullptr && setup_.fp8_wgrad;
   if (dx != nullptr || fp8_wgrad) {
     quantize(dy, tokens, out, TensorRole::GradOutput, scratch_.grad_output,
-             fp8_wgrad ? scratch_.grad_output_t : nullptr, record_amax, stream);
+             fp8_wgrad ? scratch_.grad_output_t : nullptr, record_amax, stream,
+             scratch_.grad_output_scales, scratch_.grad_output_t_scales);
   }
   if (dx != nullptr) {  // dx[tokens, in] = dŷ[tokens, out] · (Ŵᵗ[in, out])ᵀ
-    gemm_.fp8_gemm(tokens, in, out, operand(scratch_.grad_output, out, TensorRole::GradOutput),
-                   operand(weight_fp8_t_->get(), out, TensorRole::Weight), grad_input,
-                   /*fast_accumulation=*/false, stream);
+    // Block-scaled GEMMs only write: a sum of dgrads goes through the scratch.
+    const bool through_scratch = blockwise() && accumulate_dx;
+    gemm::GemmOutput target = grad_input;
+    if (through_scratch) {
+      target.data = scratch_.grad_input;
+      target.accumulate = false;
+    }
+    gemm_.fp8_gemm(
+        tokens, in, out,
+        operand(scratch_.grad_output, out, TensorRole::GradOutput, scratch_.grad_output_scales),
+        operand(weight_fp8_t_->get(), out, TensorRole::Weight,
+                weight_t_scales_ ? weight_t_scales_->get() : nullptr),
+        target, /*fast_accumulation=*/false, stream);
+    if (through_scratch) add_forward(dx, dx, scratch_.grad_input, tokens * in, stream);
   }
   if (dweight == nullptr) return;
   if (!fp8_wgrad) {
@@ -181,15 +262,20 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
   }
   // dW[out, in] += dŷᵗ[out, tokens] · (x̂ᵗ[in, tokens])ᵀ
   const CudaLinear& owner = input_owner();
-  gemm_.fp8_gemm(out, in, tokens, operand(scratch_.grad_output_t, tokens, TensorRole::GradOutput),
-                 owner.operand(owner.saved_input_t_->get(), tokens, TensorRole::Input), grad_weight,
-                 /*fast_accumulation=*/false, stream);
+  const float* saved_scales =
+      owner.saved_input_t_scales_ ? owner.saved_input_t_scales_->get() : nullptr;
+  gemm_.fp8_gemm(
+      out, in, tokens,
+      operand(scratch_.grad_output_t, tokens, TensorRole::GradOutput,
+              scratch_.grad_output_t_scales),
+      owner.operand(owner.saved_input_t_->get(), tokens, TensorRole::Input, saved_scales),
+      grad_weight, /*fast_accumulation=*/false, stream);
 }
 
 template void CudaLinear::quantize<float>(const float*, int64_t, int64_t, TensorRole, uint8_t*,
-                                          uint8_t*, bool, cudaStream_t);
+                                          uint8_t*, bool, cudaStream_t, float*, float*);
 template void CudaLinear::quantize<bf16>(const bf16*, int64_t, int64_t, TensorRole, uint8_t*,
-                                         uint8_t*, bool, cudaStream_t);
+                                         uint8_t*, bool, cudaStream_t, float*, float*);
 
 }  // namespace fp8t::ops::cuda
 

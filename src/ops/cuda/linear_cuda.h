@@ -1,6 +1,8 @@
 // A linear layer of the GPU path (CUDA builds only): y = x·Wᵀ with bf16 activations and an fp32
 // master weight, computed either in BF16 (a bf16 copy of the weight, cuBLASLt BF16 GEMMs) or in
-// FP8 with a per-tensor recipe (delayed or tensorwise), the GEMMs of ops/fp8_linear.h:
+// FP8 with a per-tensor recipe (delayed or tensorwise) or block scales (blockwise: 1x128 blocks
+// for activations and gradients, 128x128 tiles for weights, split accumulation throughout, the
+// only mode cuBLASLt runs them in on sm_90), the GEMMs of ops/fp8_linear.h:
 //   forward  y  = x̂·Ŵᵀ        fast accumulation
 //   dgrad    dx = dŷ·(Ŵᵗ)ᵀ     split accumulation (fast accumulation off)
 //   wgrad    dW += dŷᵗ·(x̂ᵗ)ᵀ  split accumulation; a BF16 GEMM on x when fp8_wgrad is off
@@ -40,7 +42,18 @@ struct Fp8Scratch {
   uint8_t* input = nullptr;          // >= max_tokens * the largest in_features
   uint8_t* grad_output = nullptr;    // >= max_tokens * the largest out_features
   uint8_t* grad_output_t = nullptr;  // as grad_output
+  // Blockwise only, each >= block_scratch_floats(): quantize_blocks()' grids, and the
+  // operands' scales in the GEMMs' layouts.
+  float* grid = nullptr;
+  float* grid_t = nullptr;
+  float* input_scales = nullptr;
+  float* grad_output_scales = nullptr;
+  float* grad_output_t_scales = nullptr;
+  bf16* grad_input = nullptr;  // blockwise dgrads that add: >= max_tokens * largest in_features
 };
+
+// Floats of each blockwise scale buffer of Fp8Scratch, for tokens and the largest feature count.
+int64_t block_scratch_floats(int64_t max_tokens, int64_t max_features);
 
 struct LinearSetup {
   int64_t in_features = 0;
@@ -90,10 +103,15 @@ class CudaLinear {
     return setup_.scaling + static_cast<int>(role) * kScalingFloatsPerRole + index;
   }
   // Quantizes x [rows, cols] for `role` into out and, when not null, out_t [cols, rows].
+  // Blockwise: their scales land in scales and scales_t, in the GEMMs' layouts.
   template <typename T>
   void quantize(const T* x, int64_t rows, int64_t cols, TensorRole role, uint8_t* out,
-                uint8_t* out_t, bool record_amax, cudaStream_t stream);
-  gemm::Fp8Operand operand(const uint8_t* data, int64_t ld, TensorRole role) const;
+                uint8_t* out_t, bool record_amax, cudaStream_t stream, float* scales = nullptr,
+                float* scales_t = nullptr);
+  // An operand of `role`: per-tensor scales from the role's slot, block scales from `scales`.
+  gemm::Fp8Operand operand(const uint8_t* data, int64_t ld, TensorRole role,
+                           const float* scales = nullptr) const;
+  bool blockwise() const { return setup_.fp8_config.recipe == ScalingRecipe::Blockwise; }
   // The layer whose input quantization this one reads: itself, or setup.input_from.
   const CudaLinear& input_owner() const {
     return setup_.input_from != nullptr ? *setup_.input_from : *this;
@@ -106,6 +124,8 @@ class CudaLinear {
   std::unique_ptr<DeviceBuffer<uint8_t>> weight_fp8_;     // FP8: Ŵ [out, in]
   std::unique_ptr<DeviceBuffer<uint8_t>> weight_fp8_t_;   // FP8: Ŵᵗ [in, out]
   std::unique_ptr<DeviceBuffer<uint8_t>> saved_input_t_;  // FP8 wgrad: x̂ᵗ [in, max_tokens]
+  // Blockwise: the scales of Ŵ, Ŵᵗ and the saved x̂ᵗ, in the GEMMs' layouts.
+  std::unique_ptr<DeviceBuffer<float>> weight_scales_, weight_t_scales_, saved_input_t_scales_;
 };
 
 }  // namespace fp8t::ops::cuda

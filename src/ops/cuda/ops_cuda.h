@@ -145,6 +145,15 @@ void softcap_cross_entropy_with_gradient(bf16* logits, const int32_t* targets, i
                                          float dloss, float* row_losses, float* mean_loss,
                                          int32_t* valid_rows, cudaStream_t stream);
 
+// --- Block-scale grids for cuBLASLt's block-scaled GEMMs (scale_grids.cu) ---
+// quantize_blocks() writes a row-major grid [grid_rows, grid_cols]; the GEMMs read 1x128 scales
+// K-blocks outermost (Transposed: out [grid_cols, grid_rows]) and 128x128 tiles with each row
+// padded to a multiple of 4 K-blocks (PaddedRows: out [grid_rows, ceil(grid_cols / 4) * 4],
+// zeros in the pads).
+enum class GridLayout : uint8_t { Transposed, PaddedRows };
+void gemm_scale_grid(float* out, const float* grid, int64_t grid_rows, int64_t grid_cols,
+                     GridLayout layout, cudaStream_t stream);
+
 }  // namespace fp8t::ops::cuda
 
 #if defined(__CUDACC__)
