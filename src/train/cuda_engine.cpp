@@ -2,6 +2,8 @@
 // mirrors of the parameters and the optimizer state for checkpoints and sampling.
 #include <cmath>
 #include <memory>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -93,8 +95,8 @@ class PinnedFloats {
 
 class CudaEngine final : public TrainingEngine {
  public:
-  explicit CudaEngine(const EngineSetup& setup)
-      : gpu_(query_gpus().at(0)),
+  CudaEngine(const EngineSetup& setup, GpuInfo gpu)
+      : gpu_(std::move(gpu)),
         model_(setup.model, setup.batch, setup.seq, setup.precision, stream_.get()),
         host_arena_("parameters (host mirror)",
                     ParameterSet::planned_bytes(setup.model, DType::F32)),
@@ -220,10 +222,11 @@ class CudaEngine final : public TrainingEngine {
 
 std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
   check_gpu_settings(setup);
-  if (query_gpus().empty()) {
+  const std::vector<GpuInfo> gpus = query_gpus();
+  if (gpus.empty()) {
     throw ConfigError("device: cuda: no CUDA GPU is visible; use device: auto or cpu");
   }
-  return std::make_unique<CudaEngine>(setup);
+  return std::make_unique<CudaEngine>(setup, gpus.front());
 }
 
 #else

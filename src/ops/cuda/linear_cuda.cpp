@@ -240,7 +240,8 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
              scratch_.grad_output_scales, scratch_.grad_output_t_scales);
   }
   if (dx != nullptr) {  // dx[tokens, in] = dŷ[tokens, out] · (Ŵᵗ[in, out])ᵀ
-    // Block-scaled GEMMs only write: a sum of dgrads goes through the scratch.
+    // beta = 1 on a block-scaled GEMM is untried on sm_90: a sum of dgrads goes through the
+    // scratch and one add instead.
     const bool through_scratch = blockwise() && accumulate_dx;
     gemm::GemmOutput target = grad_input;
     if (through_scratch) {
