@@ -1,5 +1,6 @@
 // `fp8train bench gpt`: GPT training steps on the GPU with random tokens, timed with CUDA events.
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <random>
 #include <string>
@@ -19,6 +20,7 @@
 #include <cuda_runtime_api.h>
 
 #include "core/cuda_check.h"
+#include "core/phase_timer.h"
 #include "models/cuda/gpt_model_cuda.h"
 #include "optim/cuda/gpu_optimizer.h"
 #endif
@@ -53,6 +55,9 @@ struct Measurement {
   double peak_memory = 0.0;
   std::string fp8_layers;
   double final_loss = 0.0;
+  // --phases: medians over extra steps timed piece by piece, and the rest of forward + backward.
+  std::array<double, kStepPhases> phase_ms{};
+  double other_ms = 0.0;
 };
 
 class Events {
@@ -93,7 +98,9 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, boo
   const int64_t batch = options.batch, seq = options.sequence_len, tokens = batch * seq;
 
   Measurement result;
-  result.name = fp8 ? fmt::format("fp8 {} {}", options.fp8, recipe_name(recipe)) : "bf16";
+  result.name = fp8 ? fmt::format("fp8 {} {}{}", options.fp8, recipe_name(recipe),
+                                  recipe == ScalingRecipe::Mxfp8 ? " (emulated)" : "")
+                    : "bf16";
   CudaGptModel model(config, batch, seq, precision, stream);
   const optim::GptOptimizer host_optimizer(config, optim::OptimizerSettings{}, tokens);
   optim::CudaGptOptimizer optimizer(host_optimizer, model.layout(), model.gemm());
@@ -112,30 +119,55 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, boo
   FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm), sizeof(float)));
   Events events(4);
   std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms;
+  std::array<std::vector<double>, kStepPhases> phase_ms;
+  std::vector<double> other_ms;
+  PhaseTimer phase_timer;
   const optim::StepSchedule schedule;
   const int64_t count = model.layout().total_elements;
-  for (int step = 0; step < options.warmup + options.steps; ++step) {
+  // The timed steps, then (--phases) as many again with the phase timer on: its events are
+  // kept out of the step times above.
+  const int timed_end = options.warmup + options.steps;
+  const int end = options.phases ? timed_end + options.steps : timed_end;
+  for (int step = 0; step < end; ++step) {
+    const bool phased = step >= timed_end;
     for (size_t i = 0; i < idx.size(); ++i) {
       idx[i] = token(generator);
       targets[i] = token(generator);
     }
     events.record(0, stream);
+    if (phased) set_active_phase_timer(&phase_timer);
     model.zero_gradients();
     model.forward(idx.data(), targets.data(), true);
     events.record(1, stream);
     model.backward();
     events.record(2, stream);
+    set_active_phase_timer(nullptr);
     optimizer.global_norm(model.gradients(), count, norm, stream);
     optimizer.step(model.parameters(), model.gradients(), schedule, stream);
     model.end_step();
     events.record(3, stream);
     FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
     if (step < options.warmup) continue;
+    if (phased) {
+      const std::array<double, kStepPhases> phases = phase_timer.collect();
+      double timed = 0.0;
+      for (size_t phase = 0; phase < kStepPhases; ++phase) {
+        phase_ms[phase].push_back(phases[phase]);
+        timed += phases[phase];
+      }
+      other_ms.push_back(events.ms(0, 2) - timed);
+      continue;
+    }
     step_ms.push_back(events.ms(0, 3));
     forward_ms.push_back(events.ms(0, 1));
     backward_ms.push_back(events.ms(1, 2));
     optimizer_ms.push_back(events.ms(2, 3));
     result.peak_memory = std::max(result.peak_memory, device_memory_in_use());
+  }
+  if (options.phases) {
+    for (size_t phase = 0; phase < kStepPhases; ++phase)
+      result.phase_ms[phase] = median(phase_ms[phase]);
+    result.other_ms = median(other_ms);
   }
   result.final_loss = model.loss_value();
   cudaFree(norm);
@@ -203,6 +235,19 @@ int run_bench_gpt(const BenchGptOptions& options) {
         result.name, result.step_ms, result.tokens_per_second / 1e3, 100.0 * result.mfu,
         train::format_bytes(result.peak_memory), result.forward_ms, result.backward_ms,
         result.optimizer_ms, result.step_ms / results.front().step_ms);
+  }
+  if (options.phases) {
+    fmt::print(
+        "\nForward + backward by kind of work (ms per step, medians of {} more steps with an event "
+        "pair around each piece; other: norms, rotary, gates, residuals, the loss, launch gaps)\n"
+        "\n| run | {} | {} | {} | other | optimizer |\n|---|---|---|---|---|---|\n",
+        options.steps, step_phase_name(StepPhase::Gemm), step_phase_name(StepPhase::Attention),
+        step_phase_name(StepPhase::Quantization));
+    for (const Measurement& result : results) {
+      fmt::print("| {} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} |\n", result.name,
+                 result.phase_ms[0], result.phase_ms[1], result.phase_ms[2], result.other_ms,
+                 result.optimizer_ms);
+    }
   }
   return kExitOk;
 }

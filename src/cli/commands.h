@@ -87,6 +87,7 @@ struct BenchGptOptions {
   std::string fp8 = "hybrid";                             // fp8 formats: hybrid or e4m3
   int warmup = 4;
   int steps = 10;
+  bool phases = false;  // then as many steps again, timed by kind of work (core/phase_timer.h)
 };
 
 // Times training steps of the GPT on the GPU (docs/benchmarks.md): step ms (median), tokens/s,

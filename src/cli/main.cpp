@@ -99,7 +99,7 @@ int main(int argc, char** argv) {
       ->check(CLI::IsMember({"bf16", "fp8"}));
   bench_gpt
       ->add_option("--fp8-recipe", bench_options.fp8_recipes,
-                   "FP8 recipes to measure (GPU path: delayed, tensorwise, blockwise)")
+                   "FP8 recipes to measure (delayed, tensorwise, blockwise; mxfp8 emulated)")
       ->delimiter(',')
       ->capture_default_str()
       ->check(CLI::IsMember({"delayed", "tensorwise", "blockwise", "mxfp8"}));
@@ -112,6 +112,9 @@ int main(int argc, char** argv) {
   bench_gpt->add_option("--steps", bench_options.steps, "Timed steps (the median is reported)")
       ->capture_default_str()
       ->check(CLI::Range(1, 100000));
+  bench_gpt->add_flag("--phases", bench_options.phases,
+                      "Then time as many steps again by kind of work (GEMMs, attention, "
+                      "quantization, other)");
 
   fp8t::cli::ConfigOptions config_options;
   CLI::App* config =

@@ -21,6 +21,7 @@
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
 #include "core/error.h"
+#include "core/phase_timer.h"
 
 namespace fp8t::gemm {
 
@@ -606,6 +607,7 @@ void CublasLtGemm::bf16_gemm(Bf16Form form, int64_t m, int64_t n, int64_t k, con
 void CublasLtGemm::bf16_gemm(Bf16Form form, int64_t m, int64_t n, int64_t k, const bf16* a,
                              int64_t lda, const bf16* b, int64_t ldb, const GemmOutput& out,
                              const GemmBatch& batch, cudaStream_t stream) {
+  const PhaseScope timed(StepPhase::Gemm, stream);
   Problem p;
   p.kind = form == Bf16Form::XWt   ? Kind::Bf16XWt
            : form == Bf16Form::DyW ? Kind::Bf16DyW
@@ -671,6 +673,7 @@ void CublasLtGemm::bf16_gemm(Bf16Form form, int64_t m, int64_t n, int64_t k, con
 void CublasLtGemm::fp8_gemm(int64_t m, int64_t n, int64_t k, const Fp8Operand& a,
                             const Fp8Operand& b, const GemmOutput& out, bool fast_accumulation,
                             cudaStream_t stream) {
+  const PhaseScope timed(StepPhase::Gemm, stream);
   Problem p;
   p.kind = Kind::Fp8;
   p.m = m;

@@ -299,12 +299,21 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
   if (amax_inout != nullptr) publish_amax(local_amax, amax_inout);
 }
 
+// The product in fp32, stored as float or rounded to bf16.
+FP8T_HD inline void store_as(float* out, float value) {
+  *out = value;
+}
+FP8T_HD inline void store_as(bf16* out, float value) {
+  *out = float_to_bf16(value);
+}
+
+template <typename Out>
 __global__ void dequantize_kernel(const uint8_t* q, int64_t count, const float* scale_inv,
-                                  Fp8Format format, float* out) {
+                                  Fp8Format format, Out* out) {
   const float multiplier = *scale_inv;
   for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < count;
        i += int64_t(gridDim.x) * blockDim.x) {
-    out[i] = __fmul_rn(fp8t::decode(q[i], format), multiplier);
+    store_as(out + i, __fmul_rn(fp8t::decode(q[i], format), multiplier));
   }
 }
 
@@ -451,8 +460,9 @@ __global__ void __launch_bounds__(kThreads)
   }
 }
 
+template <typename Out>
 __global__ void block_dequantize_kernel(const uint8_t* q, int64_t rows, int64_t cols,
-                                        BlockQuantization spec, const void* scales, float* out) {
+                                        BlockQuantization spec, const void* scales, Out* out) {
   const BlockShape block = block_shape(spec.scaling);
   const BlockShape grid = scale_grid(spec.scaling, rows, cols);
   const int64_t count = rows * cols;
@@ -464,7 +474,7 @@ __global__ void block_dequantize_kernel(const uint8_t* q, int64_t rows, int64_t 
         spec.scaling == BlockScaling::Mx1x32
             ? fp8t::decode(static_cast<const uint8_t*>(scales)[scale_index], Fp8Format::E8M0)
             : static_cast<const float*>(scales)[scale_index];
-    out[i] = __fmul_rn(fp8t::decode(q[i], spec.format), scale_inv);
+    store_as(out + i, __fmul_rn(fp8t::decode(q[i], spec.format), scale_inv));
   }
 }
 
@@ -556,8 +566,9 @@ void quantize_transpose(const T* x, int64_t rows, int64_t cols, const float* sca
   FP8T_CUDA_CHECK_LAUNCH();
 }
 
-void dequantize(const uint8_t* q, int64_t count, const float* scale_inv, Fp8Format format,
-                float* out, cudaStream_t stream) {
+template <typename Out>
+void dequantize(const uint8_t* q, int64_t count, const float* scale_inv, Fp8Format format, Out* out,
+                cudaStream_t stream) {
   check_pointers(count, q, out);
   FP8T_CHECK(scale_inv != nullptr, "scale_inv must be a device pointer");
   if (count == 0) return;
@@ -591,8 +602,9 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
   FP8T_CUDA_CHECK_LAUNCH();
 }
 
+template <typename Out>
 void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const BlockQuantization& spec,
-                       const void* scales, float* out, cudaStream_t stream) {
+                       const void* scales, Out* out, cudaStream_t stream) {
   FP8T_CHECK(rows >= 0 && cols >= 0, "expected a non-negative shape, found [{}, {}]", rows, cols);
   check_pointers(rows * cols, q, out);
   check_pointers(rows * cols, scales, scales);
@@ -613,5 +625,14 @@ void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const Block
 
 FP8T_INSTANTIATE_CUDA_QUANTIZE(float)
 FP8T_INSTANTIATE_CUDA_QUANTIZE(bf16)
+
+#define FP8T_INSTANTIATE_CUDA_DEQUANTIZE(Out)                                                      \
+  template void dequantize<Out>(const uint8_t*, int64_t, const float*, Fp8Format, Out*,            \
+                                cudaStream_t);                                                     \
+  template void dequantize_blocks<Out>(const uint8_t*, int64_t, int64_t, const BlockQuantization&, \
+                                       const void*, Out*, cudaStream_t);
+
+FP8T_INSTANTIATE_CUDA_DEQUANTIZE(float)
+FP8T_INSTANTIATE_CUDA_DEQUANTIZE(bf16)
 
 }  // namespace fp8t::cuda

@@ -38,16 +38,21 @@ void quantize_transpose(const T* x, int64_t rows, int64_t cols, const float* sca
                         Fp8Format format, uint8_t* out, uint8_t* out_t, float* amax_inout,
                         cudaStream_t stream);
 
-void dequantize(const uint8_t* q, int64_t count, const float* scale_inv, Fp8Format format,
-                float* out, cudaStream_t stream);
+// out = decode(q) · *scale_inv, stored as float or rounded to bf16.
+template <typename Out>
+void dequantize(const uint8_t* q, int64_t count, const float* scale_inv, Fp8Format format, Out* out,
+                cudaStream_t stream);
 
 // Block scalings, layouts as in quantize.h. out_t and scales_t may be null (no transposed copy).
+// dequantize_blocks stores float or bf16; with E8M0 (power-of-two) scales the bf16 values are
+// exact down to bf16's smallest subnormal (2^-133): what the emulated MXFP8 GEMMs multiply.
 template <typename T>
 void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantization& spec,
                      uint8_t* out, void* scales, uint8_t* out_t, void* scales_t,
                      cudaStream_t stream);
 
+template <typename Out>
 void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const BlockQuantization& spec,
-                       const void* scales, float* out, cudaStream_t stream);
+                       const void* scales, Out* out, cudaStream_t stream);
 
 }  // namespace fp8t::cuda

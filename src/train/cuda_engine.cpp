@@ -41,11 +41,6 @@ namespace {
 void check_gpu_settings(const EngineSetup& setup) {
   const Fp8Config& fp8 = setup.precision.fp8;
   if (fp8.mode == Fp8Mode::None) return;
-  if (fp8.recipe == ScalingRecipe::Mxfp8) {
-    throw ConfigError(
-        "fp8_recipe: mxfp8 runs on the CPU path only for now (the GPU path runs delayed, "
-        "tensorwise and blockwise); set device: cpu, or another fp8_recipe");
-  }
   if (setup.precision.family != Fp8Family::Ocp) {
     throw ConfigError(
         "fp8_dtype_family: fnuz: the GPU path's GEMMs (cuBLASLt) take the OCP formats; set "

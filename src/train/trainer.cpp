@@ -231,6 +231,12 @@ TrainOutcome run_training(const TrainConfig& config) {
              double(ParameterSet::planned_bytes(model_config, DType::F32)) / 4e6);
   fmt::print("precision: {}; {}\n", describe(setup.precision.fp8),
              precision_summary(engine->linear_precision()));
+  if (cuda && setup.precision.fp8.mode != Fp8Mode::None &&
+      setup.precision.fp8.recipe == ScalingRecipe::Mxfp8) {
+    fmt::print(
+        "precision: mxfp8 is emulated on this GPU (no MX GEMM before Blackwell): operands are "
+        "quantized to MXFP8, dequantized to bf16 and multiplied by BF16 GEMMs\n");
+  }
   fmt::print(
       "batch: {} x {} tokens per micro-batch, {} micro-batch(es) per step, {} tokens per "
       "step; {} steps\n",

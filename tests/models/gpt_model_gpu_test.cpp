@@ -185,6 +185,7 @@ INSTANTIATE_TEST_SUITE_P(
                       std::make_pair(Fp8Mode::Hybrid, ScalingRecipe::Tensorwise),
                       std::make_pair(Fp8Mode::Hybrid, ScalingRecipe::Delayed),
                       std::make_pair(Fp8Mode::Hybrid, ScalingRecipe::Blockwise),
+                      std::make_pair(Fp8Mode::Hybrid, ScalingRecipe::Mxfp8),
                       std::make_pair(Fp8Mode::E4M3, ScalingRecipe::Tensorwise)),
     [](const auto& test_param) {
       return fmt::format("{}_{}", mode_name(test_param.param.first),

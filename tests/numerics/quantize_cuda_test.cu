@@ -408,6 +408,24 @@ TYPED_TEST(CudaQuantize, BlockScalingsMatchReference) {
             EXPECT_IDENTICAL(out_t.download(), expected_t, where << " transposed");
             EXPECT_IDENTICAL(scales_t.download(), expected_scales_t, where << " transposed scales");
             EXPECT_IDENTICAL(restored.download(), expected_restored, where << " dequantized");
+
+            // The bf16 dequantization (the emulated MXFP8 GEMMs' operands): the fp32 value
+            // rounded once; exact for E8M0 scales.
+            DeviceBuffer<bf16> restored_bf16(count);
+            cuda::dequantize_blocks(out.get(), shape.rows, shape.cols, spec, scales.get(),
+                                    restored_bf16.get(), nullptr);
+            // Compared as floats (bf16 widens exactly) so that any two NaNs are equal.
+            std::vector<float> got_bf16, want_bf16;
+            int64_t inexact = 0;
+            for (size_t i = 0; i < count; ++i) {
+              const float value = expected_restored[i];
+              want_bf16.push_back(bf16_to_float(float_to_bf16(value)));
+              if (!std::isnan(value) && want_bf16.back() != value) ++inexact;
+            }
+            for (const bf16 value : restored_bf16.download())
+              got_bf16.push_back(bf16_to_float(value));
+            EXPECT_IDENTICAL(got_bf16, want_bf16, where << " dequantized to bf16");
+            if (scaling == BlockScaling::Mx1x32) EXPECT_EQ(inexact, 0) << where;
           }
         }
       }

@@ -300,15 +300,22 @@ void CudaGptModel::lay_out() {
     b.fp8_scratch.input = scratch.take<uint8_t>(N * max_in);
     b.fp8_scratch.grad_output = scratch.take<uint8_t>(N * max_out);
     b.fp8_scratch.grad_output_t = scratch.take<uint8_t>(N * max_out);
-    if (precision_.fp8.recipe == ScalingRecipe::Blockwise) {
+    const ScalingRecipe recipe = precision_.fp8.recipe;
+    if (recipe == ScalingRecipe::Blockwise || recipe == ScalingRecipe::Mxfp8) {
       const auto floats = static_cast<size_t>(
           kernels::block_scratch_floats(tokens_, static_cast<int64_t>(std::max(max_in, max_out))));
-      for (float** buffer :
-           {&b.fp8_scratch.grid, &b.fp8_scratch.grid_t, &b.fp8_scratch.input_scales,
-            &b.fp8_scratch.grad_output_scales, &b.fp8_scratch.grad_output_t_scales}) {
+      for (float** buffer : {&b.fp8_scratch.input_scales, &b.fp8_scratch.grad_output_scales,
+                             &b.fp8_scratch.grad_output_t_scales}) {
         *buffer = scratch.take<float>(floats);
       }
-      b.fp8_scratch.grad_input = scratch.take<bf16>(N * max_in);
+      if (recipe == ScalingRecipe::Blockwise) {
+        b.fp8_scratch.grid = scratch.take<float>(floats);
+        b.fp8_scratch.grid_t = scratch.take<float>(floats);
+        b.fp8_scratch.grad_input = scratch.take<bf16>(N * max_in);
+      } else {  // the emulated GEMMs' bf16 operands
+        b.fp8_scratch.dequantized_lhs = scratch.take<bf16>(N * std::max(max_in, max_out));
+        b.fp8_scratch.dequantized_rhs = scratch.take<bf16>(N * max_in);
+      }
     }
   }
 }

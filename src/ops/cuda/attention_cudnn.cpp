@@ -26,6 +26,7 @@
 
 #include "core/device_buffer.h"
 #include "core/error.h"
+#include "core/phase_timer.h"
 
 namespace fp8t::ops::cuda {
 
@@ -203,6 +204,7 @@ int64_t CudnnAttention::cudnn_version() {
 
 void CudnnAttention::forward(bf16* out, float* stats, const bf16* q, const bf16* k, const bf16* v,
                              const AttentionShape& shape, float scale, cudaStream_t stream) {
+  const PhaseScope timed(StepPhase::Attention, stream);
   check_shape(shape, scale);
   FP8T_CHECK(out && stats && q && k && v, "expected non-null pointers ({})",
              describe(shape, scale));
@@ -243,6 +245,7 @@ void CudnnAttention::forward(bf16* out, float* stats, const bf16* q, const bf16*
 void CudnnAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, const bf16* q,
                               const bf16* k, const bf16* v, const bf16* out, const float* stats,
                               const AttentionShape& shape, float scale, cudaStream_t stream) {
+  const PhaseScope timed(StepPhase::Attention, stream);
   check_shape(shape, scale);
   FP8T_CHECK(dq && dk && dv && dout && q && k && v && out && stats,
              "expected non-null pointers ({})", describe(shape, scale));

@@ -6,6 +6,7 @@
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "core/phase_timer.h"
 #include "numerics/quantize_cuda.h"
 #include "ops/cuda/gpt_gates.h"
 #include "ops/cuda/ops_cuda.h"
@@ -17,6 +18,7 @@ namespace {
 // cuBLASLt's FP8 GEMMs want every reduced dimension and every FP8 row a multiple of 16.
 constexpr int64_t kFp8Multiple = 16;
 constexpr int64_t kBlock = 128;
+constexpr int64_t kMxBlock = 32;
 
 int64_t blocks_of(int64_t count) {
   return (count + kBlock - 1) / kBlock;
@@ -29,12 +31,17 @@ int64_t row_block_floats(int64_t rows, int64_t k) {
 int64_t tile_floats(int64_t rows, int64_t k) {
   return blocks_of(rows) * ((blocks_of(k) + 3) / 4 * 4);
 }
+// Floats that hold an MXFP8 operand's E8M0 scales ([rows, ceil(k / 32)] bytes).
+int64_t mx_scale_floats(int64_t rows, int64_t k) {
+  return (rows * ((k + kMxBlock - 1) / kMxBlock) + 3) / 4;
+}
 
 }  // namespace
 
 int64_t block_scratch_floats(int64_t max_tokens, int64_t max_features) {
-  return std::max(row_block_floats(max_tokens, max_features),
-                  row_block_floats(max_features, max_tokens));
+  return std::max(
+      {row_block_floats(max_tokens, max_features), row_block_floats(max_features, max_tokens),
+       mx_scale_floats(max_tokens, max_features), mx_scale_floats(max_features, max_tokens)});
 }
 
 CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
@@ -50,10 +57,7 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
     return;
   }
   const ScalingRecipe recipe = setup.fp8_config.recipe;
-  FP8T_CHECK(recipe == ScalingRecipe::Delayed || recipe == ScalingRecipe::Tensorwise ||
-                 recipe == ScalingRecipe::Blockwise,
-             "the GPU FP8 linear runs the delayed, tensorwise and blockwise recipes, not {}",
-             recipe_name(recipe));
+  static_cast<void>(recipe);  // every recipe runs: mxfp8 emulated
   FP8T_CHECK(setup.family == Fp8Family::Ocp,
              "cuBLASLt's FP8 GEMMs take the OCP formats (e4m3, e5m2), not fnuz");
   FP8T_CHECK(
@@ -73,11 +77,29 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
                "a linear can share the input quantization only of an FP8 linear of the same input "
                "that quantizes it itself");
   }
+  FP8T_CHECK(!mx() || (in % kMxBlock == 0 && out % kMxBlock == 0),
+             "an MXFP8 linear needs features that are multiples of {}, found [{} -> {}]", kMxBlock,
+             in, out);
   weight_fp8_ = std::make_unique<DeviceBuffer<uint8_t>>(weight_count);
   weight_fp8_t_ = std::make_unique<DeviceBuffer<uint8_t>>(weight_count);
   if (setup.fp8_wgrad && setup.input_from == nullptr) {
     saved_input_t_ =
         std::make_unique<DeviceBuffer<uint8_t>>(static_cast<size_t>(in) * setup.max_tokens);
+  }
+  if (mx()) {
+    FP8T_CHECK(scratch.input_scales != nullptr && scratch.grad_output_scales != nullptr &&
+                   scratch.grad_output_t_scales != nullptr && scratch.dequantized_lhs != nullptr &&
+                   scratch.dequantized_rhs != nullptr,
+               "an MXFP8 linear needs the block-scale and dequantization scratch");
+    const auto floats = [](int64_t count) { return static_cast<size_t>(count); };
+    weight_bf16_ = std::make_unique<DeviceBuffer<bf16>>(weight_count);
+    weight_t_bf16_ = std::make_unique<DeviceBuffer<bf16>>(weight_count);
+    weight_scales_ = std::make_unique<DeviceBuffer<float>>(floats(mx_scale_floats(out, in)));
+    weight_t_scales_ = std::make_unique<DeviceBuffer<float>>(floats(mx_scale_floats(in, out)));
+    if (saved_input_t_) {
+      saved_input_t_scales_ =
+          std::make_unique<DeviceBuffer<float>>(floats(mx_scale_floats(in, setup.max_tokens)));
+    }
   }
   if (blockwise()) {
     FP8T_CHECK(scratch.grid != nullptr && scratch.grid_t != nullptr &&
@@ -96,7 +118,9 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
 
 size_t CudaLinear::device_bytes() const {
   size_t bytes = 0;
-  if (weight_bf16_) bytes += weight_bf16_->bytes();
+  for (const auto* buffer : {&weight_bf16_, &weight_t_bf16_}) {
+    if (*buffer) bytes += (*buffer)->bytes();
+  }
   for (const auto* buffer : {&weight_fp8_, &weight_fp8_t_, &saved_input_t_}) {
     if (*buffer) bytes += (*buffer)->bytes();
   }
@@ -110,8 +134,15 @@ template <typename T>
 void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole role, uint8_t* out,
                           uint8_t* out_t, bool record_amax, cudaStream_t stream, float* scales,
                           float* scales_t) {
+  const PhaseScope timed(StepPhase::Quantization, stream);
   const Fp8Config& config = setup_.fp8_config;
   const Fp8Format format = config.format_for(role, setup_.family);
+  if (mx()) {  // E8M0 bytes straight into the scale buffers: only the dequantization reads them
+    const BlockQuantization spec{BlockScaling::Mx1x32, format};
+    fp8t::cuda::quantize_blocks(x, rows, cols, spec, out, scales, out_t,
+                                out_t != nullptr ? scales_t : nullptr, stream);
+    return;
+  }
   if (blockwise()) {
     const bool tiles = role == TensorRole::Weight;
     const BlockQuantization spec{tiles ? BlockScaling::Tile128x128 : BlockScaling::Rows1x128,
@@ -165,15 +196,30 @@ gemm::Fp8Operand CudaLinear::operand(const uint8_t* data, int64_t ld, TensorRole
   return result;
 }
 
+void CudaLinear::dequantize_mx(const uint8_t* data, const float* scales, int64_t rows, int64_t cols,
+                               TensorRole role, bf16* out, cudaStream_t stream) const {
+  const PhaseScope timed(StepPhase::Quantization, stream);
+  const BlockQuantization spec{BlockScaling::Mx1x32,
+                               setup_.fp8_config.format_for(role, setup_.family)};
+  fp8t::cuda::dequantize_blocks(data, rows, cols, spec, scales, out, stream);
+}
+
 void CudaLinear::prepare_weight(const float* weight, bool record_amax, cudaStream_t stream) {
   const int64_t in = setup_.in_features, out = setup_.out_features;
   if (!setup_.fp8) {
+    const PhaseScope timed(StepPhase::Quantization, stream);
     cast_to_bf16(weight_bf16_->get(), weight, in * out, stream);
     return;
   }
   quantize(weight, out, in, TensorRole::Weight, weight_fp8_->get(), weight_fp8_t_->get(),
            record_amax, stream, weight_scales_ ? weight_scales_->get() : nullptr,
            weight_t_scales_ ? weight_t_scales_->get() : nullptr);
+  if (mx()) {
+    dequantize_mx(weight_fp8_->get(), weight_scales_->get(), out, in, TensorRole::Weight,
+                  weight_bf16_->get(), stream);
+    dequantize_mx(weight_fp8_t_->get(), weight_t_scales_->get(), in, out, TensorRole::Weight,
+                  weight_t_bf16_->get(), stream);
+  }
 }
 
 void CudaLinear::forward(const bf16* x, int64_t tokens, bf16* y, bool record_amax,
@@ -195,6 +241,13 @@ void CudaLinear::forward(const bf16* x, int64_t tokens, bf16* y, bool record_ama
     quantize(x, tokens, in, TensorRole::Input, scratch_.input,
              saved_input_t_ ? saved_input_t_->get() : nullptr, record_amax, stream,
              scratch_.input_scales, saved_input_t_scales_ ? saved_input_t_scales_->get() : nullptr);
+  }
+  if (mx()) {
+    dequantize_mx(scratch_.input, scratch_.input_scales, tokens, in, TensorRole::Input,
+                  scratch_.dequantized_lhs, stream);
+    gemm_.bf16_gemm(gemm::Bf16Form::XWt, tokens, out, in, scratch_.dequantized_lhs, in,
+                    weight_bf16_->get(), in, output, stream);
+    return;
   }
   // Block scales need split accumulation on sm_90 (cuBLASLt has no fast variant there).
   gemm_.fp8_gemm(
@@ -239,6 +292,11 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
              fp8_wgrad ? scratch_.grad_output_t : nullptr, record_amax, stream,
              scratch_.grad_output_scales, scratch_.grad_output_t_scales);
   }
+  if (mx()) {
+    mx_backward(tokens, grad_input, fp8_wgrad ? &grad_weight : nullptr, stream);
+    if (dweight != nullptr && !fp8_wgrad) bf16_wgrad();
+    return;
+  }
   if (dx != nullptr) {  // dx[tokens, in] = dŷ[tokens, out] · (Ŵᵗ[in, out])ᵀ
     // beta = 1 on a block-scaled GEMM is untried on sm_90: a sum of dgrads goes through the
     // scratch and one add instead.
@@ -271,6 +329,27 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
               scratch_.grad_output_t_scales),
       owner.operand(owner.saved_input_t_->get(), tokens, TensorRole::Input, saved_scales),
       grad_weight, /*fast_accumulation=*/false, stream);
+}
+
+void CudaLinear::mx_backward(int64_t tokens, const gemm::GemmOutput& grad_input,
+                             const gemm::GemmOutput* grad_weight, cudaStream_t stream) {
+  const int64_t in = setup_.in_features, out = setup_.out_features;
+  bf16* lhs = scratch_.dequantized_lhs;
+  if (grad_input.data != nullptr) {  // dx[tokens, in] = dŷ[tokens, out] · (Ŵᵗ[in, out])ᵀ
+    dequantize_mx(scratch_.grad_output, scratch_.grad_output_scales, tokens, out,
+                  TensorRole::GradOutput, lhs, stream);
+    gemm_.bf16_gemm(gemm::Bf16Form::XWt, tokens, in, out, lhs, out, weight_t_bf16_->get(), out,
+                    grad_input, stream);
+  }
+  if (grad_weight == nullptr) return;
+  // dW[out, in] += dŷᵗ[out, tokens] · (x̂ᵗ[in, tokens])ᵀ
+  const CudaLinear& owner = input_owner();
+  dequantize_mx(scratch_.grad_output_t, scratch_.grad_output_t_scales, out, tokens,
+                TensorRole::GradOutput, lhs, stream);
+  dequantize_mx(owner.saved_input_t_->get(), owner.saved_input_t_scales_->get(), in, tokens,
+                TensorRole::Input, scratch_.dequantized_rhs, stream);
+  gemm_.bf16_gemm(gemm::Bf16Form::XWt, out, in, tokens, lhs, tokens, scratch_.dequantized_rhs,
+                  tokens, *grad_weight, stream);
 }
 
 template void CudaLinear::quantize<float>(const float*, int64_t, int64_t, TensorRole, uint8_t*,

@@ -12,6 +12,10 @@
 // tensorwise derives each scale from the tensor's own amax on the device; delayed reads the
 // scale its history gave and records the amax, which the model folds into the history at the
 // end of the step.
+//
+// MXFP8 (1x32 blocks, E8M0 scales) is emulated: Hopper has no MX GEMM, so each operand is
+// quantized as the recipe says, dequantized to bf16 (exact: FP8 values times powers of two) and
+// multiplied by a BF16 GEMM with fp32 accumulation. The numbers are MXFP8's; the speed is not.
 #pragma once
 
 #include <cstddef>
@@ -50,9 +54,15 @@ struct Fp8Scratch {
   float* grad_output_scales = nullptr;
   float* grad_output_t_scales = nullptr;
   bf16* grad_input = nullptr;  // blockwise dgrads that add: >= max_tokens * largest in_features
+  // MXFP8 only: the two operands of an emulated GEMM, dequantized to bf16; lhs >= max_tokens *
+  // the largest feature count, rhs >= max_tokens * the largest in_features. The scale buffers
+  // above hold E8M0 bytes.
+  bf16* dequantized_lhs = nullptr;
+  bf16* dequantized_rhs = nullptr;
 };
 
-// Floats of each blockwise scale buffer of Fp8Scratch, for tokens and the largest feature count.
+// Floats of each block-scale buffer of Fp8Scratch (blockwise fp32 scales or MXFP8 E8M0 bytes),
+// for tokens and the largest feature count.
 int64_t block_scratch_floats(int64_t max_tokens, int64_t max_features);
 
 struct LinearSetup {
@@ -75,9 +85,10 @@ struct LinearSetup {
 
 class CudaLinear {
  public:
-  // Allocates the weight copy (bf16, or FP8 Ŵ and Ŵᵗ) and, for FP8 with fp8_wgrad, the saved
-  // x̂ᵗ [in, max_tokens]. Throws for shapes cuBLASLt's FP8 GEMMs cannot take (features and
-  // tokens must be multiples of 16) and for recipes other than delayed and tensorwise.
+  // Allocates the weight copy (bf16, or FP8 Ŵ and Ŵᵗ, and for MXFP8 their bf16 dequantizations)
+  // and, for FP8 with fp8_wgrad, the saved x̂ᵗ [in, max_tokens]. Throws for shapes cuBLASLt's
+  // FP8 GEMMs cannot take (features and tokens must be multiples of 16; 32 for MXFP8's
+  // features) and for the fnuz family.
   CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm, const Fp8Scratch& scratch);
 
   // Once per optimizer step, before the first forward: the weight [out, in] fp32 cast to the
@@ -112,6 +123,14 @@ class CudaLinear {
   gemm::Fp8Operand operand(const uint8_t* data, int64_t ld, TensorRole role,
                            const float* scales = nullptr) const;
   bool blockwise() const { return setup_.fp8_config.recipe == ScalingRecipe::Blockwise; }
+  bool mx() const { return setup_.fp8_config.recipe == ScalingRecipe::Mxfp8; }
+  // MXFP8's dgrad (grad_input.data null: none) and wgrad (null: none) on the quantized dŷ and
+  // dŷᵗ in the scratch, as BF16 GEMMs of the dequantized operands.
+  void mx_backward(int64_t tokens, const gemm::GemmOutput& grad_input,
+                   const gemm::GemmOutput* grad_weight, cudaStream_t stream);
+  // MXFP8: data [rows, cols] with its E8M0 scales dequantized to bf16 into out.
+  void dequantize_mx(const uint8_t* data, const float* scales, int64_t rows, int64_t cols,
+                     TensorRole role, bf16* out, cudaStream_t stream) const;
   // The layer whose input quantization this one reads: itself, or setup.input_from.
   const CudaLinear& input_owner() const {
     return setup_.input_from != nullptr ? *setup_.input_from : *this;
@@ -120,11 +139,13 @@ class CudaLinear {
   LinearSetup setup_;
   gemm::CublasLtGemm& gemm_;
   Fp8Scratch scratch_;
-  std::unique_ptr<DeviceBuffer<bf16>> weight_bf16_;       // BF16: [out, in]
+  std::unique_ptr<DeviceBuffer<bf16>> weight_bf16_;       // BF16: [out, in]; MXFP8: Ŵ in bf16
+  std::unique_ptr<DeviceBuffer<bf16>> weight_t_bf16_;     // MXFP8: Ŵᵗ [in, out] in bf16
   std::unique_ptr<DeviceBuffer<uint8_t>> weight_fp8_;     // FP8: Ŵ [out, in]
   std::unique_ptr<DeviceBuffer<uint8_t>> weight_fp8_t_;   // FP8: Ŵᵗ [in, out]
   std::unique_ptr<DeviceBuffer<uint8_t>> saved_input_t_;  // FP8 wgrad: x̂ᵗ [in, max_tokens]
-  // Blockwise: the scales of Ŵ, Ŵᵗ and the saved x̂ᵗ, in the GEMMs' layouts.
+  // Blockwise: the scales of Ŵ, Ŵᵗ and the saved x̂ᵗ, in the GEMMs' layouts (MXFP8: E8M0
+  // bytes, row-major over the blocks).
   std::unique_ptr<DeviceBuffer<float>> weight_scales_, weight_t_scales_, saved_input_t_scales_;
 };
 
