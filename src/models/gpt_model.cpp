@@ -5,6 +5,7 @@
 #include <cstring>
 #include <random>
 
+#include "models/fp8_layers.h"
 #include "ops/attention.h"
 #include "ops/cross_entropy.h"
 #include "ops/elementwise.h"
@@ -29,13 +30,6 @@ void add(float* out, const float* a, const float* b, int64_t n) {
 }
 
 }  // namespace
-
-GptPrecision GptPrecision::fp32_reference() {
-  GptPrecision precision;
-  precision.fp8.mode = Fp8Mode::None;
-  precision.policy.mode = Fp8Mode::None;
-  return precision;
-}
 
 GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
                    const GptPrecision& precision)
@@ -174,35 +168,19 @@ void GptModel::linear_backward(Linear& layer, const float* dy, const float* x, f
 }
 
 void GptModel::end_step() {
-  for (auto& [name, layer] : linears_) {
-    if (layer.fp8) layer.fp8->end_step();
-  }
+  end_fp8_step(linears_);
 }
 
 void GptModel::set_training(bool training) {
-  for (auto& [name, layer] : linears_) {
-    if (layer.fp8) layer.fp8->set_record_amax(training);
-  }
+  record_fp8_amaxes(linears_, training);
 }
 
 void GptModel::weights_changed() {
-  for (auto& [name, layer] : linears_) {
-    if (layer.fp8) layer.fp8->invalidate_weight_cache();
-  }
+  invalidate_fp8_weights(linears_);
 }
 
 std::vector<std::pair<std::string, DelayedScaling*>> GptModel::delayed_scalings() {
-  std::vector<std::pair<std::string, DelayedScaling*>> scalings;
-  constexpr std::pair<TensorRole, const char*> kRoles[] = {{TensorRole::Input, "input"},
-                                                           {TensorRole::Weight, "weight"},
-                                                           {TensorRole::GradOutput, "grad_output"}};
-  for (auto& [name, layer] : linears_) {  // std::map: ordered by name
-    if (!layer.fp8 || !layer.fp8->has_delayed_scaling()) continue;
-    for (const auto& [role, role_name] : kRoles) {
-      scalings.emplace_back(name + "." + role_name, &layer.fp8->delayed_scaling(role));
-    }
-  }
-  return scalings;
+  return fp8_delayed_scalings(linears_);
 }
 
 double GptModel::forward(const int32_t* idx, const int32_t* targets) {

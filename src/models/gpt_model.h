@@ -20,17 +20,7 @@
 
 namespace fp8t {
 
-// How the linears compute: FP8 per the precision policy, the others on fp32 or bf16 operands.
-struct GptPrecision {
-  Fp8Config fp8;                      // fp8: none keeps every linear out of FP8
-  Fp8Family family = Fp8Family::Ocp;  // resolved for the platform
-  PrecisionOptions policy;            // which linears may be FP8
-  bool fp8_wgrad = true;
-  ops::LinearOperands other_linears = ops::LinearOperands::Fp32;
-
-  // Everything in fp32: the reference the golden file is compared with.
-  static GptPrecision fp32_reference();
-};
+using GptPrecision = ModelPrecision;
 
 // nanochat's initialization (MODELS.md) of every parameter, from a seed: the same values on
 // the CPU and the GPU path.

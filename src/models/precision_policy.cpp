@@ -12,6 +12,13 @@
 
 namespace fp8t {
 
+ModelPrecision ModelPrecision::fp32_reference() {
+  ModelPrecision precision;
+  precision.fp8.mode = Fp8Mode::None;
+  precision.policy.mode = Fp8Mode::None;
+  return precision;
+}
+
 namespace {
 
 bool in_edge_layers(int layer, int n_layer, const PrecisionOptions& options) {

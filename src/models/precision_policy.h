@@ -8,6 +8,7 @@
 
 #include "models/gpt_config.h"
 #include "numerics/scaling.h"
+#include "ops/linear.h"
 
 namespace fp8t {
 
@@ -29,6 +30,19 @@ struct PrecisionOptions {
 
 // mode and recipe from the fp8 configuration; the filter options at their defaults.
 PrecisionOptions precision_options(const Fp8Config& config);
+
+// How a model's linears compute (the GPT's and the Flux's alike): FP8 per the precision policy,
+// the others on fp32 or bf16 operands.
+struct ModelPrecision {
+  Fp8Config fp8;                      // fp8: none keeps every linear out of FP8
+  Fp8Family family = Fp8Family::Ocp;  // resolved for the platform
+  PrecisionOptions policy;            // which linears may be FP8
+  bool fp8_wgrad = true;
+  ops::LinearOperands other_linears = ops::LinearOperands::Fp32;
+
+  // Everything in fp32: the reference golden files and FP8 runs are compared with.
+  static ModelPrecision fp32_reference();
+};
 
 struct LinearPrecision {
   LinearSpec linear;

@@ -20,8 +20,8 @@ void check_attention_shape(const AttentionShape& shape) {
              "expected heads a positive multiple of kv_heads ({}), found {}", shape.kv_heads,
              shape.heads);
   FP8T_CHECK(shape.head_dim > 0, "expected head_dim > 0, found {}", shape.head_dim);
-  FP8T_CHECK(shape.window >= 0, "expected window >= 0 (>= seq_len for full causal), found {}",
-             shape.window);
+  FP8T_CHECK(!shape.causal || shape.window >= 0,
+             "expected window >= 0 (>= seq_len for full causal), found {}", shape.window);
 }
 
 // Row offsets into the [batch, seq_len, heads, head_dim] tensors and the [batch, heads,
@@ -39,7 +39,11 @@ struct AttentionIndex {
     return (b * shape.heads + h) * shape.seq_len + t;
   }
   int64_t kv_head_of(int64_t h) const { return h / (shape.heads / shape.kv_heads); }
-  int64_t first_key(int64_t t) const { return std::max<int64_t>(0, t - shape.window); }
+  // The keys query t sees: first_key(t) .. last_key(t).
+  int64_t first_key(int64_t t) const {
+    return shape.causal ? std::max<int64_t>(0, t - shape.window) : 0;
+  }
+  int64_t last_key(int64_t t) const { return shape.causal ? t : shape.seq_len - 1; }
 };
 
 // Both passes work on tiles of kQueryTile queries of one head against the keys the tile sees,
@@ -55,7 +59,7 @@ struct AttentionTile {
 AttentionTile tile_at(const AttentionIndex& index, int64_t t0) {
   const int64_t rows = std::min(kQueryTile, index.shape.seq_len - t0);
   const int64_t k0 = index.first_key(t0);
-  return {t0, rows, k0, t0 + rows - k0};
+  return {t0, rows, k0, index.last_key(t0 + rows - 1) + 1 - k0};
 }
 
 // probabilities[r, j] = exp(scale * q_r . k_j - lse_r) for the keys query r sees, else 0; with
@@ -70,7 +74,7 @@ void tile_probabilities(T* probabilities, const AttentionIndex& index, const Att
   for (int64_t r = 0; r < tile.rows; ++r) {
     T* row = probabilities + r * tile.keys;
     const int64_t t = tile.t0 + r;
-    const int64_t first = index.first_key(t) - tile.k0, last = t - tile.k0;
+    const int64_t first = index.first_key(t) - tile.k0, last = index.last_key(t) - tile.k0;
     std::fill(row, row + first, T(0));
     std::fill(row + last + 1, row + tile.keys, T(0));
     T offset;

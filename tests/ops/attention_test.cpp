@@ -15,15 +15,17 @@ using ops::AttentionShape;
 using test::TestRng;
 
 // Odd sizes; kv heads shared by all query heads, by none, and by pairs (4 over 2, where
-// h / group and h % kv_heads differ); windows 0, 1, 2, seq_len - 1 and past seq_len.
+// h / group and h % kv_heads differ); windows 0, 1, 2, seq_len - 1 and past seq_len; and
+// without the causal mask (where the window of 0 must not matter).
 const AttentionShape kShapes[] = {
-    {2, 5, 3, 1, 8, 0},   {2, 7, 2, 2, 6, 1}, {2, 7, 3, 3, 6, 2}, {2, 5, 2, 1, 8, 4},
-    {2, 7, 3, 1, 6, 100}, {2, 7, 4, 2, 6, 2}, {1, 1, 2, 1, 4, 0},
+    {2, 5, 3, 1, 8, 0}, {2, 7, 2, 2, 6, 1},        {2, 7, 3, 3, 6, 2},
+    {2, 5, 2, 1, 8, 4}, {2, 7, 3, 1, 6, 100},      {2, 7, 4, 2, 6, 2},
+    {1, 1, 2, 1, 4, 0}, {2, 5, 3, 3, 8, 0, false}, {2, 7, 4, 2, 6, 0, false},
 };
 
 std::string describe(const AttentionShape& s) {
-  return fmt::format("B {} T {} H {} Hkv {} D {} window {}", s.batch, s.seq_len, s.heads,
-                     s.kv_heads, s.head_dim, s.window);
+  return fmt::format("B {} T {} H {} Hkv {} D {} window {}{}", s.batch, s.seq_len, s.heads,
+                     s.kv_heads, s.head_dim, s.window, s.causal ? "" : " not causal");
 }
 
 size_t q_size(const AttentionShape& s) {
@@ -61,7 +63,7 @@ void naive_attention(std::vector<double>& out, std::vector<double>& lse, const I
       const int64_t kv_head = h / group;
       for (int64_t t = 0; t < T; ++t) {
         for (int64_t j = 0; j < T; ++j) {
-          const bool visible = j <= t && t - j <= s.window;
+          const bool visible = !s.causal || (j <= t && t - j <= s.window);
           long double score = -std::numeric_limits<long double>::infinity();
           if (visible) {
             score = 0.0L;
@@ -142,6 +144,31 @@ TEST(OpsAttention, WindowZeroSeesOnlyItselfAndWindowsPastTheSequenceAreFullCausa
   }
 }
 
+// Without the mask, over two query tiles (the tiles of a causal pass see only their own
+// keys and those before): every query sees every key, whatever the window, and the first
+// query is no longer its own value.
+TEST(OpsAttention, NotCausalSeesEveryKeyAcrossQueryTiles) {
+  TestRng rng;
+  SCOPED_TRACE(rng.trace());
+  AttentionShape s{2, 70, 2, 1, 4, 0, false};
+  const Inputs in = random_inputs(rng, s);
+  const double scale = default_scale(s);
+  std::vector<double> out(q_size(s)), lse(lse_size(s));
+  ops::attention_forward(out.data(), lse.data(), in.q.data(), in.k.data(), in.v.data(), s, scale);
+  std::vector<double> expected_out(q_size(s)), expected_lse(lse_size(s));
+  naive_attention(expected_out, expected_lse, in, s, scale);
+  test::expect_near_relative(out, expected_out, 1e-12, 1e-3, "out");
+  test::expect_near_relative(lse, expected_lse, 1e-12, 1e-3, "lse");
+  EXPECT_NE(out[0], in.v[0]);
+
+  s.window = 3;
+  std::vector<double> windowed(q_size(s)), windowed_lse(lse_size(s));
+  ops::attention_forward(windowed.data(), windowed_lse.data(), in.q.data(), in.k.data(),
+                         in.v.data(), s, scale);
+  EXPECT_EQ(windowed, out);
+  EXPECT_EQ(windowed_lse, lse);
+}
+
 TEST(OpsAttention, GradientMatchesFiniteDifferences) {
   TestRng rng;
   SCOPED_TRACE(rng.trace());
@@ -182,7 +209,7 @@ TEST(OpsAttention, BackwardAccumulates) {
 TEST(OpsAttention, FloatMatchesDouble) {
   TestRng rng;
   SCOPED_TRACE(rng.trace());
-  for (const AttentionShape& s : {kShapes[0], kShapes[4]}) {
+  for (const AttentionShape& s : {kShapes[0], kShapes[4], kShapes[8]}) {
     SCOPED_TRACE(describe(s));
     const Inputs in = random_inputs(rng, s);
     const float scale = static_cast<float>(default_scale(s));  // the same value in both runs

@@ -75,6 +75,9 @@ void check_shape(const AttentionShape& s, float scale) {
   FP8T_CHECK(s.heads % s.kv_heads == 0, "expected kv_heads to divide heads, found {}",
              describe(s, scale));
   FP8T_CHECK(s.window >= 0, "expected window >= 0, found {}", describe(s, scale));
+  // The graphs below are built causal; Flux's unmasked attention is not wired to them yet.
+  FP8T_CHECK(s.causal, "cuDNN attention: only causal attention is built, found {}",
+             describe(s, scale));
 }
 
 // window >= seq_len - 1 is plain causal; a narrower one is cuDNN's diagonal band, which keeps

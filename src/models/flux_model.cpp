@@ -1,0 +1,962 @@
+#include "models/flux_model.h"
+
+#include <algorithm>
+#include <array>
+#include <cmath>
+#include <cstring>
+#include <initializer_list>
+#include <random>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "models/fp8_layers.h"
+#include "ops/attention.h"
+#include "ops/flux_rope.h"
+#include "ops/gelu.h"
+#include "ops/layernorm.h"
+#include "ops/modulation.h"
+#include "ops/rmsnorm.h"
+#include "ops/timestep.h"
+
+namespace fp8t {
+
+// BFL's QKNorm is an RMSNorm with eps 1e-6, not the machine epsilon of nanochat's norm.
+constexpr float kQkNormEps = 1e-6f;
+
+// The sizes every buffer is planned from.
+struct FluxDims {
+  int64_t batch, img_tokens, txt_tokens;
+  int64_t tokens;  // per sample: the joint [txt; img] sequence
+  int64_t hidden, heads, head_dim, mlp_hidden;
+  int64_t in_channels, context_in_dim, vec_in_dim, timestep_dim;
+  bool guidance;
+  int double_blocks, single_blocks;
+};
+
+// One MLPEmbedder (time_in, vector_in, guidance_in), [B, ·].
+struct FluxEmbedderActivations {
+  TensorView input;   // the in_layer's input: the sinusoid of t or guidance, or a copy of y
+  TensorView hidden;  // [B, C] in_layer's output, before SiLU
+  TensorView act;     // [B, C] after SiLU: out_layer's input
+};
+
+// The joint attention of a block over [txt; img]: [B, L, H, D] unless noted.
+struct FluxAttentionActivations {
+  TensorView q_normed, k_normed;  // RMS-normalized per head, before the learnable scale
+  TensorView q_rstd, k_rstd;      // [B, L, H]
+  TensorView q, k, v;             // the attention's inputs: q and k scaled and rotated
+  TensorView lse;                 // [B, H, L]
+};
+
+// One stream of a double block: [B, L_s, C] for its L_s tokens unless noted.
+struct FluxStreamActivations {
+  TensorView mod;                // [B, 6C]: shift1, scale1, gate1, shift2, scale2, gate2
+  TensorView norm1_rstd, norm1;  // [B, L_s] and LN(x)
+  TensorView modulated1;         // qkv's input
+  TensorView attn;               // this stream's part of the attention output: proj's input
+  TensorView proj;               // proj's output: the first gated branch
+  TensorView norm2_rstd, norm2;
+  TensorView modulated2;  // mlp.0's input
+  TensorView mlp_hidden;  // [B, L_s, M] before GELU
+  TensorView mlp_act;     // [B, L_s, M]: mlp.2's input
+  TensorView mlp_out;     // the second gated branch
+};
+
+struct FluxDoubleActivations {
+  FluxStreamActivations img, txt;
+  FluxAttentionActivations attention;
+};
+
+// A single block on the joint sequence: [B, L, C] unless noted.
+struct FluxSingleActivations {
+  TensorView mod;  // [B, 3C]: shift, scale, gate
+  TensorView norm_rstd, norm;
+  TensorView modulated;  // linear1's input
+  FluxAttentionActivations attention;
+  TensorView mlp_hidden;  // [B, L, M] before GELU
+  TensorView linear2_in;  // [B, L, C + M]: the attention output, then GELU(mlp_hidden)
+  TensorView out;         // linear2's output: the gated branch
+};
+
+// What forward saves for backward.
+struct FluxActivations {
+  TensorView img, txt;  // copies of the inputs of img_in and txt_in
+  FluxEmbedderActivations time_in, vector_in, guidance_in;
+  TensorView vec;      // [B, C]
+  TensorView vec_act;  // [B, C] SiLU(vec): the input of every modulation
+  std::vector<FluxDoubleActivations> double_blocks;
+  std::vector<FluxSingleActivations> single_blocks;
+  TensorView final_mod;  // [B, 2C]: shift, scale
+  TensorView final_norm_rstd, final_norm;
+  TensorView final_modulated;  // [B, L_img, C]: final_layer.linear's input
+
+  // Calls tensor(slot, shape) for every tensor above, in one place for sizing and allocation.
+  template <typename Visit>
+  void visit(const FluxDims& d, Visit&& tensor);
+};
+
+// Temporaries of one forward and backward. N = B·L rows hold any stream's tokens.
+struct FluxWorkspace {
+  TensorView img, txt, joint;  // residual streams [B, L_img, C], [B, L_txt, C], [B, L, C]
+  TensorView projection;       // [N, 3C + M]: a stream's qkv or linear1's output
+  TensorView q_raw, k_raw;     // [B, L, H, D] before the QK norm
+  TensorView attn;             // [B, L, C]: the attention output
+  TensorView embedding;        // [B, C]: one embedder's output
+  // Backward.
+  TensorView d_img, d_txt, d_joint;          // gradients of the residual streams
+  TensorView d_mod_img, d_mod_txt;           // [B, 6C]: of a double block's modulation outputs
+  TensorView d_vec_act, d_vec;               // [B, C]
+  TensorView d_embed_act, d_embed_hidden;    // [B, C]
+  TensorView d_branch, d_modulated, d_norm;  // [N, C]
+  TensorView d_mlp_act, d_mlp_hidden;        // [N, M]
+  TensorView d_projection;                   // [N, 3C + M]
+  TensorView d_linear2_in;                   // [N, C + M]
+  TensorView d_attn, dq, dk, dv, d_rotated, d_normed, dq_raw, dk_raw;  // [N, C]
+
+  template <typename Visit>
+  void visit(const FluxDims& d, Visit&& tensor);
+};
+
+template <typename Visit>
+void FluxActivations::visit(const FluxDims& d, Visit&& tensor) {
+  const int64_t B = d.batch, Li = d.img_tokens, Lt = d.txt_tokens, L = d.tokens;
+  const int64_t C = d.hidden, H = d.heads, D = d.head_dim, M = d.mlp_hidden;
+  tensor(img, {B, Li, d.in_channels});
+  tensor(txt, {B, Lt, d.context_in_dim});
+  const auto embedder = [&](FluxEmbedderActivations& saved, int64_t in) {
+    tensor(saved.input, {B, in});
+    tensor(saved.hidden, {B, C});
+    tensor(saved.act, {B, C});
+  };
+  embedder(time_in, d.timestep_dim);
+  embedder(vector_in, d.vec_in_dim);
+  if (d.guidance) embedder(guidance_in, d.timestep_dim);
+  tensor(vec, {B, C});
+  tensor(vec_act, {B, C});
+  const auto attention = [&](FluxAttentionActivations& saved) {
+    for (TensorView* view : {&saved.q_normed, &saved.k_normed, &saved.q, &saved.k, &saved.v})
+      tensor(*view, {B, L, H, D});
+    tensor(saved.q_rstd, {B, L, H});
+    tensor(saved.k_rstd, {B, L, H});
+    tensor(saved.lse, {B, H, L});
+  };
+  double_blocks.resize(static_cast<size_t>(d.double_blocks));
+  for (FluxDoubleActivations& block : double_blocks) {
+    for (const auto& [stream, Ls] : {std::pair{&block.img, Li}, std::pair{&block.txt, Lt}}) {
+      tensor(stream->mod, {B, 6 * C});
+      for (TensorView* view : {&stream->norm1_rstd, &stream->norm2_rstd})
+        tensor(*view, {B, Ls});
+      for (TensorView* view : {&stream->norm1, &stream->modulated1, &stream->attn, &stream->proj,
+                               &stream->norm2, &stream->modulated2, &stream->mlp_out}) {
+        tensor(*view, {B, Ls, C});
+      }
+      tensor(stream->mlp_hidden, {B, Ls, M});
+      tensor(stream->mlp_act, {B, Ls, M});
+    }
+    attention(block.attention);
+  }
+  single_blocks.resize(static_cast<size_t>(d.single_blocks));
+  for (FluxSingleActivations& block : single_blocks) {
+    tensor(block.mod, {B, 3 * C});
+    tensor(block.norm_rstd, {B, L});
+    for (TensorView* view : {&block.norm, &block.modulated, &block.out})
+      tensor(*view, {B, L, C});
+    attention(block.attention);
+    tensor(block.mlp_hidden, {B, L, M});
+    tensor(block.linear2_in, {B, L, C + M});
+  }
+  tensor(final_mod, {B, 2 * C});
+  tensor(final_norm_rstd, {B, Li});
+  tensor(final_norm, {B, Li, C});
+  tensor(final_modulated, {B, Li, C});
+}
+
+template <typename Visit>
+void FluxWorkspace::visit(const FluxDims& d, Visit&& tensor) {
+  const int64_t B = d.batch, N = d.batch * d.tokens, C = d.hidden, M = d.mlp_hidden;
+  for (TensorView* view : {&img, &d_img})
+    tensor(*view, {B * d.img_tokens, C});
+  for (TensorView* view : {&txt, &d_txt})
+    tensor(*view, {B * d.txt_tokens, C});
+  for (TensorView* view :
+       {&joint, &q_raw, &k_raw, &attn, &d_joint, &d_branch, &d_modulated, &d_norm, &d_attn, &dq,
+        &dk, &dv, &d_rotated, &d_normed, &dq_raw, &dk_raw}) {
+    tensor(*view, {N, C});
+  }
+  for (TensorView* view : {&projection, &d_projection})
+    tensor(*view, {N, 3 * C + M});
+  for (TensorView* view : {&embedding, &d_vec_act, &d_vec, &d_embed_act, &d_embed_hidden})
+    tensor(*view, {B, C});
+  for (TensorView* view : {&d_mod_img, &d_mod_txt})
+    tensor(*view, {B, 6 * C});
+  for (TensorView* view : {&d_mlp_act, &d_mlp_hidden})
+    tensor(*view, {N, M});
+  tensor(d_linear2_in, {N, C + M});
+}
+
+namespace {
+
+FluxDims flux_dims(const FluxConfig& config, int64_t batch, int64_t img_tokens,
+                   int64_t txt_tokens) {
+  return {batch,
+          img_tokens,
+          txt_tokens,
+          txt_tokens + img_tokens,
+          config.hidden_size,
+          config.num_heads,
+          config.head_dim(),
+          config.mlp_hidden(),
+          config.in_channels,
+          config.context_in_dim,
+          config.vec_in_dim,
+          config.timestep_dim(),
+          config.guidance_embed,
+          config.double_blocks,
+          config.single_blocks};
+}
+
+template <typename Tensors>
+size_t planned_bytes(const FluxDims& dims) {
+  Tensors sizing;
+  size_t bytes = 0;
+  sizing.visit(dims, [&](TensorView&, std::initializer_list<int64_t> shape) {
+    int64_t count = 1;
+    for (int64_t extent : shape)
+      count *= extent;
+    bytes += Arena::footprint(DType::F32, count);
+  });
+  return bytes;
+}
+
+template <typename Tensors>
+std::unique_ptr<Tensors> allocate(Arena& arena, const FluxDims& dims) {
+  auto tensors = std::make_unique<Tensors>();
+  tensors->visit(dims, [&](TensorView& slot, std::initializer_list<int64_t> shape) {
+    slot = arena.allocate(DType::F32, shape);
+  });
+  return tensors;
+}
+
+float* data(const TensorView& view) {
+  return view.data<float>();
+}
+
+void zero(const TensorView& view) {
+  std::memset(view.raw(), 0, view.bytes());
+}
+
+void add(float* out, const float* in, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    out[i] += in[i];
+}
+
+// BFL's MLPEmbedder and Modulation put SiLU (x·σ(x)) before their linears.
+float sigmoid(float x) {
+  return 1.0f / (1.0f + std::exp(-x));
+}
+
+void silu_forward(float* out, const float* in, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    out[i] = in[i] * sigmoid(in[i]);
+}
+
+// din += dout · σ(x)·(1 + x·(1 - σ(x))).
+void silu_backward(float* din, const float* dout, const float* in, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    const float s = sigmoid(in[i]);
+    din[i] += dout[i] * s * (1.0f + in[i] * (1.0f - s));
+  }
+}
+
+// Where a stream's tokens sit in a [batch, per_sample, stride] buffer: from row `first` of each
+// sample (in the joint sequence the image's tokens come after the text's).
+struct TokenRows {
+  int64_t per_sample;
+  int64_t first;
+  int64_t stride;
+};
+
+// to[b, to_rows.first + t, c] = from[b, from_rows.first + t, c] for t < tokens, c < width.
+void copy_tokens(float* to, const TokenRows& to_rows, const float* from, const TokenRows& from_rows,
+                 int64_t batch, int64_t tokens, int64_t width) {
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t t = 0; t < tokens; ++t) {
+      std::copy_n(from + (b * from_rows.per_sample + from_rows.first + t) * from_rows.stride, width,
+                  to + (b * to_rows.per_sample + to_rows.first + t) * to_rows.stride);
+    }
+  }
+}
+
+// out[b, t, h, :] = normed[b, t, h, :] · the QK-norm scale of token t's stream: the text's for
+// the first txt_tokens tokens of each sample, the image's after them.
+void scale_heads(float* out, const float* normed, const float* txt_scale, const float* img_scale,
+                 const FluxDims& d) {
+  const int64_t D = d.head_dim;
+  for (int64_t b = 0; b < d.batch; ++b) {
+    for (int64_t t = 0; t < d.tokens; ++t) {
+      const float* scale = t < d.txt_tokens ? txt_scale : img_scale;
+      for (int64_t h = 0; h < d.heads; ++h) {
+        const int64_t row = ((b * d.tokens + t) * d.heads + h) * D;
+        for (int64_t i = 0; i < D; ++i)
+          out[row + i] = normed[row + i] * scale[i];
+      }
+    }
+  }
+}
+
+// Writes dnormed = dout · scale; adds Σ dout · normed into the scale gradient of each stream.
+void scale_heads_backward(float* dnormed, float* dtxt_scale, float* dimg_scale, const float* dout,
+                          const float* normed, const float* txt_scale, const float* img_scale,
+                          const FluxDims& d) {
+  const int64_t D = d.head_dim;
+  for (int64_t b = 0; b < d.batch; ++b) {
+    for (int64_t t = 0; t < d.tokens; ++t) {
+      const bool txt = t < d.txt_tokens;
+      const float* scale = txt ? txt_scale : img_scale;
+      float* dscale = txt ? dtxt_scale : dimg_scale;
+      for (int64_t h = 0; h < d.heads; ++h) {
+        const int64_t row = ((b * d.tokens + t) * d.heads + h) * D;
+        for (int64_t i = 0; i < D; ++i) {
+          dnormed[row + i] = dout[row + i] * scale[i];
+          dscale[i] += dout[row + i] * normed[row + i];
+        }
+      }
+    }
+  }
+}
+
+// The rows a linear sees: one per sample on the vector path, else its stream's tokens.
+int64_t linear_rows(const FluxLinear& linear, const FluxDims& d) {
+  const bool img = linear.name == "img_in" || linear.name.find(".img_") != std::string::npos;
+  const bool txt = linear.name == "txt_in" || linear.name.find(".txt_") != std::string::npos;
+  switch (linear.kind) {
+    case FluxParamKind::Attention:
+    case FluxParamKind::Mlp:
+      return d.batch * (img ? d.img_tokens : d.txt_tokens);
+    case FluxParamKind::Single:
+      return d.batch * d.tokens;
+    case FluxParamKind::Final:
+      return d.batch * d.img_tokens;
+    case FluxParamKind::Embedder:
+      return d.batch * (img ? d.img_tokens : txt ? d.txt_tokens : 1);
+    default:  // the modulation linears read SiLU(vec)
+      return d.batch;
+  }
+}
+
+bool is_fp8_candidate(FluxParamKind kind) {
+  return kind == FluxParamKind::Attention || kind == FluxParamKind::Mlp ||
+         kind == FluxParamKind::Single;
+}
+
+std::string non_candidate_reason(FluxParamKind kind) {
+  switch (kind) {
+    case FluxParamKind::Embedder:
+      return "embedders stay in BF16";
+    case FluxParamKind::Modulation:
+      return "modulation stays in BF16";
+    case FluxParamKind::Final:
+      return "final layer stays in BF16";
+    default:
+      return "not a linear layer";
+  }
+}
+
+// Flux's attention: every head its own k and v, no mask, over the joint [txt; img] sequence.
+ops::AttentionShape joint_attention_shape(const FluxDims& d) {
+  return {.batch = d.batch,
+          .seq_len = d.tokens,
+          .heads = d.heads,
+          .kv_heads = d.heads,
+          .head_dim = d.head_dim,
+          .window = 0,
+          .causal = false};
+}
+
+// One stream of a double block, as its forward and backward see it.
+struct Stream {
+  std::string prefix;  // "double_blocks.{i}.img" or ".txt"
+  FluxStreamActivations& saved;
+  TokenRows own;    // its rows in its own [B, L_s, C] buffers
+  TokenRows joint;  // its rows in the joint [B, L, C] sequence (the text comes first)
+  int64_t tokens;   // L_s
+  float* x;         // its residual stream [B, L_s, C]
+  float* dx;        // the gradient of that residual
+  float* dmod;      // [B, 6C]: the gradient of its modulation output
+};
+
+std::array<Stream, 2> double_block_streams(FluxActivations& act, FluxWorkspace& ws,
+                                           const FluxDims& d, int block) {
+  FluxDoubleActivations& saved = act.double_blocks[static_cast<size_t>(block)];
+  const int64_t C = d.hidden, L = d.tokens;
+  return {
+      Stream{fmt::format("double_blocks.{}.img", block), saved.img, TokenRows{d.img_tokens, 0, C},
+             TokenRows{L, d.txt_tokens, C}, d.img_tokens, data(ws.img), data(ws.d_img),
+             data(ws.d_mod_img)},
+      Stream{fmt::format("double_blocks.{}.txt", block), saved.txt, TokenRows{d.txt_tokens, 0, C},
+             TokenRows{L, 0, C}, d.txt_tokens, data(ws.txt), data(ws.d_txt), data(ws.d_mod_txt)}};
+}
+
+}  // namespace
+
+size_t FluxParameterSet::planned_bytes(const FluxConfig& config, DType dtype) {
+  size_t bytes = 0;
+  for (const FluxParam& param : flux_parameters(config))
+    bytes += Arena::footprint(dtype, param.numel());
+  return bytes;
+}
+
+FluxParameterSet::FluxParameterSet(Arena& arena, const FluxConfig& config, DType dtype)
+    : specs_(flux_parameters(config)) {
+  for (const FluxParam& param : specs_) {
+    TensorView view = param.shape.size() == 1
+                          ? arena.allocate(dtype, {param.shape[0]})
+                          : arena.allocate(dtype, {param.shape[0], param.shape[1]});
+    tensors_.emplace(param.name, view);
+  }
+}
+
+TensorView& FluxParameterSet::operator[](const std::string& name) {
+  const auto found = tensors_.find(name);
+  FP8T_CHECK(found != tensors_.end(), "no Flux parameter named '{}'", name);
+  return found->second;
+}
+
+const TensorView& FluxParameterSet::operator[](const std::string& name) const {
+  const auto found = tensors_.find(name);
+  FP8T_CHECK(found != tensors_.end(), "no Flux parameter named '{}'", name);
+  return found->second;
+}
+
+void FluxParameterSet::fill_zero() {
+  for (auto& [name, view] : tensors_)
+    zero(view);
+}
+
+std::vector<FluxLinear> flux_linears(const FluxConfig& config) {
+  std::vector<FluxLinear> linears;
+  for (const FluxParam& param : flux_parameters(config)) {
+    constexpr std::string_view kWeight = ".weight";
+    if (!param.name.ends_with(kWeight)) continue;
+    linears.push_back({param.name.substr(0, param.name.size() - kWeight.size()), param.shape[1],
+                       param.shape[0], param.kind, param.block});
+  }
+  return linears;
+}
+
+std::vector<FluxLinearPrecision> decide_flux_precision(const FluxConfig& config,
+                                                       const PrecisionOptions& options) {
+  const std::vector<FluxLinear> linears = flux_linears(config);
+  // The candidates go through the GPT's filter as block linears, with the blocks numbered
+  // double ones first, as first_last_layers_bf16 counts them.
+  std::vector<LinearSpec> candidates;
+  for (const FluxLinear& linear : linears) {
+    if (!is_fp8_candidate(linear.kind)) continue;
+    candidates.push_back({linear.name, linear.in_features, linear.out_features,
+                          ParamKind::BlockLinear, linear.block});
+  }
+  const std::vector<LinearPrecision> candidate_decisions =
+      decide_precision(candidates, config.double_blocks + config.single_blocks, options);
+  std::vector<FluxLinearPrecision> decisions;
+  auto next = candidate_decisions.begin();
+  for (const FluxLinear& linear : linears) {
+    if (is_fp8_candidate(linear.kind)) {
+      decisions.push_back({linear, next->fp8, next->reason});
+      ++next;
+    } else {
+      decisions.push_back(
+          {linear, false,
+           options.mode == Fp8Mode::None ? "fp8: none" : non_candidate_reason(linear.kind)});
+    }
+  }
+  return decisions;
+}
+
+void init_flux_weights(FluxParameterSet& parameters, const FluxConfig& config, uint64_t seed) {
+  std::mt19937_64 generator(seed);
+  parameters.fill_zero();  // the modulation linears and final_layer.linear start at zero
+  for (const FluxParam& param : parameters.specs()) {
+    if (param.kind != FluxParamKind::NormScale) continue;
+    TensorView& view = parameters[param.name];
+    std::fill_n(view.data<float>(), view.numel(), 1.0f);
+  }
+  for (const FluxLinear& linear : flux_linears(config)) {
+    if (linear.kind == FluxParamKind::Modulation || linear.kind == FluxParamKind::Final) continue;
+    const auto bound = static_cast<float>(1.0 / std::sqrt(double(linear.in_features)));
+    std::uniform_real_distribution<float> uniform(-bound, bound);
+    for (const char* part : {".weight", ".bias"}) {
+      TensorView& view = parameters[linear.name + part];
+      float* values = view.data<float>();
+      for (int64_t i = 0; i < view.numel(); ++i)
+        values[i] = uniform(generator);
+    }
+  }
+}
+
+FluxModel::FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens,
+                     int64_t txt_tokens, const FluxPrecision& precision)
+    : config_(config),
+      batch_(batch),
+      img_tokens_(img_tokens),
+      txt_tokens_(txt_tokens),
+      precision_(precision) {
+  config_.validate();
+  FP8T_CHECK(batch >= 1, "expected a batch of at least 1, found {}", batch);
+  FP8T_CHECK(img_tokens >= 1 && txt_tokens >= 1,
+             "expected at least one image and one text token, found {} and {}", img_tokens,
+             txt_tokens);
+  const FluxDims dims = flux_dims(config_, batch, img_tokens, txt_tokens);
+  const size_t parameter_bytes = FluxParameterSet::planned_bytes(config_, DType::F32);
+  parameter_arena_ = std::make_unique<Arena>("parameters", parameter_bytes);
+  gradient_arena_ = std::make_unique<Arena>("gradients", parameter_bytes);
+  activation_arena_ = std::make_unique<Arena>("activations", planned_bytes<FluxActivations>(dims));
+  workspace_arena_ = std::make_unique<Arena>("workspace", planned_bytes<FluxWorkspace>(dims));
+  parameters_ = std::make_unique<FluxParameterSet>(*parameter_arena_, config_, DType::F32);
+  gradients_ = std::make_unique<FluxParameterSet>(*gradient_arena_, config_, DType::F32);
+  activations_ = allocate<FluxActivations>(*activation_arena_, dims);
+  workspace_ = allocate<FluxWorkspace>(*workspace_arena_, dims);
+  parameters_->fill_zero();
+  gradients_->fill_zero();
+
+  ids_.assign(static_cast<size_t>(dims.tokens * 3), 0.0f);  // the text's ids stay zero
+  rope_cos_.resize(static_cast<size_t>(dims.tokens * dims.head_dim / 2));
+  rope_sin_.resize(rope_cos_.size());
+
+  linear_precision_ = decide_flux_precision(config_, precision_.policy);
+  for (const FluxLinearPrecision& decision : linear_precision_) {
+    const FluxLinear& spec = decision.linear;
+    const int64_t tokens = linear_rows(spec, dims);
+    Linear layer{{tokens, spec.in_features, spec.out_features},
+                 parameter(spec.name + ".weight"),
+                 parameter(spec.name + ".bias"),
+                 gradient(spec.name + ".weight"),
+                 gradient(spec.name + ".bias"),
+                 nullptr};
+    if (decision.fp8) {
+      layer.fp8 =
+          std::make_unique<ops::Fp8Linear>(precision_.fp8, precision_.family, spec.in_features,
+                                           spec.out_features, precision_.fp8_wgrad);
+    }
+    linears_.emplace(spec.name, std::move(layer));
+  }
+}
+
+FluxModel::~FluxModel() = default;
+
+void FluxModel::init_weights(uint64_t seed) {
+  init_flux_weights(*parameters_, config_, seed);
+  end_step();  // the FP8 weight caches hold the old weights
+}
+
+FluxModel::Linear& FluxModel::linear(const std::string& name) {
+  const auto found = linears_.find(name);
+  FP8T_CHECK(found != linears_.end(), "no Flux linear layer named '{}'", name);
+  return found->second;
+}
+
+float* FluxModel::parameter(const std::string& name) {
+  return (*parameters_)[name].data<float>();
+}
+
+float* FluxModel::gradient(const std::string& name) {
+  return (*gradients_)[name].data<float>();
+}
+
+void FluxModel::linear_forward(Linear& layer, const float* x, float* y) {
+  const auto [tokens, in, out] = layer.shape;
+  if (layer.fp8) {
+    layer.fp8->forward(x, tokens, layer.weight, y);
+  } else {
+    ops::linear_forward(x, layer.weight, y, layer.shape, precision_.other_linears);
+  }
+  for (int64_t row = 0; row < tokens; ++row)  // the bias stays out of FP8: fp32, after the GEMM
+    add(y + row * out, layer.bias, out);
+}
+
+void FluxModel::linear_backward(Linear& layer, const float* dy, const float* x, float* dx) {
+  const auto [tokens, in, out] = layer.shape;
+  if (layer.fp8) {
+    layer.fp8->backward(dy, tokens, dx, layer.grad_weight);
+  } else {
+    ops::linear_backward(dy, x, layer.weight, dx, layer.grad_weight, layer.shape,
+                         precision_.other_linears);
+  }
+  for (int64_t row = 0; row < tokens; ++row)
+    add(layer.grad_bias, dy + row * out, out);
+}
+
+void FluxModel::embedder_forward(const std::string& name, FluxEmbedderActivations& saved,
+                                 float* out) {
+  linear_forward(linear(name + ".in_layer"), data(saved.input), data(saved.hidden));
+  silu_forward(data(saved.act), data(saved.hidden), saved.hidden.numel());
+  linear_forward(linear(name + ".out_layer"), data(saved.act), out);
+}
+
+void FluxModel::embedder_backward(const std::string& name, const FluxEmbedderActivations& saved,
+                                  const float* dout) {
+  FluxWorkspace& ws = *workspace_;
+  zero(ws.d_embed_act);
+  linear_backward(linear(name + ".out_layer"), dout, data(saved.act), data(ws.d_embed_act));
+  zero(ws.d_embed_hidden);
+  silu_backward(data(ws.d_embed_hidden), data(ws.d_embed_act), data(saved.hidden),
+                saved.hidden.numel());
+  // The embedder's input (a sinusoid or the pooled vector) is not trained: no dx.
+  linear_backward(linear(name + ".in_layer"), data(ws.d_embed_hidden), data(saved.input), nullptr);
+}
+
+void FluxModel::attention_forward(FluxAttentionActivations& saved, const std::string& txt_norm,
+                                  const std::string& img_norm) {
+  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
+  FluxWorkspace& ws = *workspace_;
+  const int64_t L = d.tokens, H = d.heads, D = d.head_dim, rows = d.batch * L * H;
+  struct Path {
+    const TensorView& raw;
+    const TensorView& normed;
+    const TensorView& rstd;
+    const TensorView& out;  // the attention's input
+    const char* scale_name;
+  };
+  for (const Path& path :
+       {Path{ws.q_raw, saved.q_normed, saved.q_rstd, saved.q, ".query_norm.scale"},
+        Path{ws.k_raw, saved.k_normed, saved.k_rstd, saved.k, ".key_norm.scale"}}) {
+    ops::rmsnorm_forward(data(path.normed), data(path.rstd), data(path.raw), rows, D, kQkNormEps);
+    scale_heads(data(path.out), data(path.normed), parameter(txt_norm + path.scale_name),
+                parameter(img_norm + path.scale_name), d);
+    for (int64_t b = 0; b < d.batch; ++b) {
+      float* sample = data(path.out) + b * L * H * D;
+      ops::flux_rope_forward(sample, sample, rope_cos_.data(), rope_sin_.data(), L, H, D);
+    }
+  }
+  const ops::AttentionShape shape = joint_attention_shape(d);
+  ops::attention_forward(data(ws.attn), data(saved.lse), data(saved.q), data(saved.k),
+                         data(saved.v), shape, static_cast<float>(1.0 / std::sqrt(double(D))));
+}
+
+void FluxModel::attention_backward(const FluxAttentionActivations& saved,
+                                   const std::string& txt_norm, const std::string& img_norm) {
+  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
+  FluxWorkspace& ws = *workspace_;
+  const int64_t L = d.tokens, H = d.heads, D = d.head_dim, rows = d.batch * L * H;
+  for (const TensorView* view : {&ws.dq, &ws.dk, &ws.dv})
+    zero(*view);
+  const ops::AttentionShape shape = joint_attention_shape(d);
+  ops::attention_backward(data(ws.dq), data(ws.dk), data(ws.dv), data(ws.d_attn), data(saved.q),
+                          data(saved.k), data(saved.v), data(saved.lse), shape,
+                          static_cast<float>(1.0 / std::sqrt(double(D))));
+  struct Path {
+    const TensorView& grad;  // of the attention's input
+    const TensorView& normed;
+    const TensorView& rstd;
+    const TensorView& grad_raw;
+    const char* scale_name;
+  };
+  for (const Path& path :
+       {Path{ws.dq, saved.q_normed, saved.q_rstd, ws.dq_raw, ".query_norm.scale"},
+        Path{ws.dk, saved.k_normed, saved.k_rstd, ws.dk_raw, ".key_norm.scale"}}) {
+    zero(ws.d_rotated);
+    for (int64_t b = 0; b < d.batch; ++b) {
+      const int64_t sample = b * L * H * D;
+      ops::flux_rope_backward(data(ws.d_rotated) + sample, data(path.grad) + sample,
+                              rope_cos_.data(), rope_sin_.data(), L, H, D);
+    }
+    scale_heads_backward(data(ws.d_normed), gradient(txt_norm + path.scale_name),
+                         gradient(img_norm + path.scale_name), data(ws.d_rotated),
+                         data(path.normed), parameter(txt_norm + path.scale_name),
+                         parameter(img_norm + path.scale_name), d);
+    zero(path.grad_raw);
+    ops::rmsnorm_backward(data(path.grad_raw), data(ws.d_normed), data(path.normed),
+                          data(path.rstd), rows, D);
+  }
+}
+
+void FluxModel::double_block_forward(int block) {
+  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
+  FluxActivations& act = *activations_;
+  FluxWorkspace& ws = *workspace_;
+  FluxDoubleActivations& saved = act.double_blocks[static_cast<size_t>(block)];
+  const int64_t B = d.batch, C = d.hidden, M = d.mlp_hidden;
+  const std::array<Stream, 2> streams = double_block_streams(act, ws, d, block);
+  for (const Stream& s : streams) {
+    FluxStreamActivations& a = s.saved;
+    const int64_t rows = B * s.tokens;
+    const ops::ModulationShape shape{B, s.tokens, C};
+    float* mod = data(a.mod);
+    linear_forward(linear(s.prefix + "_mod.lin"), data(act.vec_act), mod);
+    ops::layernorm_forward(data(a.norm1), data(a.norm1_rstd), s.x, rows, C);
+    ops::modulate_forward(data(a.modulated1), data(a.norm1), mod + C, mod, 6 * C, shape);
+    linear_forward(linear(s.prefix + "_attn.qkv"), data(a.modulated1), data(ws.projection));
+    // "B L (K H D)": q, k and v are consecutive thirds of each token's features.
+    const TokenRows qkv{s.tokens, 0, 3 * C};
+    copy_tokens(data(ws.q_raw), s.joint, data(ws.projection), qkv, B, s.tokens, C);
+    copy_tokens(data(ws.k_raw), s.joint, data(ws.projection) + C, qkv, B, s.tokens, C);
+    copy_tokens(data(saved.attention.v), s.joint, data(ws.projection) + 2 * C, qkv, B, s.tokens, C);
+  }
+  const std::string prefix = fmt::format("double_blocks.{}.", block);
+  attention_forward(saved.attention, prefix + "txt_attn.norm", prefix + "img_attn.norm");
+  for (const Stream& s : streams) {
+    FluxStreamActivations& a = s.saved;
+    const int64_t rows = B * s.tokens;
+    const ops::ModulationShape shape{B, s.tokens, C};
+    const float* mod = data(a.mod);
+    copy_tokens(data(a.attn), s.own, data(ws.attn), s.joint, B, s.tokens, C);
+    linear_forward(linear(s.prefix + "_attn.proj"), data(a.attn), data(a.proj));
+    ops::gated_residual_forward(s.x, data(a.proj), mod + 2 * C, 6 * C, shape);
+    ops::layernorm_forward(data(a.norm2), data(a.norm2_rstd), s.x, rows, C);
+    ops::modulate_forward(data(a.modulated2), data(a.norm2), mod + 4 * C, mod + 3 * C, 6 * C,
+                          shape);
+    linear_forward(linear(s.prefix + "_mlp.0"), data(a.modulated2), data(a.mlp_hidden));
+    ops::gelu_tanh_forward(data(a.mlp_act), data(a.mlp_hidden), rows * M);
+    linear_forward(linear(s.prefix + "_mlp.2"), data(a.mlp_act), data(a.mlp_out));
+    ops::gated_residual_forward(s.x, data(a.mlp_out), mod + 5 * C, 6 * C, shape);
+  }
+}
+
+void FluxModel::double_block_backward(int block) {
+  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
+  FluxActivations& act = *activations_;
+  FluxWorkspace& ws = *workspace_;
+  const FluxDoubleActivations& saved = act.double_blocks[static_cast<size_t>(block)];
+  const int64_t B = d.batch, C = d.hidden, M = d.mlp_hidden;
+  const std::array<Stream, 2> streams = double_block_streams(act, ws, d, block);
+  for (const Stream& s : streams) {
+    const FluxStreamActivations& a = s.saved;
+    const int64_t rows = B * s.tokens;
+    const ops::ModulationShape shape{B, s.tokens, C};
+    const float* mod = data(a.mod);
+    std::fill_n(s.dmod, B * 6 * C, 0.0f);
+    // x_out = mid + gate2 · mlp(modulate2(LN(mid)))
+    zero(ws.d_branch);
+    ops::gated_residual_backward(data(ws.d_branch), s.dmod + 5 * C, s.dx, data(a.mlp_out),
+                                 mod + 5 * C, 6 * C, shape);
+    zero(ws.d_mlp_act);
+    linear_backward(linear(s.prefix + "_mlp.2"), data(ws.d_branch), data(a.mlp_act),
+                    data(ws.d_mlp_act));
+    zero(ws.d_mlp_hidden);
+    ops::gelu_tanh_backward(data(ws.d_mlp_hidden), data(ws.d_mlp_act), data(a.mlp_hidden),
+                            rows * M);
+    zero(ws.d_modulated);
+    linear_backward(linear(s.prefix + "_mlp.0"), data(ws.d_mlp_hidden), data(a.modulated2),
+                    data(ws.d_modulated));
+    zero(ws.d_norm);
+    ops::modulate_backward(data(ws.d_norm), s.dmod + 4 * C, s.dmod + 3 * C, data(ws.d_modulated),
+                           data(a.norm2), mod + 4 * C, 6 * C, shape);
+    ops::layernorm_backward(s.dx, data(ws.d_norm), data(a.norm2), data(a.norm2_rstd), rows, C);
+    // mid = x + gate1 · proj(attention); s.dx now holds d mid.
+    zero(ws.d_branch);
+    ops::gated_residual_backward(data(ws.d_branch), s.dmod + 2 * C, s.dx, data(a.proj), mod + 2 * C,
+                                 6 * C, shape);
+    zero(ws.d_modulated);  // here: d of this stream's attention output
+    linear_backward(linear(s.prefix + "_attn.proj"), data(ws.d_branch), data(a.attn),
+                    data(ws.d_modulated));
+    copy_tokens(data(ws.d_attn), s.joint, data(ws.d_modulated), s.own, B, s.tokens, C);
+  }
+  const std::string prefix = fmt::format("double_blocks.{}.", block);
+  attention_backward(saved.attention, prefix + "txt_attn.norm", prefix + "img_attn.norm");
+  for (const Stream& s : streams) {
+    const FluxStreamActivations& a = s.saved;
+    const int64_t rows = B * s.tokens;
+    const ops::ModulationShape shape{B, s.tokens, C};
+    const TokenRows qkv{s.tokens, 0, 3 * C};
+    float* d_qkv = data(ws.d_projection);
+    copy_tokens(d_qkv, qkv, data(ws.dq_raw), s.joint, B, s.tokens, C);
+    copy_tokens(d_qkv + C, qkv, data(ws.dk_raw), s.joint, B, s.tokens, C);
+    copy_tokens(d_qkv + 2 * C, qkv, data(ws.dv), s.joint, B, s.tokens, C);
+    zero(ws.d_modulated);
+    linear_backward(linear(s.prefix + "_attn.qkv"), d_qkv, data(a.modulated1),
+                    data(ws.d_modulated));
+    zero(ws.d_norm);
+    ops::modulate_backward(data(ws.d_norm), s.dmod + C, s.dmod, data(ws.d_modulated), data(a.norm1),
+                           data(a.mod) + C, 6 * C, shape);
+    ops::layernorm_backward(s.dx, data(ws.d_norm), data(a.norm1), data(a.norm1_rstd), rows, C);
+    linear_backward(linear(s.prefix + "_mod.lin"), s.dmod, data(act.vec_act), data(ws.d_vec_act));
+  }
+}
+
+void FluxModel::single_block_forward(int block) {
+  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
+  FluxActivations& act = *activations_;
+  FluxWorkspace& ws = *workspace_;
+  FluxSingleActivations& a = act.single_blocks[static_cast<size_t>(block)];
+  const int64_t B = d.batch, L = d.tokens, N = B * L, C = d.hidden, M = d.mlp_hidden;
+  const std::string prefix = fmt::format("single_blocks.{}", block);
+  const ops::ModulationShape shape{B, L, C};
+  float* x = data(ws.joint);
+  float* mod = data(a.mod);
+  linear_forward(linear(prefix + ".modulation.lin"), data(act.vec_act), mod);
+  ops::layernorm_forward(data(a.norm), data(a.norm_rstd), x, N, C);
+  ops::modulate_forward(data(a.modulated), data(a.norm), mod + C, mod, 3 * C, shape);
+  linear_forward(linear(prefix + ".linear1"), data(a.modulated), data(ws.projection));
+  // linear1's output: q, k, v (as "B L (K H D)"), then the MLP's input.
+  const TokenRows projection{L, 0, 3 * C + M}, joint{L, 0, C};
+  copy_tokens(data(ws.q_raw), joint, data(ws.projection), projection, B, L, C);
+  copy_tokens(data(ws.k_raw), joint, data(ws.projection) + C, projection, B, L, C);
+  copy_tokens(data(a.attention.v), joint, data(ws.projection) + 2 * C, projection, B, L, C);
+  copy_tokens(data(a.mlp_hidden), {L, 0, M}, data(ws.projection) + 3 * C, projection, B, L, M);
+  attention_forward(a.attention, prefix + ".norm", prefix + ".norm");
+  float* linear2_in = data(a.linear2_in);
+  copy_tokens(linear2_in, {L, 0, C + M}, data(ws.attn), joint, B, L, C);
+  for (int64_t row = 0; row < N; ++row) {
+    ops::gelu_tanh_forward(linear2_in + row * (C + M) + C, data(a.mlp_hidden) + row * M, M);
+  }
+  linear_forward(linear(prefix + ".linear2"), linear2_in, data(a.out));
+  ops::gated_residual_forward(x, data(a.out), mod + 2 * C, 3 * C, shape);
+}
+
+void FluxModel::single_block_backward(int block) {
+  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
+  FluxActivations& act = *activations_;
+  FluxWorkspace& ws = *workspace_;
+  const FluxSingleActivations& a = act.single_blocks[static_cast<size_t>(block)];
+  const int64_t B = d.batch, L = d.tokens, N = B * L, C = d.hidden, M = d.mlp_hidden;
+  const std::string prefix = fmt::format("single_blocks.{}", block);
+  const ops::ModulationShape shape{B, L, C};
+  float* dx = data(ws.d_joint);
+  float* dmod = data(ws.d_mod_img);  // [B, 3C] here
+  const float* mod = data(a.mod);
+  zero(ws.d_mod_img);
+  zero(ws.d_branch);
+  ops::gated_residual_backward(data(ws.d_branch), dmod + 2 * C, dx, data(a.out), mod + 2 * C, 3 * C,
+                               shape);
+  zero(ws.d_linear2_in);
+  linear_backward(linear(prefix + ".linear2"), data(ws.d_branch), data(a.linear2_in),
+                  data(ws.d_linear2_in));
+  const TokenRows linear2_in{L, 0, C + M}, joint{L, 0, C}, mlp{L, 0, M};
+  copy_tokens(data(ws.d_attn), joint, data(ws.d_linear2_in), linear2_in, B, L, C);
+  copy_tokens(data(ws.d_mlp_act), mlp, data(ws.d_linear2_in) + C, linear2_in, B, L, M);
+  zero(ws.d_mlp_hidden);
+  ops::gelu_tanh_backward(data(ws.d_mlp_hidden), data(ws.d_mlp_act), data(a.mlp_hidden), N * M);
+  attention_backward(a.attention, prefix + ".norm", prefix + ".norm");
+  const TokenRows projection{L, 0, 3 * C + M};
+  float* d_projection = data(ws.d_projection);
+  copy_tokens(d_projection, projection, data(ws.dq_raw), joint, B, L, C);
+  copy_tokens(d_projection + C, projection, data(ws.dk_raw), joint, B, L, C);
+  copy_tokens(d_projection + 2 * C, projection, data(ws.dv), joint, B, L, C);
+  copy_tokens(d_projection + 3 * C, projection, data(ws.d_mlp_hidden), mlp, B, L, M);
+  zero(ws.d_modulated);
+  linear_backward(linear(prefix + ".linear1"), d_projection, data(a.modulated),
+                  data(ws.d_modulated));
+  zero(ws.d_norm);
+  ops::modulate_backward(data(ws.d_norm), dmod + C, dmod, data(ws.d_modulated), data(a.norm),
+                         mod + C, 3 * C, shape);
+  ops::layernorm_backward(dx, data(ws.d_norm), data(a.norm), data(a.norm_rstd), N, C);
+  linear_backward(linear(prefix + ".modulation.lin"), dmod, data(act.vec_act), data(ws.d_vec_act));
+}
+
+void FluxModel::forward(const FluxInputs& inputs, float* prediction) {
+  FP8T_CHECK(
+      inputs.img && inputs.img_ids && inputs.txt && inputs.y && inputs.timesteps && prediction,
+      "expected img, img_ids, txt, y, timesteps and a prediction buffer; found a null "
+      "pointer");
+  FP8T_CHECK((inputs.guidance != nullptr) == config_.guidance_embed,
+             "guidance: expected {} (guidance_embed: {}), found {}",
+             config_.guidance_embed ? "values" : "none", config_.guidance_embed,
+             inputs.guidance != nullptr ? "values" : "none");
+  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
+  FluxActivations& act = *activations_;
+  FluxWorkspace& ws = *workspace_;
+  const int64_t B = d.batch, Li = d.img_tokens, Lt = d.txt_tokens, L = d.tokens, C = d.hidden;
+
+  std::copy_n(inputs.img, act.img.numel(), data(act.img));
+  std::copy_n(inputs.txt, act.txt.numel(), data(act.txt));
+  std::copy_n(inputs.y, act.vector_in.input.numel(), data(act.vector_in.input));
+
+  // vec = time_in(sinusoid(t)) [+ guidance_in(sinusoid(guidance))] + vector_in(y)
+  ops::timestep_embedding(data(act.time_in.input), inputs.timesteps, B, d.timestep_dim);
+  embedder_forward("time_in", act.time_in, data(act.vec));
+  if (config_.guidance_embed) {
+    ops::timestep_embedding(data(act.guidance_in.input), inputs.guidance, B, d.timestep_dim);
+    embedder_forward("guidance_in", act.guidance_in, data(ws.embedding));
+    add(data(act.vec), data(ws.embedding), B * C);
+  }
+  embedder_forward("vector_in", act.vector_in, data(ws.embedding));
+  add(data(act.vec), data(ws.embedding), B * C);
+  silu_forward(data(act.vec_act), data(act.vec), B * C);
+
+  linear_forward(linear("img_in"), data(act.img), data(ws.img));
+  linear_forward(linear("txt_in"), data(act.txt), data(ws.txt));
+  std::copy_n(inputs.img_ids, Li * 3, ids_.begin() + Lt * 3);
+  ops::flux_rope_tables(rope_cos_.data(), rope_sin_.data(), ids_.data(), L, config_.axes_dim,
+                        config_.rope_theta);
+
+  for (int block = 0; block < config_.double_blocks; ++block)
+    double_block_forward(block);
+  if (config_.single_blocks > 0) {
+    const TokenRows img{Li, 0, C}, txt{Lt, 0, C};
+    copy_tokens(data(ws.joint), {L, 0, C}, data(ws.txt), txt, B, Lt, C);
+    copy_tokens(data(ws.joint), {L, Lt, C}, data(ws.img), img, B, Li, C);
+    for (int block = 0; block < config_.single_blocks; ++block)
+      single_block_forward(block);
+    copy_tokens(data(ws.img), img, data(ws.joint), {L, Lt, C}, B, Li, C);
+  }
+
+  // The final layer on the image tokens; its modulation chunks are (shift, scale).
+  float* mod = data(act.final_mod);
+  linear_forward(linear("final_layer.adaLN_modulation.1"), data(act.vec_act), mod);
+  ops::layernorm_forward(data(act.final_norm), data(act.final_norm_rstd), data(ws.img), B * Li, C);
+  ops::modulate_forward(data(act.final_modulated), data(act.final_norm), mod + C, mod, 2 * C,
+                        {B, Li, C});
+  linear_forward(linear("final_layer.linear"), data(act.final_modulated), prediction);
+}
+
+void FluxModel::backward(const float* grad_prediction) {
+  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
+  FluxActivations& act = *activations_;
+  FluxWorkspace& ws = *workspace_;
+  const int64_t B = d.batch, Li = d.img_tokens, Lt = d.txt_tokens, L = d.tokens, C = d.hidden;
+  zero(ws.d_vec_act);  // every modulation adds into it
+
+  float* dmod = data(ws.d_mod_img);  // [B, 2C] here
+  zero(ws.d_mod_img);
+  zero(ws.d_modulated);
+  linear_backward(linear("final_layer.linear"), grad_prediction, data(act.final_modulated),
+                  data(ws.d_modulated));
+  zero(ws.d_norm);
+  ops::modulate_backward(data(ws.d_norm), dmod + C, dmod, data(ws.d_modulated),
+                         data(act.final_norm), data(act.final_mod) + C, 2 * C, {B, Li, C});
+  zero(ws.d_img);
+  ops::layernorm_backward(data(ws.d_img), data(ws.d_norm), data(act.final_norm),
+                          data(act.final_norm_rstd), B * Li, C);
+  linear_backward(linear("final_layer.adaLN_modulation.1"), dmod, data(act.vec_act),
+                  data(ws.d_vec_act));
+
+  zero(ws.d_txt);
+  if (config_.single_blocks > 0) {
+    const TokenRows img{Li, 0, C}, txt{Lt, 0, C};
+    zero(ws.d_joint);  // the text's tokens do not reach the prediction but through attention
+    copy_tokens(data(ws.d_joint), {L, Lt, C}, data(ws.d_img), img, B, Li, C);
+    for (int block = config_.single_blocks - 1; block >= 0; --block)
+      single_block_backward(block);
+    copy_tokens(data(ws.d_txt), txt, data(ws.d_joint), {L, 0, C}, B, Lt, C);
+    copy_tokens(data(ws.d_img), img, data(ws.d_joint), {L, Lt, C}, B, Li, C);
+  }
+  for (int block = config_.double_blocks - 1; block >= 0; --block)
+    double_block_backward(block);
+  // The inputs are not trained: no dx for img_in and txt_in.
+  linear_backward(linear("img_in"), data(ws.d_img), data(act.img), nullptr);
+  linear_backward(linear("txt_in"), data(ws.d_txt), data(act.txt), nullptr);
+
+  zero(ws.d_vec);
+  silu_backward(data(ws.d_vec), data(ws.d_vec_act), data(act.vec), B * C);
+  embedder_backward("time_in", act.time_in, data(ws.d_vec));
+  if (config_.guidance_embed) embedder_backward("guidance_in", act.guidance_in, data(ws.d_vec));
+  embedder_backward("vector_in", act.vector_in, data(ws.d_vec));
+}
+
+void FluxModel::end_step() {
+  end_fp8_step(linears_);
+}
+
+void FluxModel::set_training(bool training) {
+  record_fp8_amaxes(linears_, training);
+}
+
+void FluxModel::weights_changed() {
+  invalidate_fp8_weights(linears_);
+}
+
+std::vector<std::pair<std::string, DelayedScaling*>> FluxModel::delayed_scalings() {
+  return fp8_delayed_scalings(linears_);
+}
+
+}  // namespace fp8t

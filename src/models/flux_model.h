@@ -1,0 +1,171 @@
+// The Flux MMDiT on the CPU path (MODELS.md §2; BFL flux1's Flux.forward): an explicit forward
+// that saves what backward needs, and an explicit backward (no autograd graph), as the GPT's.
+// Memory is planned from the configuration and the token counts and taken once, at
+// construction: parameters, gradients, saved activations and a workspace.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "core/arena.h"
+#include "core/tensor.h"
+#include "models/flux_config.h"
+#include "models/precision_policy.h"
+#include "numerics/scaling.h"
+#include "ops/fp8_linear.h"
+#include "ops/linear.h"
+
+namespace fp8t {
+
+// Parameters (or their gradients) by BFL name, in flux_parameters() order.
+class FluxParameterSet {
+ public:
+  static size_t planned_bytes(const FluxConfig& config, DType dtype);
+  FluxParameterSet(Arena& arena, const FluxConfig& config, DType dtype);
+
+  TensorView& operator[](const std::string& name);
+  const TensorView& operator[](const std::string& name) const;
+  const std::vector<FluxParam>& specs() const { return specs_; }
+  void fill_zero();
+
+ private:
+  std::vector<FluxParam> specs_;
+  std::map<std::string, TensorView> tensors_;
+};
+
+// A linear layer of the Flux (y = x·Wᵀ + b; every one has a bias).
+struct FluxLinear {
+  std::string name;  // parameter name without ".weight" / ".bias"
+  int64_t in_features;
+  int64_t out_features;
+  FluxParamKind kind;
+  int block = -1;  // double blocks first, then single ones; -1 outside the blocks
+};
+
+// Every linear, in flux_parameters() order.
+std::vector<FluxLinear> flux_linears(const FluxConfig& config);
+
+struct FluxLinearPrecision {
+  FluxLinear linear;
+  bool fp8 = false;
+  std::string reason;  // why it stays in BF16; empty for FP8
+};
+
+// FP8 candidates are the block linears (qkv, proj, img_mlp / txt_mlp .0 and .2, linear1,
+// linear2), filtered as the GPT's block linears are (precision_policy.h: min_dim, divisibility,
+// first/last blocks counting double blocks first, the recipe's block sizes); the embedders,
+// the modulation and the final layer stay in BF16. options.lm_head_fp8 does not apply.
+std::vector<FluxLinearPrecision> decide_flux_precision(const FluxConfig& config,
+                                                       const PrecisionOptions& options);
+
+// FP8 per decide_flux_precision, the other linears on fp32 or bf16 operands; biases are added in
+// fp32 after the GEMM either way.
+using FluxPrecision = ModelPrecision;
+
+// Deterministic from the seed: nn.Linear's default for every linear (weight and bias uniform in
+// ±1/√in_features), QK-norm scales 1, and zero for the modulation linears and
+// final_layer.linear (MODELS.md), so that an initialized model predicts exactly zero.
+void init_flux_weights(FluxParameterSet& parameters, const FluxConfig& config, uint64_t seed);
+
+// One micro-batch, host fp32. The text ids are zero (BFL's txt_ids).
+struct FluxInputs {
+  const float* img = nullptr;        // [B, L_img, in_channels]: the noisy packed latents x_t
+  const float* img_ids = nullptr;    // [L_img, 3]: (0, row, col) per image token, for every sample
+  const float* txt = nullptr;        // [B, L_txt, context_in_dim]: T5 sequence embeddings
+  const float* y = nullptr;          // [B, vec_in_dim]: CLIP pooled vectors
+  const float* timesteps = nullptr;  // [B]: σ in [0, 1] (the embedder scales it by 1000)
+  const float* guidance = nullptr;   // [B], given exactly when config.guidance_embed
+};
+
+struct FluxActivations;
+struct FluxWorkspace;
+struct FluxEmbedderActivations;
+struct FluxAttentionActivations;
+
+class FluxModel {
+ public:
+  FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens, int64_t txt_tokens,
+            const FluxPrecision& precision);
+  ~FluxModel();
+
+  const FluxConfig& config() const { return config_; }
+  FluxParameterSet& parameters() { return *parameters_; }
+  FluxParameterSet& gradients() { return *gradients_; }
+
+  void init_weights(uint64_t seed);
+
+  // Writes the velocity prediction [B, L_img, in_channels] and saves the activations of this
+  // call for backward(). Throws when an input is missing, or guidance is given without the
+  // guidance embedder.
+  void forward(const FluxInputs& inputs, float* prediction);
+  // Adds d(loss)/d(parameter) to the gradients, given d(loss)/d(prediction) of the last
+  // forward (zero the gradients first with zero_gradients()). The saved activations are only
+  // read: backward may run again on the same forward.
+  void backward(const float* grad_prediction);
+  void zero_gradients() { gradients_->fill_zero(); }
+
+  // Per linear: "fp8" or the reason it is not.
+  const std::vector<FluxLinearPrecision>& linear_precision() const { return linear_precision_; }
+  // Once per optimizer step: delayed-scaling updates and weight re-quantization.
+  void end_step();
+  // Off for evaluation: forward passes then leave the FP8 scaling state (amax histories) as
+  // it was. Training is the default.
+  void set_training(bool training);
+  // After the weights were replaced (e.g. loaded from a checkpoint): re-quantize them on the
+  // next forward, without a delayed-scaling update.
+  void weights_changed();
+  // Delayed scaling state of every FP8 linear by "<linear>.<input|weight|grad_output>", in a
+  // fixed order; empty unless the recipe is delayed. For checkpoints.
+  std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings();
+
+ private:
+  struct Linear {
+    ops::LinearShape shape;
+    float* weight;
+    float* bias;
+    float* grad_weight;
+    float* grad_bias;
+    std::unique_ptr<ops::Fp8Linear> fp8;  // null: plain linear
+  };
+
+  Linear& linear(const std::string& name);
+  float* parameter(const std::string& name);
+  float* gradient(const std::string& name);
+  // y = x·Wᵀ + b; and its backward, which adds into dx (when not null), dW and db.
+  void linear_forward(Linear& layer, const float* x, float* y);
+  void linear_backward(Linear& layer, const float* dy, const float* x, float* dx);
+  // BFL's MLPEmbedder: out = out_layer(SiLU(in_layer(input))), the input already saved.
+  void embedder_forward(const std::string& name, FluxEmbedderActivations& saved, float* out);
+  void embedder_backward(const std::string& name, const FluxEmbedderActivations& saved,
+                         const float* dout);
+  // The joint attention of a block, from the workspace's raw q and k and the saved v: QK norm
+  // with the scale of each token's stream (txt_norm, img_norm: the norms' parameter prefixes,
+  // the same in single blocks), RoPE, softmax(q kᵀ / √D) v into the workspace's output.
+  void attention_forward(FluxAttentionActivations& saved, const std::string& txt_norm,
+                         const std::string& img_norm);
+  // From the workspace's gradient of the attention output to those of the raw q, k and of v.
+  void attention_backward(const FluxAttentionActivations& saved, const std::string& txt_norm,
+                          const std::string& img_norm);
+  void double_block_forward(int block);
+  void double_block_backward(int block);
+  void single_block_forward(int block);
+  void single_block_backward(int block);
+
+  FluxConfig config_;
+  int64_t batch_, img_tokens_, txt_tokens_;
+  FluxPrecision precision_;
+  std::unique_ptr<Arena> parameter_arena_, gradient_arena_, activation_arena_, workspace_arena_;
+  std::unique_ptr<FluxParameterSet> parameters_, gradients_;
+  std::unique_ptr<FluxActivations> activations_;
+  std::unique_ptr<FluxWorkspace> workspace_;
+  std::vector<float> ids_;                  // [L, 3]: the text's zeros, then img_ids
+  std::vector<float> rope_cos_, rope_sin_;  // [L, head_dim / 2]
+  std::vector<FluxLinearPrecision> linear_precision_;
+  std::map<std::string, Linear> linears_;
+};
+
+}  // namespace fp8t
