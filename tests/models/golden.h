@@ -1,8 +1,12 @@
-// The golden files of tests/reference/gpt_reference.py: their paths and the GPT configuration
-// their metadata records. gpt_tiny_golden has sliding windows (pattern SL, short window 5),
-// gpt_tiny_golden_full has none (pattern L).
+// The golden files of tests/reference/gpt_reference.py and flux_reference.py: their paths, the
+// GPT configuration their metadata records, and the error measure the tests compare with.
+// gpt_tiny_golden has sliding windows (pattern SL, short window 5), gpt_tiny_golden_full has
+// none (pattern L).
 #pragma once
 
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <filesystem>
 #include <string>
@@ -21,6 +25,16 @@ inline std::filesystem::path golden_path(const std::string& name = "gpt_tiny_gol
           ? std::filesystem::path(data)
           : std::filesystem::path(__FILE__).parent_path().parent_path() / "data";
   return folder / (name + ".safetensors");
+}
+
+// ‖out − ref‖ / ‖ref‖ over n values, in double.
+inline double relative_error(const float* out, const float* ref, int64_t n) {
+  double diff = 0, norm = 0;
+  for (int64_t i = 0; i < n; ++i) {
+    diff += (double(out[i]) - ref[i]) * (double(out[i]) - ref[i]);
+    norm += double(ref[i]) * ref[i];
+  }
+  return std::sqrt(diff / std::max(norm, 1e-300));
 }
 
 inline GptConfig golden_config(const io::SafetensorsFile& file) {
