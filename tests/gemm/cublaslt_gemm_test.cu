@@ -38,8 +38,9 @@ using test::TestRng;
 // ‖out − ref‖ / ‖ref‖ bounds, the reference being the exact (float64) product of the operands
 // the GPU reads.
 // BF16 products are exact in fp32 and the sums are fp32: rounding grows like sqrt(K)·2^-24,
-// about 5e-6 at K = 6144 even for plain recursive summation.
-constexpr double kF32Bound = 1e-5;
+// about 5e-6 at K = 6144 even for plain recursive summation; one seed in a few dozen reached
+// 1.01e-5 there (H200, 2026-11-30), so the bound is 4x the estimate. A wrong layout gives O(1).
+constexpr double kF32Bound = 2e-5;
 // A bf16 output rounds each element by up to 2^-9 relative.
 constexpr double kBf16OutBound = 1e-2;
 // Hopper's FP8 tensor cores add products with about 14 bits kept (DeepSeek-V3 report, §3.3.2),

@@ -152,10 +152,11 @@ TEST_P(GptModelGpuTest, LossAndGradientsMatchTheCpuModel) {
       ASSERT_EQ(cpu_scalings.size(), gpu_scalings.size());
       for (size_t i = 0; i < cpu_scalings.size(); ++i) {
         EXPECT_EQ(cpu_scalings[i].first, gpu_scalings[i].first);
-        // bf16 against fp32 activations moves an amax by up to ~15 %; a history that never
-        // reached the scale would leave it at 1, dozens of octaves off.
+        // bf16 against fp32 activations moves an amax, the largest of a few thousand values,
+        // by up to ~60 % for gradients (0.65 octaves seen for one seed on the H200); a history
+        // that never reached the scale would leave it at 1, dozens of octaves off.
         EXPECT_NEAR(std::log2(gpu_scalings[i].second->scale()),
-                    std::log2(cpu_scalings[i].second->scale()), 0.5)
+                    std::log2(cpu_scalings[i].second->scale()), 1.0)
             << cpu_scalings[i].first;
       }
       cpu.zero_gradients();
