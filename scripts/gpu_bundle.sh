@@ -16,7 +16,7 @@ binaries=(build-gpu/src/fp8train build-gpu/tests/fp8train_tests build-gpu/tests/
           build-gpu/bench/quantize_bench build-gpu/bench/gemm_bench)
 cp "${binaries[@]}" "$dest/"
 # The C++ libraries from Debian's packages; glibc, libstdc++ and the driver come from the host.
-ldd "${binaries[@]}" | awk '/=> \// {print $3}' | sort -u | grep -E 'libyaml-cpp|libfmt|libgtest|libgmock|libopenblas|libgfortran|libquadmath|libpcre2' |
+ldd "${binaries[@]}" | awk '/=> \// {print $3}' | sort -u | grep -E 'libyaml-cpp|libfmt|libgtest|libgmock|libopenblas|libgfortran|libquadmath|libpcre2|libpng16' |
   xargs -r -I{} cp -L {} "$dest/lib/"
 cp scripts/gpu_check.sh "$dest/"
 cp -r tests/data "$dest/data"  # the golden files some GPU tests compare with

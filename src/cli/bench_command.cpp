@@ -1,7 +1,9 @@
-// `fp8train bench gpt`: GPT training steps on the GPU with random tokens, timed with CUDA events.
+// `fp8train bench gpt` and `bench flux`: training steps on the GPU with random inputs, timed with
+// CUDA events.
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <functional>
 #include <random>
 #include <string>
 #include <vector>
@@ -10,6 +12,8 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "models/flux_config.h"
+#include "models/flux_model.h"
 #include "models/gpt_config.h"
 #include "models/gpt_model.h"
 #include "optim/gpt_optimizer.h"
@@ -20,8 +24,11 @@
 #include <cuda_runtime_api.h>
 
 #include "core/cuda_check.h"
+#include "core/cuda_resources.h"
 #include "core/phase_timer.h"
+#include "models/cuda/flux_model_cuda.h"
 #include "models/cuda/gpt_model_cuda.h"
+#include "optim/cuda/adamw_cuda.h"
 #include "optim/cuda/gpu_optimizer.h"
 #endif
 
@@ -40,17 +47,11 @@ double median(std::vector<double> values) {
   return values.size() % 2 == 1 ? values[middle] : 0.5 * (values[middle - 1] + values[middle]);
 }
 
-double device_memory_in_use() {
-  size_t free = 0, total = 0;
-  FP8T_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-  return double(total - free);
-}
-
 struct Measurement {
   std::string name;
   double step_ms = 0.0;
   double forward_ms = 0.0, backward_ms = 0.0, optimizer_ms = 0.0;
-  double tokens_per_second = 0.0;
+  double throughput = 0.0;  // tokens/s (GPT) or samples/s (Flux)
   double mfu = 0.0;
   double peak_memory = 0.0;
   std::string fp8_layers;
@@ -86,68 +87,55 @@ class Events {
   std::vector<cudaEvent_t> events_;
 };
 
-Measurement measure(const BenchGptOptions& options, const GptConfig& config, bool fp8,
-                    ScalingRecipe recipe, cudaStream_t stream) {
-  GptPrecision precision;
-  precision.fp8.mode =
-      fp8 ? (options.fp8 == "e4m3" ? Fp8Mode::E4M3 : Fp8Mode::Hybrid) : Fp8Mode::None;
+std::string run_name(bool fp8, const std::string& formats, ScalingRecipe recipe) {
+  return fp8 ? fmt::format("fp8 {} {}{}", formats, recipe_name(recipe),
+                           recipe == ScalingRecipe::Mxfp8 ? " (emulated)" : "")
+             : "bf16";
+}
+
+ModelPrecision bench_precision(bool fp8, const std::string& formats, ScalingRecipe recipe) {
+  ModelPrecision precision;
+  precision.fp8.mode = fp8 ? (formats == "e4m3" ? Fp8Mode::E4M3 : Fp8Mode::Hybrid) : Fp8Mode::None;
   precision.fp8.recipe = recipe;
   precision.policy.mode = precision.fp8.mode;
   precision.policy.recipe = recipe;
   precision.family = Fp8Family::Ocp;
-  const int64_t batch = options.batch, seq = options.sequence_len, tokens = batch * seq;
+  return precision;
+}
 
-  Measurement result;
-  result.name = fp8 ? fmt::format("fp8 {} {}{}", options.fp8, recipe_name(recipe),
-                                  recipe == ScalingRecipe::Mxfp8 ? " (emulated)" : "")
-                    : "bf16";
-  CudaGptModel model(config, batch, seq, precision, stream);
-  const optim::GptOptimizer host_optimizer(config, optim::OptimizerSettings{}, tokens);
-  optim::CudaGptOptimizer optimizer(host_optimizer, model.layout(), model.gemm());
-  {
-    Arena arena("parameters", ParameterSet::planned_bytes(config, DType::F32));
-    ParameterSet parameters(arena, config, DType::F32);
-    init_gpt_weights(parameters, config, 1);
-    model.upload_parameters(parameters);
-  }
-  result.fp8_layers = precision_summary(model.linear_precision());
+// What a timed step runs: prepare (host inputs, untimed), then forward, backward and the
+// optimizer, each between CUDA events.
+struct StepParts {
+  std::function<void()> prepare, forward, backward, optimize;
+};
 
-  std::mt19937 generator(7);
-  std::uniform_int_distribution<int32_t> token(0, config.vocab_size - 1);
-  std::vector<int32_t> idx(static_cast<size_t>(tokens)), targets(idx.size());
-  float* norm = nullptr;
-  FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm), sizeof(float)));
+// Runs warmup + steps steps (and with timing.phases as many again, with the phase timer on)
+// and fills result's medians and peak memory.
+void time_steps(const BenchTiming& timing, cudaStream_t stream, const StepParts& parts,
+                Measurement& result) {
   Events events(4);
   std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms;
   std::array<std::vector<double>, kStepPhases> phase_ms;
   std::vector<double> other_ms;
   PhaseTimer phase_timer;
-  const optim::StepSchedule schedule;
-  const int64_t count = model.layout().total_elements;
   // The timed steps, then (--phases) as many again with the phase timer on: its events are
   // kept out of the step times above.
-  const int timed_end = options.warmup + options.steps;
-  const int end = options.phases ? timed_end + options.steps : timed_end;
+  const int timed_end = timing.warmup + timing.steps;
+  const int end = timing.phases ? timed_end + timing.steps : timed_end;
   for (int step = 0; step < end; ++step) {
     const bool phased = step >= timed_end;
-    for (size_t i = 0; i < idx.size(); ++i) {
-      idx[i] = token(generator);
-      targets[i] = token(generator);
-    }
+    parts.prepare();
     events.record(0, stream);
     if (phased) set_active_phase_timer(&phase_timer);
-    model.zero_gradients();
-    model.forward(idx.data(), targets.data(), true);
+    parts.forward();
     events.record(1, stream);
-    model.backward();
+    parts.backward();
     events.record(2, stream);
     set_active_phase_timer(nullptr);
-    optimizer.global_norm(model.gradients(), count, norm, stream);
-    optimizer.step(model.parameters(), model.gradients(), schedule, stream);
-    model.end_step();
+    parts.optimize();
     events.record(3, stream);
     FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
-    if (step < options.warmup) continue;
+    if (step < timing.warmup) continue;
     if (phased) {
       const std::array<double, kStepPhases> phases = phase_timer.collect();
       double timed = 0.0;
@@ -164,19 +152,200 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, boo
     optimizer_ms.push_back(events.ms(2, 3));
     result.peak_memory = std::max(result.peak_memory, device_memory_in_use());
   }
-  if (options.phases) {
-    for (size_t phase = 0; phase < kStepPhases; ++phase)
-      result.phase_ms[phase] = median(phase_ms[phase]);
-    result.other_ms = median(other_ms);
-  }
-  result.final_loss = model.loss_value();
-  cudaFree(norm);
   result.step_ms = median(step_ms);
   result.forward_ms = median(forward_ms);
   result.backward_ms = median(backward_ms);
   result.optimizer_ms = median(optimizer_ms);
-  result.tokens_per_second = double(tokens) / (result.step_ms * 1e-3);
-  result.mfu = result.tokens_per_second * gpt_flops_per_token(config) / kBf16PeakFlops;
+  if (timing.phases) {
+    for (size_t phase = 0; phase < kStepPhases; ++phase)
+      result.phase_ms[phase] = median(phase_ms[phase]);
+    result.other_ms = median(other_ms);
+  }
+}
+
+Measurement measure(const BenchGptOptions& options, const GptConfig& config, bool fp8,
+                    ScalingRecipe recipe, cudaStream_t stream) {
+  const GptPrecision precision = bench_precision(fp8, options.fp8, recipe);
+  const int64_t batch = options.batch, seq = options.sequence_len, tokens = batch * seq;
+  Measurement result;
+  result.name = run_name(fp8, options.fp8, recipe);
+  CudaGptModel model(config, batch, seq, precision, stream);
+  const optim::GptOptimizer host_optimizer(config, optim::OptimizerSettings{}, tokens);
+  optim::CudaGptOptimizer optimizer(host_optimizer, model.layout(), model.gemm());
+  {
+    Arena arena("parameters", ParameterSet::planned_bytes(config, DType::F32));
+    ParameterSet parameters(arena, config, DType::F32);
+    init_gpt_weights(parameters, config, 1);
+    model.upload_parameters(parameters);
+  }
+  result.fp8_layers = precision_summary(model.linear_precision());
+
+  std::mt19937 generator(7);
+  std::uniform_int_distribution<int32_t> token(0, config.vocab_size - 1);
+  std::vector<int32_t> idx(static_cast<size_t>(tokens)), targets(idx.size());
+  const optim::StepSchedule schedule;
+  const int64_t count = model.layout().total_elements;
+  float* norm = nullptr;
+  FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm), sizeof(float)));
+  time_steps(options.timing, stream,
+             {.prepare =
+                  [&] {
+                    for (size_t i = 0; i < idx.size(); ++i) {
+                      idx[i] = token(generator);
+                      targets[i] = token(generator);
+                    }
+                  },
+              .forward =
+                  [&] {
+                    model.zero_gradients();
+                    model.forward(idx.data(), targets.data(), true);
+                  },
+              .backward = [&] { model.backward(); },
+              .optimize =
+                  [&] {
+                    optimizer.global_norm(model.gradients(), count, norm, stream);
+                    optimizer.step(model.parameters(), model.gradients(), schedule, stream);
+                    model.end_step();
+                  }},
+             result);
+  result.final_loss = model.loss_value();
+  cudaFree(norm);
+  result.throughput = double(tokens) / (result.step_ms * 1e-3);
+  result.mfu = result.throughput * gpt_flops_per_token(config) / kBf16PeakFlops;
+  return result;
+}
+
+}  // namespace
+
+namespace {
+
+// "87.5 K" tokens/s, "58.3" samples/s.
+std::string format_rate(double rate) {
+  return rate >= 1e3 ? fmt::format("{:.1f} K", rate / 1e3) : fmt::format("{:.1f}", rate);
+}
+
+// Each precision in turn, and for fp8 each recipe: measure(fp8, recipe) per run, a line each.
+template <typename Measure>
+std::vector<Measurement> measure_runs(const std::vector<std::string>& precisions,
+                                      const std::vector<std::string>& fp8_recipes, const char* unit,
+                                      const Measure& measure_run) {
+  std::vector<Measurement> results;
+  for (const std::string& precision : precisions) {
+    const bool fp8 = precision == "fp8";
+    const std::vector<std::string> recipes =
+        fp8 ? fp8_recipes : std::vector<std::string>{"tensorwise"};
+    for (const std::string& recipe_text : recipes) {
+      ScalingRecipe recipe = ScalingRecipe::Tensorwise;
+      for (const auto& [name, value] : kScalingRecipeNames) {
+        if (name == recipe_text) recipe = value;
+      }
+      const Measurement result = measure_run(fp8, recipe);
+      fmt::print(
+          "{}: {:.1f} ms/step (forward {:.1f}, backward {:.1f}, optimizer {:.1f}), {} {}, "
+          "bf16-MFU {:.1f} %, peak {}, loss {:.3f}; {}\n",
+          result.name, result.step_ms, result.forward_ms, result.backward_ms, result.optimizer_ms,
+          format_rate(result.throughput), unit, 100.0 * result.mfu,
+          train::format_bytes(result.peak_memory), result.final_loss, result.fp8_layers);
+      results.push_back(result);
+    }
+  }
+  return results;
+}
+
+void print_results(const std::vector<Measurement>& results, const char* unit,
+                   const BenchTiming& timing) {
+  fmt::print(
+      "\n| run | step ms | {} | bf16-MFU | peak memory | forward | backward | optimizer | vs {} "
+      "|\n|---|---|---|---|---|---|---|---|---|\n",
+      unit, results.front().name);
+  for (const Measurement& result : results) {
+    fmt::print(
+        "| {} | {:.1f} | {} | {:.1f} % | {} | {:.1f} ms | {:.1f} ms | {:.1f} ms | {:.3f}x "
+        "step |\n",
+        result.name, result.step_ms, format_rate(result.throughput), 100.0 * result.mfu,
+        train::format_bytes(result.peak_memory), result.forward_ms, result.backward_ms,
+        result.optimizer_ms, result.step_ms / results.front().step_ms);
+  }
+  if (!timing.phases) return;
+  fmt::print(
+      "\nForward + backward by kind of work (ms per step, medians of {} more steps with an event "
+      "pair around each piece; other: norms, modulation, rotary, gates, residuals, the loss, "
+      "launch gaps)\n\n| run | {} | {} | {} | other | optimizer |\n|---|---|---|---|---|---|\n",
+      timing.steps, step_phase_name(StepPhase::Gemm), step_phase_name(StepPhase::Attention),
+      step_phase_name(StepPhase::Quantization));
+  for (const Measurement& result : results) {
+    fmt::print("| {} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} |\n", result.name,
+               result.phase_ms[0], result.phase_ms[1], result.phase_ms[2], result.other_ms,
+               result.optimizer_ms);
+  }
+}
+
+// W-FLUX535's step: random latents, text and pooled embeddings and σ, the rectified-flow loss,
+// AdamW with Primus' settings (lr 1e-4, wd 0.01, betas 0.9 / 0.999) and clipping at 1.0.
+Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& config, bool fp8,
+                         ScalingRecipe recipe, cudaStream_t stream) {
+  const FluxPrecision precision = bench_precision(fp8, options.fp8, recipe);
+  const int64_t B = options.batch, Li = options.img_tokens, Lt = options.txt_tokens;
+  Measurement result;
+  result.name = run_name(fp8, options.fp8, recipe);
+  CudaFluxModel model(config, B, Li, Lt, precision, stream);
+  optim::CudaAdamW optimizer(model.layout(), {.lr = 1e-4, .weight_decay = 0.01});
+  {
+    Arena arena("parameters", FluxParameterSet::planned_bytes(config, DType::F32));
+    FluxParameterSet parameters(arena, config, DType::F32);
+    init_flux_weights(parameters, config, 1);
+    model.upload_parameters(parameters);
+  }
+  result.fp8_layers = flux_precision_summary(model.linear_precision());
+
+  std::mt19937 generator(7);
+  std::normal_distribution<float> normal;
+  std::uniform_real_distribution<float> unit;
+  const auto draw = [&](std::vector<float>& values, int64_t count) {
+    values.resize(size_t(count));
+    for (float& value : values)
+      value = normal(generator);
+  };
+  std::vector<float> img, txt, y, target, ids;
+  std::vector<float> timesteps(static_cast<size_t>(B));
+  const std::vector<float> guidance(static_cast<size_t>(B), 3.5f);  // FLUX.1-dev's default
+  const auto side = static_cast<int64_t>(std::lround(std::sqrt(double(Li))));
+  for (int64_t token = 0; token < Li; ++token)
+    ids.insert(ids.end(), {0.0f, float(token / side), float(token % side)});
+  float* norm = nullptr;
+  FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm), sizeof(float)));
+  time_steps(options.timing, stream,
+             {.prepare =
+                  [&] {
+                    draw(img, B * Li * config.in_channels);
+                    draw(txt, B * Lt * config.context_in_dim);
+                    draw(y, B * config.vec_in_dim);
+                    draw(target, B * Li * config.in_channels);
+                    for (float& t : timesteps)
+                      t = unit(generator);
+                  },
+              .forward =
+                  [&] {
+                    model.zero_gradients();
+                    const FluxInputs inputs{
+                        img.data(),       ids.data(),
+                        txt.data(),       y.data(),
+                        timesteps.data(), config.guidance_embed ? guidance.data() : nullptr};
+                    model.forward(inputs, target.data(), true);
+                  },
+              .backward = [&] { model.backward(); },
+              .optimize =
+                  [&] {
+                    optimizer.clip(model.gradients(), norm, 1.0f, stream);
+                    optimizer.step(model.parameters(), model.gradients(), 1.0, stream);
+                    model.end_step();
+                  }},
+             result);
+  result.final_loss = model.loss_value();
+  cudaFree(norm);
+  result.throughput = double(B) / (result.step_ms * 1e-3);
+  result.mfu =
+      double(B) * flux_flops_per_sample(config, Li, Lt) / (result.step_ms * 1e-3) / kBf16PeakFlops;
   return result;
 }
 
@@ -198,57 +367,40 @@ int run_bench_gpt(const BenchGptOptions& options) {
       config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.sequence_len,
       config.window_pattern, options.batch, options.batch * config.sequence_len,
       double(ParameterSet::planned_bytes(config, DType::F32)) / 4e9, flops_per_token,
-      options.warmup, options.steps, gpus[0].name, gpus[0].architecture());
+      options.timing.warmup, options.timing.steps, gpus[0].name, gpus[0].architecture());
 
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  std::vector<Measurement> results;
-  for (const std::string& precision : options.precisions) {
-    const bool fp8 = precision == "fp8";
-    const std::vector<std::string> recipes =
-        fp8 ? options.fp8_recipes : std::vector<std::string>{"tensorwise"};
-    for (const std::string& recipe_text : recipes) {
-      ScalingRecipe recipe = ScalingRecipe::Tensorwise;
-      for (const auto& [name, value] : kScalingRecipeNames) {
-        if (name == recipe_text) recipe = value;
-      }
-      const Measurement result = measure(options, config, fp8, recipe, stream);
-      fmt::print(
-          "{}: {:.1f} ms/step (forward {:.1f}, backward {:.1f}, optimizer {:.1f}), {:.1f}K "
-          "tokens/s, bf16-MFU {:.1f} %, peak {}, loss {:.3f}; {}\n",
-          result.name, result.step_ms, result.forward_ms, result.backward_ms, result.optimizer_ms,
-          result.tokens_per_second / 1e3, 100.0 * result.mfu,
-          train::format_bytes(result.peak_memory), result.final_loss, result.fp8_layers);
-      results.push_back(result);
-    }
-  }
+  const std::vector<Measurement> results = measure_runs(
+      options.precisions, options.fp8_recipes, "tokens/s", [&](bool fp8, ScalingRecipe recipe) {
+        return measure(options, config, fp8, recipe, stream);
+      });
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
+  print_results(results, "tokens/s", options.timing);
+  return kExitOk;
+}
 
+int run_bench_flux(const BenchFluxOptions& options) {
+  const std::vector<GpuInfo> gpus = query_gpus();
+  if (gpus.empty()) throw Error("bench flux: no CUDA GPU is visible");
+  const FluxConfig config = FluxConfig::preset(options.preset);
   fmt::print(
-      "\n| run | step ms | tokens/s | bf16-MFU | peak memory | forward | backward | "
-      "optimizer | vs {} |\n|---|---|---|---|---|---|---|---|---|\n",
-      results.front().name);
-  for (const Measurement& result : results) {
-    fmt::print(
-        "| {} | {:.1f} | {:.1f} K | {:.1f} % | {} | {:.1f} ms | {:.1f} ms | {:.1f} ms | {:.3f}x "
-        "step |\n",
-        result.name, result.step_ms, result.tokens_per_second / 1e3, 100.0 * result.mfu,
-        train::format_bytes(result.peak_memory), result.forward_ms, result.backward_ms,
-        result.optimizer_ms, result.step_ms / results.front().step_ms);
-  }
-  if (options.phases) {
-    fmt::print(
-        "\nForward + backward by kind of work (ms per step, medians of {} more steps with an event "
-        "pair around each piece; other: norms, rotary, gates, residuals, the loss, launch gaps)\n"
-        "\n| run | {} | {} | {} | other | optimizer |\n|---|---|---|---|---|---|\n",
-        options.steps, step_phase_name(StepPhase::Gemm), step_phase_name(StepPhase::Attention),
-        step_phase_name(StepPhase::Quantization));
-    for (const Measurement& result : results) {
-      fmt::print("| {} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} |\n", result.name,
-                 result.phase_ms[0], result.phase_ms[1], result.phase_ms[2], result.other_ms,
-                 result.optimizer_ms);
-    }
-  }
+      "bench flux: {} ({:.1f}M parameters; {} double + {} single blocks, hidden {}), micro-batch "
+      "{} of {} image + {} text tokens, {:.3g} FLOPs per sample; AdamW, clip 1.0, random inputs; "
+      "{} warm-up + {} timed steps\nGPU: {} ({})\n",
+      options.preset, double(flux_parameter_count(config)) / 1e6, config.double_blocks,
+      config.single_blocks, config.hidden_size, options.batch, options.img_tokens,
+      options.txt_tokens, flux_flops_per_sample(config, options.img_tokens, options.txt_tokens),
+      options.timing.warmup, options.timing.steps, gpus[0].name, gpus[0].architecture());
+
+  cudaStream_t stream = nullptr;
+  FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const std::vector<Measurement> results = measure_runs(
+      options.precisions, options.fp8_recipes, "samples/s", [&](bool fp8, ScalingRecipe recipe) {
+        return measure_flux(options, config, fp8, recipe, stream);
+      });
+  FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
+  print_results(results, "samples/s", options.timing);
   return kExitOk;
 }
 
@@ -257,6 +409,12 @@ int run_bench_gpt(const BenchGptOptions& options) {
 int run_bench_gpt(const BenchGptOptions&) {
   throw Error(
       "bench gpt: this fp8train was built without CUDA (FP8TRAIN_CUDA=ON needs the CUDA "
+      "toolkit)");
+}
+
+int run_bench_flux(const BenchFluxOptions&) {
+  throw Error(
+      "bench flux: this fp8train was built without CUDA (FP8TRAIN_CUDA=ON needs the CUDA "
       "toolkit)");
 }
 

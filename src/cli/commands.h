@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -74,6 +75,13 @@ struct TokenizeOptions {
 // Turns text files into token shards (docs/data.md), training the tokenizer first when asked.
 int run_tokenize(const TokenizeOptions& options);
 
+// How a benchmark times its steps.
+struct BenchTiming {
+  int warmup = 4;
+  int steps = 10;
+  bool phases = false;  // then as many steps again, timed by kind of work (core/phase_timer.h)
+};
+
 struct BenchGptOptions {
   // Defaults: W-GPT24 of docs/benchmarks.md (nanochat d24, sequence 2048, micro-batch 16,
   // all windows long, MuonAdamW, random tokens).
@@ -85,15 +93,44 @@ struct BenchGptOptions {
   std::vector<std::string> precisions = {"bf16", "fp8"};  // each is measured in turn
   std::vector<std::string> fp8_recipes = {"tensorwise"};  // each, for the fp8 precision
   std::string fp8 = "hybrid";                             // fp8 formats: hybrid or e4m3
-  int warmup = 4;
-  int steps = 10;
-  bool phases = false;  // then as many steps again, timed by kind of work (core/phase_timer.h)
+  BenchTiming timing;
 };
 
 // Times training steps of the GPT on the GPU (docs/benchmarks.md): step ms (median), tokens/s,
 // bf16-MFU, peak device memory, FP8 layers, forward / backward / optimizer times (CUDA events
 // between the phases), and each run's step time relative to the first.
 int run_bench_gpt(const BenchGptOptions& options);
+
+struct BenchFluxOptions {
+  // Defaults: W-FLUX535 of docs/benchmarks.md (flux_535m, 1024² images: 4096 image and 512
+  // text tokens, micro-batch 4, AdamW).
+  std::string preset = "flux_535m";
+  int64_t batch = 4;
+  int64_t img_tokens = 4096;  // a square grid of latent tokens
+  int64_t txt_tokens = 512;
+  std::vector<std::string> precisions = {"bf16", "fp8"};
+  std::vector<std::string> fp8_recipes = {"tensorwise"};
+  std::string fp8 = "hybrid";
+  BenchTiming timing;
+};
+
+// Times Flux training steps on the GPU: as run_bench_gpt, with samples/s.
+int run_bench_flux(const BenchFluxOptions& options);
+
+struct SampleOptions {
+  std::string checkpoint;            // a checkpoint folder, its model.safetensors, or a run folder
+  std::string config_path;           // empty: the checkpoint's config.yaml
+  std::vector<std::string> prompts;  // empty: the configuration's sample_prompts
+  std::optional<int> steps;          // unset: the configuration's sample_steps
+  std::optional<double> guidance;    // unset: sample_guidance
+  std::optional<uint64_t> seed;      // unset: seed
+  std::optional<int64_t> images_per_prompt;  // unset: sample_images_per_prompt
+  std::string output = "samples.png";
+};
+
+// Samples pictures from a Flux checkpoint (docs/flux.md): one row per prompt, one column per
+// seed, written as a PNG grid.
+int run_sample(const SampleOptions& options);
 
 // Runs the training job configured by `args` (--config FILE and overrides, see
 // load_train_config). kExitOk when it ran to the end; 128 + the signal after SIGINT or SIGTERM

@@ -91,30 +91,55 @@ int main(int argc, char** argv) {
       ->add_option("--window-pattern", bench_options.window_pattern,
                    "Attention windows tiled over layers: S short, L long")
       ->capture_default_str();
-  bench_gpt
-      ->add_option("--precision", bench_options.precisions,
-                   "bf16 and/or fp8, measured in the order given")
-      ->delimiter(',')
-      ->capture_default_str()
-      ->check(CLI::IsMember({"bf16", "fp8"}));
-  bench_gpt
-      ->add_option("--fp8-recipe", bench_options.fp8_recipes,
-                   "FP8 recipes to measure (delayed, tensorwise, blockwise; mxfp8 emulated)")
-      ->delimiter(',')
-      ->capture_default_str()
-      ->check(CLI::IsMember({"delayed", "tensorwise", "blockwise", "mxfp8"}));
-  bench_gpt->add_option("--fp8", bench_options.fp8, "FP8 formats: hybrid or e4m3")
-      ->capture_default_str()
-      ->check(CLI::IsMember({"e4m3", "hybrid"}));
-  bench_gpt->add_option("--warmup", bench_options.warmup, "Untimed steps first")
-      ->capture_default_str()
-      ->check(CLI::Range(0, 1000));
-  bench_gpt->add_option("--steps", bench_options.steps, "Timed steps (the median is reported)")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 100000));
-  bench_gpt->add_flag("--phases", bench_options.phases,
+  // The options both benchmarks share.
+  const auto add_run_options = [](CLI::App* command, std::vector<std::string>& precisions,
+                                  std::vector<std::string>& recipes, std::string& formats,
+                                  fp8t::cli::BenchTiming& timing) {
+    command->add_option("--precision", precisions, "bf16 and/or fp8, measured in the order given")
+        ->delimiter(',')
+        ->capture_default_str()
+        ->check(CLI::IsMember({"bf16", "fp8"}));
+    command
+        ->add_option("--fp8-recipe", recipes,
+                     "FP8 recipes to measure (delayed, tensorwise, blockwise; mxfp8 emulated)")
+        ->delimiter(',')
+        ->capture_default_str()
+        ->check(CLI::IsMember({"delayed", "tensorwise", "blockwise", "mxfp8"}));
+    command->add_option("--fp8", formats, "FP8 formats: hybrid or e4m3")
+        ->capture_default_str()
+        ->check(CLI::IsMember({"e4m3", "hybrid"}));
+    command->add_option("--warmup", timing.warmup, "Untimed steps first")
+        ->capture_default_str()
+        ->check(CLI::Range(0, 1000));
+    command->add_option("--steps", timing.steps, "Timed steps (the median is reported)")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 100000));
+    command->add_flag("--phases", timing.phases,
                       "Then time as many steps again by kind of work (GEMMs, attention, "
                       "quantization, other)");
+  };
+  add_run_options(bench_gpt, bench_options.precisions, bench_options.fp8_recipes, bench_options.fp8,
+                  bench_options.timing);
+
+  fp8t::cli::BenchFluxOptions bench_flux_options;
+  CLI::App* bench_flux = bench->add_subcommand(
+      "flux", "Time Flux training steps (default: W-FLUX535, BF16 then FP8) and print a table");
+  bench_flux->add_option("--preset", bench_flux_options.preset, "Flux preset")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"flux_tiny", "flux_small", "flux_535m", "flux_12b"}));
+  bench_flux->add_option("--batch", bench_flux_options.batch, "Samples per micro-batch")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 16));
+  bench_flux
+      ->add_option("--img-tokens", bench_flux_options.img_tokens,
+                   "Image tokens per sample (a square grid: 4096 for 1024² images)")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  bench_flux->add_option("--txt-tokens", bench_flux_options.txt_tokens, "Text tokens per sample")
+      ->capture_default_str()
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
+  add_run_options(bench_flux, bench_flux_options.precisions, bench_flux_options.fp8_recipes,
+                  bench_flux_options.fp8, bench_flux_options.timing);
 
   fp8t::cli::ConfigOptions config_options;
   CLI::App* config =
@@ -129,12 +154,41 @@ int main(int argc, char** argv) {
       "(see docs/configuration.md).");
 
   CLI::App* train = app.add_subcommand(
-      "train", "Train the GPT: a YAML experiment (--config FILE) and overrides of any key");
+      "train",
+      "Train the GPT or a Flux model: a YAML experiment (--config FILE) and overrides of any key");
   train->allow_extras();  // every argument goes to the configuration's parser
   train->footer(
       "Arguments: --config FILE, then overrides --key=value, --key value, --flag, and nanochat's "
       "flags (--depth=24 --fp8 --run=NAME --resume-from-step=N --device-batch-size=16). See "
       "docs/training.md and docs/configuration.md.");
+
+  fp8t::cli::SampleOptions sample_options;
+  CLI::App* sample =
+      app.add_subcommand("sample", "Draw pictures from a Flux checkpoint into a PNG grid");
+  sample
+      ->add_option(
+          "--checkpoint", sample_options.checkpoint,
+          "Checkpoint folder, its model.safetensors, or a run folder (its last checkpoint)")
+      ->required();
+  sample->add_option("--config", sample_options.config_path,
+                     "YAML configuration (default: the checkpoint's config.yaml)");
+  sample->add_option("--prompt", sample_options.prompts,
+                     "A row's prompt, in the built-in data's words; repeat for more rows "
+                     "(default: sample_prompts)");
+  sample->add_option("--steps", sample_options.steps, "Euler steps (default: sample_steps)")
+      ->check(CLI::Range(1, 10000));
+  sample
+      ->add_option("--guidance", sample_options.guidance,
+                   "Classifier-free guidance scale (default: sample_guidance)")
+      ->check(CLI::NonNegativeNumber);
+  sample->add_option("--seed", sample_options.seed,
+                     "Seed of the first column's noise; column j uses seed + j (default: seed)");
+  sample
+      ->add_option("--images-per-prompt", sample_options.images_per_prompt,
+                   "Columns of the grid (default: sample_images_per_prompt)")
+      ->check(CLI::Range(int64_t{1}, int64_t{64}));
+  sample->add_option("--output", sample_options.output, "The PNG file to write")
+      ->capture_default_str();
 
   fp8t::cli::TokenizeOptions tokenize_options;
   CLI::App* tokenize = app.add_subcommand(
@@ -174,7 +228,9 @@ int main(int argc, char** argv) {
     if (*model) return fp8t::cli::run_model_summary(model_options);
     if (*tokenize) return fp8t::cli::run_tokenize(tokenize_options);
     if (*train) return fp8t::cli::run_train(train->remaining());
+    if (*sample) return fp8t::cli::run_sample(sample_options);
     if (*bench_gpt) return fp8t::cli::run_bench_gpt(bench_options);
+    if (*bench_flux) return fp8t::cli::run_bench_flux(bench_flux_options);
     if (*config) {
       config_options.overrides = config->remaining();
       return fp8t::cli::run_config(config_options);

@@ -30,10 +30,15 @@ A training run prints the same and saves it as `config.yaml` in its run folder
 ## Files
 
 Keys may be written flat at the top level, as Primus and Megatron do, or inside the section
-mappings `run:`, `model:`, `data:`, `training:`, `optimizer:`, `schedule:` and `fp8:`; the two
-forms mix. `fp8` and `optimizer` are keys as well as sections: a scalar (`fp8: hybrid`) is the
-key, a mapping is the section. A key inside the wrong section is an error. Every key is
-optional; a key given twice in one file is an error.
+mappings `run:`, `model:`, `data:`, `training:`, `optimizer:`, `schedule:`, `fp8:` and
+`flux:`; the two forms mix. `run`, `model`, `fp8` and `optimizer` are keys as well as sections:
+a scalar (`fp8: hybrid`) is the key, a mapping is the section. A key inside the wrong section
+is an error. Every key is optional; a key given twice in one file is an error.
+
+The key `model` picks the GPT (default) or a Flux preset. The tables' `models` column says which
+models a key applies to; giving a key of the other model is an error. Where the models'
+defaults differ, the table gives both: Flux takes Primus' AdamW settings (see
+[`model`](#model)).
 
 ```yaml
 base: d20.yaml          # d20.yaml first, then the keys below
@@ -50,7 +55,7 @@ file overrides; a base may have a base of its own, and a cycle is an error.
 Presets in `configs/`: `tiny.yaml` (the CPU demo: depth 4, 300 steps on the built-in corpus),
 `d12.yaml`, `d20.yaml`, `d24.yaml` (nanochat's models and settings, BF16) and `d12_fp8.yaml`,
 `d20_fp8.yaml`, `d24_fp8.yaml` (the same with `fp8: hybrid`, `fp8_recipe: tensorwise`, as
-nanochat's `--fp8`).
+nanochat's `--fp8`); `flux_tiny.yaml` (Flux on the built-in shapes pictures, on the CPU).
 
 ## Command line
 
@@ -96,6 +101,7 @@ fp8train: error: run.yaml:1: base: cannot read 'nothere.yaml': No such file or d
 fp8train: error: command line: --lr: expected a finite number > 0, found 'x'
 fp8train: error: run.yaml:4: global_batch_size: must be a multiple of micro_batch_size × devices (32 × 1 = 32), found 48
 fp8train: error: run.yaml: fp8_power_of_2_scales: mxfp8 scales are E8M0 powers of two; false is not possible
+fp8train: error: flux.yaml:3: depth: applies to the GPT only, not to model flux_tiny
 fp8train: error: nothere.yaml: cannot read the config file: No such file or directory
 fp8train: error: broken.yaml:2:2: invalid YAML: end of sequence flow not found
 ```
@@ -112,6 +118,17 @@ std::string key_cell(const ConfigKey& key) {
   return fmt::format("[`{}`](#{})", key.name, key.name);
 }
 
+// The default of a key; both models' where they differ.
+std::string default_cell(const ConfigKey& key) {
+  const TrainConfig gpt = TrainConfig::defaults_for(kGptModel);
+  const TrainConfig flux = TrainConfig::defaults_for(kFluxPresets[0]);
+  // `model` picks which defaults apply; its own is the GPT.
+  if (key.models == ModelScope::All && key.name != "model" && key.get(gpt) != key.get(flux)) {
+    return fmt::format("`{}`; flux: `{}`", key.get(gpt), key.get(flux));
+  }
+  return fmt::format("`{}`", key.get(key.models == ModelScope::Flux ? flux : gpt));
+}
+
 }  // namespace
 
 std::string configuration_markdown() {
@@ -123,15 +140,15 @@ std::string configuration_markdown() {
                         alias.in_tokens ? " (given in tokens)" : "");
   }
   text += kCommandLineNotes;
-  const TrainConfig defaults;
   for (ConfigSection section : kConfigSections) {
     text += fmt::format("\n### Section `{}`\n\n{}\n\n", section_name(section),
                         section_summary(section));
-    text += "| key | type | default | allowed | meaning |\n|---|---|---|---|---|\n";
+    text += "| key | models | type | default | allowed | meaning |\n|---|---|---|---|---|---|\n";
     for (const ConfigKey& key : config_keys()) {
       if (key.section != section) continue;
-      text += fmt::format("| {} | {} | `{}` | {} | {} |\n", key_cell(key),
-                          value_type_name(key.type), key.get(defaults), key.expected, key.meaning);
+      text += fmt::format("| {} | {} | {} | {} | {} | {} |\n", key_cell(key),
+                          model_scope_name(key.models), value_type_name(key.type),
+                          default_cell(key), key.expected, key.meaning);
     }
   }
   text += "\n## Key details\n";

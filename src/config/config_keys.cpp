@@ -4,12 +4,14 @@
 #include <cctype>
 #include <charconv>
 #include <cmath>
+#include <iterator>
 #include <limits>
 #include <type_traits>
 #include <utility>
 #include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 namespace fp8t {
 
@@ -28,6 +30,10 @@ constexpr std::pair<std::string_view, optim::LrDecayStyle> kDecayStyles[] = {
     {"nanochat", optim::LrDecayStyle::Nanochat},
     {"cosine", optim::LrDecayStyle::Cosine},
     {"constant", optim::LrDecayStyle::Constant}};
+constexpr std::pair<std::string_view, SigmaSampler> kSigmaSamplers[] = {
+    {kSigmaSamplerNames[0], SigmaSampler::LogitNormal},
+    {kSigmaSamplerNames[1], SigmaSampler::Uniform},
+    {kSigmaSamplerNames[2], SigmaSampler::Mode}};
 
 template <typename Enum>
 std::string_view name_in(Choices<Enum> choices, Enum value) {
@@ -95,6 +101,16 @@ std::string yaml_quoted(std::string_view text) {
   return quoted + "\"";
 }
 
+ConfigKey gpt_only(ConfigKey key) {
+  key.models = ModelScope::Gpt;
+  return key;
+}
+
+ConfigKey flux_only(ConfigKey key) {
+  key.models = ModelScope::Flux;
+  return key;
+}
+
 ConfigKey make_key(std::string_view name, ConfigSection section, ValueType type,
                    std::string expected, std::string_view meaning, std::string_view details) {
   ConfigKey key;
@@ -153,7 +169,8 @@ ConfigKey number_key(std::string_view name, ConfigSection section, Access access
                      std::string_view meaning, std::string_view details = {}) {
   using Field = FieldOf<Access>;
   std::string expected =
-      std::isinf(range.max)
+      std::isinf(range.min) ? std::string("a finite number")
+      : std::isinf(range.max)
           ? fmt::format("a finite number {} {}", range.min_excluded ? ">" : ">=", range.min)
           : fmt::format("a number in {}{}, {}{}", range.min_excluded ? '(' : '[', range.min,
                         range.max, range.max_excluded ? ')' : ']');
@@ -252,6 +269,12 @@ std::optional<std::string> check_run_name(std::string_view name) {
 std::optional<std::string> check_not_empty(std::string_view text) {
   if (text.empty()) return std::string("must not be empty");
   return std::nullopt;
+}
+
+std::vector<std::string_view> model_names() {
+  std::vector<std::string_view> names = {kGptModel};
+  names.insert(names.end(), std::begin(kFluxPresets), std::end(kFluxPresets));
+  return names;
 }
 
 std::optional<std::string> check_window_pattern(std::string_view pattern) {
@@ -367,6 +390,32 @@ constexpr std::string_view kLmHeadDetails =
 through, so it runs in FP8 by default (at d24, 145 of 158 linears are FP8). `false` keeps it
 in BF16, as torchtitan does by default. Gates (`ve_gate`, `smear_gate`) always stay in BF16.)";
 
+constexpr std::string_view kModelDetails =
+    R"(Which model to train.
+
+- `gpt` (default): nanochat's GPT, sized by `depth` and the other keys of the model section.
+- `flux_tiny`, `flux_small`, `flux_535m`, `flux_12b`: the Flux MMDiT presets
+  ([flux.md](flux.md)). Flux trains on the GPU (`device: auto` finds one) or the CPU, on the
+  built-in shapes data, which makes image tokens of 16 features: `flux_tiny`'s and
+  `flux_small`'s (the same inputs, hidden 256 and 2 + 2 blocks, so that its block linears can
+  run in FP8); the larger presets take 64 (a VAE's 16 channels) and wait for a latent dataset. The keys marked `flux` in the tables apply, and Flux has defaults
+  of its own: Primus' Flux 535M settings (AdamW, lr 1e-4 with cosine decay to 1e-5, weight
+  decay 0.01, β (0.9, 0.999), clipping at 1.0), with 100 warmup steps (Primus warms up 1000 of
+  much longer runs).
+
+A key marked `gpt` given for a Flux model, or one marked `flux` given for the GPT, is an error;
+the resolved `config.yaml` holds only the keys of its model.)";
+
+constexpr std::string_view kSigmaSamplerDetails =
+    R"(How each sample's noise level σ is drawn in training (SD3's samplers, as diffusers'
+`compute_density_for_timestep_sampling`):
+
+- `logit_normal` (default): σ = sigmoid(`logit_mean` + `logit_std` · n), n ~ N(0, 1);
+- `uniform`: σ uniform in [0, 1);
+- `mode`: σ = 1 − u − `mode_scale` · (cos²(πu/2) − 1 + u), u uniform, more weight near 0.5.
+
+Then `sigma_shift` s moves it: σ' = s·σ / (1 + (s − 1)·σ).)";
+
 std::vector<ConfigKey> build_keys() {
   using S = ConfigSection;
   std::vector<ConfigKey> keys;
@@ -393,9 +442,9 @@ std::vector<ConfigKey> build_keys() {
   keys.push_back(integer_key(
       "log_every", S::Run, [](auto& c) -> auto& { return c.run.log_every; }, {1},
       "Print the loss, throughput and MFU every N steps."));
-  keys.push_back(integer_key(
+  keys.push_back(gpt_only(integer_key(
       "sample_tokens", S::Run, [](auto& c) -> auto& { return c.run.sample_tokens; }, {0},
-      "Tokens to generate from the trained model at the end; 0: no sample."));
+      "Tokens to generate from the trained model at the end; 0: no sample.")));
   keys.push_back(integer_key(
       "eval_every", S::Run, [](auto& c) -> auto& { return c.run.eval_every; }, {-1},
       "Evaluate the validation loss every N steps and at the end; -1 or 0: never."));
@@ -408,70 +457,113 @@ std::vector<ConfigKey> build_keys() {
       "Where to train: cuda (the GPU path), cpu (the reference path), auto: cuda when a GPU is "
       "present, else cpu.",
       {}, kDeviceAdvice));
+  keys.push_back(flux_only(integer_key(
+      "sample_every", S::Run, [](auto& c) -> auto& { return c.run.sample_every; }, {0},
+      "Write a grid of samples (run folder, samples/step_NNNNNN.png) every N steps; 0: only the "
+      "one at the end.")));
+  keys.push_back(flux_only(integer_key(
+      "sample_steps", S::Run, [](auto& c) -> auto& { return c.run.sample_steps; }, {1, 10000},
+      "Euler steps from σ = 1 to 0 per sample, on a schedule linear in σ shifted by "
+      "sigma_shift.")));
+  keys.push_back(flux_only(number_key(
+      "sample_guidance", S::Run, [](auto& c) -> auto& { return c.run.sample_guidance; }, {0},
+      "Classifier-free guidance g: v = v_empty + g·(v_prompt − v_empty); 1: the prompt's "
+      "velocity alone. With the guidance embedder (flux_12b), the embedder's input instead.")));
+  keys.push_back(flux_only(string_key(
+      "sample_prompts", S::Run, [](auto& c) -> auto& { return c.run.sample_prompts; },
+      "The grid's prompts, one row each, separated by ';', in the words of the built-in data's "
+      "captions; empty: no grids.")));
+  keys.push_back(flux_only(integer_key(
+      "sample_images_per_prompt", S::Run,
+      [](auto& c) -> auto& { return c.run.sample_images_per_prompt; }, {1, 64},
+      "The grid's columns: one image per seed, seed, seed + 1, ... (the same noise in every "
+      "row).")));
   // model
-  keys.push_back(integer_key(
+  ConfigKey model = make_key(
+      "model", S::Model, ValueType::Choice,
+      fmt::format("one of {}", fmt::join(model_names(), ", ")),
+      "The GPT, or a Flux preset (flux_small: flux_tiny widened for FP8 linears).", kModelDetails);
+  model.set = [](TrainConfig& config, std::string_view text) -> std::optional<std::string> {
+    const std::vector<std::string_view> names = model_names();
+    if (std::find(names.begin(), names.end(), text) == names.end()) {
+      return fmt::format("unknown value '{}'; allowed: {}", text, fmt::join(names, ", "));
+    }
+    config.model.name = std::string(text);
+    return std::nullopt;
+  };
+  model.get = [](const TrainConfig& config) { return config.model.name; };
+  keys.push_back(std::move(model));
+  keys.push_back(gpt_only(integer_key(
       "depth", S::Model, [](auto& c) -> auto& { return c.model.depth; }, {1, 1000},
-      "Number of transformer blocks; the width follows from it (nanochat's one size knob)."));
-  keys.push_back(integer_key(
+      "Number of transformer blocks; the width follows from it (nanochat's one size knob).")));
+  keys.push_back(gpt_only(integer_key(
       "aspect_ratio", S::Model, [](auto& c) -> auto& { return c.model.aspect_ratio; }, {1, 4096},
-      "model_dim = depth × aspect_ratio, rounded up to a multiple of head_dim."));
-  keys.push_back(integer_key(
+      "model_dim = depth × aspect_ratio, rounded up to a multiple of head_dim.")));
+  keys.push_back(gpt_only(integer_key(
       "head_dim", S::Model, [](auto& c) -> auto& { return c.model.head_dim; }, {2, 1024},
-      "Channels per attention head (even, for rotary); heads = model_dim / head_dim."));
-  keys.push_back(integer_key(
+      "Channels per attention head (even, for rotary); heads = model_dim / head_dim.")));
+  keys.push_back(gpt_only(integer_key(
       "vocab_size", S::Model, [](auto& c) -> auto& { return c.model.vocab_size; }, {2, 1 << 24},
-      "Vocabulary size before padding to a multiple of 64; the tokenizer's size."));
-  keys.push_back(integer_key(
+      "Vocabulary size before padding to a multiple of 64; the tokenizer's size.")));
+  keys.push_back(gpt_only(integer_key(
       "sequence_len", S::Model, [](auto& c) -> auto& { return c.model.sequence_len; }, {2, 1 << 20},
-      "Tokens per training sequence (the context length)."));
-  keys.push_back(string_key(
+      "Tokens per training sequence (the context length).")));
+  keys.push_back(gpt_only(string_key(
       "window_pattern", S::Model, [](auto& c) -> auto& { return c.model.window_pattern; },
       "Attention windows tiled over the layers: L the full sequence, S a quarter of it (in "
       "tiles of 128); the last layer is always L.",
-      check_window_pattern));
+      check_window_pattern)));
   // data
-  keys.push_back(string_key(
+  keys.push_back(gpt_only(string_key(
       "data_path", S::Data, [](auto& c) -> auto& { return c.data.data_path; },
-      "Folder of token shards to train on; empty: the built-in corpus."));
-  keys.push_back(string_key(
+      "Folder of token shards to train on; empty: the built-in corpus.")));
+  keys.push_back(gpt_only(string_key(
       "tokenizer_path", S::Data, [](auto& c) -> auto& { return c.data.tokenizer_path; },
-      "Tokenizer file; empty: the data source's default tokenizer."));
+      "Tokenizer file; empty: the data source's default tokenizer.")));
+  keys.push_back(flux_only(integer_key(
+      "image_size", S::Data, [](auto& c) -> auto& { return c.data.image_size; }, {16, 4096},
+      "Pixels per side of the built-in shapes pictures, a multiple of 16: (image_size / 2)² "
+      "image tokens.")));
   // training
   keys.push_back(integer_key(
       "micro_batch_size", S::Training, [](auto& c) -> auto& { return c.training.micro_batch_size; },
       {1, 1 << 20},
-      "Sequences per device in one forward/backward pass (nanochat's device batch size)."));
+      "Sequences (Flux: pictures) per device in one forward/backward pass (nanochat's device "
+      "batch size)."));
   keys.push_back(integer_key(
       "global_batch_size", S::Training,
       [](auto& c) -> auto& { return c.training.global_batch_size; }, {0},
-      "Sequences per optimizer step over all devices, a multiple of micro_batch_size × devices; "
-      "gradients accumulate over the micro-batches in between. 0: micro_batch_size × devices."));
+      "Sequences (Flux: pictures) per optimizer step over all devices, a multiple of "
+      "micro_batch_size × devices; gradients accumulate over the micro-batches in between. 0: "
+      "micro_batch_size × devices."));
   keys.push_back(integer_key(
       "train_iters", S::Training, [](auto& c) -> auto& { return c.training.train_iters; }, {1},
       "Optimizer steps to train for (nanochat derives its count from a data:param ratio; here "
       "it is explicit)."));
   keys.push_back(integer_key(
       "seed", S::Training, [](auto& c) -> auto& { return c.training.seed; }, {0},
-      "Seed of the parameter initialization and the data order."));
+      "Seed of the parameter initialization and the data order (Flux: also of the noise, σ and "
+      "guidance dropout of each step, and of the sample grids)."));
   // optimizer
   keys.push_back(choice_key(
       "optimizer", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.kind; },
       Choices<OptimizerKind>(kOptimizers),
       "muon: nanochat's MuonAdamW (Muon for the block matrices; AdamW for embeddings, lm_head "
-      "and scalars with nanochat's per-group betas); adamw: AdamW for every parameter."));
+      "and scalars with nanochat's per-group betas); adamw: AdamW for every parameter (Flux: "
+      "only adamw)."));
   keys.push_back(number_key(
       "lr", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.lr; }, {0, true},
       "muon: the block matrices' learning rate (nanochat's --matrix-lr); adamw: every "
       "parameter's."));
-  keys.push_back(number_key(
+  keys.push_back(gpt_only(number_key(
       "embedding_lr", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.embedding_lr; },
-      {0, true}, "muon: the embeddings' AdamW learning rate, as nanochat's --embedding-lr."));
-  keys.push_back(number_key(
+      {0, true}, "muon: the embeddings' AdamW learning rate, as nanochat's --embedding-lr.")));
+  keys.push_back(gpt_only(number_key(
       "unembedding_lr", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.unembedding_lr; },
-      {0, true}, "muon: lm_head's AdamW learning rate, as nanochat's --unembedding-lr."));
-  keys.push_back(number_key(
+      {0, true}, "muon: lm_head's AdamW learning rate, as nanochat's --unembedding-lr.")));
+  keys.push_back(gpt_only(number_key(
       "scalar_lr", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.scalar_lr; }, {0, true},
-      "muon: the residual scalars' learning rate, as nanochat's --scalar-lr."));
+      "muon: the residual scalars' learning rate, as nanochat's --scalar-lr.")));
   keys.push_back(number_key(
       "min_lr", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.min_lr; }, {0},
       "cosine decay: the learning rate at the last step, at most lr; each group decays to the "
@@ -481,7 +573,8 @@ std::vector<ConfigKey> build_keys() {
       "muon: the block matrices' cautious weight decay, as nanochat's --weight-decay: the value "
       "at nanochat's reference (d12, 2^19 tokens per step), scaled as nanochat scales it by "
       "sqrt(tokens per step / 2^19) x D_ref / D (D: 12 tokens per scaling parameter) and by a "
-      "cosine over the run; adamw: AdamW's decoupled decay, as given."));
+      "cosine over the run; adamw: AdamW's decoupled decay, as given, on the weight matrices "
+      "(1-D parameters get none, Megatron's rule)."));
   keys.push_back(number_key(
       "adam_beta1", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.adam_beta1; },
       {0, false, 1, true}, "adamw: β1 (muon keeps nanochat's per-group betas)."));
@@ -578,9 +671,9 @@ std::vector<ConfigKey> build_keys() {
       [](auto& c) -> auto& { return c.fp8.multi_head_attention; },
       "FP8 between the attention block's operations (reserved: only false for now).",
       kMultiHeadAttentionDetails, kAttentionInBf16));
-  keys.push_back(boolean_key(
+  keys.push_back(gpt_only(boolean_key(
       "lm_head_fp8", S::Fp8, [](auto& c) -> auto& { return c.fp8.lm_head_fp8; },
-      "lm_head in FP8 (nanochat); false: in BF16.", kLmHeadDetails));
+      "lm_head in FP8 (nanochat); false: in BF16.", kLmHeadDetails)));
   keys.push_back(boolean_key(
       "first_last_layers_bf16", S::Fp8,
       [](auto& c) -> auto& { return c.fp8.first_last_layers_bf16; },
@@ -593,6 +686,37 @@ std::vector<ConfigKey> build_keys() {
       "num_layers_at_end_in_bf16", S::Fp8,
       [](auto& c) -> auto& { return c.fp8.num_layers_at_end_in_bf16; }, {0, 1000},
       "With first_last_layers_bf16: blocks at the end kept in BF16."));
+  // flux
+  keys.push_back(flux_only(choice_key(
+      "sigma_sampler", S::Flux, [](auto& c) -> auto& { return c.flux.sigma.sampler; },
+      Choices<SigmaSampler>(kSigmaSamplers), "How each sample's noise level σ is drawn.",
+      kSigmaSamplerDetails)));
+  keys.push_back(flux_only(number_key(
+      "logit_mean", S::Flux, [](auto& c) -> auto& { return c.flux.sigma.logit_mean; },
+      {-kInfinity, true}, "logit_normal: the mean of the normal before the sigmoid.")));
+  keys.push_back(flux_only(number_key(
+      "logit_std", S::Flux, [](auto& c) -> auto& { return c.flux.sigma.logit_std; }, {0},
+      "logit_normal: its standard deviation.")));
+  keys.push_back(flux_only(number_key(
+      "mode_scale", S::Flux, [](auto& c) -> auto& { return c.flux.sigma.mode_scale; },
+      {-1, false, 1.75, false},
+      "mode: how much weight moves towards σ = 0.5 (SD3: 1.29); beyond 1.75 σ would leave "
+      "[0, 1].")));
+  keys.push_back(flux_only(number_key(
+      "sigma_shift", S::Flux, [](auto& c) -> auto& { return c.flux.sigma.shift; }, {0, true},
+      "Shift s of σ in training and sampling, σ' = s·σ / (1 + (s − 1)·σ); 1: none, > 1: more "
+      "noise (SD3, FLUX at high resolution).")));
+  keys.push_back(flux_only(number_key(
+      "cfg_dropout", S::Flux, [](auto& c) -> auto& { return c.flux.cfg_dropout; }, {0, false, 1},
+      "Probability that a training sample gets the empty caption's encodings, so that the "
+      "model learns the unconditional velocity classifier-free guidance needs.")));
+  keys.push_back(flux_only(number_key(
+      "latent_scale", S::Flux, [](auto& c) -> auto& { return c.flux.latent_scale; }, {0, true},
+      "x0 = latent_scale · (latent − latent_shift); FLUX.1's VAE: 0.3611. The built-in shapes "
+      "latents already lie in [−1, 1]: 1.")));
+  keys.push_back(flux_only(number_key(
+      "latent_shift", S::Flux, [](auto& c) -> auto& { return c.flux.latent_shift; },
+      {-kInfinity, true}, "FLUX.1's VAE: 0.1159; the built-in shapes latents: 0.")));
   return keys;
 }
 
@@ -661,6 +785,8 @@ std::string_view section_name(ConfigSection section) {
       return "schedule";
     case ConfigSection::Fp8:
       return "fp8";
+    case ConfigSection::Flux:
+      return "flux";
   }
   return "?";
 }
@@ -670,9 +796,9 @@ std::string_view section_summary(ConfigSection section) {
     case ConfigSection::Run:
       return "The run's name and folder, checkpoints, logging, evaluation, device.";
     case ConfigSection::Model:
-      return "The nanochat GPT's shape.";
+      return "Which model: the nanochat GPT (and its shape) or a Flux preset.";
     case ConfigSection::Data:
-      return "What to train on.";
+      return "What to train on: token shards for the GPT, the built-in shapes pictures for Flux.";
     case ConfigSection::Training:
       return "Batch sizes, length of training, seed.";
     case ConfigSection::Optimizer:
@@ -681,6 +807,9 @@ std::string_view section_summary(ConfigSection section) {
       return "The learning-rate schedule.";
     case ConfigSection::Fp8:
       return "FP8 training: format, scaling recipe, which layers (Primus/Megatron names).";
+    case ConfigSection::Flux:
+      return "Flux's rectified-flow objective: the noise levels, latent normalization, guidance "
+             "dropout.";
   }
   return "?";
 }
@@ -699,6 +828,22 @@ std::string_view value_type_name(ValueType type) {
       return "choice";
   }
   return "?";
+}
+
+std::string_view model_scope_name(ModelScope scope) {
+  switch (scope) {
+    case ModelScope::All:
+      return "all";
+    case ModelScope::Gpt:
+      return "gpt";
+    case ModelScope::Flux:
+      return "flux";
+  }
+  return "?";
+}
+
+bool ConfigKey::applies_to(const TrainConfig& config) const {
+  return models == ModelScope::All || (models == ModelScope::Flux) == config.is_flux();
 }
 
 std::span<const ConfigKey> config_keys() {

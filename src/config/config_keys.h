@@ -14,11 +14,11 @@
 
 namespace fp8t {
 
-enum class ConfigSection : uint8_t { Run, Model, Data, Training, Optimizer, Schedule, Fp8 };
+enum class ConfigSection : uint8_t { Run, Model, Data, Training, Optimizer, Schedule, Fp8, Flux };
 
 inline constexpr ConfigSection kConfigSections[] = {
     ConfigSection::Run,       ConfigSection::Model,    ConfigSection::Data, ConfigSection::Training,
-    ConfigSection::Optimizer, ConfigSection::Schedule, ConfigSection::Fp8};
+    ConfigSection::Optimizer, ConfigSection::Schedule, ConfigSection::Fp8,  ConfigSection::Flux};
 
 std::string_view section_name(ConfigSection section);
 // One line for the docs: what the section is about.
@@ -27,6 +27,13 @@ std::string_view section_summary(ConfigSection section);
 enum class ValueType : uint8_t { Integer, Number, Boolean, String, Choice };
 
 std::string_view value_type_name(ValueType type);
+
+// Which models a key applies to. Giving a key of another model is an error, and the resolved
+// config.yaml leaves such keys out.
+enum class ModelScope : uint8_t { All, Gpt, Flux };
+
+// "all", "gpt", "flux": the docs' column.
+std::string_view model_scope_name(ModelScope scope);
 
 struct ConfigKey {
   std::string_view name;
@@ -43,8 +50,12 @@ struct ConfigKey {
   // Parses `text` into the config; returns what is wrong with it (without the key's name), or
   // nothing.
   std::function<std::optional<std::string>(TrainConfig&, std::string_view text)> set;
-  // The value as the YAML writer writes it; of a default TrainConfig, the docs' default.
+  // The value as the YAML writer writes it; of TrainConfig::defaults_for(model), the docs'
+  // default.
   std::function<std::string(const TrainConfig&)> get;
+  ModelScope models = ModelScope::All;
+
+  bool applies_to(const TrainConfig& config) const;
 };
 
 // Every key, in the order of the docs and the writer (by section).

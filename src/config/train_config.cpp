@@ -17,8 +17,33 @@
 
 #include "config/config_keys.h"
 #include "core/error.h"
+#include "data/flux_shapes.h"
 
 namespace fp8t {
+
+TrainConfig TrainConfig::defaults_for(std::string_view model) {
+  TrainConfig config;
+  config.model.name = std::string(model);
+  if (!config.is_flux()) return config;
+  // Primus' Flux 535M settings (MODELS.md §2); its warmup of 1000 steps belongs to runs much
+  // longer than the default train_iters.
+  config.optimizer.kind = OptimizerKind::AdamW;
+  config.optimizer.lr = 1e-4;
+  config.optimizer.min_lr = 1e-5;
+  config.optimizer.weight_decay = 0.01;
+  config.optimizer.adam_beta1 = 0.9;
+  config.optimizer.adam_beta2 = 0.999;
+  config.optimizer.adam_eps = 1e-8;
+  config.optimizer.clip_grad = 1.0;
+  config.schedule.lr_decay_style = optim::LrDecayStyle::Cosine;
+  config.schedule.lr_warmup_iters = 100;
+  return config;
+}
+
+FluxConfig TrainConfig::flux_config() const {
+  if (!is_flux()) throw ConfigError(fmt::format("model: {} is not a Flux preset", model.name));
+  return FluxConfig::preset(model.name);
+}
 
 GptConfig TrainConfig::gpt_config() const {
   GptConfig config;
@@ -85,7 +110,7 @@ constexpr std::string_view kCommandLine = "command line";
 // A configuration being assembled, with where each key got its value ("file:line: key" or
 // "command line: --flag"), so that checks of the whole can point at the setting at fault.
 struct ConfigBuilder {
-  TrainConfig config;
+  TrainConfig config;  // starts from the model's defaults
   std::map<std::string, std::string, std::less<>> origins;
   std::string source = "defaults";  // the top-level file, or the command line
 
@@ -320,6 +345,12 @@ void apply_overrides(ConfigBuilder& builder, std::span<const std::string> args) 
     if (key->name == "global_batch_size") token_batch.reset();
   }
   if (token_batch) {
+    if (builder.config.is_flux()) {
+      throw ConfigError(
+          fmt::format("{}: counts the GPT's tokens; for {} set global_batch_size "
+                      "(pictures per step)",
+                      token_batch->where, builder.config.model.name));
+    }
     const int64_t sequence_len = builder.config.model.sequence_len;
     if (token_batch->tokens % sequence_len != 0) {
       throw ConfigError(
@@ -328,6 +359,46 @@ void apply_overrides(ConfigBuilder& builder, std::span<const std::string> args) 
     }
     builder.config.training.global_batch_size = token_batch->tokens / sequence_len;
     builder.origins["global_batch_size"] = token_batch->where;
+  }
+}
+
+// A key of another model is an error when it was given (`given`) or differs from its default.
+void check_model_keys(const TrainConfig& config, const std::function<bool(std::string_view)>& given,
+                      const std::function<std::string(std::string_view)>& origin) {
+  const TrainConfig defaults = TrainConfig::defaults_for(config.model.name);
+  for (const ConfigKey& key : config_keys()) {
+    if (key.applies_to(config) || (!given(key.name) && key.get(config) == key.get(defaults))) {
+      continue;
+    }
+    throw ConfigError(fmt::format("{}: applies to {} only, not to model {}", origin(key.name),
+                                  key.models == ModelScope::Gpt ? "the GPT" : "Flux",
+                                  config.model.name));
+  }
+}
+
+// What Flux needs of the settings it shares with the GPT, and of its own.
+void check_flux(const TrainConfig& config,
+                const std::function<std::string(std::string_view)>& origin,
+                std::string_view source) {
+  if (config.optimizer.kind != OptimizerKind::AdamW) {
+    throw ConfigError(
+        fmt::format("{}: Flux trains with adamw (Muon is set up for the GPT's parameters)",
+                    origin("optimizer")));
+  }
+  const int64_t token_features = int64_t{data::kFluxShapesLatentChannels} * 4;
+  if (config.flux_config().in_channels != token_features) {
+    throw ConfigError(fmt::format(
+        "{}: {} takes image tokens of {} features, but the built-in shapes data makes {} ({} "
+        "channels in 2×2 patches); flux_tiny trains on it",
+        origin("model"), config.model.name, config.flux_config().in_channels, token_features,
+        data::kFluxShapesLatentChannels));
+  }
+  // The objective's and the data's own checks name their fields; the source says where.
+  try {
+    config.flux.validate();
+    data::FluxShapesOptions{.image_size = config.data.image_size}.validate();
+  } catch (const ConfigError& error) {
+    throw ConfigError(fmt::format("{}: {}", source, error.what()));
   }
 }
 
@@ -354,18 +425,36 @@ void check_whole(const TrainConfig& config, int world_size,
     throw ConfigError(fmt::format("{}: must be at most lr ({}), found {}", origin("min_lr"),
                                   config.optimizer.lr, config.optimizer.min_lr));
   }
-  if (config.model.head_dim % 2 != 0) {
+  if (config.is_flux()) {
+    check_flux(config, origin, source);
+  } else if (config.model.head_dim % 2 != 0) {
     throw ConfigError(fmt::format("{}: must be even (rotary), found {}", origin("head_dim"),
                                   config.model.head_dim));
   }
   // The GPT's and the schedule's own checks name their fields; the source says where.
   try {
-    config.gpt_config().validate();
+    if (!config.is_flux()) config.gpt_config().validate();
     config.lr_schedule().validate();
   } catch (const ConfigError& error) {
     throw ConfigError(fmt::format("{}: {}", source, error.what()));
   }
   validate(config.fp8.scaling, source);
+}
+
+// The defaults of `defaults`' model, then the file (with its bases), then the overrides.
+ConfigBuilder assemble(const std::optional<std::string>& config_path,
+                       const std::vector<std::string>& overrides, const TrainConfig& defaults) {
+  ConfigBuilder builder;
+  builder.config = defaults;
+  if (config_path) {
+    std::vector<std::filesystem::path> chain;
+    load_file(builder, *config_path, {}, chain);
+    builder.source = *config_path;
+  } else if (!overrides.empty()) {
+    builder.source = kCommandLine;
+  }
+  apply_overrides(builder, overrides);
+  return builder;
 }
 
 }  // namespace
@@ -392,35 +481,40 @@ TrainConfig load_train_config(const std::vector<std::string>& args, int world_si
     }
     config_path = path;
   }
-  ConfigBuilder builder;
-  if (config_path) {
-    std::vector<std::filesystem::path> chain;
-    load_file(builder, *config_path, {}, chain);
-    builder.source = *config_path;
-  } else if (!overrides.empty()) {
-    builder.source = kCommandLine;
+  // The model is known once everything is read; a model with defaults of its own is read again
+  // on top of them, so that every setting given wins over them wherever it stands.
+  ConfigBuilder builder = assemble(config_path, overrides, TrainConfig{});
+  if (builder.config.is_flux()) {
+    builder =
+        assemble(config_path, overrides, TrainConfig::defaults_for(builder.config.model.name));
   }
-  apply_overrides(builder, overrides);
-  check_whole(
-      builder.config, world_size, [&](std::string_view key) { return builder.origin(key); },
-      builder.source);
+  const auto origin = [&](std::string_view key) { return builder.origin(key); };
+  check_model_keys(
+      builder.config, [&](std::string_view key) { return builder.origins.contains(key); }, origin);
+  check_whole(builder.config, world_size, origin, builder.source);
   return builder.config;
 }
 
 void validate(const TrainConfig& config, int world_size) {
-  check_whole(
-      config, world_size, [](std::string_view key) { return std::string(key); }, "config");
+  const auto origin = [](std::string_view key) { return std::string(key); };
+  check_model_keys(
+      config, [](std::string_view) { return false; }, origin);
+  check_whole(config, world_size, origin, "config");
 }
 
 std::string to_yaml(const TrainConfig& config) {
   std::string text =
-      "# The resolved fp8train configuration: every key. Load it with --config; "
+      "# The resolved fp8train configuration: every key of its model. Load it with --config; "
       "docs/configuration.md\n# explains each.\n";
   for (ConfigSection section : kConfigSections) {
-    text += fmt::format("{}:\n", section_name(section));
+    std::string keys;
     for (const ConfigKey& key : config_keys()) {
-      if (key.section == section) text += fmt::format("  {}: {}\n", key.name, key.get(config));
+      if (key.section == section && key.applies_to(config)) {
+        keys += fmt::format("  {}: {}\n", key.name, key.get(config));
+      }
     }
+    // A section without keys of this model would read back as an empty mapping.
+    if (!keys.empty()) text += fmt::format("{}:\n{}", section_name(section), keys);
   }
   return text;
 }

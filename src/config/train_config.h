@@ -6,8 +6,11 @@
 #include <cstdint>
 #include <filesystem>
 #include <string>
+#include <string_view>
 #include <vector>
 
+#include "models/flux_config.h"
+#include "models/flux_objective.h"
 #include "models/gpt_config.h"
 #include "models/precision_policy.h"
 #include "numerics/scaling.h"
@@ -20,8 +23,12 @@ enum class DeviceChoice : uint8_t { Auto, Cpu, Cuda };
 
 using optim::OptimizerKind;
 
+// The key `model`: the nanochat GPT, or one of the Flux presets (kFluxPresets).
+inline constexpr std::string_view kGptModel = "gpt";
+
 // Fields are named as their keys, except where the key repeats the section (run.name is the key
-// `run`, optimizer.kind the key `optimizer`, fp8.scaling.mode the key `fp8`).
+// `run`, model.name the key `model`, optimizer.kind the key `optimizer`, fp8.scaling.mode the
+// key `fp8`).
 struct RunSection {
   std::string name = "default";
   std::string output_dir = "runs";
@@ -33,9 +40,18 @@ struct RunSection {
   int64_t eval_every = 250;   // -1 or 0: no evaluation
   int64_t eval_iters = 100;   // micro-batches per evaluation
   DeviceChoice device = DeviceChoice::Auto;
+  // Flux: sample grids of the model being trained (models/flux_sampling.h).
+  int64_t sample_every = 0;  // 0: only at the end
+  int64_t sample_steps = 28;
+  double sample_guidance = 4.0;
+  std::string sample_prompts =
+      "a red circle on the left; a blue square on the right; a green triangle at the top and a "
+      "yellow circle at the bottom; a yellow square in the centre";
+  int64_t sample_images_per_prompt = 4;
 };
 
 struct ModelSection {
+  std::string name{kGptModel};
   int depth = 20;
   int aspect_ratio = 64;
   int head_dim = 128;
@@ -47,6 +63,7 @@ struct ModelSection {
 struct DataSection {
   std::string data_path;       // empty: the built-in corpus
   std::string tokenizer_path;  // empty: the data source's default tokenizer
+  int image_size = 32;         // Flux: pixels per side of the built-in shapes data
 };
 
 struct TrainingSection {
@@ -101,6 +118,15 @@ struct TrainConfig {
   OptimizerSection optimizer;
   ScheduleSection schedule;
   Fp8Section fp8;
+  FluxObjectiveOptions flux;  // the σ sampler, latent normalization and CFG dropout
+
+  // The defaults of `model`: the GPT's are nanochat's (a default TrainConfig); a Flux preset's
+  // are Primus' Flux AdamW settings on the CPU path (docs/flux.md).
+  static TrainConfig defaults_for(std::string_view model);
+
+  bool is_flux() const { return model.name != kGptModel; }
+  // The preset named by `model`; throws ConfigError for the GPT.
+  FluxConfig flux_config() const;
 
   // nanochat's sizing: n_embd = depth * aspect_ratio rounded up to a multiple of head_dim,
   // n_head = n_embd / head_dim, as many kv heads.
@@ -119,18 +145,21 @@ struct TrainConfig {
   std::filesystem::path run_dir() const { return std::filesystem::path(run.output_dir) / run.name; }
 };
 
-// Reads the configuration from command-line arguments (the argv tail of a command): an optional
-// `--config FILE` (anywhere among them) is loaded first, then every other argument overrides a
-// key, in order (`--key=value`, `--key value`, `--flag`, nanochat's flag names; see
-// docs/configuration.md). The result is validated for `world_size` devices. Throws ConfigError
-// naming the file and line, or the flag, and the key.
+// Reads the configuration from command-line arguments (the argv tail of a command): the defaults
+// of the configured model (defaults_for), then an optional `--config FILE` (anywhere among
+// them), then every other argument overrides a key, in order (`--key=value`, `--key value`,
+// `--flag`, nanochat's flag names; see docs/configuration.md). The result is validated for
+// `world_size` devices; a key of another model is an error. Throws ConfigError naming the file
+// and line, or the flag, and the key.
 TrainConfig load_train_config(const std::vector<std::string>& args, int world_size = 1);
 
 // Checks what single keys cannot: the batch sizes against each other and the world size, the
-// model's shape, the schedule, the fp8 settings together. Throws ConfigError "KEY: message".
+// model's shape, the schedule, the fp8 settings together, and that keys of another model keep
+// their defaults. Throws ConfigError "KEY: message".
 void validate(const TrainConfig& config, int world_size = 1);
 
-// Every key, in sections, as a YAML file that load_train_config reads back to the same config.
+// Every key that applies to the configured model, in sections, as a YAML file that
+// load_train_config reads back to the same config.
 std::string to_yaml(const TrainConfig& config);
 
 // Writes to_yaml(config) to `file` (the run folder's config.yaml); throws Error on failure.

@@ -217,14 +217,18 @@ CaptionEncoding FluxShapesDataset::encode_caption(std::string_view caption) cons
     const size_t end = std::min(caption.find(' ', start), caption.size());
     const std::string_view word = caption.substr(start, end - start);
     const int index = word_index(word);
-    FP8T_CHECK(index >= 0, "caption '{}': unknown word '{}'; known: {}", caption, word,
-               fmt::join(kFluxShapesWords, ", "));
+    // A user's prompt: the message names the word, not this line.
+    if (index < 0) {
+      throw Error(fmt::format("caption '{}': unknown word '{}'; known: {}", caption, word,
+                              fmt::join(kFluxShapesWords, ", ")));
+    }
     words.push_back(index);
     start = end + 1;
   }
-  FP8T_CHECK(int64_t(words.size()) <= options_.text_tokens,
-             "caption '{}': expected at most {} words (text_tokens), found {}", caption,
-             options_.text_tokens, words.size());
+  if (int64_t(words.size()) > options_.text_tokens) {
+    throw Error(fmt::format("caption '{}': expected at most {} words (text_tokens), found {}",
+                            caption, options_.text_tokens, words.size()));
+  }
   return encode_words(words);
 }
 

@@ -20,6 +20,15 @@ FluxConfig FluxConfig::preset(std::string_view name) {
     config.single_blocks = 1;
     return config;
   }
+  if (name == "flux_small") {
+    config = preset("flux_tiny");
+    config.hidden_size = 256;
+    config.num_heads = 4;
+    config.double_blocks = 2;
+    config.single_blocks = 2;
+    config.axes_dim = {16, 24, 24};
+    return config;
+  }
   if (name == "flux_tiny") {
     config.hidden_size = 64;
     config.num_heads = 2;

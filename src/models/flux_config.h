@@ -24,7 +24,8 @@ struct FluxConfig {
   std::array<int, 3> axes_dim = {16, 56, 56};  // RoPE over the (0, row, col) ids; sums to head_dim
   double rope_theta = 10000.0;
 
-  // flux_tiny (the CPU tests and demo), flux_535m (1 double + 1 single block, Primus' test
+  // flux_tiny (the CPU tests and demo), flux_small (flux_tiny's inputs, wide enough for FP8
+  // linears: the GPU loss-parity runs), flux_535m (1 double + 1 single block, Primus' test
   // model), flux_12b (FLUX.1-dev's shape). Throws ConfigError listing the names otherwise.
   static FluxConfig preset(std::string_view name);
 
@@ -36,7 +37,8 @@ struct FluxConfig {
   void validate() const;
 };
 
-inline constexpr std::string_view kFluxPresets[] = {"flux_tiny", "flux_535m", "flux_12b"};
+inline constexpr std::string_view kFluxPresets[] = {"flux_tiny", "flux_small", "flux_535m",
+                                                    "flux_12b"};
 
 // What a Flux parameter is, for optimizer groups, initialization and the FP8 policy.
 enum class FluxParamKind : uint8_t {

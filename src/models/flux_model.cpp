@@ -6,6 +6,7 @@
 #include <cstring>
 #include <initializer_list>
 #include <random>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -492,6 +493,42 @@ void init_flux_weights(FluxParameterSet& parameters, const FluxConfig& config, u
         values[i] = uniform(generator);
     }
   }
+}
+
+std::string flux_precision_summary(const std::vector<FluxLinearPrecision>& decisions) {
+  std::vector<std::pair<std::string, int>> reasons;  // in order of first appearance
+  size_t fp8_count = 0;
+  for (const FluxLinearPrecision& decision : decisions) {
+    if (decision.fp8) {
+      ++fp8_count;
+      continue;
+    }
+    const auto found = std::find_if(reasons.begin(), reasons.end(), [&](const auto& entry) {
+      return entry.first == decision.reason;
+    });
+    if (found == reasons.end()) {
+      reasons.emplace_back(decision.reason, 1);
+    } else {
+      ++found->second;
+    }
+  }
+  std::string text = fmt::format("FP8: {}/{} linear layers; ", fp8_count, decisions.size());
+  if (reasons.empty()) return text + "none kept in BF16";
+  std::string listing;
+  for (const auto& [reason, count] : reasons)
+    listing += fmt::format("{}{} × {}", listing.empty() ? "" : "; ", count, reason);
+  return text + fmt::format("{} kept in BF16 ({})", decisions.size() - fp8_count, listing);
+}
+
+double flux_flops_per_sample(const FluxConfig& config, int64_t img_tokens, int64_t txt_tokens) {
+  const FluxDims dims = flux_dims(config, 1, img_tokens, txt_tokens);
+  double flops = 0.0;
+  for (const FluxLinear& linear : flux_linears(config)) {
+    flops += 6.0 * double(linear_rows(linear, dims)) * double(linear.in_features) *
+             double(linear.out_features);
+  }
+  const int blocks = config.double_blocks + config.single_blocks;
+  return flops + 12.0 * blocks * double(dims.tokens) * double(dims.tokens) * double(dims.hidden);
 }
 
 FluxModel::FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens,

@@ -62,6 +62,15 @@ struct FluxLinearPrecision {
 std::vector<FluxLinearPrecision> decide_flux_precision(const FluxConfig& config,
                                                        const PrecisionOptions& options);
 
+// One line: "FP8: 8/21 linear layers; 13 kept in BF16 (5 × embedder; ...)", the BF16 ones
+// counted by reason.
+std::string flux_precision_summary(const std::vector<FluxLinearPrecision>& decisions);
+
+// Forward + backward FLOPs of one sample: 6 per weight and row of every linear (2 forward, 4
+// backward) and 12·L²·hidden per block for attention over the L = txt + img tokens (QKᵀ and PV,
+// 2 FLOPs per multiply-add, forward and twice that backward), as nanochat counts the GPT's.
+double flux_flops_per_sample(const FluxConfig& config, int64_t img_tokens, int64_t txt_tokens);
+
 // FP8 per decide_flux_precision, the other linears on fp32 or bf16 operands; biases are added in
 // fp32 after the GEMM either way.
 using FluxPrecision = ModelPrecision;

@@ -1,6 +1,9 @@
 #include "optim/adamw.h"
 
 #include <cmath>
+#include <functional>
+#include <numeric>
+#include <utility>
 
 #include "core/error.h"
 
@@ -27,6 +30,56 @@ void adamw_step(float* param, const float* grad, float* exp_avg, float* exp_avg_
     const float denominator = std::sqrt(exp_avg_sq[i] * inv_bias2) + eps;
     param[i] = param[i] * decay - step_size * (exp_avg[i] / denominator);
   }
+}
+
+AdamWOptimizer::AdamWOptimizer(std::vector<Parameter> parameters, const AdamWHyperparameters& hyper)
+    : hyper_(hyper), lr_(hyper.lr) {
+  for (Parameter& parameter : parameters) {
+    const int64_t numel = std::accumulate(parameter.shape.begin(), parameter.shape.end(),
+                                          int64_t{1}, std::multiplies<>());
+    slots_.push_back({std::move(parameter), std::vector<float>(size_t(numel), 0.0f),
+                      std::vector<float>(size_t(numel), 0.0f)});
+  }
+}
+
+void AdamWOptimizer::step(std::span<float* const> parameters,
+                          std::span<const float* const> gradients, double lr_multiplier) {
+  FP8T_CHECK(parameters.size() == slots_.size() && gradients.size() == slots_.size(),
+             "expected {} parameters and gradients, found {} and {}", slots_.size(),
+             parameters.size(), gradients.size());
+  FP8T_CHECK(std::isfinite(lr_multiplier) && lr_multiplier >= 0,
+             "expected a finite lr multiplier >= 0, found {}", lr_multiplier);
+  ++steps_;  // the first step's bias correction uses 1
+  lr_ = hyper_.lr * lr_multiplier;
+  for (size_t i = 0; i < slots_.size(); ++i) {
+    Slot& slot = slots_[i];
+    AdamWHyperparameters hyper = hyper_;
+    hyper.lr = lr_;
+    if (slot.parameter.shape.size() < 2) hyper.weight_decay = 0.0;
+    adamw_step(parameters[i], gradients[i], slot.exp_avg.data(), slot.exp_avg_sq.data(),
+               std::ssize(slot.exp_avg), steps_, hyper);
+  }
+}
+
+std::vector<NamedTensor> AdamWOptimizer::state() {
+  std::vector<NamedTensor> buffers;
+  for (Slot& slot : slots_) {
+    const std::vector<int64_t>& shape = slot.parameter.shape;
+    const int rank = static_cast<int>(shape.size());
+    buffers.push_back({slot.parameter.name + ".exp_avg",
+                       TensorView(slot.exp_avg.data(), DType::F32, shape.data(), rank)});
+    buffers.push_back({slot.parameter.name + ".exp_avg_sq",
+                       TensorView(slot.exp_avg_sq.data(), DType::F32, shape.data(), rank)});
+  }
+  buffers.push_back({"optimizer.step", TensorView(&steps_, DType::I64, {1})});
+  return buffers;
+}
+
+size_t AdamWOptimizer::state_bytes() const {
+  size_t bytes = sizeof(steps_);
+  for (const Slot& slot : slots_)
+    bytes += (slot.exp_avg.size() + slot.exp_avg_sq.size()) * sizeof(float);
+  return bytes;
 }
 
 }  // namespace fp8t::optim

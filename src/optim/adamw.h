@@ -3,6 +3,11 @@
 #pragma once
 
 #include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "core/tensor.h"
 
 namespace fp8t::optim {
 
@@ -20,5 +25,43 @@ struct AdamWHyperparameters {
 //   p -= lr / (1 - beta1^step) * m / (sqrt(v / (1 - beta2^step)) + eps)
 void adamw_step(float* param, const float* grad, float* exp_avg, float* exp_avg_sq, int64_t n,
                 int64_t step, const AdamWHyperparameters& hyper);
+
+// AdamW over named fp32 parameters with one set of hyperparameters, as Megatron and Primus run
+// it: weight decay on the matrices, none on 1-D parameters (biases, norm scales), which decay
+// would pull towards zero for no gain. The state is named as GptOptimizer's AdamW state, for
+// checkpoints: "<parameter>.exp_avg", "<parameter>.exp_avg_sq" and "optimizer.step".
+class AdamWOptimizer {
+ public:
+  struct Parameter {
+    std::string name;
+    std::vector<int64_t> shape;
+  };
+
+  AdamWOptimizer(std::vector<Parameter> parameters, const AdamWHyperparameters& hyper);
+  // The state views point into the optimizer.
+  AdamWOptimizer(const AdamWOptimizer&) = delete;
+  AdamWOptimizer& operator=(const AdamWOptimizer&) = delete;
+
+  // One step at lr · lr_multiplier; the data of each parameter and gradient in the
+  // constructor's order.
+  void step(std::span<float* const> parameters, std::span<const float* const> gradients,
+            double lr_multiplier);
+
+  double lr() const { return lr_; }  // of the last step; the base lr before the first
+  int64_t steps_taken() const { return steps_; }
+  std::vector<NamedTensor> state();
+  size_t state_bytes() const;
+
+ private:
+  struct Slot {
+    Parameter parameter;
+    std::vector<float> exp_avg, exp_avg_sq;
+  };
+
+  AdamWHyperparameters hyper_;
+  std::vector<Slot> slots_;
+  double lr_;
+  int64_t steps_ = 0;
+};
 
 }  // namespace fp8t::optim

@@ -5,6 +5,7 @@
 #include <cstring>
 #include <set>
 #include <system_error>
+#include <utility>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
@@ -52,9 +53,10 @@ void write_tensors(const fs::path& path, const std::vector<NamedTensor>& buffers
   io::write_safetensors(path, tensors, {{"format", "pt"}});
 }
 
-// Fills every buffer from the file, which must hold exactly these tensors; F32 buffers also
-// read BF16 tensors (nanochat stores its embeddings in bf16).
-void read_tensors(const fs::path& path, const std::vector<NamedTensor>& buffers) {
+}  // namespace
+
+// F32 buffers also read BF16 tensors: nanochat stores its embeddings in bf16.
+void read_checkpoint_tensors(const fs::path& path, const std::vector<NamedTensor>& buffers) {
   const io::SafetensorsFile file(path);
   std::set<std::string> expected;
   for (const NamedTensor& buffer : buffers) {
@@ -89,6 +91,8 @@ void read_tensors(const fs::path& path, const std::vector<NamedTensor>& buffers)
   }
 }
 
+namespace {
+
 // Parses "step_000300" into 300; nothing for other names (temporary folders among them).
 std::optional<int64_t> step_of(const std::string& name) {
   if (!name.starts_with(kStepPrefix)) return std::nullopt;
@@ -102,6 +106,32 @@ std::optional<int64_t> step_of(const std::string& name) {
 }
 
 }  // namespace
+
+ScalingStateBuffers::ScalingStateBuffers(
+    std::vector<std::pair<std::string, DelayedScaling*>> scalings)
+    : scalings_(std::move(scalings)), state_(scalings_.size()) {
+  for (size_t i = 0; i < scalings_.size(); ++i)
+    state_[i].resize(size_t(scalings_[i].second->state_size()));
+}
+
+std::vector<NamedTensor> ScalingStateBuffers::tensors() {
+  std::vector<NamedTensor> tensors;
+  for (size_t i = 0; i < scalings_.size(); ++i) {
+    tensors.push_back({scalings_[i].first + ".state",
+                       TensorView(state_[i].data(), DType::F32, {int64_t(state_[i].size())})});
+  }
+  return tensors;
+}
+
+void ScalingStateBuffers::copy_from_scalings() {
+  for (size_t i = 0; i < scalings_.size(); ++i)
+    scalings_[i].second->save_state(state_[i].data());
+}
+
+void ScalingStateBuffers::copy_to_scalings() const {
+  for (size_t i = 0; i < scalings_.size(); ++i)
+    scalings_[i].second->load_state(state_[i].data());
+}
 
 fs::path checkpoint_folder(const fs::path& run_folder, int64_t step) {
   return run_folder / "checkpoints" / fmt::format("{}{:06d}", kStepPrefix, step);
@@ -185,12 +215,12 @@ LoadedCheckpoint load_checkpoint(const fs::path& run_folder, int64_t step,
     throw Error(fmt::format("{}: format_version {} is not supported (this build reads {})",
                             state_path.string(), version, kFormatVersion));
   }
-  read_tensors(folder / "model.safetensors", contents.model);
-  read_tensors(folder / "optimizer.safetensors", contents.optimizer);
+  read_checkpoint_tensors(folder / "model.safetensors", contents.model);
+  read_checkpoint_tensors(folder / "optimizer.safetensors", contents.optimizer);
   const fs::path fp8_path = folder / "fp8_scaling.safetensors";
   loaded.had_fp8_scaling = fs::exists(fp8_path);
   if (loaded.had_fp8_scaling && !contents.fp8_scaling.empty()) {
-    read_tensors(fp8_path, contents.fp8_scaling);
+    read_checkpoint_tensors(fp8_path, contents.fp8_scaling);
   }
   loaded.config_yaml = io::read_file(folder / "config.yaml");
   return loaded;

@@ -16,11 +16,13 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <nlohmann/json.hpp>
 
 #include "core/tensor.h"
+#include "numerics/scaling.h"
 
 namespace fp8t::train {
 
@@ -33,6 +35,24 @@ struct CheckpointContents {
   std::string config_yaml;
 };
 
+// The delayed-scaling state of a model's FP8 linears as checkpoint tensors
+// "<linear>.<role>.state" (a model's delayed_scalings()): copied out of the scalings before a
+// save, into them after a load.
+class ScalingStateBuffers {
+ public:
+  explicit ScalingStateBuffers(std::vector<std::pair<std::string, DelayedScaling*>> scalings);
+
+  bool empty() const { return scalings_.empty(); }
+  // Views of the buffers, for CheckpointContents::fp8_scaling.
+  std::vector<NamedTensor> tensors();
+  void copy_from_scalings();
+  void copy_to_scalings() const;
+
+ private:
+  std::vector<std::pair<std::string, DelayedScaling*>> scalings_;
+  std::vector<std::vector<float>> state_;
+};
+
 std::filesystem::path checkpoint_folder(const std::filesystem::path& run_folder, int64_t step);
 
 // Steps that have a complete checkpoint in the run folder, ascending.
@@ -41,6 +61,12 @@ std::vector<int64_t> saved_steps(const std::filesystem::path& run_folder);
 // Writes the checkpoint of contents.step. Replaces an existing checkpoint of the same step only
 // once the new one is complete. Throws fp8t::Error naming the file that could not be written.
 void save_checkpoint(const std::filesystem::path& run_folder, const CheckpointContents& contents);
+
+// Fills every buffer from a safetensors file, which must hold exactly these tensors (a missing,
+// extra or misshapen tensor is an error naming the file and the tensor); F32 buffers also read
+// BF16 tensors. For a checkpoint's model.safetensors outside training (sampling).
+void read_checkpoint_tensors(const std::filesystem::path& path,
+                             const std::vector<NamedTensor>& buffers);
 
 struct LoadedCheckpoint {
   nlohmann::json trainer_state;

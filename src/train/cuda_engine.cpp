@@ -16,6 +16,7 @@
 #include <cuda_runtime_api.h>
 
 #include "core/cuda_check.h"
+#include "core/cuda_resources.h"
 #include "models/cuda/gpt_model_cuda.h"
 #include "ops/cuda/gpt_gates.h"
 #include "optim/cuda/gpu_optimizer.h"
@@ -35,58 +36,18 @@ bool use_cuda(DeviceChoice device) {
   return false;
 }
 
-namespace {
-
-// What the GPU path cannot run, refused before anything is built, naming the key.
-void check_gpu_settings(const EngineSetup& setup) {
-  const Fp8Config& fp8 = setup.precision.fp8;
-  if (fp8.mode == Fp8Mode::None) return;
-  if (setup.precision.family != Fp8Family::Ocp) {
+void check_gpu_precision(const ModelPrecision& precision) {
+  if (precision.fp8.mode == Fp8Mode::None) return;
+  if (precision.family != Fp8Family::Ocp) {
     throw ConfigError(
         "fp8_dtype_family: fnuz: the GPU path's GEMMs (cuBLASLt) take the OCP formats; set "
         "fp8_dtype_family: auto or ocp, or device: cpu");
   }
 }
 
-}  // namespace
-
 #if FP8TRAIN_WITH_CUDA
 
 namespace {
-
-// Device memory in use (the CUDA context and the libraries' workspaces included).
-double device_memory_in_use() {
-  size_t free = 0, total = 0;
-  FP8T_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-  return double(total - free);
-}
-
-class CudaStream {
- public:
-  CudaStream() { FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking)); }
-  ~CudaStream() { cudaStreamDestroy(stream_); }
-  CudaStream(const CudaStream&) = delete;
-  CudaStream& operator=(const CudaStream&) = delete;
-  cudaStream_t get() const { return stream_; }
-
- private:
-  cudaStream_t stream_ = nullptr;
-};
-
-// A few floats the device writes and the host reads after a synchronization.
-class PinnedFloats {
- public:
-  explicit PinnedFloats(size_t count) {
-    FP8T_CUDA_CHECK(cudaMallocHost(reinterpret_cast<void**>(&data_), count * sizeof(float)));
-  }
-  ~PinnedFloats() { cudaFreeHost(data_); }
-  PinnedFloats(const PinnedFloats&) = delete;
-  PinnedFloats& operator=(const PinnedFloats&) = delete;
-  float* data() const { return data_; }
-
- private:
-  float* data_ = nullptr;
-};
 
 class CudaEngine final : public TrainingEngine {
  public:
@@ -216,7 +177,7 @@ class CudaEngine final : public TrainingEngine {
 }  // namespace
 
 std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
-  check_gpu_settings(setup);
+  check_gpu_precision(setup.precision);
   const std::vector<GpuInfo> gpus = query_gpus();
   if (gpus.empty()) {
     throw ConfigError("device: cuda: no CUDA GPU is visible; use device: auto or cpu");
@@ -227,7 +188,7 @@ std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
 #else
 
 std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
-  check_gpu_settings(setup);
+  check_gpu_precision(setup.precision);
   throw ConfigError(
       "device: cuda: this fp8train was built without CUDA; rebuild with the CUDA toolkit "
       "(FP8TRAIN_CUDA=ON) or use device: cpu");

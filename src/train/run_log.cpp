@@ -75,9 +75,13 @@ RunLog::~RunLog() {
 
 std::string RunLog::step_line(const StepMetrics& m) {
   const int width = static_cast<int>(std::to_string(m.total_steps).size());
-  std::string line =
-      fmt::format("step {:{}d}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | {:.0f} tok/s | ",
-                  m.step, width, m.total_steps, m.loss, m.lr, m.grad_norm, m.tokens_per_second);
+  std::string line = fmt::format("step {:{}d}/{} | loss {:.4f} | lr {:.2e} | grad norm {:.3f} | ",
+                                 m.step, width, m.total_steps, m.loss, m.lr, m.grad_norm);
+  if (m.samples_per_second) {
+    line += fmt::format("{:.1f} samples/s | ", *m.samples_per_second);
+  } else {
+    line += fmt::format("{:.0f} tok/s | ", m.tokens_per_second);
+  }
   if (m.mfu) {
     line += fmt::format("MFU {:.1f}% | ", 100.0 * *m.mfu);
   } else {
@@ -90,7 +94,7 @@ std::string RunLog::step_line(const StepMetrics& m) {
 }
 
 void RunLog::step(const StepMetrics& m, bool print) {
-  const nlohmann::json record = {
+  nlohmann::json record = {
       {"step", m.step},
       {"total_steps", m.total_steps},
       {"loss", m.loss},
@@ -105,6 +109,7 @@ void RunLog::step(const StepMetrics& m, bool print) {
       {"eta_seconds", m.eta_seconds},
       {"val_loss", optional_number(m.val_loss)},
   };
+  if (m.samples_per_second) record["samples_per_second"] = *m.samples_per_second;
   jsonl_ << record.dump() << '\n' << std::flush;
   if (!jsonl_) throw Error(fmt::format("{}: cannot write", jsonl_path_.string()));
   if (print) {

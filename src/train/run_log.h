@@ -22,6 +22,7 @@ struct StepMetrics {
   double grad_norm = 0.0;
   double step_seconds = 0.0;
   double tokens_per_second = 0.0;
+  std::optional<double> samples_per_second;  // Flux: pictures per second, shown instead of tok/s
   double flops_per_second = 0.0;
   std::optional<double> mfu;  // against the GPU's BF16 peak; none on the CPU
   double memory_bytes = 0.0;  // resident (CPU) or allocated (GPU)

@@ -3,11 +3,8 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <chrono>
-#include <cmath>
 #include <cstdlib>
 #include <memory>
-#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -21,20 +18,18 @@
 #include "models/gpt_model.h"
 #include "models/gpt_sampling.h"
 #include "optim/gpt_optimizer.h"
-#include "platform/device_info.h"
 #include "tokenizer/bpe_tokenizer.h"
 #include "train/checkpoint.h"
+#include "train/flux_trainer.h"
 #include "train/run_log.h"
-#include "train/stop_signal.h"
 #include "train/training_engine.h"
+#include "train/training_loop.h"
 
 namespace fp8t::train {
 
 namespace fs = std::filesystem;
 
 namespace {
-
-using Clock = std::chrono::steady_clock;
 
 // The H100/H200 BF16 dense peak that nanochat's MFU is measured against, for FP8 runs too.
 constexpr double kGpuPeakFlops = 989e12;
@@ -120,45 +115,12 @@ void check_vocabulary(const TrainConfig& config, const tokenizer::BpeTokenizer& 
   }
 }
 
-GptPrecision precision_of(const TrainConfig& config, bool cuda) {
-  GptPrecision precision;
-  precision.fp8 = config.fp8_config();
-  precision.family =
-      resolve_family(precision.fp8.dtype_family, cuda ? fp8_architecture(query_gpus()) : "cpu");
-  precision.policy = config.precision_options();
-  precision.fp8_wgrad = config.fp8.wgrad;
-  precision.other_linears = ops::LinearOperands::Bf16;
-  return precision;
-}
-
 std::vector<NamedTensor> model_buffers(ParameterSet& parameters) {
   std::vector<NamedTensor> buffers;
   for (const ParamSpec& spec : parameters.specs()) {
     buffers.push_back({spec.name, parameters[spec.name]});
   }
   return buffers;
-}
-
-// The run folder must exist and take files before any time is spent training.
-void prepare_run_folder(const TrainConfig& config, const fs::path& run_folder) {
-  std::error_code error;
-  fs::create_directories(run_folder, error);
-  if (error) {
-    throw Error(
-        fmt::format("{}: cannot create the run folder: {}", run_folder.string(), error.message()));
-  }
-  const std::vector<int64_t> steps = saved_steps(run_folder);
-  if (config.run.resume_from_step < 0 && !steps.empty()) {
-    if (!config.run.overwrite) {
-      throw Error(
-          fmt::format("{}: the run folder already holds checkpoints (last step {}); resume with "
-                      "--resume-from-step={}, pick another --run, or start over with --overwrite",
-                      run_folder.string(), steps.back(), steps.back()));
-    }
-    fs::remove_all(run_folder / "checkpoints", error);
-    fs::remove(run_folder / "metrics.jsonl", error);
-  }
-  save_train_config(config, run_folder / "config.yaml");
 }
 
 std::string describe_data(const data::TokenLoader& loader, const DataSources& sources) {
@@ -191,11 +153,8 @@ fs::path cache_folder() {
 }
 
 TrainOutcome run_training(const TrainConfig& config) {
-  const fs::path run_folder = config.run_dir();
-  fmt::print("fp8train {}: run '{}' in {}\n", FP8TRAIN_VERSION, config.run.name,
-             run_folder.string());
-  fmt::print("--- resolved configuration ---\n{}------------------------------\n", to_yaml(config));
-  prepare_run_folder(config, run_folder);
+  if (config.is_flux()) return run_flux_training(config);
+  const fs::path run_folder = open_run_folder(config);
 
   // Data and tokenizer.
   const DataSources sources = find_data(config);
@@ -213,7 +172,7 @@ TrainOutcome run_training(const TrainConfig& config) {
   const int64_t tokens_per_step = config.global_batch_size(1) * seq;
   EngineSetup setup;
   setup.model = model_config;
-  setup.precision = precision_of(config, cuda);
+  setup.precision = model_precision(config, cuda);
   setup.batch = batch;
   setup.seq = seq;
   setup.optimizer = config.optimizer_settings();
@@ -231,12 +190,7 @@ TrainOutcome run_training(const TrainConfig& config) {
              double(ParameterSet::planned_bytes(model_config, DType::F32)) / 4e6);
   fmt::print("precision: {}; {}\n", describe(setup.precision.fp8),
              precision_summary(engine->linear_precision()));
-  if (cuda && setup.precision.fp8.mode != Fp8Mode::None &&
-      setup.precision.fp8.recipe == ScalingRecipe::Mxfp8) {
-    fmt::print(
-        "precision: mxfp8 is emulated on this GPU (no MX GEMM before Blackwell): operands are "
-        "quantized to MXFP8, dequantized to bf16 and multiplied by BF16 GEMMs\n");
-  }
+  print_emulation_note(setup.precision, cuda);
   fmt::print(
       "batch: {} x {} tokens per micro-batch, {} micro-batch(es) per step, {} tokens per "
       "step; {} steps\n",
@@ -245,35 +199,21 @@ TrainOutcome run_training(const TrainConfig& config) {
   fmt::print("data: {}\ndevice: {}\n", describe_data(loader, sources), engine->device_name());
 
   // Checkpoint contents: views of the model's, the optimizer's and the FP8 state.
-  const std::vector<std::pair<std::string, DelayedScaling*>> scalings = engine->delayed_scalings();
-  std::vector<std::vector<float>> scaling_state(scalings.size());
+  ScalingStateBuffers scaling(engine->delayed_scalings());
   CheckpointContents contents;
   contents.model = model_buffers(engine->host_parameters());
   contents.optimizer = engine->host_optimizer().state();
-  for (size_t i = 0; i < scalings.size(); ++i) {
-    scaling_state[i].resize(size_t(scalings[i].second->state_size()));
-    contents.fp8_scaling.push_back(
-        {scalings[i].first + ".state",
-         TensorView(scaling_state[i].data(), DType::F32, {int64_t(scaling_state[i].size())})});
-  }
+  contents.fp8_scaling = scaling.tensors();
 
   int64_t step = 0;
   double seconds_before = 0.0;  // training time of the steps before a resume
   if (config.run.resume_from_step >= 0) {
-    const LoadedCheckpoint loaded =
-        load_checkpoint(run_folder, config.run.resume_from_step, contents);
-    step = loaded.trainer_state.at("step").get<int64_t>();
-    loader.seek(loaded.trainer_state.at("data_position").get<data::DataPosition>());
-    seconds_before = loaded.trainer_state.value("train_seconds", 0.0);
-    if (!scalings.empty() && loaded.had_fp8_scaling) {
-      for (size_t i = 0; i < scalings.size(); ++i)
-        scalings[i].second->load_state(scaling_state[i].data());
-    }
+    const nlohmann::json state =
+        resume_from_checkpoint(run_folder, config.run.resume_from_step, contents, scaling);
+    step = state.at("step").get<int64_t>();
+    loader.seek(state.at("data_position").get<data::DataPosition>());
+    seconds_before = state.value("train_seconds", 0.0);
     engine->from_host();
-    fmt::print("resumed from step {} of {}{}\n", step, run_folder.string(),
-               !scalings.empty() && !loaded.had_fp8_scaling
-                   ? " (no FP8 scaling state in the checkpoint: delayed scaling starts afresh)"
-                   : "");
   } else {
     init_gpt_weights(engine->host_parameters(), model_config, seed);
     engine->from_host();
@@ -283,14 +223,11 @@ TrainOutcome run_training(const TrainConfig& config) {
 
   const auto save = [&](int64_t at_step, double train_seconds) {
     engine->to_host();
-    for (size_t i = 0; i < scalings.size(); ++i)
-      scalings[i].second->save_state(scaling_state[i].data());
-    contents.step = at_step;
-    contents.trainer_state = {{"data_position", loader.position()},
-                              {"train_seconds", train_seconds},
-                              {"tokens_seen", at_step * tokens_per_step}};
-    contents.config_yaml = to_yaml(config);
-    save_checkpoint(run_folder, contents);
+    save_run_checkpoint(run_folder, config, at_step,
+                        {{"data_position", loader.position()},
+                         {"train_seconds", train_seconds},
+                         {"tokens_seen", at_step * tokens_per_step}},
+                        scaling, contents);
   };
 
   // Validation: the same batches from the start of the validation shards at every evaluation.
@@ -305,85 +242,40 @@ TrainOutcome run_training(const TrainConfig& config) {
   };
 
   RunLog log(run_folder, ::isatty(STDERR_FILENO) != 0);
-  StopSignal stop_signal;
-  StepTimer timer;
-  TrainOutcome outcome;
-  double train_seconds = seconds_before;
-
-  while (step < total_steps) {
-    const Clock::time_point start = Clock::now();
-    optim::StepSchedule step_schedule = optim::nanochat_step_schedule(schedule, step);
-    if (adamw) step_schedule = {.lr_multiplier = optim::lr_multiplier(schedule, step)};
+  TrainingLoop loop = training_loop_for(config);
+  loop.tokens_per_step = double(tokens_per_step);
+  loop.flops_per_token = flops_per_token;
+  if (cuda) loop.peak_flops = kGpuPeakFlops;
+  loop.memory_bytes = [&] { return cuda ? engine->peak_memory_bytes() : resident_memory_bytes(); };
+  loop.peak_memory_bytes = [&] { return engine->peak_memory_bytes(); };
+  loop.train_step = [&](int64_t at_step) {
+    optim::StepSchedule step_schedule = optim::nanochat_step_schedule(schedule, at_step);
+    if (adamw) step_schedule = {.lr_multiplier = optim::lr_multiplier(schedule, at_step)};
     const StepResult result =
         engine->train_step(loader, accumulation, config.optimizer.clip_grad, step_schedule);
-    const double loss = result.loss;
-    const double grad_norm = result.grad_norm;
-    if (!std::isfinite(grad_norm)) {
-      log.event("skipped_step", fmt::format("step {}: gradient norm {}; the update is skipped",
-                                            step + 1, grad_norm));
-    }
-    ++step;
-    const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
-    train_seconds += seconds;
-    timer.add(seconds);
+    return StepReport{result, main_lr(engine->optimizer_groups()), step_schedule.lr_multiplier};
+  };
+  loop.validation_loss = validation_loss;
+  loop.save = save;
+  const LoopOutcome done = run_training_loop(loop, step, seconds_before, log, run_folder);
+  TrainOutcome outcome;
+  outcome.steps_done = done.steps_done;
+  outcome.last_loss = done.last_loss;
+  outcome.last_val_loss = done.last_val_loss;
+  outcome.stop_signal = done.stop_signal;
 
-    StepMetrics metrics;
-    metrics.step = step;
-    metrics.total_steps = total_steps;
-    metrics.loss = loss;
-    metrics.lr_multiplier = step_schedule.lr_multiplier;
-    metrics.lr = main_lr(engine->optimizer_groups());
-    metrics.grad_norm = grad_norm;
-    metrics.step_seconds = seconds;
-    metrics.tokens_per_second = double(tokens_per_step) / seconds;
-    metrics.flops_per_second = metrics.tokens_per_second * flops_per_token;
-    if (cuda) metrics.mfu = metrics.flops_per_second / kGpuPeakFlops;
-    metrics.memory_bytes = cuda ? engine->peak_memory_bytes() : resident_memory_bytes();
-    metrics.eta_seconds = timer.eta_seconds(total_steps - step);
-    const bool last = step == total_steps;
-    const int64_t eval_every = config.run.eval_every;
-    if (eval_every > 0 && (step % eval_every == 0 || last)) metrics.val_loss = validation_loss();
-    log.step(metrics, step % config.run.log_every == 0 || last || metrics.val_loss);
-    outcome.last_loss = loss;
-    if (metrics.val_loss) outcome.last_val_loss = metrics.val_loss;
-
-    const int64_t save_every = config.run.save_every;
-    if (last || (save_every > 0 && step % save_every == 0)) save(step, train_seconds);
-    if (StopSignal::received() != 0) {
-      if (!last && !(save_every > 0 && step % save_every == 0)) save(step, train_seconds);
-      outcome.stop_signal = StopSignal::received();
-      log.event("interrupted", fmt::format("stopped by signal {} after step {}; checkpoint saved "
-                                           "in {}; continue with --resume-from-step={}",
-                                           outcome.stop_signal, step,
-                                           checkpoint_folder(run_folder, step).string(), step));
-      break;
-    }
-  }
-  outcome.steps_done = step;
-
-  if (outcome.stop_signal == 0) {
-    log.event("summary",
-              fmt::format("done: {} steps, final loss {:.4f}{}, {} of training, peak memory {}; "
-                          "checkpoint in {}",
-                          step, outcome.last_loss,
-                          outcome.last_val_loss
-                              ? fmt::format(" (validation {:.4f})", *outcome.last_val_loss)
-                              : "",
-                          format_duration(train_seconds), format_bytes(engine->peak_memory_bytes()),
-                          checkpoint_folder(run_folder, step).string()));
-    if (config.run.sample_tokens > 0) {
-      const std::string prompt_text = "The";
-      std::vector<int32_t> prompt = tokenizer.encode_document(prompt_text);
-      SamplingOptions options;
-      options.tokens = int(config.run.sample_tokens);
-      options.seed = seed;
-      options.stop_token = tokenizer.bos_id();
-      std::vector<int32_t> generated =
-          sample_tokens(model_config, engine->host_parameters(), prompt, options);
-      if (!generated.empty() && generated.back() == tokenizer.bos_id()) generated.pop_back();
-      outcome.sample = prompt_text + tokenizer.decode(generated);
-      log.event("sample", fmt::format("sample: {}", outcome.sample));
-    }
+  if (outcome.stop_signal == 0 && config.run.sample_tokens > 0) {
+    const std::string prompt_text = "The";
+    std::vector<int32_t> prompt = tokenizer.encode_document(prompt_text);
+    SamplingOptions options;
+    options.tokens = int(config.run.sample_tokens);
+    options.seed = seed;
+    options.stop_token = tokenizer.bos_id();
+    std::vector<int32_t> generated =
+        sample_tokens(model_config, engine->host_parameters(), prompt, options);
+    if (!generated.empty() && generated.back() == tokenizer.bos_id()) generated.pop_back();
+    outcome.sample = prompt_text + tokenizer.decode(generated);
+    log.event("sample", fmt::format("sample: {}", outcome.sample));
   }
   return outcome;
 }

@@ -1,6 +1,6 @@
-// The GPT training job: data, model, optimizer and schedules from a TrainConfig; a run folder
-// with the resolved config, metrics.jsonl and checkpoints; resume from any saved step; a clean
-// stop (with a checkpoint) on SIGINT or SIGTERM.
+// The training job: data, model, optimizer and schedules from a TrainConfig; a run folder with
+// the resolved config, metrics.jsonl and checkpoints; resume from any saved step; a clean stop
+// (with a checkpoint) on SIGINT or SIGTERM. The GPT's here; Flux's in train/flux_trainer.h.
 #pragma once
 
 #include <cstdint>
@@ -17,15 +17,17 @@ struct TrainOutcome {
   double last_loss = 0.0;
   std::optional<double> last_val_loss;
   int stop_signal = 0;  // SIGINT or SIGTERM when the run was interrupted, else 0
-  std::string sample;   // the text generated at the end, when sample_tokens > 0
+  std::string sample;   // the GPT: the text generated at the end, when sample_tokens > 0
+  std::filesystem::path sample_grid;  // Flux: the PNG of samples written at the end, if any
 };
 
 // Where the built-in corpus is prepared: $FP8TRAIN_CACHE, else $XDG_CACHE_HOME/fp8train, else
 // ~/.cache/fp8train, else .fp8train-cache in the working folder.
 std::filesystem::path cache_folder();
 
-// Runs the job, printing progress to stdout. Throws fp8t::Error (ConfigError for settings that
-// cannot work together) naming the file, key or value at fault.
+// Runs the job of the configured model (a Flux model: run_flux_training), printing progress to
+// stdout. Throws fp8t::Error (ConfigError for settings that cannot work together) naming the
+// file, key or value at fault.
 TrainOutcome run_training(const TrainConfig& config);
 
 }  // namespace fp8t::train

@@ -16,13 +16,9 @@
 #include "models/gpt_memory.h"
 #include "models/gpt_model.h"
 #include "optim/gpt_optimizer.h"
+#include "train/training_loop.h"
 
 namespace fp8t::train {
-
-struct StepResult {
-  double loss = 0.0;       // mean over the micro-batches
-  double grad_norm = 0.0;  // before clipping; not finite: the update was skipped
-};
 
 class TrainingEngine {
  public:
@@ -69,5 +65,8 @@ std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup);
 
 // `device`: auto picks CUDA when the build has it and a GPU is present.
 bool use_cuda(DeviceChoice device);
+
+// Throws ConfigError, naming the key, for FP8 settings no GPU model runs (the fnuz formats).
+void check_gpu_precision(const ModelPrecision& precision);
 
 }  // namespace fp8t::train

@@ -202,8 +202,7 @@ TEST(TrainConfig, FileErrorsNameFileLineAndKey) {
        ":3: global_batch_size: must be a multiple of micro_batch_size × devices (32 × 1 = 32), "
        "found 48"},
       {"section_scalar.yaml",
-       ":1: model: expected a mapping of the model section's keys, found "
-       "'d12'"},
+       ":1: training: expected a mapping of the training section's keys, found 'd12'"},
       {"given_twice.yaml", ":3: depth: given twice (also at line 1)"},
       {"fp8_attention.yaml",
        ":2: fp8_dot_product_attention: true is not supported yet: attention runs in BF16 until "
@@ -387,11 +386,84 @@ TEST(TrainConfig, EveryKeyRoundTripsThroughYaml) {
   EXPECT_EQ(loaded.fp8.scaling.amax_epsilon, config.fp8.scaling.amax_epsilon);
   EXPECT_EQ(loaded.fp8.scaling.power_of_2_scales, false);
 
-  // Every key is written, in its section.
+  // Every key of the model is written, in its section; the other model's keys are not (nor a
+  // section without any).
   const YAML::Node written = YAML::Load(to_yaml(config));
   for (const ConfigKey& key : config_keys()) {
-    EXPECT_TRUE(written[std::string(section_name(key.section))][std::string(key.name)]) << key.name;
+    const YAML::Node section = written[std::string(section_name(key.section))];
+    EXPECT_EQ(section && section[std::string(key.name)], key.models != ModelScope::Flux)
+        << key.name;
   }
+}
+
+TEST(TrainConfig, FluxRoundTripsThroughYaml) {
+  TrainConfig config = TrainConfig::defaults_for("flux_tiny");
+  config.flux.sigma.sampler = SigmaSampler::Mode;
+  config.flux.sigma.shift = 3.0;
+  config.flux.latent_scale = 1.0;
+  config.data.image_size = 48;
+  config.run.sample_prompts = "a red circle on the left; a blue square at the top";
+  config.optimizer.lr = 3e-4;
+  const test::TempFolder folder;
+  save_train_config(config, folder / "flux.yaml");
+  const TrainConfig loaded = load({"--config", (folder / "flux.yaml").string()});
+  EXPECT_EQ(to_yaml(loaded), to_yaml(config));
+  EXPECT_EQ(loaded.flux.sigma.sampler, SigmaSampler::Mode);
+  const YAML::Node written = YAML::Load(to_yaml(config));
+  for (const ConfigKey& key : config_keys()) {
+    const YAML::Node section = written[std::string(section_name(key.section))];
+    EXPECT_EQ(section && section[std::string(key.name)], key.models != ModelScope::Gpt) << key.name;
+  }
+}
+
+TEST(TrainConfig, FluxTakesPrimusDefaultsUnderEverySettingGiven) {
+  // The model may come last: the keys given before it still win over its defaults.
+  const TrainConfig config = load({"--lr=0.001", "--model=flux_tiny"});
+  EXPECT_TRUE(config.is_flux());
+  EXPECT_EQ(config.optimizer.kind, OptimizerKind::AdamW);
+  EXPECT_EQ(config.optimizer.lr, 0.001);
+  EXPECT_EQ(config.optimizer.min_lr, 1e-5);
+  EXPECT_EQ(config.optimizer.weight_decay, 0.01);
+  EXPECT_EQ(config.optimizer.adam_beta2, 0.999);
+  EXPECT_EQ(config.optimizer.clip_grad, 1.0);
+  EXPECT_EQ(config.schedule.lr_decay_style, optim::LrDecayStyle::Cosine);
+  EXPECT_EQ(config.run.device, DeviceChoice::Auto);
+  EXPECT_EQ(config.flux_config().hidden_size, 64);
+  const TrainConfig preset_config = load({"--config", preset("flux_tiny.yaml")});
+  EXPECT_EQ(preset_config.model.name, "flux_tiny");
+  EXPECT_EQ(preset_config.flux.latent_scale, 1.0);
+  EXPECT_EQ(preset_config.flux.latent_shift, 0.0);
+}
+
+TEST(TrainConfig, KeysOfTheOtherModelAreRefused) {
+  EXPECT_EQ(load_error({"--model=flux_tiny", "--depth=20"}),
+            "command line: --depth: applies to the GPT only, not to model flux_tiny");
+  EXPECT_EQ(load_error({"--cfg-dropout=0.2"}),
+            "command line: --cfg-dropout: applies to Flux only, not to model gpt");
+  EXPECT_EQ(load_error({"--model=flux_tiny", "--total-batch-size=4096"}),
+            "command line: --total-batch-size: counts the GPT's tokens; for flux_tiny set "
+            "global_batch_size (pictures per step)");
+  TrainConfig config;
+  config.flux.cfg_dropout = 0.5;
+  EXPECT_EQ(test::error_message<ConfigError>([&] { validate(config); }),
+            "cfg_dropout: applies to Flux only, not to model gpt");
+}
+
+TEST(TrainConfig, FluxRunsOnTheCpuWithAdamWOnTheShapesData) {
+  EXPECT_EQ(load_error({"--model=flux_tiny", "--optimizer=muon"}),
+            "command line: --optimizer: Flux trains with adamw (Muon is set up for the GPT's "
+            "parameters)");
+  EXPECT_EQ(load_error({"--model=flux_535m"}),
+            "command line: --model: flux_535m takes image tokens of 64 features, but the "
+            "built-in shapes data makes 16 (4 channels in 2×2 patches); flux_tiny trains on it");
+  EXPECT_EQ(load_error({"--model=flux_tiny", "--image-size=24"}),
+            "command line: image_size: must be a positive multiple of 16, found 24");
+  EXPECT_EQ(load_error({"--model=flux_tiny", "--mode-scale=2"}),
+            "command line: --mode-scale: must be a number in [-1, 1.75], found 2");
+  EXPECT_EQ(load_error({"--model=flux_2b"}),
+            "command line: --model: unknown value 'flux_2b'; allowed: gpt, flux_tiny, flux_small, "
+            "flux_535m, "
+            "flux_12b");
 }
 
 TEST(TrainConfig, EveryKeyParsesItsOwnDefault) {

@@ -98,7 +98,7 @@ TEST(FluxConfig, InconsistentSettingsNameTheField) {
             std::string::npos);
   EXPECT_NE(test::error_message<ConfigError>([] {
               FluxConfig::preset("flux_1b");
-            }).find("unknown preset 'flux_1b'; known: flux_tiny, flux_535m, flux_12b"),
+            }).find("unknown preset 'flux_1b'; known: flux_tiny, flux_small, flux_535m, flux_12b"),
             std::string::npos);
 }
 

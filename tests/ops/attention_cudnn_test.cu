@@ -54,7 +54,9 @@ void poison_nan(DeviceBuffer<T>& buffer) {
 std::string describe(const AttentionShape& s) {
   return fmt::format("B={} T={} H={} Hkv={} D={} window={}{}", s.batch, s.seq_len, s.heads,
                      s.kv_heads, s.head_dim, s.window,
-                     s.window >= s.seq_len - 1 ? " (full causal)" : " (sliding window)");
+                     !s.causal                   ? " (no mask)"
+                     : s.window >= s.seq_len - 1 ? " (full causal)"
+                                                 : " (sliding window)");
 }
 
 class CudnnAttentionTest : public test::StreamTest {
@@ -107,7 +109,7 @@ class CudnnAttentionTest : public test::StreamTest {
         const bool unsupported = std::strstr(error.what(), "not supported") != nullptr;
         FAIL() << (unsupported ? "cuDNN " + std::to_string(CudnnAttention::cudnn_version()) +
                                      " cannot run " + what +
-                                     (shape.window < shape.seq_len - 1
+                                     (shape.causal && shape.window < shape.seq_len - 1
                                           ? " — this cuDNN does not support this SLIDING WINDOW"
                                           : "") +
                                      ": "
@@ -161,6 +163,16 @@ TEST_F(CudnnAttentionTest, WiderWindowReusesFullCausalGraph) {
   SCOPED_TRACE(rng_.trace());
   check_shape({1, 128, 2, 2, 64, 127});
   check_shape({1, 128, 2, 2, 64, 1000}, 0);
+}
+
+// Flux's joint attention: no mask (the window is ignored), a sequence that is not a multiple of
+// 64 (512 text + 4096 image tokens at 1024², here a smaller odd split), and its own graphs
+// beside a causal one of the same sizes.
+TEST_F(CudnnAttentionTest, NoMaskMatchesCpu) {
+  SCOPED_TRACE(rng_.trace());
+  check_shape({2, 320, 4, 4, 128, 0, false});
+  check_shape({2, 320, 4, 4, 128, 319});
+  check_shape({1, 77 + 256, 2, 2, 64, 5, false});
 }
 
 }  // namespace

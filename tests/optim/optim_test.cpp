@@ -3,6 +3,7 @@
 #include <cmath>
 #include <limits>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "core/error.h"
@@ -69,6 +70,24 @@ TEST(OptimAdamW, RejectsBadArguments) {
   float x = 0;
   EXPECT_THROW(adamw_step(&x, &x, &x, &x, 1, 0, {}), Error);
   EXPECT_THROW(adamw_step(&x, &x, &x, &x, 1, 1, {0.1, 1.0, 0.9, 1e-8, 0}), Error);
+}
+
+TEST(OptimAdamWOptimizer, DecaysMatricesOnlyAndNamesItsState) {
+  // Zero gradients: only the decay moves a parameter, and only the matrix's.
+  AdamWOptimizer optimizer({{"w", {2, 2}}, {"b", {2}}}, {0.1, 0.9, 0.999, 1e-8, 0.5});
+  std::vector<float> w(4, 2.0f), b(2, 2.0f), zeros(4, 0.0f);
+  const std::vector<float*> parameters = {w.data(), b.data()};
+  const std::vector<const float*> gradients = {zeros.data(), zeros.data()};
+  optimizer.step(parameters, gradients, 0.5);
+  EXPECT_DOUBLE_EQ(optimizer.lr(), 0.05);
+  EXPECT_FLOAT_EQ(w[0], 2.0f * (1.0f - 0.025f));
+  EXPECT_EQ(b[0], 2.0f);
+  std::vector<std::string> names;
+  for (const NamedTensor& buffer : optimizer.state())
+    names.push_back(buffer.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"w.exp_avg", "w.exp_avg_sq", "b.exp_avg",
+                                             "b.exp_avg_sq", "optimizer.step"}));
+  EXPECT_EQ(*optimizer.state().back().view.data<int64_t>(), 1);
 }
 
 TEST(OptimSchedule, NanochatWarmupConstantWarmdown) {

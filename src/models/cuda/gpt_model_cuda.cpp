@@ -12,6 +12,7 @@
 #include "core/device_arena.h"
 #include "core/error.h"
 #include "gemm/cublaslt_gemm.h"
+#include "models/cuda/parameter_copies.h"
 #include "ops/cross_entropy.h"
 #include "ops/cuda/attention_cudnn.h"
 #include "ops/cuda/gpt_gates.h"
@@ -297,26 +298,9 @@ void CudaGptModel::lay_out() {
   if (fp8_count > 0) {
     DeviceArena& scratch = b.linear_scratch;
     b.scaling = scratch.take<float>(b.scaling_host.size());
-    b.fp8_scratch.input = scratch.take<uint8_t>(N * max_in);
-    b.fp8_scratch.grad_output = scratch.take<uint8_t>(N * max_out);
-    b.fp8_scratch.grad_output_t = scratch.take<uint8_t>(N * max_out);
-    const ScalingRecipe recipe = precision_.fp8.recipe;
-    if (recipe == ScalingRecipe::Blockwise || recipe == ScalingRecipe::Mxfp8) {
-      const auto floats = static_cast<size_t>(
-          kernels::block_scratch_floats(tokens_, static_cast<int64_t>(std::max(max_in, max_out))));
-      for (float** buffer : {&b.fp8_scratch.input_scales, &b.fp8_scratch.grad_output_scales,
-                             &b.fp8_scratch.grad_output_t_scales}) {
-        *buffer = scratch.take<float>(floats);
-      }
-      if (recipe == ScalingRecipe::Blockwise) {
-        b.fp8_scratch.grid = scratch.take<float>(floats);
-        b.fp8_scratch.grid_t = scratch.take<float>(floats);
-        b.fp8_scratch.grad_input = scratch.take<bf16>(N * max_in);
-      } else {  // the emulated GEMMs' bf16 operands
-        b.fp8_scratch.dequantized_lhs = scratch.take<bf16>(N * std::max(max_in, max_out));
-        b.fp8_scratch.dequantized_rhs = scratch.take<bf16>(N * max_in);
-      }
-    }
+    b.fp8_scratch =
+        kernels::take_fp8_scratch(scratch, precision_.fp8.recipe, tokens_,
+                                  static_cast<int64_t>(max_in), static_cast<int64_t>(max_out));
   }
 }
 
@@ -338,39 +322,16 @@ CudaGptModel::Linear& CudaGptModel::linear(const std::string& name) {
 }
 
 void CudaGptModel::upload_parameters(const ParameterSet& host) {
-  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  for (const optim::DeviceParameter& tensor : layout_.parameters) {
-    const TensorView& view = host[tensor.name];
-    FP8T_CHECK(view.dtype() == DType::F32, "expected f32 parameters, '{}' is {}", tensor.name,
-               dtype_name(view.dtype()));
-    FP8T_CUDA_CHECK(
-        cudaMemcpy(parameters_ + tensor.offset, view.raw(), view.bytes(), cudaMemcpyHostToDevice));
-  }
+  upload_parameter_set(host, layout_, parameters_, stream_);
   weights_ready_ = false;
 }
 
-namespace {
-
-// Copies device fp32 tensors at the layout's offsets from `base` into a host ParameterSet.
-void copy_to_host(const optim::DeviceParameterLayout& layout, const float* base,
-                  ParameterSet& host) {
-  for (const optim::DeviceParameter& tensor : layout.parameters) {
-    TensorView& view = host[tensor.name];
-    FP8T_CUDA_CHECK(
-        cudaMemcpy(view.raw(), base + tensor.offset, view.bytes(), cudaMemcpyDeviceToHost));
-  }
-}
-
-}  // namespace
-
 void CudaGptModel::download_parameters(ParameterSet& host) const {
-  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  copy_to_host(layout_, parameters_, host);
+  download_parameter_set(layout_, parameters_, host, stream_);
 }
 
 void CudaGptModel::download_gradients(ParameterSet& host) const {
-  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  copy_to_host(layout_, gradients_, host);
+  download_parameter_set(layout_, gradients_, host, stream_);
 }
 
 void CudaGptModel::zero_gradients() {

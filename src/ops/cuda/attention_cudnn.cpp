@@ -38,8 +38,9 @@ namespace fe = cudnn_frontend;
 enum Uid : int64_t { kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV };
 
 std::string describe(const AttentionShape& s, float scale) {
-  return fmt::format("batch {} seq_len {} heads {} kv_heads {} head_dim {} window {} scale {}",
-                     s.batch, s.seq_len, s.heads, s.kv_heads, s.head_dim, s.window, scale);
+  return fmt::format("batch {} seq_len {} heads {} kv_heads {} head_dim {} {} scale {}", s.batch,
+                     s.seq_len, s.heads, s.kv_heads, s.head_dim,
+                     s.causal ? fmt::format("window {}", s.window) : std::string("no mask"), scale);
 }
 
 std::string last_cudnn_message() {
@@ -75,22 +76,20 @@ void check_shape(const AttentionShape& s, float scale) {
   FP8T_CHECK(s.heads % s.kv_heads == 0, "expected kv_heads to divide heads, found {}",
              describe(s, scale));
   FP8T_CHECK(s.window >= 0, "expected window >= 0, found {}", describe(s, scale));
-  // The graphs below are built causal; Flux's unmasked attention is not wired to them yet.
-  FP8T_CHECK(s.causal, "cuDNN attention: only causal attention is built, found {}",
-             describe(s, scale));
 }
 
 // window >= seq_len - 1 is plain causal; a narrower one is cuDNN's diagonal band, which keeps
-// key j for query t when j + left_bound > t, i.e. t - j <= left_bound - 1.
+// key j for query t when j + left_bound > t, i.e. t - j <= left_bound - 1. Without the causal
+// mask there is no window.
 bool has_window(const AttentionShape& s) {
-  return s.window < s.seq_len - 1;
+  return s.causal && s.window < s.seq_len - 1;
 }
 
 using Key = std::tuple<int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, uint32_t>;
 
 Key make_key(const AttentionShape& s, float scale) {
-  // Every window past seq_len - 1 is the same full-causal graph.
-  const int64_t window = has_window(s) ? s.window : s.seq_len - 1;
+  // Every window past seq_len - 1 is the same full-causal graph; -1 marks no mask.
+  const int64_t window = !s.causal ? -1 : has_window(s) ? s.window : s.seq_len - 1;
   return {
       s.batch, s.seq_len, s.heads, s.kv_heads, s.head_dim, window, std::bit_cast<uint32_t>(scale)};
 }
@@ -222,7 +221,7 @@ void CudnnAttention::forward(bf16* out, float* stats, const bf16* q, const bf16*
     auto attributes = fe::graph::SDPA_attributes()
                           .set_name("sdpa_forward")
                           .set_generate_stats(true)
-                          .set_causal_mask(true)
+                          .set_causal_mask(shape.causal)
                           .set_attn_scale(scale);
     if (has_window(shape))
       attributes.set_diagonal_band_left_bound(static_cast<int>(shape.window + 1));
@@ -270,7 +269,7 @@ void CudnnAttention::backward(bf16* dq, bf16* dk, bf16* dv, const bf16* dout, co
                                           .set_stride(stats_stride(shape)));
     auto attributes = fe::graph::SDPA_backward_attributes()
                           .set_name("sdpa_backward")
-                          .set_causal_mask(true)
+                          .set_causal_mask(shape.causal)
                           .set_attn_scale(scale);
     if (has_window(shape))
       attributes.set_diagonal_band_left_bound(static_cast<int>(shape.window + 1));

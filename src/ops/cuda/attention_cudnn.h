@@ -1,7 +1,9 @@
-// BF16 causal self-attention with a left window through cuDNN's fused SDPA (flash attention),
+// BF16 self-attention, causal with a left window or without a mask (shape.causal), through
+// cuDNN's fused SDPA (flash attention),
 // forward and backward, in the layout of the CPU op (ops/attention.h): q [batch, seq_len, heads,
 // head_dim], k and v [batch, seq_len, kv_heads, head_dim], out like q, heads not transposed.
-// Query t sees keys j with t - window <= j <= t (window >= seq_len - 1: full causal).
+// Causal: query t sees keys j with t - window <= j <= t (window >= seq_len - 1: full causal).
+// Without the mask every query sees every key and the window is ignored.
 //
 // stats [batch, heads, seq_len] fp32 is cuDNN's generate_stats output: for each query the
 // natural log of the sum over its visible keys of exp(scale * q.k), i.e. the log-sum-exp of
@@ -23,10 +25,10 @@
 namespace fp8t::ops::cuda {
 
 // Owns a cuDNN handle, the built graphs (one per direction and per (batch, seq_len, heads,
-// kv_heads, head_dim, window, scale)) and one workspace that grows to the largest need. Not
-// thread-safe; calls on different streams must not overlap (they share the workspace).
-// Every failure throws fp8t::Error naming the cuDNN call, the shape and cuDNN's message; a
-// configuration cuDNN cannot run throws "... not supported ..." with cuDNN's reason.
+// kv_heads, head_dim, window or no mask, scale)) and one workspace that grows to the largest need.
+// Not thread-safe; calls on different streams must not overlap (they share the workspace). Every
+// failure throws fp8t::Error naming the cuDNN call, the shape and cuDNN's message; a configuration
+// cuDNN cannot run throws "... not supported ..." with cuDNN's reason.
 class CudnnAttention {
  public:
   CudnnAttention();

@@ -38,10 +38,33 @@ int64_t mx_scale_floats(int64_t rows, int64_t k) {
 
 }  // namespace
 
-int64_t block_scratch_floats(int64_t max_tokens, int64_t max_features) {
-  return std::max(
+Fp8Scratch take_fp8_scratch(DeviceArena& arena, ScalingRecipe recipe, int64_t max_tokens,
+                            int64_t max_in, int64_t max_out) {
+  const auto count = [](int64_t a, int64_t b) { return static_cast<size_t>(a * b); };
+  Fp8Scratch scratch;
+  scratch.input = arena.take<uint8_t>(count(max_tokens, max_in));
+  scratch.grad_output = arena.take<uint8_t>(count(max_tokens, max_out));
+  scratch.grad_output_t = arena.take<uint8_t>(count(max_tokens, max_out));
+  if (recipe != ScalingRecipe::Blockwise && recipe != ScalingRecipe::Mxfp8) return scratch;
+  // Each block-scale buffer holds blockwise fp32 scales or MXFP8 E8M0 bytes of either operand
+  // orientation.
+  const int64_t max_features = std::max(max_in, max_out);
+  const auto floats = static_cast<size_t>(std::max(
       {row_block_floats(max_tokens, max_features), row_block_floats(max_features, max_tokens),
-       mx_scale_floats(max_tokens, max_features), mx_scale_floats(max_features, max_tokens)});
+       mx_scale_floats(max_tokens, max_features), mx_scale_floats(max_features, max_tokens)}));
+  for (float** buffer :
+       {&scratch.input_scales, &scratch.grad_output_scales, &scratch.grad_output_t_scales}) {
+    *buffer = arena.take<float>(floats);
+  }
+  if (recipe == ScalingRecipe::Blockwise) {
+    scratch.grid = arena.take<float>(floats);
+    scratch.grid_t = arena.take<float>(floats);
+    scratch.grad_input = arena.take<bf16>(count(max_tokens, max_in));
+  } else {  // the emulated GEMMs' bf16 operands
+    scratch.dequantized_lhs = arena.take<bf16>(count(max_tokens, max_features));
+    scratch.dequantized_rhs = arena.take<bf16>(count(max_tokens, max_in));
+  }
+  return scratch;
 }
 
 CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
@@ -52,6 +75,7 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
              "expected a linear [{} -> {}] over at least one token, found {} tokens", in, out,
              setup.max_tokens);
   const auto weight_count = static_cast<size_t>(in * out);
+  if (setup.bias) bias_bf16_ = std::make_unique<DeviceBuffer<bf16>>(static_cast<size_t>(out));
   if (!setup.fp8) {
     weight_bf16_ = std::make_unique<DeviceBuffer<bf16>>(weight_count);
     return;
@@ -118,7 +142,7 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
 
 size_t CudaLinear::device_bytes() const {
   size_t bytes = 0;
-  for (const auto* buffer : {&weight_bf16_, &weight_t_bf16_}) {
+  for (const auto* buffer : {&weight_bf16_, &weight_t_bf16_, &bias_bf16_}) {
     if (*buffer) bytes += (*buffer)->bytes();
   }
   for (const auto* buffer : {&weight_fp8_, &weight_fp8_t_, &saved_input_t_}) {
@@ -204,8 +228,15 @@ void CudaLinear::dequantize_mx(const uint8_t* data, const float* scales, int64_t
   fp8t::cuda::dequantize_blocks(data, rows, cols, spec, scales, out, stream);
 }
 
-void CudaLinear::prepare_weight(const float* weight, bool record_amax, cudaStream_t stream) {
+void CudaLinear::prepare_weight(const float* weight, bool record_amax, cudaStream_t stream,
+                                const float* bias) {
   const int64_t in = setup_.in_features, out = setup_.out_features;
+  FP8T_CHECK((bias != nullptr) == setup_.bias, "a linear {} a bias, and was given {}",
+             setup_.bias ? "with" : "without", bias != nullptr ? "one" : "none");
+  if (bias != nullptr) {
+    const PhaseScope timed(StepPhase::Quantization, stream);
+    cast_to_bf16(bias_bf16_->get(), bias, out, stream);
+  }
   if (!setup_.fp8) {
     const PhaseScope timed(StepPhase::Quantization, stream);
     cast_to_bf16(weight_bf16_->get(), weight, in * out, stream);
@@ -225,13 +256,18 @@ void CudaLinear::prepare_weight(const float* weight, bool record_amax, cudaStrea
 void CudaLinear::forward(const bf16* x, int64_t tokens, bf16* y, bool record_amax,
                          cudaStream_t stream) {
   const int64_t in = setup_.in_features, out = setup_.out_features;
-  FP8T_CHECK(tokens > 0 && tokens <= setup_.max_tokens && tokens % kFp8Multiple == 0,
-             "expected 1 to {} tokens, a multiple of {}, found {}", setup_.max_tokens, kFp8Multiple,
-             tokens);
+  FP8T_CHECK(
+      tokens > 0 && tokens <= setup_.max_tokens && (!setup_.fp8 || tokens % kFp8Multiple == 0),
+      "expected 1 to {} tokens{}, found {}", setup_.max_tokens,
+      setup_.fp8 ? ", a multiple of 16" : "", tokens);
   gemm::GemmOutput output;
   output.data = y;
   output.ld = out;
   output.type = gemm::GemmType::BF16;
+  if (bias_bf16_) {
+    output.bias = bias_bf16_->get();
+    output.bias_type = gemm::GemmType::BF16;
+  }
   if (!setup_.fp8) {
     gemm_.bf16_gemm(gemm::Bf16Form::XWt, tokens, out, in, x, in, weight_bf16_->get(), in, output,
                     stream);

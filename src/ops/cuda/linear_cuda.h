@@ -24,6 +24,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "core/device_arena.h"
 #include "core/device_buffer.h"
 #include "gemm/cublaslt_gemm.h"
 #include "numerics/float_bits.h"
@@ -41,13 +42,13 @@ inline constexpr int kScaleSlot = 1;
 inline constexpr int kAmaxSlot = 2;
 
 // Quantized operands that live only during one call, shared by the FP8 linears of a model
-// (they run one at a time on one stream).
+// (they run one at a time on one stream); take_fp8_scratch sizes them.
 struct Fp8Scratch {
   uint8_t* input = nullptr;          // >= max_tokens * the largest in_features
   uint8_t* grad_output = nullptr;    // >= max_tokens * the largest out_features
   uint8_t* grad_output_t = nullptr;  // as grad_output
-  // Blockwise only, each >= block_scratch_floats(): quantize_blocks()' grids, and the
-  // operands' scales in the GEMMs' layouts.
+  // Blockwise (and, for the scales, MXFP8) only: quantize_blocks()' grids, and the operands'
+  // scales in the GEMMs' layouts.
   float* grid = nullptr;
   float* grid_t = nullptr;
   float* input_scales = nullptr;
@@ -61,9 +62,10 @@ struct Fp8Scratch {
   bf16* dequantized_rhs = nullptr;
 };
 
-// Floats of each block-scale buffer of Fp8Scratch (blockwise fp32 scales or MXFP8 E8M0 bytes),
-// for tokens and the largest feature count.
-int64_t block_scratch_floats(int64_t max_tokens, int64_t max_features);
+// Takes from `arena` (a planning arena only counts) the scratch of a model's FP8 linears under
+// `recipe`, for at most max_tokens rows and the largest in_features and out_features among them.
+Fp8Scratch take_fp8_scratch(DeviceArena& arena, ScalingRecipe recipe, int64_t max_tokens,
+                            int64_t max_in, int64_t max_out);
 
 struct LinearSetup {
   int64_t in_features = 0;
@@ -74,6 +76,9 @@ struct LinearSetup {
   Fp8Config fp8_config;
   Fp8Family family = Fp8Family::Ocp;  // cuBLASLt runs OCP formats only
   bool fp8_wgrad = true;
+  // y = x·Wᵀ + b: the bias (fp32 master, cast to bf16 with the weight) is added by the GEMM's
+  // epilogue; its gradient, a column sum of dy, is the caller's (ops/cuda/flux_ops.h).
+  bool bias = false;
   // FP8: kLinearScalingFloats device floats, 16-byte aligned, owned by the caller.
   float* scaling = nullptr;
   // FP8: a layer that quantizes the same input just before this one (q, k and v read the same
@@ -92,10 +97,14 @@ class CudaLinear {
   CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm, const Fp8Scratch& scratch);
 
   // Once per optimizer step, before the first forward: the weight [out, in] fp32 cast to the
-  // operand(s) the GEMMs use. Delayed: records the weight's amax when record_amax.
-  void prepare_weight(const float* weight, bool record_amax, cudaStream_t stream);
+  // operand(s) the GEMMs use, and the bias [out] (given exactly when setup.bias) to bf16.
+  // Delayed: records the weight's amax when record_amax.
+  void prepare_weight(const float* weight, bool record_amax, cudaStream_t stream,
+                      const float* bias = nullptr);
 
-  // y [tokens, out] = x [tokens, in]·Wᵀ, bf16, written. FP8 with fp8_wgrad saves x̂ᵗ.
+  // y [tokens, out] = x [tokens, in]·Wᵀ (+ b), bf16, written. FP8 with fp8_wgrad saves x̂ᵗ.
+  // FP8 layers take multiples of 16 tokens; BF16 ones any count (the modulation linears of
+  // the Flux read one row per sample).
   void forward(const bf16* x, int64_t tokens, bf16* y, bool record_amax, cudaStream_t stream);
 
   // dx [tokens, in] (bf16; written, or added to when accumulate_dx; null: not needed) and
@@ -141,6 +150,7 @@ class CudaLinear {
   Fp8Scratch scratch_;
   std::unique_ptr<DeviceBuffer<bf16>> weight_bf16_;       // BF16: [out, in]; MXFP8: Ŵ in bf16
   std::unique_ptr<DeviceBuffer<bf16>> weight_t_bf16_;     // MXFP8: Ŵᵗ [in, out] in bf16
+  std::unique_ptr<DeviceBuffer<bf16>> bias_bf16_;         // setup.bias: [out]
   std::unique_ptr<DeviceBuffer<uint8_t>> weight_fp8_;     // FP8: Ŵ [out, in]
   std::unique_ptr<DeviceBuffer<uint8_t>> weight_fp8_t_;   // FP8: Ŵᵗ [in, out]
   std::unique_ptr<DeviceBuffer<uint8_t>> saved_input_t_;  // FP8 wgrad: x̂ᵗ [in, max_tokens]

@@ -36,15 +36,9 @@ int64_t round_up(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
 }
 
-// adamw_step's scalars (optim/adamw.cpp), computed in double and rounded to fp32 as it does.
 cuda::AdamWScalars adamw_scalars(const OptimizerGroup& group, int64_t step) {
-  const double lr = group.lr;
-  return {.decay = static_cast<float>(1.0 - lr * group.weight_decay),
-          .weight1 = static_cast<float>(1.0 - group.beta1),
-          .weight2 = static_cast<float>(1.0 - group.beta2),
-          .inv_bias2 = static_cast<float>(1.0 / (1.0 - std::pow(group.beta2, double(step)))),
-          .step_size = static_cast<float>(lr / (1.0 - std::pow(group.beta1, double(step)))),
-          .eps = static_cast<float>(group.eps)};
+  return cuda::adamw_step_scalars(group.lr, group.beta1, group.beta2, group.eps, group.weight_decay,
+                                  step);
 }
 
 // Where a state buffer of GptOptimizer::state() lives in the device state, in floats.
@@ -328,6 +322,20 @@ std::vector<std::pair<NamedTensor, const StateSlice*>> CudaGptOptimizer::State::
              slices.size(), matched.size());
   return matched;
 }
+
+namespace cuda {
+
+AdamWScalars adamw_step_scalars(double lr, double beta1, double beta2, double eps,
+                                double weight_decay, int64_t step) {
+  return {.decay = static_cast<float>(1.0 - lr * weight_decay),
+          .weight1 = static_cast<float>(1.0 - beta1),
+          .weight2 = static_cast<float>(1.0 - beta2),
+          .inv_bias2 = static_cast<float>(1.0 / (1.0 - std::pow(beta2, double(step)))),
+          .step_size = static_cast<float>(lr / (1.0 - std::pow(beta1, double(step)))),
+          .eps = static_cast<float>(eps)};
+}
+
+}  // namespace cuda
 
 CudaGptOptimizer::CudaGptOptimizer(const GptOptimizer& host, const DeviceParameterLayout& layout,
                                    gemm::CublasLtGemm& gemm)

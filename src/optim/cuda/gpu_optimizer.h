@@ -109,6 +109,11 @@ struct AdamWStep {
   AdamWScalars groups[kMaxAdamWGroups];
 };
 
+// adamw_step's scalars (optim/adamw.cpp) at this lr and step, computed in double and rounded to
+// fp32 as it does.
+AdamWScalars adamw_step_scalars(double lr, double beta1, double beta2, double eps,
+                                double weight_decay, int64_t step);
+
 void adamw_multi_tensor(float* params, const float* grads, float* exp_avg, float* exp_avg_sq,
                         const AdamWChunk* chunks, int64_t chunk_count, const AdamWStep& step,
                         cudaStream_t stream);

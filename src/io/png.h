@@ -1,0 +1,15 @@
+// PNG files: 8-bit RGB pictures (sample grids) through libpng's simplified API.
+#pragma once
+
+#include <cstdint>
+#include <filesystem>
+#include <span>
+
+namespace fp8t::io {
+
+// Writes a width × height picture, rgb holding [height, width, 3] bytes, atomically (as
+// write_file_atomically). Throws fp8t::Error naming the file and libpng's or the system's reason.
+void write_png(const std::filesystem::path& path, int width, int height,
+               std::span<const uint8_t> rgb);
+
+}  // namespace fp8t::io

@@ -1,0 +1,756 @@
+#if FP8TRAIN_WITH_CUDA
+
+#include "models/cuda/flux_model_cuda.h"
+
+#include <algorithm>
+#include <cmath>
+#include <map>
+
+#include <fmt/format.h>
+
+#include "core/cuda_check.h"
+#include "core/device_arena.h"
+#include "core/error.h"
+#include "gemm/cublaslt_gemm.h"
+#include "models/cuda/parameter_copies.h"
+#include "ops/cuda/attention_cudnn.h"
+#include "ops/cuda/flux_ops.h"
+#include "ops/cuda/gpt_gates.h"
+#include "ops/cuda/linear_cuda.h"
+#include "ops/cuda/ops_cuda.h"
+#include "ops/flux_rope.h"
+#include "ops/timestep.h"
+
+namespace fp8t {
+
+namespace kernels = ops::cuda;
+using kernels::GradStore;
+
+namespace {
+
+// Copies rows rows of width values from src (row stride src_ld) to dst (row stride dst_ld).
+void copy_rows(bf16* dst, int64_t dst_ld, const bf16* src, int64_t src_ld, int64_t rows,
+               int64_t width, cudaStream_t stream) {
+  FP8T_CUDA_CHECK(cudaMemcpy2DAsync(dst, size_t(dst_ld) * sizeof(bf16), src,
+                                    size_t(src_ld) * sizeof(bf16), size_t(width) * sizeof(bf16),
+                                    size_t(rows), cudaMemcpyDeviceToDevice, stream));
+}
+
+}  // namespace
+
+struct CudaFluxModel::Linear {
+  std::unique_ptr<kernels::CudaLinear> layer;
+  float* weight = nullptr;
+  float* bias = nullptr;
+  float* grad_weight = nullptr;
+  float* grad_bias = nullptr;
+};
+
+// The joint attention of a block over [txt; img]: [B·L, C] = [B, L, H, D] unless noted.
+struct CudaFluxModel::AttentionSaved {
+  bf16 *q = nullptr, *k = nullptr, *v = nullptr;  // the attention's inputs
+  bf16 *q_normed = nullptr, *k_normed = nullptr;  // before the scale and the rotation
+  float *q_rstd = nullptr, *k_rstd = nullptr;     // [B·L·H]
+  bf16* out = nullptr;
+  float* stats = nullptr;  // [B, H, L]
+};
+
+// One stream of a double block: [B·L_s, ·].
+struct CudaFluxModel::Stream {
+  bf16* mod = nullptr;  // [B, 6C]: shift1, scale1, gate1, shift2, scale2, gate2
+  bf16 *norm1 = nullptr, *modulated1 = nullptr;
+  float* rstd1 = nullptr;
+  bf16 *attn = nullptr, *proj = nullptr;
+  bf16 *norm2 = nullptr, *modulated2 = nullptr;
+  float* rstd2 = nullptr;
+  bf16 *mlp_hidden = nullptr, *mlp_act = nullptr, *mlp_out = nullptr;
+};
+
+struct CudaFluxModel::DoubleBlock {
+  Stream img, txt;
+  AttentionSaved attention;
+};
+
+struct CudaFluxModel::SingleBlock {
+  bf16* mod = nullptr;  // [B, 3C]: shift, scale, gate
+  bf16 *normed = nullptr, *modulated = nullptr;
+  float* rstd = nullptr;
+  bf16* linear1_out = nullptr;  // [B·L, 3C + M]: qkv, then the MLP's input
+  AttentionSaved attention;
+  bf16* linear2_in = nullptr;  // [B·L, C + M]: the attention output, then GELU(mlp)
+  bf16* out = nullptr;         // linear2's output: the gated branch
+};
+
+struct CudaFluxModel::Buffers {
+  DeviceArena parameters{"parameters"};
+  DeviceArena gradients{"gradients"};
+  DeviceArena activations{"activations"};
+  DeviceArena workspace{"workspace"};
+  DeviceArena linear_scratch{"FP8 scratch"};
+  gemm::CublasLtGemm gemm;
+  kernels::CudnnAttention attention;
+  std::map<std::string, Linear> linears;
+  float* scaling = nullptr;
+  kernels::Fp8Scratch fp8_scratch;
+  std::vector<float> ids;  // the image ids the RoPE tables were made from
+
+  // Saved: inputs, embedders (0 time_in, 1 vector_in, 2 guidance_in), blocks, final layer.
+  bf16 *img = nullptr, *txt = nullptr;
+  bf16* embed_input[3] = {};
+  bf16* embed_hidden[3] = {};
+  bf16* embed_act[3] = {};
+  bf16 *vec = nullptr, *vec_act = nullptr;
+  std::vector<DoubleBlock> doubles;
+  std::vector<SingleBlock> singles;
+  bf16 *final_mod = nullptr, *final_normed = nullptr, *final_modulated = nullptr;
+  float* final_rstd = nullptr;
+  bf16* prediction = nullptr;
+
+  // Workspace.
+  float *img_f32 = nullptr, *txt_f32 = nullptr, *y_f32 = nullptr, *target = nullptr;
+  float* sinusoid_f32[2] = {};  // of the timesteps and of the guidance
+  float *rope_cos = nullptr, *rope_sin = nullptr;
+  float* loss = nullptr;
+  float* reduction = nullptr;
+  bf16 *x_img = nullptr, *x_txt = nullptr, *x_joint = nullptr, *embedding = nullptr;
+  bf16* qkv = nullptr;  // a double-block stream's qkv output
+  bf16 *d_img = nullptr, *d_txt = nullptr, *d_joint = nullptr, *dpred = nullptr;
+  float *dmod_img = nullptr, *dmod_txt = nullptr;  // [B, 6C]
+  bf16* dmod = nullptr;                            // [B, 6C] for the modulation linears
+  bf16 *d_vec_act = nullptr, *d_vec = nullptr, *d_embed_act = nullptr, *d_embed_hidden = nullptr;
+  bf16 *d_branch = nullptr, *d_modulated = nullptr, *d_attn = nullptr;
+  bf16 *dq = nullptr, *dk = nullptr, *dv = nullptr;
+  bf16 *d_mlp_act = nullptr, *d_mlp_hidden = nullptr, *d_qkv = nullptr;
+  bf16 *d_linear1_out = nullptr, *d_linear2_in = nullptr;
+  bool forward_has_gradient = false;
+};
+
+CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens,
+                             int64_t txt_tokens, const FluxPrecision& precision,
+                             cudaStream_t stream)
+    : config_(config),
+      batch_(batch),
+      img_tokens_(img_tokens),
+      txt_tokens_(txt_tokens),
+      tokens_(img_tokens + txt_tokens),
+      precision_(precision),
+      stream_(stream) {
+  config_.validate();
+  FP8T_CHECK(batch >= 1 && img_tokens >= 1 && txt_tokens >= 1,
+             "expected a batch, image and text tokens of at least 1, found {}, {}, {}", batch,
+             img_tokens, txt_tokens);
+  FP8T_CHECK((batch * img_tokens) % 16 == 0 && (batch * txt_tokens) % 16 == 0,
+             "the GPU Flux needs batch x image tokens and batch x text tokens to be multiples of "
+             "16, found {} x {} and {} x {}",
+             batch, img_tokens, batch, txt_tokens);
+  FP8T_CHECK(
+      precision_.fp8.mode == Fp8Mode::None || precision_.fp8.recipe != ScalingRecipe::Delayed,
+      "fp8_recipe: delayed is not wired into the GPU Flux yet; use tensorwise, blockwise or "
+      "mxfp8");
+  buffers_ = std::make_unique<Buffers>();
+  linear_precision_ = decide_flux_precision(config_, precision_.policy);
+  layout_ = optim::device_parameter_layout(config_);
+  lay_out();
+  for (DeviceArena* arena : {&buffers_->parameters, &buffers_->gradients, &buffers_->activations,
+                             &buffers_->workspace, &buffers_->linear_scratch}) {
+    arena->allocate_planned();
+  }
+  lay_out();
+  memory_.parameters = buffers_->parameters.bytes();
+  memory_.gradients = buffers_->gradients.bytes();
+  memory_.activations = buffers_->activations.bytes();
+  memory_.workspace = buffers_->workspace.bytes();
+  memory_.linear_copies = buffers_->linear_scratch.bytes();
+
+  const int64_t B = batch_;
+  int fp8_index = 0;
+  for (const FluxLinearPrecision& decision : linear_precision_) {
+    const FluxLinear& spec = decision.linear;
+    const bool img = spec.name == "img_in" || spec.name.find(".img_") != std::string::npos;
+    const bool txt = spec.name == "txt_in" || spec.name.find(".txt_") != std::string::npos;
+    int64_t rows = B;  // the modulation linears and the vector embedders: one row per sample
+    if (spec.kind == FluxParamKind::Single) {
+      rows = B * tokens_;
+    } else if (spec.kind == FluxParamKind::Final || img) {
+      rows = B * img_tokens_;
+    } else if (txt) {
+      rows = B * txt_tokens_;
+    }
+    kernels::LinearSetup setup;
+    setup.in_features = spec.in_features;
+    setup.out_features = spec.out_features;
+    setup.max_tokens = rows;
+    setup.bias = true;
+    setup.fp8 = decision.fp8;
+    setup.fp8_config = precision_.fp8;
+    setup.family = precision_.family;
+    setup.fp8_wgrad = precision_.fp8_wgrad;
+    if (decision.fp8) {
+      setup.scaling = buffers_->scaling + fp8_index++ * kernels::kLinearScalingFloats;
+    }
+    Linear linear{
+        std::make_unique<kernels::CudaLinear>(setup, buffers_->gemm, buffers_->fp8_scratch),
+        parameter(spec.name + ".weight"), parameter(spec.name + ".bias"),
+        gradient(spec.name + ".weight"), gradient(spec.name + ".bias")};
+    memory_.linear_copies += linear.layer->device_bytes();
+    buffers_->linears.emplace(spec.name, std::move(linear));
+  }
+  if (fp8_index > 0) {
+    // Scale and inverse scale 1 until the first amax (tensorwise computes them every call).
+    std::vector<float> scaling(size_t(fp8_index) * kernels::kLinearScalingFloats, 0.0f);
+    for (size_t i = 0; i < scaling.size(); ++i) {
+      const auto slot = static_cast<int>(i % kernels::kScalingFloatsPerRole);
+      if (slot == kernels::kScaleSlot || slot == kernels::kScaleInvSlot) scaling[i] = 1.0f;
+    }
+    FP8T_CUDA_CHECK(cudaMemcpy(buffers_->scaling, scaling.data(), scaling.size() * sizeof(float),
+                               cudaMemcpyHostToDevice));
+  }
+  FP8T_CUDA_CHECK(cudaMemsetAsync(parameters_, 0, layout_.total_bytes(), stream_));
+  FP8T_CUDA_CHECK(cudaMemsetAsync(gradients_, 0, layout_.total_bytes(), stream_));
+}
+
+CudaFluxModel::~CudaFluxModel() {
+  cudaStreamSynchronize(stream_);
+}
+
+void CudaFluxModel::lay_out() {
+  Buffers& b = *buffers_;
+  const auto B = size_t(batch_), Li = size_t(img_tokens_), Lt = size_t(txt_tokens_);
+  const auto L = size_t(tokens_), C = size_t(config_.hidden_size);
+  const auto M = size_t(config_.mlp_hidden()), H = size_t(config_.num_heads);
+  const auto D = size_t(config_.head_dim()), Cin = size_t(config_.in_channels);
+  const auto ctx = size_t(config_.context_in_dim), vec = size_t(config_.vec_in_dim);
+  const auto sinusoid = size_t(config_.timestep_dim());
+  const size_t N = B * L, Ls = std::max(Li, Lt);
+
+  parameters_ = b.parameters.take<float>(size_t(layout_.total_elements));
+  gradients_ = b.gradients.take<float>(size_t(layout_.total_elements));
+
+  DeviceArena& act = b.activations;
+  b.img = act.take<bf16>(B * Li * Cin);
+  b.txt = act.take<bf16>(B * Lt * ctx);
+  const size_t embed_inputs[] = {sinusoid, vec, sinusoid};
+  for (int e = 0; e < 3; ++e) {
+    if (e == 2 && !config_.guidance_embed) break;
+    b.embed_input[e] = act.take<bf16>(B * embed_inputs[e]);
+    b.embed_hidden[e] = act.take<bf16>(B * C);
+    b.embed_act[e] = act.take<bf16>(B * C);
+  }
+  b.vec = act.take<bf16>(B * C);
+  b.vec_act = act.take<bf16>(B * C);
+  const auto attention = [&](AttentionSaved& a) {
+    for (bf16** view : {&a.q, &a.k, &a.v, &a.q_normed, &a.k_normed, &a.out})
+      *view = act.take<bf16>(N * C);
+    a.q_rstd = act.take<float>(N * H);
+    a.k_rstd = act.take<float>(N * H);
+    a.stats = act.take<float>(B * H * L);
+  };
+  b.doubles.resize(size_t(config_.double_blocks));
+  for (DoubleBlock& block : b.doubles) {
+    for (auto [stream, rows] : {std::pair{&block.img, B * Li}, std::pair{&block.txt, B * Lt}}) {
+      stream->mod = act.take<bf16>(B * 6 * C);
+      for (bf16** view : {&stream->norm1, &stream->modulated1, &stream->attn, &stream->proj,
+                          &stream->norm2, &stream->modulated2, &stream->mlp_out}) {
+        *view = act.take<bf16>(rows * C);
+      }
+      stream->rstd1 = act.take<float>(rows);
+      stream->rstd2 = act.take<float>(rows);
+      stream->mlp_hidden = act.take<bf16>(rows * M);
+      stream->mlp_act = act.take<bf16>(rows * M);
+    }
+    attention(block.attention);
+  }
+  b.singles.resize(size_t(config_.single_blocks));
+  for (SingleBlock& block : b.singles) {
+    block.mod = act.take<bf16>(B * 3 * C);
+    block.normed = act.take<bf16>(N * C);
+    block.modulated = act.take<bf16>(N * C);
+    block.rstd = act.take<float>(N);
+    block.linear1_out = act.take<bf16>(N * (3 * C + M));
+    attention(block.attention);
+    block.linear2_in = act.take<bf16>(N * (C + M));
+    block.out = act.take<bf16>(N * C);
+  }
+  b.final_mod = act.take<bf16>(B * 2 * C);
+  b.final_normed = act.take<bf16>(B * Li * C);
+  b.final_modulated = act.take<bf16>(B * Li * C);
+  b.final_rstd = act.take<float>(B * Li);
+  b.prediction = act.take<bf16>(B * Li * Cin);
+
+  DeviceArena& ws = b.workspace;
+  b.img_f32 = ws.take<float>(B * Li * Cin);
+  b.txt_f32 = ws.take<float>(B * Lt * ctx);
+  b.y_f32 = ws.take<float>(B * vec);
+  b.target = ws.take<float>(B * Li * Cin);
+  b.sinusoid_f32[0] = ws.take<float>(B * sinusoid);
+  b.sinusoid_f32[1] = ws.take<float>(B * sinusoid);
+  b.rope_cos = ws.take<float>(L * D / 2);
+  b.rope_sin = ws.take<float>(L * D / 2);
+  b.loss = ws.take<float>(1);
+  b.reduction = ws.take<float>(size_t(kernels::flux_reduction_workspace_floats()));
+  b.x_img = ws.take<bf16>(B * Li * C);
+  b.x_txt = ws.take<bf16>(B * Lt * C);
+  b.x_joint = ws.take<bf16>(N * C);
+  b.embedding = ws.take<bf16>(B * C);
+  b.qkv = ws.take<bf16>(B * Ls * 3 * C);
+  b.d_img = ws.take<bf16>(B * Li * C);
+  b.d_txt = ws.take<bf16>(B * Lt * C);
+  b.d_joint = ws.take<bf16>(N * C);
+  b.dpred = ws.take<bf16>(B * Li * Cin);
+  b.dmod_img = ws.take<float>(B * 6 * C);
+  b.dmod_txt = ws.take<float>(B * 6 * C);
+  b.dmod = ws.take<bf16>(B * 6 * C);
+  for (bf16** view : {&b.d_vec_act, &b.d_vec, &b.d_embed_act, &b.d_embed_hidden})
+    *view = ws.take<bf16>(B * C);
+  for (bf16** view : {&b.d_branch, &b.d_modulated, &b.d_attn, &b.dq, &b.dk, &b.dv})
+    *view = ws.take<bf16>(N * C);
+  b.d_mlp_act = ws.take<bf16>(B * Ls * M);
+  b.d_mlp_hidden = ws.take<bf16>(B * Ls * M);
+  b.d_qkv = ws.take<bf16>(B * Ls * 3 * C);
+  b.d_linear1_out = config_.single_blocks > 0 ? ws.take<bf16>(N * (3 * C + M)) : nullptr;
+  b.d_linear2_in = config_.single_blocks > 0 ? ws.take<bf16>(N * (C + M)) : nullptr;
+
+  // FP8: the scaling floats and the quantization scratch of the largest linear.
+  int fp8_count = 0;
+  int64_t max_in = 0, max_out = 0, max_rows = 0;
+  for (const FluxLinearPrecision& decision : linear_precision_) {
+    if (!decision.fp8) continue;
+    ++fp8_count;
+    max_in = std::max(max_in, decision.linear.in_features);
+    max_out = std::max(max_out, decision.linear.out_features);
+    max_rows = std::max<int64_t>(
+        max_rows, decision.linear.kind == FluxParamKind::Single ? int64_t(N) : int64_t(B * Ls));
+  }
+  if (fp8_count > 0) {
+    DeviceArena& scratch = b.linear_scratch;
+    b.scaling = scratch.take<float>(size_t(fp8_count) * kernels::kLinearScalingFloats);
+    b.fp8_scratch =
+        kernels::take_fp8_scratch(scratch, precision_.fp8.recipe, max_rows, max_in, max_out);
+  }
+}
+
+gemm::CublasLtGemm& CudaFluxModel::gemm() {
+  return buffers_->gemm;
+}
+
+float* CudaFluxModel::parameter(const std::string& name) const {
+  return parameters_ + layout_[name].offset;
+}
+
+float* CudaFluxModel::gradient(const std::string& name) const {
+  return gradients_ + layout_[name].offset;
+}
+
+CudaFluxModel::Linear& CudaFluxModel::linear(const std::string& name) {
+  const auto found = buffers_->linears.find(name);
+  FP8T_CHECK(found != buffers_->linears.end(), "no Flux linear layer named '{}'", name);
+  return found->second;
+}
+
+void CudaFluxModel::upload_parameters(const FluxParameterSet& host) {
+  upload_parameter_set(host, layout_, parameters_, stream_);
+  weights_ready_ = false;
+}
+
+void CudaFluxModel::download_parameters(FluxParameterSet& host) const {
+  download_parameter_set(layout_, parameters_, host, stream_);
+}
+
+void CudaFluxModel::download_gradients(FluxParameterSet& host) const {
+  download_parameter_set(layout_, gradients_, host, stream_);
+}
+
+void CudaFluxModel::zero_gradients() {
+  FP8T_CUDA_CHECK(cudaMemsetAsync(gradients_, 0, layout_.total_bytes(), stream_));
+}
+
+double CudaFluxModel::loss_value() {
+  float loss = 0.0f;
+  FP8T_CUDA_CHECK(
+      cudaMemcpyAsync(&loss, buffers_->loss, sizeof loss, cudaMemcpyDeviceToHost, stream_));
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  return loss;
+}
+
+std::vector<float> CudaFluxModel::prediction() const {
+  const auto count = size_t(batch_ * img_tokens_ * config_.in_channels);
+  std::vector<bf16> bits(count);
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  FP8T_CUDA_CHECK(
+      cudaMemcpy(bits.data(), buffers_->prediction, count * sizeof(bf16), cudaMemcpyDeviceToHost));
+  std::vector<float> values(count);
+  std::transform(bits.begin(), bits.end(), values.begin(), bf16_to_float);
+  return values;
+}
+
+void CudaFluxModel::prepare_weights() {
+  for (auto& [name, linear] : buffers_->linears)
+    linear.layer->prepare_weight(linear.weight, /*record_amax=*/false, stream_, linear.bias);
+  weights_ready_ = true;
+}
+
+void CudaFluxModel::linear_forward(const std::string& name, const bf16* x, int64_t rows, bf16* y) {
+  linear(name).layer->forward(x, rows, y, /*record_amax=*/false, stream_);
+}
+
+void CudaFluxModel::linear_backward(const std::string& name, const bf16* dy, const bf16* x,
+                                    int64_t rows, bf16* dx, bool accumulate_dx) {
+  Linear& layer = linear(name);
+  layer.layer->backward(dy, x, rows, dx, accumulate_dx, layer.grad_weight,
+                        /*record_amax=*/false, stream_);
+  kernels::bias_backward(layer.grad_bias, dy, rows, layer.layer->out_features(),
+                         buffers_->reduction, stream_);
+}
+
+void CudaFluxModel::upload_inputs(const FluxInputs& inputs, const float* target) {
+  FP8T_CHECK(inputs.img && inputs.img_ids && inputs.txt && inputs.y && inputs.timesteps && target,
+             "Flux forward: expected img, img_ids, txt, y, timesteps and a target");
+  FP8T_CHECK((inputs.guidance != nullptr) == config_.guidance_embed,
+             "Flux forward: guidance must be given exactly when the model has guidance_in");
+  Buffers& b = *buffers_;
+  const int64_t B = batch_, Li = img_tokens_, Lt = txt_tokens_;
+  const int64_t img_count = B * Li * config_.in_channels;
+  const int64_t txt_count = B * Lt * config_.context_in_dim;
+  const int64_t y_count = B * config_.vec_in_dim;
+  const auto upload = [&](float* device, const float* host, int64_t count) {
+    FP8T_CUDA_CHECK(cudaMemcpyAsync(device, host, size_t(count) * sizeof(float),
+                                    cudaMemcpyHostToDevice, stream_));
+  };
+  upload(b.img_f32, inputs.img, img_count);
+  upload(b.txt_f32, inputs.txt, txt_count);
+  upload(b.y_f32, inputs.y, y_count);
+  upload(b.target, target, img_count);
+  kernels::cast_to_bf16(b.img, b.img_f32, img_count, stream_);
+  kernels::cast_to_bf16(b.txt, b.txt_f32, txt_count, stream_);
+  kernels::cast_to_bf16(b.embed_input[1], b.y_f32, y_count, stream_);
+
+  // The sinusoids on the host (B values each), as the CPU model computes them.
+  const int64_t dim = config_.timestep_dim();
+  std::vector<float> sinusoid(size_t(B * dim));
+  const float* scalars[] = {inputs.timesteps, inputs.guidance};
+  for (int e = 0; e < (config_.guidance_embed ? 2 : 1); ++e) {
+    ops::timestep_embedding(sinusoid.data(), scalars[e], B, dim);
+    upload(b.sinusoid_f32[e], sinusoid.data(), B * dim);
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));  // sinusoid is reused
+    kernels::cast_to_bf16(b.embed_input[e == 0 ? 0 : 2], b.sinusoid_f32[e], B * dim, stream_);
+  }
+
+  // RoPE tables for [txt; img] (text ids zero), rebuilt when the image ids change.
+  const int64_t L = tokens_, half = config_.head_dim() / 2;
+  const std::vector<float> ids(inputs.img_ids, inputs.img_ids + Li * 3);
+  if (ids != b.ids) {
+    std::vector<float> joint_ids(size_t(L * 3), 0.0f);
+    std::copy(ids.begin(), ids.end(), joint_ids.begin() + Lt * 3);
+    std::vector<float> cos(size_t(L * half)), sin(cos.size());
+    ops::flux_rope_tables(cos.data(), sin.data(), joint_ids.data(), L, config_.axes_dim,
+                          config_.rope_theta);
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    FP8T_CUDA_CHECK(
+        cudaMemcpy(b.rope_cos, cos.data(), cos.size() * sizeof(float), cudaMemcpyHostToDevice));
+    FP8T_CUDA_CHECK(
+        cudaMemcpy(b.rope_sin, sin.data(), sin.size() * sizeof(float), cudaMemcpyHostToDevice));
+    b.ids = ids;
+  }
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host inputs may change after return
+}
+
+void CudaFluxModel::embedder_forward(const std::string& name, int index, bf16* out) {
+  Buffers& b = *buffers_;
+  linear_forward(name + ".in_layer", b.embed_input[index], batch_, b.embed_hidden[index]);
+  kernels::silu_forward(b.embed_act[index], b.embed_hidden[index], batch_ * config_.hidden_size,
+                        stream_);
+  linear_forward(name + ".out_layer", b.embed_act[index], batch_, out);
+}
+
+void CudaFluxModel::embedder_backward(const std::string& name, int index, const bf16* dout) {
+  Buffers& b = *buffers_;
+  linear_backward(name + ".out_layer", dout, b.embed_act[index], batch_, b.d_embed_act, false);
+  kernels::silu_backward(b.d_embed_hidden, b.d_embed_act, b.embed_hidden[index],
+                         batch_ * config_.hidden_size, GradStore::Write, stream_);
+  // The embedder's input (a sinusoid or the pooled vector) is not trained: no dx.
+  linear_backward(name + ".in_layer", b.d_embed_hidden, b.embed_input[index], batch_, nullptr,
+                  false);
+}
+
+void CudaFluxModel::into_joint(bf16* joint, const bf16* rows, int64_t ld, int64_t first,
+                               int64_t tokens) {
+  const int64_t C = config_.hidden_size;
+  for (int64_t b = 0; b < batch_; ++b) {
+    copy_rows(joint + (b * tokens_ + first) * C, C, rows + b * tokens * ld, ld, tokens, C, stream_);
+  }
+}
+
+void CudaFluxModel::out_of_joint(bf16* rows, int64_t ld, const bf16* joint, int64_t first,
+                                 int64_t tokens) {
+  const int64_t C = config_.hidden_size;
+  for (int64_t b = 0; b < batch_; ++b) {
+    copy_rows(rows + b * tokens * ld, ld, joint + (b * tokens_ + first) * C, C, tokens, C, stream_);
+  }
+}
+
+void CudaFluxModel::stream_into_joint(AttentionSaved& attention, const std::string& norm,
+                                      const bf16* raw, int64_t ld, int64_t first, int64_t tokens) {
+  Buffers& b = *buffers_;
+  const int64_t C = config_.hidden_size, H = config_.num_heads, D = config_.head_dim();
+  const kernels::JointRows rows{batch_, tokens, first, tokens_};
+  kernels::qk_norm_rope_forward(attention.q, attention.q_normed, attention.q_rstd, raw, ld,
+                                parameter(norm + ".query_norm.scale"), b.rope_cos, b.rope_sin, rows,
+                                H, D, stream_);
+  kernels::qk_norm_rope_forward(attention.k, attention.k_normed, attention.k_rstd, raw + C, ld,
+                                parameter(norm + ".key_norm.scale"), b.rope_cos, b.rope_sin, rows,
+                                H, D, stream_);
+  into_joint(attention.v, raw + 2 * C, ld, first, tokens);
+}
+
+void CudaFluxModel::stream_from_joint(const AttentionSaved& attention, const std::string& norm,
+                                      bf16* draw, int64_t ld, int64_t first, int64_t tokens) {
+  Buffers& b = *buffers_;
+  const int64_t C = config_.hidden_size, H = config_.num_heads, D = config_.head_dim();
+  const kernels::JointRows rows{batch_, tokens, first, tokens_};
+  kernels::qk_norm_rope_backward(draw, ld, gradient(norm + ".query_norm.scale"), b.dq,
+                                 attention.q_normed, attention.q_rstd,
+                                 parameter(norm + ".query_norm.scale"), b.rope_cos, b.rope_sin,
+                                 rows, H, D, b.reduction, stream_);
+  kernels::qk_norm_rope_backward(draw + C, ld, gradient(norm + ".key_norm.scale"), b.dk,
+                                 attention.k_normed, attention.k_rstd,
+                                 parameter(norm + ".key_norm.scale"), b.rope_cos, b.rope_sin, rows,
+                                 H, D, b.reduction, stream_);
+  out_of_joint(draw + 2 * C, ld, b.dv, first, tokens);
+}
+
+namespace {
+
+ops::AttentionShape joint_attention(const FluxConfig& config, int64_t batch, int64_t tokens) {
+  return {.batch = batch,
+          .seq_len = tokens,
+          .heads = config.num_heads,
+          .kv_heads = config.num_heads,
+          .head_dim = config.head_dim(),
+          .window = 0,
+          .causal = false};
+}
+
+float attention_scale(const FluxConfig& config) {
+  return static_cast<float>(1.0 / std::sqrt(double(config.head_dim())));
+}
+
+}  // namespace
+
+void CudaFluxModel::double_block_forward(int block) {
+  Buffers& b = *buffers_;
+  DoubleBlock& saved = b.doubles[size_t(block)];
+  const int64_t B = batch_, C = config_.hidden_size, M = config_.mlp_hidden();
+  const std::string prefix = fmt::format("double_blocks.{}.", block);
+  struct Part {
+    const char* name;
+    Stream& saved;
+    bf16* x;
+    int64_t tokens, first;
+  };
+  const Part parts[] = {{"img", saved.img, b.x_img, img_tokens_, txt_tokens_},
+                        {"txt", saved.txt, b.x_txt, txt_tokens_, 0}};
+  for (const Part& p : parts) {
+    const std::string stream = prefix + p.name;
+    const kernels::StreamShape shape{B, p.tokens, C, p.tokens};
+    linear_forward(stream + "_mod.lin", b.vec_act, B, p.saved.mod);
+    kernels::layernorm_modulate_forward(p.saved.modulated1, p.saved.norm1, p.saved.rstd1, p.x,
+                                        p.saved.mod, p.saved.mod + C, 6 * C, shape, stream_);
+    linear_forward(stream + "_attn.qkv", p.saved.modulated1, B * p.tokens, b.qkv);
+    stream_into_joint(saved.attention, stream + "_attn.norm", b.qkv, 3 * C, p.first, p.tokens);
+  }
+  AttentionSaved& a = saved.attention;
+  b.attention.forward(a.out, a.stats, a.q, a.k, a.v, joint_attention(config_, B, tokens_),
+                      attention_scale(config_), stream_);
+  for (const Part& p : parts) {
+    const std::string stream = prefix + p.name;
+    const kernels::StreamShape shape{B, p.tokens, C, p.tokens};
+    const int64_t rows = B * p.tokens;
+    Stream& s = p.saved;
+    out_of_joint(s.attn, C, a.out, p.first, p.tokens);
+    linear_forward(stream + "_attn.proj", s.attn, rows, s.proj);
+    kernels::gated_residual_forward(p.x, s.proj, s.mod + 2 * C, 6 * C, shape, stream_);
+    kernels::layernorm_modulate_forward(s.modulated2, s.norm2, s.rstd2, p.x, s.mod + 3 * C,
+                                        s.mod + 4 * C, 6 * C, shape, stream_);
+    linear_forward(stream + "_mlp.0", s.modulated2, rows, s.mlp_hidden);
+    kernels::gelu_tanh_forward(s.mlp_act, M, s.mlp_hidden, M, rows, M, stream_);
+    linear_forward(stream + "_mlp.2", s.mlp_act, rows, s.mlp_out);
+    kernels::gated_residual_forward(p.x, s.mlp_out, s.mod + 5 * C, 6 * C, shape, stream_);
+  }
+}
+
+void CudaFluxModel::single_block_forward(int block) {
+  Buffers& b = *buffers_;
+  SingleBlock& s = b.singles[size_t(block)];
+  const int64_t B = batch_, C = config_.hidden_size, M = config_.mlp_hidden();
+  const int64_t N = B * tokens_, width1 = 3 * C + M, width2 = C + M;
+  const std::string prefix = fmt::format("single_blocks.{}", block);
+  const kernels::StreamShape shape{B, tokens_, C, tokens_};
+  linear_forward(prefix + ".modulation.lin", b.vec_act, B, s.mod);
+  kernels::layernorm_modulate_forward(s.modulated, s.normed, s.rstd, b.x_joint, s.mod, s.mod + C,
+                                      3 * C, shape, stream_);
+  linear_forward(prefix + ".linear1", s.modulated, N, s.linear1_out);
+  stream_into_joint(s.attention, prefix + ".norm", s.linear1_out, width1, 0, tokens_);
+  AttentionSaved& a = s.attention;
+  b.attention.forward(a.out, a.stats, a.q, a.k, a.v, joint_attention(config_, B, tokens_),
+                      attention_scale(config_), stream_);
+  copy_rows(s.linear2_in, width2, a.out, C, N, C, stream_);
+  kernels::gelu_tanh_forward(s.linear2_in + C, width2, s.linear1_out + 3 * C, width1, N, M,
+                             stream_);
+  linear_forward(prefix + ".linear2", s.linear2_in, N, s.out);
+  kernels::gated_residual_forward(b.x_joint, s.out, s.mod + 2 * C, 3 * C, shape, stream_);
+}
+
+void CudaFluxModel::forward(const FluxInputs& inputs, const float* target, bool with_gradient,
+                            float grad_scale) {
+  Buffers& b = *buffers_;
+  upload_inputs(inputs, target);
+  if (!weights_ready_) prepare_weights();
+  const int64_t B = batch_, Li = img_tokens_, Lt = txt_tokens_, C = config_.hidden_size;
+
+  linear_forward("img_in", b.img, B * Li, b.x_img);
+  linear_forward("txt_in", b.txt, B * Lt, b.x_txt);
+  embedder_forward("time_in", 0, b.vec);
+  embedder_forward("vector_in", 1, b.embedding);
+  kernels::add_forward(b.vec, b.vec, b.embedding, B * C, stream_);
+  if (config_.guidance_embed) {
+    embedder_forward("guidance_in", 2, b.embedding);
+    kernels::add_forward(b.vec, b.vec, b.embedding, B * C, stream_);
+  }
+  kernels::silu_forward(b.vec_act, b.vec, B * C, stream_);
+
+  for (int block = 0; block < config_.double_blocks; ++block)
+    double_block_forward(block);
+  // The single blocks run on [txt; img].
+  into_joint(b.x_joint, b.x_txt, C, 0, Lt);
+  into_joint(b.x_joint, b.x_img, C, Lt, Li);
+  for (int block = 0; block < config_.single_blocks; ++block)
+    single_block_forward(block);
+
+  // The final layer on the image tokens, read in place from the joint sequence.
+  linear_forward("final_layer.adaLN_modulation.1", b.vec_act, B, b.final_mod);
+  const kernels::StreamShape image{B, Li, C, tokens_};
+  kernels::layernorm_modulate_forward(b.final_modulated, b.final_normed, b.final_rstd,
+                                      b.x_joint + Lt * C, b.final_mod, b.final_mod + C, 2 * C,
+                                      image, stream_);
+  linear_forward("final_layer.linear", b.final_modulated, B * Li, b.prediction);
+  const int64_t count = B * Li * config_.in_channels;
+  kernels::flow_mse_forward_backward(b.loss, b.dpred, b.prediction, b.target, count, grad_scale,
+                                     b.reduction, stream_);
+  b.forward_has_gradient = with_gradient;
+}
+
+void CudaFluxModel::single_block_backward(int block) {
+  Buffers& b = *buffers_;
+  SingleBlock& s = b.singles[size_t(block)];
+  const int64_t B = batch_, C = config_.hidden_size, M = config_.mlp_hidden();
+  const int64_t N = B * tokens_, width1 = 3 * C + M, width2 = C + M;
+  const std::string prefix = fmt::format("single_blocks.{}", block);
+  const kernels::StreamShape shape{B, tokens_, C, tokens_};
+  FP8T_CUDA_CHECK(cudaMemsetAsync(b.dmod_img, 0, size_t(B * 3 * C) * sizeof(float), stream_));
+  kernels::gated_residual_backward(b.d_branch, b.dmod_img + 2 * C, 3 * C, b.d_joint, s.out,
+                                   s.mod + 2 * C, 3 * C, shape, b.reduction, stream_);
+  linear_backward(prefix + ".linear2", b.d_branch, s.linear2_in, N, b.d_linear2_in, false);
+  kernels::gelu_tanh_backward(b.d_linear1_out + 3 * C, width1, b.d_linear2_in + C, width2,
+                              s.linear1_out + 3 * C, width1, N, M, stream_);
+  copy_rows(b.d_attn, C, b.d_linear2_in, width2, N, C, stream_);
+  AttentionSaved& a = s.attention;
+  b.attention.backward(b.dq, b.dk, b.dv, b.d_attn, a.q, a.k, a.v, a.out, a.stats,
+                       joint_attention(config_, B, tokens_), attention_scale(config_), stream_);
+  stream_from_joint(a, prefix + ".norm", b.d_linear1_out, width1, 0, tokens_);
+  linear_backward(prefix + ".linear1", b.d_linear1_out, s.modulated, N, b.d_modulated, false);
+  kernels::layernorm_modulate_backward(b.d_joint, b.dmod_img, b.dmod_img + C, 3 * C, b.d_modulated,
+                                       s.normed, s.rstd, s.mod + C, 3 * C, shape, GradStore::Add,
+                                       b.reduction, stream_);
+  kernels::cast_to_bf16(b.dmod, b.dmod_img, B * 3 * C, stream_);
+  linear_backward(prefix + ".modulation.lin", b.dmod, b.vec_act, B, b.d_vec_act, true);
+}
+
+void CudaFluxModel::double_block_backward(int block) {
+  Buffers& b = *buffers_;
+  DoubleBlock& saved = b.doubles[size_t(block)];
+  const int64_t B = batch_, C = config_.hidden_size, M = config_.mlp_hidden();
+  const std::string prefix = fmt::format("double_blocks.{}.", block);
+  struct Part {
+    const char* name;
+    Stream& saved;
+    bf16* dx;
+    float* dmod;
+    int64_t tokens, first;
+  };
+  const Part parts[] = {{"img", saved.img, b.d_img, b.dmod_img, img_tokens_, txt_tokens_},
+                        {"txt", saved.txt, b.d_txt, b.dmod_txt, txt_tokens_, 0}};
+  // The MLP halves and the attention projections, down to the joint attention's output.
+  for (const Part& p : parts) {
+    const std::string stream = prefix + p.name;
+    const kernels::StreamShape shape{B, p.tokens, C, p.tokens};
+    const int64_t rows = B * p.tokens;
+    Stream& s = p.saved;
+    FP8T_CUDA_CHECK(cudaMemsetAsync(p.dmod, 0, size_t(B * 6 * C) * sizeof(float), stream_));
+    kernels::gated_residual_backward(b.d_branch, p.dmod + 5 * C, 6 * C, p.dx, s.mlp_out,
+                                     s.mod + 5 * C, 6 * C, shape, b.reduction, stream_);
+    linear_backward(stream + "_mlp.2", b.d_branch, s.mlp_act, rows, b.d_mlp_act, false);
+    kernels::gelu_tanh_backward(b.d_mlp_hidden, M, b.d_mlp_act, M, s.mlp_hidden, M, rows, M,
+                                stream_);
+    linear_backward(stream + "_mlp.0", b.d_mlp_hidden, s.modulated2, rows, b.d_modulated, false);
+    kernels::layernorm_modulate_backward(p.dx, p.dmod + 3 * C, p.dmod + 4 * C, 6 * C, b.d_modulated,
+                                         s.norm2, s.rstd2, s.mod + 4 * C, 6 * C, shape,
+                                         GradStore::Add, b.reduction, stream_);
+    kernels::gated_residual_backward(b.d_branch, p.dmod + 2 * C, 6 * C, p.dx, s.proj, s.mod + 2 * C,
+                                     6 * C, shape, b.reduction, stream_);
+    linear_backward(stream + "_attn.proj", b.d_branch, s.attn, rows, b.d_modulated, false);
+    into_joint(b.d_attn, b.d_modulated, C, p.first, p.tokens);
+  }
+  AttentionSaved& a = saved.attention;
+  b.attention.backward(b.dq, b.dk, b.dv, b.d_attn, a.q, a.k, a.v, a.out, a.stats,
+                       joint_attention(config_, B, tokens_), attention_scale(config_), stream_);
+  for (const Part& p : parts) {
+    const std::string stream = prefix + p.name;
+    const kernels::StreamShape shape{B, p.tokens, C, p.tokens};
+    const int64_t rows = B * p.tokens;
+    Stream& s = p.saved;
+    stream_from_joint(a, stream + "_attn.norm", b.d_qkv, 3 * C, p.first, p.tokens);
+    linear_backward(stream + "_attn.qkv", b.d_qkv, s.modulated1, rows, b.d_modulated, false);
+    kernels::layernorm_modulate_backward(p.dx, p.dmod, p.dmod + C, 6 * C, b.d_modulated, s.norm1,
+                                         s.rstd1, s.mod + C, 6 * C, shape, GradStore::Add,
+                                         b.reduction, stream_);
+    kernels::cast_to_bf16(b.dmod, p.dmod, B * 6 * C, stream_);
+    linear_backward(stream + "_mod.lin", b.dmod, b.vec_act, B, b.d_vec_act, true);
+  }
+}
+
+void CudaFluxModel::backward() {
+  Buffers& b = *buffers_;
+  FP8T_CHECK(b.forward_has_gradient, "backward() needs a forward with_gradient first");
+  const int64_t B = batch_, Li = img_tokens_, Lt = txt_tokens_, C = config_.hidden_size;
+  FP8T_CUDA_CHECK(cudaMemsetAsync(b.d_vec_act, 0, size_t(B * C) * sizeof(bf16), stream_));
+  FP8T_CUDA_CHECK(cudaMemsetAsync(b.d_joint, 0, size_t(B * tokens_ * C) * sizeof(bf16), stream_));
+
+  // The final layer: its LayerNorm's gradient lands on the image rows of the joint sequence.
+  linear_backward("final_layer.linear", b.dpred, b.final_modulated, B * Li, b.d_modulated, false);
+  FP8T_CUDA_CHECK(cudaMemsetAsync(b.dmod_img, 0, size_t(B * 2 * C) * sizeof(float), stream_));
+  const kernels::StreamShape image{B, Li, C, tokens_};
+  kernels::layernorm_modulate_backward(b.d_joint + Lt * C, b.dmod_img, b.dmod_img + C, 2 * C,
+                                       b.d_modulated, b.final_normed, b.final_rstd, b.final_mod + C,
+                                       2 * C, image, GradStore::Add, b.reduction, stream_);
+  kernels::cast_to_bf16(b.dmod, b.dmod_img, B * 2 * C, stream_);
+  linear_backward("final_layer.adaLN_modulation.1", b.dmod, b.vec_act, B, b.d_vec_act, true);
+
+  for (int block = config_.single_blocks - 1; block >= 0; --block)
+    single_block_backward(block);
+  out_of_joint(b.d_txt, C, b.d_joint, 0, Lt);
+  out_of_joint(b.d_img, C, b.d_joint, Lt, Li);
+  for (int block = config_.double_blocks - 1; block >= 0; --block)
+    double_block_backward(block);
+
+  // The inputs are not trained: the first linears need no dx.
+  linear_backward("img_in", b.d_img, b.img, B * Li, nullptr, false);
+  linear_backward("txt_in", b.d_txt, b.txt, B * Lt, nullptr, false);
+  kernels::silu_backward(b.d_vec, b.d_vec_act, b.vec, B * C, GradStore::Write, stream_);
+  embedder_backward("time_in", 0, b.d_vec);
+  embedder_backward("vector_in", 1, b.d_vec);
+  if (config_.guidance_embed) embedder_backward("guidance_in", 2, b.d_vec);
+}
+
+}  // namespace fp8t
+
+#endif  // FP8TRAIN_WITH_CUDA

@@ -1,0 +1,131 @@
+// The Flux MMDiT on the GPU path (CUDA builds only): the forward and backward of the CPU model
+// (models/flux_model.h) with bf16 activations, fp32 master parameters and gradients, linears in
+// BF16 or FP8 (ops/cuda/linear_cuda.h, biases in the GEMM epilogue) per decide_flux_precision,
+// the joint attention through cuDNN without a mask, and the rectified-flow MSE fused with its
+// gradient. Everything runs asynchronously on one stream; a step synchronizes only where the
+// caller reads a result (loss_value()).
+//
+// Memory is planned from the configuration and the token counts and taken at construction, one
+// allocation per category (core/device_arena.h), as the GPU GPT does.
+//
+// FP8 recipes: tensorwise, blockwise and mxfp8 (emulated); delayed scaling, whose histories
+// live on the host, is not wired into this model yet and is refused.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "models/flux_config.h"
+#include "models/flux_model.h"
+#include "optim/cuda/device_parameters.h"
+
+namespace fp8t {
+
+namespace gemm {
+class CublasLtGemm;
+}
+
+// Device bytes per category, for the plan printed before step 1.
+struct CudaFluxMemory {
+  size_t parameters = 0;     // fp32 master weights
+  size_t gradients = 0;      // fp32
+  size_t activations = 0;    // saved for backward (bf16, fp32 statistics)
+  size_t workspace = 0;      // temporaries of one step, inputs and gradients of the streams
+  size_t linear_copies = 0;  // bf16 / FP8 weight copies, saved FP8 inputs, FP8 scratch
+  size_t total() const { return parameters + gradients + activations + workspace + linear_copies; }
+};
+
+class CudaFluxModel {
+ public:
+  // Runs on the current CUDA device. batch · (img_tokens + txt_tokens), batch · img_tokens and
+  // batch · txt_tokens must be multiples of 16 (the FP8 GEMMs' rows).
+  CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens, int64_t txt_tokens,
+                const FluxPrecision& precision, cudaStream_t stream);
+  ~CudaFluxModel();
+  CudaFluxModel(const CudaFluxModel&) = delete;
+  CudaFluxModel& operator=(const CudaFluxModel&) = delete;
+
+  const FluxConfig& config() const { return config_; }
+  const CudaFluxMemory& memory() const { return memory_; }
+  gemm::CublasLtGemm& gemm();
+
+  float* parameters() const { return parameters_; }
+  float* gradients() const { return gradients_; }
+  const optim::DeviceParameterLayout& layout() const { return layout_; }
+  // Copies between a host FluxParameterSet (f32) and the device (synchronizes).
+  void upload_parameters(const FluxParameterSet& host);
+  void download_parameters(FluxParameterSet& host) const;
+  void download_gradients(FluxParameterSet& host) const;
+
+  // Queues the forward of one micro-batch (host fp32 inputs, copied first) and the loss
+  // mean((prediction − target)²) against target [B, L_img, in_channels] (host fp32); with
+  // with_gradient also the loss's gradient times grad_scale (1 / micro-batches when they
+  // accumulate), ready for backward().
+  void forward(const FluxInputs& inputs, const float* target, bool with_gradient,
+               float grad_scale = 1.0f);
+  // Adds d(loss)/d(parameter) to the gradients. Needs a forward with_gradient first.
+  void backward();
+  void zero_gradients();
+  // Waits for the stream and returns the loss of the last forward.
+  double loss_value();
+  // The last forward's prediction [B, L_img, in_channels] as fp32 (synchronizes).
+  std::vector<float> prediction() const;
+
+  const std::vector<FluxLinearPrecision>& linear_precision() const { return linear_precision_; }
+  // Once per optimizer step, after the weights changed: the next forward casts them again.
+  void end_step() { weights_ready_ = false; }
+  void weights_changed() { weights_ready_ = false; }
+
+ private:
+  struct Linear;
+  struct AttentionSaved;
+  struct Stream;
+  struct DoubleBlock;
+  struct SingleBlock;
+  struct Buffers;
+  void lay_out();
+  void prepare_weights();
+  void upload_inputs(const FluxInputs& inputs, const float* target);
+  Linear& linear(const std::string& name);
+  float* parameter(const std::string& name) const;
+  float* gradient(const std::string& name) const;
+  // Forward and backward pieces, in the order of BFL's Flux.forward.
+  void linear_forward(const std::string& name, const bf16* x, int64_t rows, bf16* y);
+  // dx (bf16; written, or added to when accumulate_dx; null: none), dW and db (added).
+  void linear_backward(const std::string& name, const bf16* dy, const bf16* x, int64_t rows,
+                       bf16* dx, bool accumulate_dx);
+  void embedder_forward(const std::string& name, int index, bf16* out);
+  void embedder_backward(const std::string& name, int index, const bf16* dout);
+  // Per sample, a stream's `tokens` rows of `hidden` values (row stride ld) into and out of rows
+  // first .. first + tokens of a joint [B, L, hidden] tensor.
+  void into_joint(bf16* joint, const bf16* rows, int64_t ld, int64_t first, int64_t tokens);
+  void out_of_joint(bf16* rows, int64_t ld, const bf16* joint, int64_t first, int64_t tokens);
+  // One stream's q, k (QK norm with its scales, RoPE) and v into the joint sequence of
+  // `attention`, from raw [B·L_s, ·] with row stride ld; and the way back.
+  void stream_into_joint(AttentionSaved& attention, const std::string& norm, const bf16* raw,
+                         int64_t ld, int64_t first, int64_t tokens);
+  void stream_from_joint(const AttentionSaved& attention, const std::string& norm, bf16* draw,
+                         int64_t ld, int64_t first, int64_t tokens);
+  void double_block_forward(int block);
+  void double_block_backward(int block);
+  void single_block_forward(int block);
+  void single_block_backward(int block);
+
+  FluxConfig config_;
+  int64_t batch_, img_tokens_, txt_tokens_, tokens_;
+  FluxPrecision precision_;
+  cudaStream_t stream_;
+  bool weights_ready_ = false;
+  std::vector<FluxLinearPrecision> linear_precision_;
+  optim::DeviceParameterLayout layout_;
+  float* parameters_ = nullptr;
+  float* gradients_ = nullptr;
+  CudaFluxMemory memory_;
+  std::unique_ptr<Buffers> buffers_;
+};
+
+}  // namespace fp8t

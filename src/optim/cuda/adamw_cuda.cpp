@@ -1,0 +1,138 @@
+#if FP8TRAIN_WITH_CUDA
+
+#include "optim/cuda/adamw_cuda.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "core/cuda_check.h"
+#include "core/device_buffer.h"
+#include "core/error.h"
+#include "optim/cuda/gpu_optimizer.h"
+
+namespace fp8t::optim {
+
+struct CudaAdamW::State {
+  DeviceParameterLayout layout;
+  AdamWHyperparameters hyperparameters;
+  int64_t chunk_count = 0;
+  // exp_avg, exp_avg_sq: indexed like the parameters (gaps included, never touched).
+  DeviceBuffer<float> exp_avg, exp_avg_sq;
+  std::unique_ptr<DeviceBuffer<cuda::AdamWChunk>> chunks;
+  DeviceBuffer<double> partials{static_cast<size_t>(cuda::kNormPartials)};
+
+  State(const DeviceParameterLayout& layout_, const AdamWHyperparameters& hyperparameters_)
+      : layout(layout_),
+        hyperparameters(hyperparameters_),
+        exp_avg(static_cast<size_t>(layout_.total_elements)),
+        exp_avg_sq(static_cast<size_t>(layout_.total_elements)) {}
+};
+
+CudaAdamW::CudaAdamW(const DeviceParameterLayout& layout,
+                     const AdamWHyperparameters& hyperparameters)
+    : state_(std::make_unique<State>(layout, hyperparameters)) {
+  FP8T_CHECK(layout.element_bytes == sizeof(float) && layout.total_elements > 0,
+             "expected a layout of fp32 parameters");
+  std::vector<cuda::AdamWChunk> chunks;
+  for (const DeviceParameter& tensor : layout.parameters) {
+    for (int64_t begin = 0; begin < tensor.numel; begin += cuda::kAdamWChunkElements) {
+      const auto count =
+          static_cast<int32_t>(std::min<int64_t>(cuda::kAdamWChunkElements, tensor.numel - begin));
+      chunks.push_back({.param = tensor.offset + begin,
+                        .state = tensor.offset + begin,
+                        .count = count,
+                        .group = 0});
+    }
+  }
+  state_->chunk_count = std::ssize(chunks);
+  state_->chunks = std::make_unique<DeviceBuffer<cuda::AdamWChunk>>(chunks.size());
+  state_->chunks->upload(chunks.data());
+  state_->exp_avg.zero();
+  state_->exp_avg_sq.zero();
+}
+
+CudaAdamW::~CudaAdamW() = default;
+
+void CudaAdamW::clip(float* grads, float* norm, float max_norm, cudaStream_t stream) {
+  const int64_t count = state_->layout.total_elements;
+  cuda::sum_of_squares_norm(norm, grads, count, state_->partials.get(), stream);
+  if (max_norm > 0.0f) cuda::clip_by_norm(grads, count, norm, max_norm, stream);
+}
+
+void CudaAdamW::step(float* params, const float* grads, double lr_multiplier, cudaStream_t stream) {
+  FP8T_CHECK(std::isfinite(lr_multiplier) && lr_multiplier >= 0,
+             "expected a finite lr multiplier >= 0, found {}", lr_multiplier);
+  ++steps_;
+  const AdamWHyperparameters& h = state_->hyperparameters;
+  cuda::AdamWStep adamw{};
+  adamw.groups[0] = cuda::adamw_step_scalars(h.lr * lr_multiplier, h.beta1, h.beta2, h.eps,
+                                             h.weight_decay, steps_);
+  cuda::adamw_multi_tensor(params, grads, state_->exp_avg.get(), state_->exp_avg_sq.get(),
+                           state_->chunks->get(), state_->chunk_count, adamw, stream);
+}
+
+namespace {
+
+// Each of the host optimizer's state tensors with where it lives on the device: the moments at
+// the parameter's offset, and the step counter (no device copy).
+template <typename Visit>
+void match_state(AdamWOptimizer& host, const DeviceParameterLayout& layout, Visit&& visit) {
+  for (NamedTensor& tensor : host.state()) {
+    if (tensor.view.dtype() == DType::I64) {
+      visit(tensor, -1, nullptr);
+      continue;
+    }
+    for (const char* moment : {".exp_avg_sq", ".exp_avg"}) {
+      if (!tensor.name.ends_with(moment)) continue;
+      const std::string name = tensor.name.substr(0, tensor.name.size() - std::strlen(moment));
+      const DeviceParameter& parameter = layout[name];
+      FP8T_CHECK(tensor.view.numel() == parameter.numel,
+                 "optimizer state: '{}' holds {} values, the parameter {}", tensor.name,
+                 tensor.view.numel(), parameter.numel);
+      visit(tensor, parameter.offset, moment);
+      break;
+    }
+  }
+}
+
+}  // namespace
+
+void CudaAdamW::download_state(AdamWOptimizer& host) const {
+  FP8T_CUDA_CHECK(cudaDeviceSynchronize());
+  match_state(host, state_->layout, [&](NamedTensor& tensor, int64_t offset, const char* moment) {
+    if (moment == nullptr) {
+      *tensor.view.data<int64_t>() = steps_;
+      return;
+    }
+    const float* source =
+        (std::strcmp(moment, ".exp_avg") == 0 ? state_->exp_avg : state_->exp_avg_sq).get();
+    FP8T_CUDA_CHECK(cudaMemcpy(tensor.view.raw(), source + offset, tensor.view.bytes(),
+                               cudaMemcpyDeviceToHost));
+  });
+}
+
+void CudaAdamW::upload_state(AdamWOptimizer& host) {
+  FP8T_CUDA_CHECK(cudaDeviceSynchronize());
+  match_state(host, state_->layout, [&](NamedTensor& tensor, int64_t offset, const char* moment) {
+    if (moment == nullptr) {
+      steps_ = *tensor.view.data<int64_t>();
+      return;
+    }
+    float* target =
+        (std::strcmp(moment, ".exp_avg") == 0 ? state_->exp_avg : state_->exp_avg_sq).get();
+    FP8T_CUDA_CHECK(cudaMemcpy(target + offset, tensor.view.raw(), tensor.view.bytes(),
+                               cudaMemcpyHostToDevice));
+  });
+}
+
+size_t CudaAdamW::device_bytes() const {
+  return state_->exp_avg.bytes() + state_->exp_avg_sq.bytes() + state_->chunks->bytes() +
+         state_->partials.bytes();
+}
+
+}  // namespace fp8t::optim
+
+#endif  // FP8TRAIN_WITH_CUDA

@@ -1,0 +1,46 @@
+// optim::AdamWOptimizer on the GPU (CUDA builds only): AdamW over every tensor of a device
+// parameter layout, weight decay on the matrices and none on 1-D tensors (biases, norm scales),
+// with the gradient norm and clipping. One launch per step for all tensors (the multi-tensor
+// kernel of optim/cuda/gpu_optimizer.h), the fp32 arithmetic of optim/adamw.h's adamw_step.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+#include <cuda_runtime_api.h>
+
+#include "optim/adamw.h"
+#include "optim/cuda/device_parameters.h"
+
+namespace fp8t::optim {
+
+class CudaAdamW {
+ public:
+  // Allocates exp_avg and exp_avg_sq (zero) for the layout's tensors.
+  CudaAdamW(const DeviceParameterLayout& layout, const AdamWHyperparameters& hyperparameters);
+  ~CudaAdamW();
+  CudaAdamW(const CudaAdamW&) = delete;
+  CudaAdamW& operator=(const CudaAdamW&) = delete;
+
+  // *norm (device fp32) = the l2 norm of the gradients; then, when max_norm > 0, the gradients
+  // are scaled down to it (on the device: no synchronization).
+  void clip(float* grads, float* norm, float max_norm, cudaStream_t stream);
+  // One step at lr = the hyperparameters' lr × lr_multiplier; the first step's bias correction
+  // uses 1.
+  void step(float* params, const float* grads, double lr_multiplier, cudaStream_t stream);
+
+  int64_t steps_taken() const { return steps_; }
+  size_t device_bytes() const;
+
+  // Copies the moments and the step count to and from a host AdamWOptimizer over the same
+  // tensors (its state names them; synchronizes), for checkpoints.
+  void download_state(AdamWOptimizer& host) const;
+  void upload_state(AdamWOptimizer& host);
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+  int64_t steps_ = 0;
+};
+
+}  // namespace fp8t::optim

@@ -1,0 +1,120 @@
+// The CPU path of Flux training: FluxModel and AdamW in host memory.
+#include <cmath>
+#include <memory>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "models/flux_objective.h"
+#include "optim/clip.h"
+#include "train/flux_engine.h"
+#include "train/run_log.h"
+
+namespace fp8t::train {
+
+namespace {
+
+std::vector<optim::AdamWOptimizer::Parameter> optimized_parameters(const FluxConfig& config) {
+  std::vector<optim::AdamWOptimizer::Parameter> parameters;
+  for (const FluxParam& param : flux_parameters(config))
+    parameters.push_back({param.name, param.shape});
+  return parameters;
+}
+
+class FluxCpuEngine final : public FluxEngine {
+ public:
+  explicit FluxCpuEngine(const FluxEngineSetup& setup)
+      : img_ids_(setup.img_ids),
+        model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision),
+        optimizer_(optimized_parameters(setup.model), setup.adamw),
+        prediction_(size_t(setup.batch * setup.img_tokens * setup.model.in_channels)),
+        grad_prediction_(prediction_.size()) {
+    FP8T_CHECK(std::ssize(img_ids_) == setup.img_tokens * 3, "expected {} image ids, found {}",
+               setup.img_tokens * 3, img_ids_.size());
+    for (const FluxParam& param : model_.parameters().specs()) {
+      TensorView& gradient = model_.gradients()[param.name];
+      parameter_data_.push_back(model_.parameters()[param.name].data<float>());
+      gradient_data_.push_back(gradient.data<float>());
+      gradient_spans_.push_back({gradient.data<float>(), gradient.numel()});
+    }
+  }
+
+  std::string device_name() const override { return "cpu"; }
+
+  std::string memory_plan() const override {
+    const auto parameters = double(FluxParameterSet::planned_bytes(model_.config(), DType::F32));
+    return fmt::format("parameters {}, gradients {}, optimizer {}, plus activations",
+                       format_bytes(parameters), format_bytes(parameters),
+                       format_bytes(double(optimizer_.state_bytes())));
+  }
+  double peak_memory_bytes() const override { return peak_resident_memory_bytes(); }
+  const std::vector<FluxLinearPrecision>& linear_precision() const override {
+    return model_.linear_precision();
+  }
+
+  StepResult train_step(std::span<const FluxBatch> micro_batches, double clip_grad,
+                        double lr_multiplier) override {
+    FP8T_CHECK(!micro_batches.empty(), "expected at least one micro-batch");
+    model_.zero_gradients();
+    StepResult result;
+    // Each micro-batch's loss gradient is scaled by 1/A: the gradient of the mean loss.
+    const auto share = static_cast<float>(1.0 / double(micro_batches.size()));
+    for (const FluxBatch& batch : micro_batches) {
+      model_.forward(inputs(batch), prediction_.data());
+      result.loss +=
+          flow_mse_loss_with_gradient(grad_prediction_.data(), prediction_.data(),
+                                      batch.target.data(), std::ssize(prediction_), share);
+      model_.backward(grad_prediction_.data());
+    }
+    result.loss /= double(micro_batches.size());
+    result.grad_norm = clip_grad > 0.0 ? optim::clip_gradients(gradient_spans_, clip_grad)
+                                       : optim::global_norm(gradient_spans_);
+    if (std::isfinite(result.grad_norm)) {
+      optimizer_.step(parameter_data_, gradient_data_, lr_multiplier);
+      model_.end_step();
+    }
+    return result;
+  }
+
+  double evaluation_loss(const FluxBatch& batch) override {
+    model_.set_training(false);
+    model_.forward(inputs(batch), prediction_.data());
+    model_.set_training(true);
+    return flow_mse_loss(prediction_.data(), batch.target.data(), std::ssize(prediction_));
+  }
+
+  double lr() const override { return optimizer_.lr(); }
+  FluxParameterSet& host_parameters() override { return model_.parameters(); }
+  std::vector<NamedTensor> host_optimizer_state() override { return optimizer_.state(); }
+  std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() override {
+    return model_.delayed_scalings();
+  }
+  void to_host() override {}
+  void from_host() override { model_.weights_changed(); }
+
+ private:
+  FluxInputs inputs(const FluxBatch& batch) const {
+    FP8T_CHECK(batch.img.size() == prediction_.size() && batch.target.size() == prediction_.size(),
+               "expected a micro-batch of {} latent values, found {}", prediction_.size(),
+               batch.img.size());
+    return {batch.img.data(),       img_ids_.data(),
+            batch.txt.data(),       batch.y.data(),
+            batch.timesteps.data(), batch.guidance.empty() ? nullptr : batch.guidance.data()};
+  }
+
+  std::vector<float> img_ids_;
+  FluxModel model_;
+  optim::AdamWOptimizer optimizer_;
+  std::vector<float> prediction_, grad_prediction_;
+  std::vector<float*> parameter_data_;
+  std::vector<const float*> gradient_data_;
+  std::vector<optim::GradientSpan> gradient_spans_;
+};
+
+}  // namespace
+
+std::unique_ptr<FluxEngine> make_flux_cpu_engine(const FluxEngineSetup& setup) {
+  return std::make_unique<FluxCpuEngine>(setup);
+}
+
+}  // namespace fp8t::train

@@ -1,0 +1,185 @@
+// The GPU path of Flux training: CudaFluxModel and CudaAdamW on the device, the parameters and
+// optimizer state mirrored on the host for checkpoints and sample grids only.
+#include <algorithm>
+#include <cmath>
+#include <memory>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "platform/device_info.h"
+#include "train/flux_engine.h"
+#include "train/run_log.h"
+#include "train/training_engine.h"
+
+#if FP8TRAIN_WITH_CUDA
+#include "core/cuda_check.h"
+#include "core/cuda_resources.h"
+#include "models/cuda/flux_model_cuda.h"
+#include "optim/cuda/adamw_cuda.h"
+#endif
+
+namespace fp8t::train {
+
+namespace {
+
+// What the GPU Flux cannot run, refused before anything is built, naming the key.
+void check_flux_gpu_settings(const FluxEngineSetup& setup) {
+  const Fp8Config& fp8 = setup.precision.fp8;
+  if (fp8.mode == Fp8Mode::None) return;
+  if (fp8.recipe == ScalingRecipe::Delayed) {
+    throw ConfigError(
+        "fp8_recipe: delayed is not wired into the GPU Flux yet; use tensorwise, blockwise or "
+        "mxfp8, or device: cpu");
+  }
+  check_gpu_precision(setup.precision);
+}
+
+}  // namespace
+
+#if FP8TRAIN_WITH_CUDA
+
+namespace {
+
+std::vector<optim::AdamWOptimizer::Parameter> optimized_parameters(const FluxConfig& config) {
+  std::vector<optim::AdamWOptimizer::Parameter> parameters;
+  for (const FluxParam& param : flux_parameters(config))
+    parameters.push_back({param.name, param.shape});
+  return parameters;
+}
+
+class FluxCudaEngine final : public FluxEngine {
+ public:
+  FluxCudaEngine(const FluxEngineSetup& setup, GpuInfo gpu)
+      : gpu_(std::move(gpu)),
+        img_ids_(setup.img_ids),
+        model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision,
+               stream_.get()),
+        optimizer_(model_.layout(), setup.adamw),
+        host_arena_("parameters (host mirror)",
+                    FluxParameterSet::planned_bytes(setup.model, DType::F32)),
+        host_parameters_(host_arena_, setup.model, DType::F32),
+        host_optimizer_(optimized_parameters(setup.model), setup.adamw),
+        base_lr_(setup.adamw.lr),
+        lr_(setup.adamw.lr),
+        norm_host_(1) {
+    FP8T_CHECK(std::ssize(img_ids_) == setup.img_tokens * 3, "expected {} image ids, found {}",
+               setup.img_tokens * 3, img_ids_.size());
+    FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));
+    peak_memory_ = device_memory_in_use();
+  }
+  ~FluxCudaEngine() override { cudaFree(norm_); }
+
+  std::string device_name() const override {
+    return fmt::format("cuda: {} ({})", gpu_.name, gpu_.architecture());
+  }
+
+  std::string memory_plan() const override {
+    const CudaFluxMemory& m = model_.memory();
+    return fmt::format(
+        "device: parameters {}, gradients {}, optimizer {}, activations {}, workspace {}, "
+        "linear copies {}; {} in all",
+        format_bytes(double(m.parameters)), format_bytes(double(m.gradients)),
+        format_bytes(double(optimizer_.device_bytes())), format_bytes(double(m.activations)),
+        format_bytes(double(m.workspace)), format_bytes(double(m.linear_copies)),
+        format_bytes(double(m.total() + optimizer_.device_bytes())));
+  }
+  double peak_memory_bytes() const override { return peak_memory_; }
+  const std::vector<FluxLinearPrecision>& linear_precision() const override {
+    return model_.linear_precision();
+  }
+
+  StepResult train_step(std::span<const FluxBatch> micro_batches, double clip_grad,
+                        double lr_multiplier) override {
+    FP8T_CHECK(!micro_batches.empty(), "expected at least one micro-batch");
+    model_.zero_gradients();
+    StepResult result;
+    // Each micro-batch's loss gradient is scaled by 1/A: the gradient of the mean loss.
+    const auto share = static_cast<float>(1.0 / double(micro_batches.size()));
+    for (const FluxBatch& batch : micro_batches) {
+      model_.forward(inputs(batch), batch.target.data(), true, share);
+      model_.backward();
+      result.loss += model_.loss_value();
+    }
+    result.loss /= double(micro_batches.size());
+    optimizer_.clip(model_.gradients(), norm_, static_cast<float>(std::max(clip_grad, 0.0)),
+                    stream_.get());
+    FP8T_CUDA_CHECK(cudaMemcpyAsync(norm_host_.data(), norm_, sizeof(float), cudaMemcpyDeviceToHost,
+                                    stream_.get()));
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_.get()));
+    result.grad_norm = norm_host_.data()[0];
+    if (std::isfinite(result.grad_norm)) {
+      optimizer_.step(model_.parameters(), model_.gradients(), lr_multiplier, stream_.get());
+      model_.end_step();
+      lr_ = base_lr_ * lr_multiplier;
+    }
+    peak_memory_ = std::max(peak_memory_, device_memory_in_use());
+    return result;
+  }
+
+  double evaluation_loss(const FluxBatch& batch) override {
+    model_.forward(inputs(batch), batch.target.data(), false);
+    return model_.loss_value();
+  }
+
+  double lr() const override { return lr_; }
+  FluxParameterSet& host_parameters() override { return host_parameters_; }
+  std::vector<NamedTensor> host_optimizer_state() override { return host_optimizer_.state(); }
+  std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() override {
+    return {};  // delayed scaling is refused on the GPU Flux
+  }
+  void to_host() override {
+    model_.download_parameters(host_parameters_);
+    optimizer_.download_state(host_optimizer_);
+  }
+  void from_host() override {
+    model_.upload_parameters(host_parameters_);
+    optimizer_.upload_state(host_optimizer_);
+    model_.weights_changed();
+  }
+
+ private:
+  FluxInputs inputs(const FluxBatch& batch) const {
+    return {batch.img.data(),       img_ids_.data(),
+            batch.txt.data(),       batch.y.data(),
+            batch.timesteps.data(), batch.guidance.empty() ? nullptr : batch.guidance.data()};
+  }
+
+  GpuInfo gpu_;
+  CudaStream stream_;
+  std::vector<float> img_ids_;
+  CudaFluxModel model_;
+  optim::CudaAdamW optimizer_;
+  Arena host_arena_;
+  FluxParameterSet host_parameters_;
+  optim::AdamWOptimizer host_optimizer_;
+  double base_lr_, lr_;
+  float* norm_ = nullptr;
+  PinnedFloats norm_host_;
+  double peak_memory_ = 0.0;
+};
+
+}  // namespace
+
+std::unique_ptr<FluxEngine> make_flux_cuda_engine(const FluxEngineSetup& setup) {
+  check_flux_gpu_settings(setup);
+  const std::vector<GpuInfo> gpus = query_gpus();
+  if (gpus.empty()) {
+    throw ConfigError("device: cuda: no CUDA GPU is visible; use device: auto or cpu");
+  }
+  return std::make_unique<FluxCudaEngine>(setup, gpus.front());
+}
+
+#else
+
+std::unique_ptr<FluxEngine> make_flux_cuda_engine(const FluxEngineSetup& setup) {
+  check_flux_gpu_settings(setup);
+  throw ConfigError(
+      "device: cuda: this fp8train was built without CUDA; rebuild with the CUDA toolkit "
+      "(FP8TRAIN_CUDA=ON) or use device: cpu");
+}
+
+#endif  // FP8TRAIN_WITH_CUDA
+
+}  // namespace fp8t::train

@@ -1,0 +1,64 @@
+// What the Flux training loop drives: the model and its optimizer on one device. The CPU engine
+// runs the CPU path in place; the GPU engine keeps everything on the device and mirrors the
+// parameters and optimizer state into host buffers for checkpoints and sampling only. Either
+// way the host views (host_parameters, host_optimizer_state, delayed_scalings) are what a
+// checkpoint saves and loads: call to_host() before saving them and from_host() after changing
+// them.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "models/flux_model.h"
+#include "optim/adamw.h"
+#include "train/flux_batches.h"
+#include "train/training_loop.h"
+
+namespace fp8t::train {
+
+class FluxEngine {
+ public:
+  virtual ~FluxEngine() = default;
+
+  virtual std::string device_name() const = 0;
+  // One line for the log before step 1: where the memory goes.
+  virtual std::string memory_plan() const = 0;
+  virtual double peak_memory_bytes() const = 0;
+  virtual const std::vector<FluxLinearPrecision>& linear_precision() const = 0;
+
+  // One optimizer step: the mean loss and gradient over the micro-batches, the global norm
+  // (clipped to clip_grad when > 0) and, when it is finite, AdamW at lr · lr_multiplier and the
+  // model's end_step.
+  virtual StepResult train_step(std::span<const FluxBatch> micro_batches, double clip_grad,
+                                double lr_multiplier) = 0;
+  // The loss of one batch, without gradients and without touching the FP8 scaling state.
+  virtual double evaluation_loss(const FluxBatch& batch) = 0;
+  virtual double lr() const = 0;  // of the last step
+
+  virtual FluxParameterSet& host_parameters() = 0;
+  virtual std::vector<NamedTensor> host_optimizer_state() = 0;
+  virtual std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() = 0;
+  virtual void to_host() = 0;
+  virtual void from_host() = 0;
+};
+
+struct FluxEngineSetup {
+  FluxConfig model;
+  ModelPrecision precision;
+  int64_t batch = 0;  // samples per micro-batch
+  int64_t img_tokens = 0;
+  int64_t txt_tokens = 0;
+  std::vector<float> img_ids;  // [img_tokens, 3], the same for every sample
+  optim::AdamWHyperparameters adamw;
+};
+
+std::unique_ptr<FluxEngine> make_flux_cpu_engine(const FluxEngineSetup& setup);
+// The GPU path (train/flux_cuda_engine.cpp); throws ConfigError naming the key for what it does
+// not run (delayed scaling, fnuz) and without a GPU or a CUDA build.
+std::unique_ptr<FluxEngine> make_flux_cuda_engine(const FluxEngineSetup& setup);
+
+}  // namespace fp8t::train

@@ -1,0 +1,200 @@
+#include "train/flux_trainer.h"
+
+#include <unistd.h>
+
+#include <memory>
+#include <optional>
+#include <utility>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+#include "models/flux_model.h"
+#include "optim/schedule.h"
+#include "train/checkpoint.h"
+#include "train/flux_batches.h"
+#include "train/flux_engine.h"
+#include "train/run_log.h"
+#include "train/training_engine.h"
+#include "train/training_loop.h"
+
+namespace fp8t::train {
+
+namespace fs = std::filesystem;
+
+namespace {
+
+std::vector<NamedTensor> model_tensors(FluxParameterSet& parameters) {
+  std::vector<NamedTensor> tensors;
+  for (const FluxParam& param : parameters.specs())
+    tensors.push_back({param.name, parameters[param.name]});
+  return tensors;
+}
+
+}  // namespace
+
+data::FluxShapesOptions flux_dataset_options(const TrainConfig& config) {
+  const FluxConfig model = config.flux_config();
+  return {.image_size = config.data.image_size,
+          .context_dim = model.context_in_dim,
+          .pooled_dim = model.vec_in_dim,
+          .seed = static_cast<uint64_t>(config.training.seed)};
+}
+
+FluxGridOptions flux_grid_options(const TrainConfig& config, std::vector<std::string> prompts) {
+  return {.prompts = std::move(prompts),
+          .images_per_prompt = config.run.sample_images_per_prompt,
+          .seed = static_cast<uint64_t>(config.training.seed),
+          .sampling = {.steps = int(config.run.sample_steps),
+                       .guidance = config.run.sample_guidance,
+                       .shift = config.flux.sigma.shift},
+          .latent_scale = config.flux.latent_scale,
+          .latent_shift = config.flux.latent_shift};
+}
+
+fs::path flux_sample_grid_path(const fs::path& run_folder, int64_t step) {
+  return run_folder / "samples" / fmt::format("step_{:06d}.png", step);
+}
+
+TrainOutcome run_flux_training(const TrainConfig& config) {
+  const fs::path run_folder = open_run_folder(config);
+  const FluxConfig model_config = config.flux_config();
+  const auto seed = static_cast<uint64_t>(config.training.seed);
+  const data::FluxShapesDataset dataset(flux_dataset_options(config));
+  const int64_t batch = config.training.micro_batch_size;
+  const int64_t accumulation = config.grad_accum_steps(1);
+  const int64_t samples_per_step = config.global_batch_size(1);
+  const int64_t total_steps = config.training.train_iters;
+  const FluxBatchBuilder batches(dataset, model_config, config.flux, batch, seed);
+  const int64_t img_tokens = batches.latent_shape().tokens();
+  const int64_t txt_tokens = dataset.options().text_tokens;
+
+  // The grid's prompts are checked before any time is spent training.
+  std::optional<FluxSampleGrid> grid;
+  if (std::vector<std::string> prompts = split_prompts(config.run.sample_prompts);
+      !prompts.empty()) {
+    try {
+      grid.emplace(dataset, model_config, flux_grid_options(config, std::move(prompts)));
+    } catch (const Error& error) {
+      throw ConfigError(fmt::format("sample_prompts: {}", error.what()));
+    }
+  }
+
+  FluxEngineSetup setup;
+  setup.model = model_config;
+  const bool cuda = use_cuda(config.run.device);
+  setup.precision = model_precision(config, cuda);
+  setup.batch = batch;
+  setup.img_tokens = img_tokens;
+  setup.txt_tokens = txt_tokens;
+  setup.img_ids = batches.img_ids();
+  setup.adamw = config.optimizer_settings().adamw;
+  const std::unique_ptr<FluxEngine> engine =
+      cuda ? make_flux_cuda_engine(setup) : make_flux_cpu_engine(setup);
+  const optim::LrSchedule schedule = config.lr_schedule();
+
+  fmt::print("model: {}: hidden {}, {} heads, {} double + {} single blocks; {:.3f}M parameters\n",
+             config.model.name, model_config.hidden_size, model_config.num_heads,
+             model_config.double_blocks, model_config.single_blocks,
+             double(flux_parameter_count(model_config)) / 1e6);
+  fmt::print("precision: {}; {}\n", describe(setup.precision.fp8),
+             flux_precision_summary(engine->linear_precision()));
+  print_emulation_note(setup.precision, cuda);
+  fmt::print(
+      "batch: {} pictures per micro-batch ({} image + {} text tokens each), {} micro-batch(es) "
+      "per step, {} pictures per step; {} steps\n",
+      batch, img_tokens, txt_tokens, accumulation, samples_per_step, total_steps);
+  fmt::print("memory plan: {}\n", engine->memory_plan());
+  fmt::print(
+      "data: built-in shapes, {}x{} pictures as {} image tokens of {} features; σ {} (shift {}), "
+      "guidance dropout {}\ndevice: {}\n",
+      config.data.image_size, config.data.image_size, img_tokens, model_config.in_channels,
+      sigma_sampler_name(config.flux.sigma.sampler), config.flux.sigma.shift,
+      config.flux.cfg_dropout, engine->device_name());
+
+  // Checkpoint contents: views of the model's, the optimizer's and the FP8 state.
+  ScalingStateBuffers scaling(engine->delayed_scalings());
+  CheckpointContents contents;
+  contents.model = model_tensors(engine->host_parameters());
+  contents.optimizer = engine->host_optimizer_state();
+  contents.fp8_scaling = scaling.tensors();
+
+  // The data position is the step: every batch is a function of the seed and its step.
+  int64_t step = 0;
+  double seconds_before = 0.0;
+  if (config.run.resume_from_step >= 0) {
+    const nlohmann::json state =
+        resume_from_checkpoint(run_folder, config.run.resume_from_step, contents, scaling);
+    step = state.at("step").get<int64_t>();
+    seconds_before = state.value("train_seconds", 0.0);
+  } else {
+    init_flux_weights(engine->host_parameters(), model_config, seed);
+  }
+  engine->from_host();
+  FP8T_CHECK(step <= total_steps, "the checkpoint is at step {}, past train_iters {}", step,
+             total_steps);
+
+  const auto save = [&](int64_t at_step, double train_seconds) {
+    engine->to_host();
+    save_run_checkpoint(
+        run_folder, config, at_step,
+        {{"train_seconds", train_seconds}, {"samples_seen", at_step * samples_per_step}}, scaling,
+        contents);
+  };
+
+  // Validation: the same held-out pictures, σ and noise at every evaluation.
+  FluxBatch held_out;
+  const auto validation_loss = [&]() -> std::optional<double> {
+    double sum = 0.0;
+    for (int64_t i = 0; i < config.run.eval_iters; ++i) {
+      batches.validation_batch(i, held_out);
+      sum += engine->evaluation_loss(held_out);
+    }
+    return sum / double(config.run.eval_iters);
+  };
+
+  RunLog log(run_folder, ::isatty(STDERR_FILENO) != 0);
+  const auto write_grid = [&](int64_t at_step) {
+    const fs::path path = flux_sample_grid_path(run_folder, at_step);
+    fs::create_directories(path.parent_path());
+    engine->to_host();
+    grid->write(engine->host_parameters(), path);
+    log.event("sample", fmt::format("samples: {}", path.string()));
+    return path;
+  };
+
+  std::vector<FluxBatch> micro_batches(static_cast<size_t>(accumulation));
+  TrainingLoop loop = training_loop_for(config);
+  loop.tokens_per_step = double(samples_per_step * img_tokens);
+  loop.samples_per_step = double(samples_per_step);
+  loop.flops_per_token =
+      flux_flops_per_sample(model_config, img_tokens, txt_tokens) / double(img_tokens);
+  loop.memory_bytes = resident_memory_bytes;
+  loop.peak_memory_bytes = [&] { return engine->peak_memory_bytes(); };
+  loop.train_step = [&](int64_t at_step) {
+    for (int64_t micro = 0; micro < accumulation; ++micro)
+      batches.training_batch(at_step, micro, accumulation, micro_batches[size_t(micro)]);
+    const double multiplier = optim::lr_multiplier(schedule, at_step);
+    const StepResult result =
+        engine->train_step(micro_batches, config.optimizer.clip_grad, multiplier);
+    return StepReport{result, engine->lr(), multiplier};
+  };
+  loop.validation_loss = validation_loss;
+  loop.save = save;
+  loop.after_step = [&](int64_t steps_done) {
+    const int64_t every = config.run.sample_every;
+    if (grid && every > 0 && steps_done % every == 0 && steps_done < total_steps) {
+      write_grid(steps_done);
+    }
+  };
+  const LoopOutcome done = run_training_loop(loop, step, seconds_before, log, run_folder);
+  TrainOutcome outcome;
+  outcome.steps_done = done.steps_done;
+  outcome.last_loss = done.last_loss;
+  outcome.last_val_loss = done.last_val_loss;
+  outcome.stop_signal = done.stop_signal;
+  if (outcome.stop_signal == 0 && grid) outcome.sample_grid = write_grid(outcome.steps_done);
+  return outcome;
+}
+
+}  // namespace fp8t::train
