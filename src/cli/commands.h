@@ -132,6 +132,18 @@ struct SampleOptions {
 // seed, written as a PNG grid.
 int run_sample(const SampleOptions& options);
 
+struct PlotOptions {
+  std::vector<std::string> run_folders;  // each holds metrics.jsonl; the first is the reference
+  std::string output;
+  std::string metric = "loss";
+  int smooth = 1;     // moving average over this many values; 1: none
+  std::string title;  // empty: the metric and the smoothing
+};
+
+// Draws the runs' curves of a metric, and each relative to the first, side by side into a PNG
+// (docs/cli.md), and prints each run's last value as a table.
+int run_plot(const PlotOptions& options);
+
 // Runs the training job configured by `args` (--config FILE and overrides, see
 // load_train_config). kExitOk when it ran to the end; 128 + the signal after SIGINT or SIGTERM
 // (a checkpoint was saved).

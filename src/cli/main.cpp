@@ -190,6 +190,23 @@ int main(int argc, char** argv) {
   sample->add_option("--output", sample_options.output, "The PNG file to write")
       ->capture_default_str();
 
+  fp8t::cli::PlotOptions plot_options;
+  CLI::App* plot = app.add_subcommand(
+      "plot", "Draw runs' loss curves, and each relative to the first, side by side into a PNG");
+  plot->add_option("--output", plot_options.output, "The PNG file to write")->required();
+  plot->add_option("--metric", plot_options.metric, "The metrics.jsonl field to draw")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"loss", "val_loss"}));
+  plot->add_option("--smooth", plot_options.smooth,
+                   "Moving average over this many logged values (1: none)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1000000));
+  plot->add_option("--title", plot_options.title,
+                   "Title of the picture (default: the metric and the smoothing)");
+  plot->add_option("runs", plot_options.run_folders,
+                   "Run folders holding metrics.jsonl; the first is the reference")
+      ->required();
+
   fp8t::cli::TokenizeOptions tokenize_options;
   CLI::App* tokenize = app.add_subcommand(
       "tokenize", "Turn text files into token shards, training the BPE tokenizer when asked");
@@ -229,6 +246,7 @@ int main(int argc, char** argv) {
     if (*tokenize) return fp8t::cli::run_tokenize(tokenize_options);
     if (*train) return fp8t::cli::run_train(train->remaining());
     if (*sample) return fp8t::cli::run_sample(sample_options);
+    if (*plot) return fp8t::cli::run_plot(plot_options);
     if (*bench_gpt) return fp8t::cli::run_bench_gpt(bench_options);
     if (*bench_flux) return fp8t::cli::run_bench_flux(bench_flux_options);
     if (*config) {
