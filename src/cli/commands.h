@@ -144,6 +144,17 @@ struct PlotOptions {
 // (docs/cli.md), and prints each run's last value as a table.
 int run_plot(const PlotOptions& options);
 
+struct DataCheckOptions {
+  // The Flux preset whose input widths the shards must match, or "none".
+  std::string model = "flux_535m";
+  std::vector<std::string> paths;
+};
+
+// Checks precomputed Flux shards (docs/data.md): header, dtypes, shapes, the model's widths,
+// agreement between shards and every value. Prints a line per file and a summary;
+// kExitProblemFound when any file fails.
+int run_data_check(const DataCheckOptions& options);
+
 // Runs the training job configured by `args` (--config FILE and overrides, see
 // load_train_config). kExitOk when it ran to the end; 128 + the signal after SIGINT or SIGTERM
 // (a checkpoint was saved).

@@ -239,6 +239,19 @@ int main(int argc, char** argv) {
                        "A line that separates documents (e.g. %); default: one document per file");
   tokenize->add_option("files", tokenize_options.inputs, "Text files")->required();
 
+  fp8t::cli::DataCheckOptions data_check_options;
+  CLI::App* data = app.add_subcommand("data", "Training data tools");
+  data->require_subcommand(1);
+  CLI::App* data_check = data->add_subcommand(
+      "check", "Validate precomputed Flux shards: layout, dtypes, shapes, model widths, values");
+  data_check
+      ->add_option("--model", data_check_options.model,
+                   "Flux preset whose input widths the shards must match, or none")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"flux_tiny", "flux_small", "flux_535m", "flux_12b", "none"}));
+  data_check->add_option("shards", data_check_options.paths, "Flux shard files (.safetensors)")
+      ->required();
+
   try {
     app.parse(argc, argv);
     if (*doctor) return fp8t::cli::run_doctor(doctor_options);
@@ -249,6 +262,7 @@ int main(int argc, char** argv) {
     if (*plot) return fp8t::cli::run_plot(plot_options);
     if (*bench_gpt) return fp8t::cli::run_bench_gpt(bench_options);
     if (*bench_flux) return fp8t::cli::run_bench_flux(bench_flux_options);
+    if (*data_check) return fp8t::cli::run_data_check(data_check_options);
     if (*config) {
       config_options.overrides = config->remaining();
       return fp8t::cli::run_config(config_options);
