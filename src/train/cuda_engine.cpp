@@ -176,22 +176,31 @@ class CudaEngine final : public TrainingEngine {
 
 }  // namespace
 
-std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
-  check_gpu_precision(setup.precision);
+GpuInfo training_gpu() {
   const std::vector<GpuInfo> gpus = query_gpus();
   if (gpus.empty()) {
     throw ConfigError("device: cuda: no CUDA GPU is visible; use device: auto or cpu");
   }
-  return std::make_unique<CudaEngine>(setup, gpus.front());
+  return gpus.front();
+}
+
+std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
+  check_gpu_precision(setup.precision);
+  return std::make_unique<CudaEngine>(setup, training_gpu());
 }
 
 #else
 
-std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
-  check_gpu_precision(setup.precision);
+GpuInfo training_gpu() {
   throw ConfigError(
       "device: cuda: this fp8train was built without CUDA; rebuild with the CUDA toolkit "
       "(FP8TRAIN_CUDA=ON) or use device: cpu");
+}
+
+std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
+  check_gpu_precision(setup.precision);
+  training_gpu();  // throws: no CUDA in this build
+  return nullptr;
 }
 
 #endif  // FP8TRAIN_WITH_CUDA

@@ -164,20 +164,15 @@ class FluxCudaEngine final : public FluxEngine {
 
 std::unique_ptr<FluxEngine> make_flux_cuda_engine(const FluxEngineSetup& setup) {
   check_flux_gpu_settings(setup);
-  const std::vector<GpuInfo> gpus = query_gpus();
-  if (gpus.empty()) {
-    throw ConfigError("device: cuda: no CUDA GPU is visible; use device: auto or cpu");
-  }
-  return std::make_unique<FluxCudaEngine>(setup, gpus.front());
+  return std::make_unique<FluxCudaEngine>(setup, training_gpu());
 }
 
 #else
 
 std::unique_ptr<FluxEngine> make_flux_cuda_engine(const FluxEngineSetup& setup) {
   check_flux_gpu_settings(setup);
-  throw ConfigError(
-      "device: cuda: this fp8train was built without CUDA; rebuild with the CUDA toolkit "
-      "(FP8TRAIN_CUDA=ON) or use device: cpu");
+  training_gpu();  // throws: no CUDA in this build
+  return nullptr;
 }
 
 #endif  // FP8TRAIN_WITH_CUDA

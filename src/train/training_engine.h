@@ -16,6 +16,7 @@
 #include "models/gpt_memory.h"
 #include "models/gpt_model.h"
 #include "optim/gpt_optimizer.h"
+#include "platform/device_info.h"
 #include "train/training_loop.h"
 
 namespace fp8t::train {
@@ -68,5 +69,9 @@ bool use_cuda(DeviceChoice device);
 
 // Throws ConfigError, naming the key, for FP8 settings no GPU model runs (the fnuz formats).
 void check_gpu_precision(const ModelPrecision& precision);
+
+// The GPU a CUDA engine trains on: GPU 0. Throws ConfigError naming `device` when none is
+// visible, or when this build has no CUDA.
+GpuInfo training_gpu();
 
 }  // namespace fp8t::train

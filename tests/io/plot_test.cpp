@@ -1,7 +1,5 @@
 #include "io/plot.h"
 
-#include <png.h>
-
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -11,6 +9,7 @@
 #include "core/error.h"
 #include "io/files.h"
 #include "io/png.h"
+#include "io/png_reader.h"
 #include "test_files.h"
 
 namespace fp8t::io {
@@ -153,19 +152,6 @@ TEST(RunCurves, ErrorsNameTheFile) {
                              "metrics.jsonl:1: 'loss': expected a number, found \"low\""));
 }
 
-// libpng's reader, as an image viewer would read the file.
-std::vector<uint8_t> read_png(const std::filesystem::path& path, int& width, int& height) {
-  png_image image{};
-  image.version = PNG_IMAGE_VERSION;
-  EXPECT_NE(png_image_begin_read_from_file(&image, path.c_str()), 0) << image.message;
-  image.format = PNG_FORMAT_RGB;
-  width = int(image.width);
-  height = int(image.height);
-  std::vector<uint8_t> rgb(PNG_IMAGE_SIZE(image));
-  EXPECT_NE(png_image_finish_read(&image, nullptr, rgb.data(), 0, nullptr), 0) << image.message;
-  return rgb;
-}
-
 TEST(RunPlot, DrawsBothPanelsInTheRunsColours) {
   RunCurve bf16{"bf16", {}, {}}, fp8{"fp8", {}, {}};
   for (int64_t step = 1; step <= 200; ++step) {
@@ -179,8 +165,9 @@ TEST(RunPlot, DrawsBothPanelsInTheRunsColours) {
   const Canvas canvas = draw_run_plot(runs, "loss", "loss: bf16 vs fp8");
   write_png(folder / "curves.png", canvas.width(), canvas.height(), canvas.rgb());
 
-  int width = 0, height = 0;
-  const std::vector<uint8_t> rgb = read_png(folder / "curves.png", width, height);
+  const test::ReadPicture picture = test::read_png(folder / "curves.png");
+  const int width = picture.width, height = picture.height;
+  const std::vector<uint8_t>& rgb = picture.rgb;
   ASSERT_EQ(width, 960);
   ASSERT_EQ(height, 540);
   // Pixels of a colour in the columns [x0, x1), below the title and legend rows.

@@ -1,36 +1,19 @@
 #include "io/png.h"
 
-#include <png.h>
-
 #include <gtest/gtest.h>
 
 #include <cstdint>
 #include <vector>
 
 #include "core/error.h"
+#include "io/png_reader.h"
 #include "test_files.h"
 
 namespace fp8t::io {
 namespace {
 
-struct ReadPicture {
-  int width = 0;
-  int height = 0;
-  std::vector<uint8_t> rgb;
-};
-
-// libpng's own reader, as an image viewer would read the file.
-ReadPicture read_png(const std::filesystem::path& path) {
-  png_image image{};
-  image.version = PNG_IMAGE_VERSION;
-  EXPECT_NE(png_image_begin_read_from_file(&image, path.c_str()), 0) << image.message;
-  image.format = PNG_FORMAT_RGB;
-  ReadPicture picture{int(image.width), int(image.height),
-                      std::vector<uint8_t>(PNG_IMAGE_SIZE(image))};
-  EXPECT_NE(png_image_finish_read(&image, nullptr, picture.rgb.data(), 0, nullptr), 0)
-      << image.message;
-  return picture;
-}
+using test::read_png;
+using test::ReadPicture;
 
 TEST(Png, RoundTripsThroughLibpng) {
   const test::TempFolder folder;

@@ -102,34 +102,6 @@ std::vector<double> view_values(const std::vector<T>& gpu, const std::vector<T>&
   return gather(gpu, view);
 }
 
-// Sums over tokens err relative to their terms, not to themselves:
-// |gpu − cpu| <= 1e-5 (terms + |cpu|), terms the sum of the terms' magnitudes.
-void expect_close_sums(const std::vector<double>& gpu, const std::vector<double>& cpu,
-                       const std::vector<double>& terms, const std::string& what) {
-  ASSERT_EQ(gpu.size(), cpu.size()) << what;
-  ASSERT_EQ(terms.size(), cpu.size()) << what;
-  double worst_ratio = 0.0;
-  int failures = 0;
-  for (size_t i = 0; i < cpu.size(); ++i) {
-    const double error = std::fabs(gpu[i] - cpu[i]);
-    const double allowed = 1e-5 * (terms[i] + std::fabs(cpu[i]));
-    worst_ratio = std::max(worst_ratio, error / allowed);
-    if (!(error <= allowed) && ++failures <= 5) {
-      ADD_FAILURE() << what << " [" << i << "]: gpu " << gpu[i] << " cpu " << cpu[i] << " error "
-                    << error << " > allowed " << allowed << " (terms " << terms[i] << ")";
-    }
-  }
-  if (verbose()) {
-    std::printf("[ compare  ] %s: worst error / allowed %.3g\n", what.c_str(), worst_ratio);
-  }
-}
-
-std::vector<double> absolute(std::vector<double> values) {
-  for (double& value : values)
-    value = std::fabs(value);
-  return values;
-}
-
 std::vector<double> plus(std::vector<double> a, const std::vector<double>& b) {
   for (size_t i = 0; i < a.size(); ++i)
     a[i] += b[i];

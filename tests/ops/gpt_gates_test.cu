@@ -42,33 +42,6 @@ constexpr Tolerance kBf16Tolerance{1e-2, 1.0 / 128, 1e-4};
 // fp32 outputs (gates, scaled values): fp32 math against double.
 constexpr Tolerance kFp32Tolerance{1e-5, 2e-5, 1e-5};
 
-// Parameter gradients are sums over tokens, which err relative to their terms, not to
-// themselves: |gpu - cpu| <= 1e-5 (terms + |cpu|), terms the sum of the terms' magnitudes.
-void expect_close_sums(const std::vector<float>& gpu, const std::vector<double>& cpu,
-                       const std::vector<double>& terms, const std::string& what) {
-  ASSERT_EQ(gpu.size(), cpu.size()) << what;
-  ASSERT_EQ(terms.size(), cpu.size()) << what;
-  double worst_ratio = 0.0;
-  for (size_t i = 0; i < cpu.size(); ++i) {
-    const double error = std::fabs(double(gpu[i]) - cpu[i]);
-    const double allowed = 1e-5 * (terms[i] + std::fabs(cpu[i]));
-    worst_ratio = std::max(worst_ratio, error / allowed);
-    EXPECT_TRUE(error <= allowed) << what << " [" << i << "]: gpu " << gpu[i] << " cpu " << cpu[i]
-                                  << " error " << error << " > allowed " << allowed << " (terms "
-                                  << terms[i] << ")";
-  }
-  if (verbose()) {
-    std::printf("[ compare  ] %s: worst error / allowed %.3g\n", what.c_str(), worst_ratio);
-  }
-}
-
-// |values|: inputs for a CPU run whose parameter gradients are the terms' magnitudes.
-std::vector<double> absolute(std::vector<double> values) {
-  for (double& value : values)
-    value = std::fabs(value);
-  return values;
-}
-
 class GptGatesCuda : public test::StreamTest {};
 
 // ---------------------------------------------------------------------------------------------
@@ -267,7 +240,8 @@ TEST_F(GptGatesCuda, SmearMatchesCpu) {
       const std::vector<float> gpu_dw = device_dw.download();
       const float gpu_dlambda = device_dlambda.download()[0];
       expect_close_sums(gpu_dw, cpu_dw, dw_terms, what + " dgate_weight");
-      expect_close_sums({gpu_dlambda}, {cpu_dlambda}, {dlambda_terms}, what + " dsmear_lambda");
+      expect_close_sums(std::vector<float>{gpu_dlambda}, {cpu_dlambda}, {dlambda_terms},
+                        what + " dsmear_lambda");
       // The parameter gradients do not depend on the store, and repeat bit for bit.
       if (first_dw.empty()) {
         first_dw = gpu_dw;

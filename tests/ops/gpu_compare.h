@@ -116,6 +116,37 @@ inline void expect_close(const std::vector<double>& gpu, const std::vector<doubl
       << " |cpu| + " << tolerance.floor << " max|cpu| (max|cpu| = " << largest << ")" << examples;
 }
 
+// Sums over tokens (parameter and modulation gradients) err relative to their terms, not to
+// themselves: |gpu - cpu| <= 1e-5 (terms + |cpu|), terms the sum of the terms' magnitudes. The
+// first five misses are reported.
+template <typename T>
+void expect_close_sums(const std::vector<T>& gpu, const std::vector<double>& cpu,
+                       const std::vector<double>& terms, const std::string& what) {
+  ASSERT_EQ(gpu.size(), cpu.size()) << what;
+  ASSERT_EQ(terms.size(), cpu.size()) << what;
+  double worst_ratio = 0.0;
+  int failures = 0;
+  for (size_t i = 0; i < cpu.size(); ++i) {
+    const double error = std::fabs(double(gpu[i]) - cpu[i]);
+    const double allowed = 1e-5 * (terms[i] + std::fabs(cpu[i]));
+    worst_ratio = std::max(worst_ratio, error / allowed);
+    if (!(error <= allowed) && ++failures <= 5) {
+      ADD_FAILURE() << what << " [" << i << "]: gpu " << gpu[i] << " cpu " << cpu[i] << " error "
+                    << error << " > allowed " << allowed << " (terms " << terms[i] << ")";
+    }
+  }
+  if (verbose()) {
+    std::printf("[ compare  ] %s: worst error / allowed %.3g\n", what.c_str(), worst_ratio);
+  }
+}
+
+// |values|: inputs for a CPU run whose sums are the terms' magnitudes.
+inline std::vector<double> absolute(std::vector<double> values) {
+  for (double& value : values)
+    value = std::fabs(value);
+  return values;
+}
+
 // Lengths for the pointwise kernels: shorter than a vector, a vector tail, misaligned (offset 1
 // element into the buffer), and more blocks than the grid has.
 struct PointwiseCase {
