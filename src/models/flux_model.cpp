@@ -327,25 +327,6 @@ void scale_heads_backward(float* dnormed, float* dtxt_scale, float* dimg_scale, 
   }
 }
 
-// The rows a linear sees: one per sample on the vector path, else its stream's tokens.
-int64_t linear_rows(const FluxLinear& linear, const FluxDims& d) {
-  const bool img = linear.name == "img_in" || linear.name.find(".img_") != std::string::npos;
-  const bool txt = linear.name == "txt_in" || linear.name.find(".txt_") != std::string::npos;
-  switch (linear.kind) {
-    case FluxParamKind::Attention:
-    case FluxParamKind::Mlp:
-      return d.batch * (img ? d.img_tokens : d.txt_tokens);
-    case FluxParamKind::Single:
-      return d.batch * d.tokens;
-    case FluxParamKind::Final:
-      return d.batch * d.img_tokens;
-    case FluxParamKind::Embedder:
-      return d.batch * (img ? d.img_tokens : txt ? d.txt_tokens : 1);
-    default:  // the modulation linears read SiLU(vec)
-      return d.batch;
-  }
-}
-
 bool is_fp8_candidate(FluxParamKind kind) {
   return kind == FluxParamKind::Attention || kind == FluxParamKind::Mlp ||
          kind == FluxParamKind::Single;
@@ -520,12 +501,31 @@ std::string flux_precision_summary(const std::vector<FluxLinearPrecision>& decis
   return text + fmt::format("{} kept in BF16 ({})", decisions.size() - fp8_count, listing);
 }
 
+int64_t flux_linear_rows(const FluxLinear& linear, int64_t batch, int64_t img_tokens,
+                         int64_t txt_tokens) {
+  const bool img = linear.name == "img_in" || linear.name.find(".img_") != std::string::npos;
+  const bool txt = linear.name == "txt_in" || linear.name.find(".txt_") != std::string::npos;
+  switch (linear.kind) {
+    case FluxParamKind::Attention:
+    case FluxParamKind::Mlp:
+      return batch * (img ? img_tokens : txt_tokens);
+    case FluxParamKind::Single:
+      return batch * (img_tokens + txt_tokens);
+    case FluxParamKind::Final:
+      return batch * img_tokens;
+    case FluxParamKind::Embedder:
+      return batch * (img ? img_tokens : txt ? txt_tokens : 1);
+    default:  // the modulation linears read SiLU(vec)
+      return batch;
+  }
+}
+
 double flux_flops_per_sample(const FluxConfig& config, int64_t img_tokens, int64_t txt_tokens) {
   const FluxDims dims = flux_dims(config, 1, img_tokens, txt_tokens);
   double flops = 0.0;
   for (const FluxLinear& linear : flux_linears(config)) {
-    flops += 6.0 * double(linear_rows(linear, dims)) * double(linear.in_features) *
-             double(linear.out_features);
+    flops += 6.0 * double(flux_linear_rows(linear, 1, img_tokens, txt_tokens)) *
+             double(linear.in_features) * double(linear.out_features);
   }
   const int blocks = config.double_blocks + config.single_blocks;
   return flops + 12.0 * blocks * double(dims.tokens) * double(dims.tokens) * double(dims.hidden);
@@ -563,7 +563,7 @@ FluxModel::FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens
   linear_precision_ = decide_flux_precision(config_, precision_.policy);
   for (const FluxLinearPrecision& decision : linear_precision_) {
     const FluxLinear& spec = decision.linear;
-    const int64_t tokens = linear_rows(spec, dims);
+    const int64_t tokens = flux_linear_rows(spec, batch, img_tokens, txt_tokens);
     Linear layer{{tokens, spec.in_features, spec.out_features},
                  parameter(spec.name + ".weight"),
                  parameter(spec.name + ".bias"),

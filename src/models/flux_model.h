@@ -66,6 +66,12 @@ std::vector<FluxLinearPrecision> decide_flux_precision(const FluxConfig& config,
 // counted by reason.
 std::string flux_precision_summary(const std::vector<FluxLinearPrecision>& decisions);
 
+// The rows a linear reads in one micro-batch: batch × its stream's tokens (the whole [txt; img]
+// sequence in the single blocks, the image tokens in the final layer), or batch for the
+// modulation linears and the vector embedders (one row per sample).
+int64_t flux_linear_rows(const FluxLinear& linear, int64_t batch, int64_t img_tokens,
+                         int64_t txt_tokens);
+
 // Forward + backward FLOPs of one sample: 6 per weight and row of every linear (2 forward, 4
 // backward) and 12·L²·hidden per block for attention over the L = txt + img tokens (QKᵀ and PV,
 // 2 FLOPs per multiply-add, forward and twice that backward), as nanochat counts the GPT's.

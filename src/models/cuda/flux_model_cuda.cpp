@@ -166,16 +166,7 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
   int fp8_index = 0;
   for (const FluxLinearPrecision& decision : linear_precision_) {
     const FluxLinear& spec = decision.linear;
-    const bool img = spec.name == "img_in" || spec.name.find(".img_") != std::string::npos;
-    const bool txt = spec.name == "txt_in" || spec.name.find(".txt_") != std::string::npos;
-    int64_t rows = B;  // the modulation linears and the vector embedders: one row per sample
-    if (spec.kind == FluxParamKind::Single) {
-      rows = B * tokens_;
-    } else if (spec.kind == FluxParamKind::Final || img) {
-      rows = B * img_tokens_;
-    } else if (txt) {
-      rows = B * txt_tokens_;
-    }
+    const int64_t rows = flux_linear_rows(spec, B, img_tokens_, txt_tokens_);
     kernels::LinearSetup setup;
     setup.in_features = spec.in_features;
     setup.out_features = spec.out_features;
@@ -318,8 +309,8 @@ void CudaFluxModel::lay_out() {
     ++fp8_count;
     max_in = std::max(max_in, decision.linear.in_features);
     max_out = std::max(max_out, decision.linear.out_features);
-    max_rows = std::max<int64_t>(
-        max_rows, decision.linear.kind == FluxParamKind::Single ? int64_t(N) : int64_t(B * Ls));
+    max_rows =
+        std::max(max_rows, flux_linear_rows(decision.linear, batch_, img_tokens_, txt_tokens_));
   }
   if (fp8_count > 0) {
     DeviceArena& scratch = b.linear_scratch;
