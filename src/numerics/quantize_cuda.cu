@@ -91,15 +91,27 @@ __global__ void scale_from_amax_kernel(const float* amax, float format_max, bool
   if (scale_inv != nullptr) *scale_inv = 1.0f / value;
 }
 
+// The value a cast reads from one element of x (CastInput).
+template <CastInput kInput, typename T>
+__device__ float cast_input(T x) {
+  const float value = to_float(x);
+  if constexpr (kInput == CastInput::Relu2) {
+    const float positive = fmaxf(value, 0.0f);  // NaN -> 0, as relu2_forward
+    return bf16_to_float(float_to_bf16(positive * positive));
+  } else {
+    return value;
+  }
+}
+
 // Scales and encodes one input vector, and folds the inputs into the amax.
-template <Fp8Format kFormat, typename T>
+template <Fp8Format kFormat, CastInput kInput, typename T>
 __device__ ByteVector<InputVector<T>::kSize> scale_and_encode(const InputVector<T>& in, float scale,
                                                               uint32_t& amax_bits) {
   constexpr int kVec = InputVector<T>::kSize;
   ByteVector<kVec> bytes;
 #pragma unroll
   for (int k = 0; k < kVec; ++k) {
-    const float value = to_float(in.values[k]);
+    const float value = cast_input<kInput>(in.values[k]);
     amax_bits = max(amax_bits, abs_bits(value));
     bytes.values[k] = fp8t::encode(__fmul_rn(value, scale), kFormat, Saturation::Saturate);
   }
@@ -125,9 +137,21 @@ void dispatch_data_format(Fp8Format format, Launch&& launch) {
   check_data_format(format);
 }
 
+// Calls launch(std::integral_constant<CastInput, I>{}) for the cast input I; relu² reads bf16.
+template <typename T, typename Launch>
+void dispatch_cast_input(CastInput input, Launch&& launch) {
+  if (input == CastInput::Value)
+    return launch(std::integral_constant<CastInput, CastInput::Value>{});
+  if constexpr (std::is_same_v<T, bf16>) {
+    return launch(std::integral_constant<CastInput, CastInput::Relu2>{});
+  } else {
+    FP8T_CHECK(false, "a relu² cast reads bf16 input, found fp32");
+  }
+}
+
 // Elementwise cast (with kQuantize) or amax only. Vector path for aligned full vectors,
 // scalar path for the tail.
-template <typename T, bool kQuantize, Fp8Format kFormat>
+template <typename T, bool kQuantize, Fp8Format kFormat, CastInput kInput>
 __global__ void __launch_bounds__(kThreads)
     cast_amax_kernel(const T* __restrict__ x, int64_t count, const float* __restrict__ scale_ptr,
                      uint8_t* __restrict__ out, float* amax_inout, bool vectorized) {
@@ -154,18 +178,18 @@ __global__ void __launch_bounds__(kThreads)
         if (v >= vectors) break;
         if constexpr (kQuantize) {
           reinterpret_cast<ByteVector<kVec>*>(out)[v] =
-              scale_and_encode<kFormat>(in[u], scale, local_amax);
+              scale_and_encode<kFormat, kInput>(in[u], scale, local_amax);
         } else {
 #pragma unroll
           for (int k = 0; k < kVec; ++k)
-            local_amax = max(local_amax, abs_bits(to_float(in[u].values[k])));
+            local_amax = max(local_amax, abs_bits(cast_input<kInput>(in[u].values[k])));
         }
       }
     }
     scalar_begin = vectors * kVec;
   }
   for (int64_t i = scalar_begin + first; i < count; i += stride) {
-    const float value = to_float(x[i]);
+    const float value = cast_input<kInput>(x[i]);
     local_amax = max(local_amax, abs_bits(value));
     if constexpr (kQuantize)
       out[i] = fp8t::encode(__fmul_rn(value, scale), kFormat, Saturation::Saturate);
@@ -233,7 +257,7 @@ struct TransposeTile {
   }
 };
 
-template <typename T, Fp8Format kFormat>
+template <typename T, Fp8Format kFormat, CastInput kInput>
 __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
     cast_transpose_kernel(TransposeTile<T> source, const float* __restrict__ scale_ptr,
                           uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
@@ -262,12 +286,14 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
     uint32_t column_words[kVec] = {};
 #pragma unroll
     for (int i = 0; i < kPatchRows; ++i) {
-      const ByteVector<kVec> bytes = scale_and_encode<kFormat>(in[i], scale, local_amax);
+      const ByteVector<kVec> bytes = scale_and_encode<kFormat, kInput>(in[i], scale, local_amax);
 #pragma unroll
       for (int k = 0; k < kVec; ++k)
         column_words[k] |= uint32_t(bytes.values[k]) << (8 * i);
       const int64_t offset = (patch_row0 + i) * cols + patch_col0;
-      if (full) {
+      if (out == nullptr) {
+        continue;
+      } else if (full) {
         *reinterpret_cast<ByteVector<kVec>*>(out + offset) = bytes;
       } else if (patch_row0 + i < rows) {
         for (int k = 0; k < kVec && patch_col0 + k < cols; ++k)
@@ -502,13 +528,15 @@ void decode(const uint8_t* codes, int64_t count, Fp8Format format, float* out,
 }
 
 template <typename T>
-void amax(const T* x, int64_t count, float* amax_inout, cudaStream_t stream) {
+void amax(const T* x, int64_t count, float* amax_inout, cudaStream_t stream, CastInput input) {
   check_pointers(count, x, amax_inout);
   if (count == 0) return;
   constexpr int kVec = InputVector<T>::kSize;
-  cast_amax_kernel<T, false, Fp8Format::E4M3>
-      <<<elementwise_grid(count / kVec + 1), kThreads, 0, stream>>>(x, count, nullptr, nullptr,
-                                                                    amax_inout, aligned16(x));
+  dispatch_cast_input<T>(input, [&](auto input_constant) {
+    cast_amax_kernel<T, false, Fp8Format::E4M3, decltype(input_constant)::value>
+        <<<elementwise_grid(count / kVec + 1), kThreads, 0, stream>>>(x, count, nullptr, nullptr,
+                                                                      amax_inout, aligned16(x));
+  });
   FP8T_CUDA_CHECK_LAUNCH();
 }
 
@@ -522,7 +550,7 @@ void scale_from_amax(const float* amax, float format_max, bool power_of_2, float
 
 template <typename T>
 void quantize(const T* x, int64_t count, const float* scale, Fp8Format format, uint8_t* out,
-              float* amax_inout, cudaStream_t stream) {
+              float* amax_inout, cudaStream_t stream, CastInput input) {
   check_pointers(count, x, out);
   check_data_format(format);
   FP8T_CHECK(scale != nullptr, "scale must be a device pointer");
@@ -530,10 +558,12 @@ void quantize(const T* x, int64_t count, const float* scale, Fp8Format format, u
   constexpr int kVec = InputVector<T>::kSize;
   // The vector path writes kVec bytes at once: the output must be aligned to that too.
   const bool vectorized = aligned16(x) && reinterpret_cast<uintptr_t>(out) % kVec == 0;
-  dispatch_data_format(format, [&](auto format_constant) {
-    cast_amax_kernel<T, true, decltype(format_constant)::value>
-        <<<elementwise_grid(count / kVec + 1), kThreads, 0, stream>>>(x, count, scale, out,
-                                                                      amax_inout, vectorized);
+  dispatch_cast_input<T>(input, [&](auto input_constant) {
+    dispatch_data_format(format, [&](auto format_constant) {
+      cast_amax_kernel<T, true, decltype(format_constant)::value, decltype(input_constant)::value>
+          <<<elementwise_grid(count / kVec + 1), kThreads, 0, stream>>>(x, count, scale, out,
+                                                                        amax_inout, vectorized);
+    });
   });
   FP8T_CUDA_CHECK_LAUNCH();
 }
@@ -541,15 +571,15 @@ void quantize(const T* x, int64_t count, const float* scale, Fp8Format format, u
 template <typename T>
 void quantize_transpose(const T* x, int64_t rows, int64_t cols, const float* scale,
                         Fp8Format format, uint8_t* out, uint8_t* out_t, float* amax_inout,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, CastInput input) {
   FP8T_CHECK(rows >= 0 && cols >= 0, "expected a non-negative shape, found [{}, {}]", rows, cols);
-  check_pointers(rows * cols, x, out);
+  check_pointers(rows * cols, x, out_t);
   check_pointers(rows * cols, out_t, scale);
   check_data_format(format);
   if (rows * cols == 0) return;
   // Full tiles use vector loads and stores: every row start must keep their alignment.
-  const bool vector_io =
-      aligned16(x) && aligned16(out) && aligned16(out_t) && cols % 16 == 0 && rows % 16 == 0;
+  const bool vector_io = aligned16(x) && (out == nullptr || aligned16(out)) && aligned16(out_t) &&
+                         cols % 16 == 0 && rows % 16 == 0;
   const TransposeTile<T> source{
       x,
       rows,
@@ -558,10 +588,12 @@ void quantize_transpose(const T* x, int64_t rows, int64_t cols, const float* sca
       (rows + kTransposeRows - 1) / kTransposeRows,
       vector_io};
   const int64_t tiles = source.tile_cols * source.row_bands;
-  dispatch_data_format(format, [&](auto format_constant) {
-    cast_transpose_kernel<T, decltype(format_constant)::value>
-        <<<grid_for(tiles, kTransposeBlocksPerSm), kThreads, 0, stream>>>(source, scale, out, out_t,
-                                                                          amax_inout);
+  dispatch_cast_input<T>(input, [&](auto input_constant) {
+    dispatch_data_format(format, [&](auto format_constant) {
+      cast_transpose_kernel<T, decltype(format_constant)::value, decltype(input_constant)::value>
+          <<<grid_for(tiles, kTransposeBlocksPerSm), kThreads, 0, stream>>>(source, scale, out,
+                                                                            out_t, amax_inout);
+    });
   });
   FP8T_CUDA_CHECK_LAUNCH();
 }
@@ -615,11 +647,11 @@ void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const Block
 }
 
 #define FP8T_INSTANTIATE_CUDA_QUANTIZE(T)                                                          \
-  template void amax<T>(const T*, int64_t, float*, cudaStream_t);                                  \
+  template void amax<T>(const T*, int64_t, float*, cudaStream_t, CastInput);                       \
   template void quantize<T>(const T*, int64_t, const float*, Fp8Format, uint8_t*, float*,          \
-                            cudaStream_t);                                                         \
+                            cudaStream_t, CastInput);                                              \
   template void quantize_transpose<T>(const T*, int64_t, int64_t, const float*, Fp8Format,         \
-                                      uint8_t*, uint8_t*, float*, cudaStream_t);                   \
+                                      uint8_t*, uint8_t*, float*, cudaStream_t, CastInput);        \
   template void quantize_blocks<T>(const T*, int64_t, int64_t, const BlockQuantization&, uint8_t*, \
                                    void*, uint8_t*, void*, cudaStream_t);
 

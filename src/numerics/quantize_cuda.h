@@ -19,24 +19,31 @@ void encode(const float* x, int64_t count, Fp8Format format, Saturation saturati
             cudaStream_t stream);
 void decode(const uint8_t* codes, int64_t count, Fp8Format format, float* out, cudaStream_t stream);
 
-// *amax_inout = max(*amax_inout, max |x|)
+// What a per-tensor cast reads: x itself, or relu(x)² rounded to bf16 (bf16 x only): the GPT's
+// MLP activation, cast straight from the MLP's hidden layer so that the activation itself is
+// never stored. The bytes equal those of relu2_forward followed by a cast of its output.
+enum class CastInput : uint8_t { Value, Relu2 };
+
+// *amax_inout = max(*amax_inout, max |input|)
 template <typename T>
-void amax(const T* x, int64_t count, float* amax_inout, cudaStream_t stream);
+void amax(const T* x, int64_t count, float* amax_inout, cudaStream_t stream,
+          CastInput input = CastInput::Value);
 
 // Tensorwise scaling on the device: scale and scale_inv from an amax, by scale_from_amax().
 void scale_from_amax(const float* amax, float format_max, bool power_of_2, float epsilon,
                      float* scale, float* scale_inv, cudaStream_t stream);
 
-// Fused cast + amax: out = encode_saturating(x * *scale); amax_inout may be null.
+// Fused cast + amax: out = encode_saturating(input * *scale); amax_inout may be null.
 template <typename T>
 void quantize(const T* x, int64_t count, const float* scale, Fp8Format format, uint8_t* out,
-              float* amax_inout, cudaStream_t stream);
+              float* amax_inout, cudaStream_t stream, CastInput input = CastInput::Value);
 
-// Fused cast + transpose + amax: out [rows, cols] and out_t [cols, rows].
+// Fused cast + transpose + amax: out [rows, cols] (may be null: the transposed copy alone) and
+// out_t [cols, rows].
 template <typename T>
 void quantize_transpose(const T* x, int64_t rows, int64_t cols, const float* scale,
                         Fp8Format format, uint8_t* out, uint8_t* out_t, float* amax_inout,
-                        cudaStream_t stream);
+                        cudaStream_t stream, CastInput input = CastInput::Value);
 
 // out = decode(q) · *scale_inv, stored as float or rounded to bf16.
 template <typename Out>

@@ -324,6 +324,62 @@ TYPED_TEST(CudaQuantize, CastTransposeAmaxMatchesReference) {
   }
 }
 
+// relu² casts (CastInput::Relu2) must give the bytes and amax of relu(x)², rounded to bf16 as
+// the GPT's relu2_forward stores it, cast as usual; the transposed copy also alone.
+TEST(CudaQuantize, Relu2CastsMatchCastOfTheActivation) {
+  const auto relu2 = [](const std::vector<bf16>& x) {
+    std::vector<bf16> act(x.size());
+    for (size_t i = 0; i < x.size(); ++i) {
+      const float value = bf16_to_float(x[i]);
+      const float positive = value > 0.0f ? value : 0.0f;  // NaN -> 0
+      act[i] = float_to_bf16(positive * positive);
+    }
+    return act;
+  };
+  const auto input = cuda::CastInput::Relu2;
+  for (const Shape shape : kAwkwardShapes) {
+    const size_t count = static_cast<size_t>(shape.rows * shape.cols);
+    for (bool with_specials : {false, true}) {
+      const std::vector<bf16> x = random_tensor<bf16>(count, with_specials);
+      const std::vector<bf16> act = relu2(x);
+      DeviceBuffer<bf16> device_x(x);
+      const auto n = static_cast<int64_t>(count);
+      for (Fp8Format format : kDataFormats) {
+        const float scale = with_specials ? 1.5f : realistic_scale(act, format);
+        const auto where = ::testing::Message() << format_name(format) << " [" << shape.rows << ", "
+                                                << shape.cols << "]";
+        float expected_amax = 0.0f;
+        std::vector<uint8_t> expected(count), expected_t(count);
+        quantize_transpose(act.data(), shape.rows, shape.cols, scale, format, expected.data(),
+                           expected_t.data(), &expected_amax);
+
+        DeviceBuffer<float> device_amax(std::vector<float>{0.0f});
+        cuda::amax(device_x.get(), n, device_amax.get(), nullptr, input);
+        EXPECT_IDENTICAL(device_amax.download(), std::vector<float>{expected_amax},
+                         where << " amax");
+
+        DeviceBuffer<float> device_scale(std::vector<float>{scale});
+        DeviceBuffer<float> cast_amax(std::vector<float>{0.0f});
+        DeviceBuffer<uint8_t> out(count), out_t(count);
+        cuda::quantize(device_x.get(), n, device_scale.get(), format, out.get(), cast_amax.get(),
+                       nullptr, input);
+        EXPECT_IDENTICAL(out.download(), expected, where << " cast");
+        EXPECT_IDENTICAL(cast_amax.download(), std::vector<float>{expected_amax},
+                         where << " cast amax");
+
+        DeviceBuffer<uint8_t> both(count), both_t(count);
+        cuda::quantize_transpose(device_x.get(), shape.rows, shape.cols, device_scale.get(), format,
+                                 both.get(), both_t.get(), nullptr, nullptr, input);
+        EXPECT_IDENTICAL(both.download(), expected, where << " cast + transpose");
+        EXPECT_IDENTICAL(both_t.download(), expected_t, where << " cast + transpose, transposed");
+        cuda::quantize_transpose(device_x.get(), shape.rows, shape.cols, device_scale.get(), format,
+                                 nullptr, out_t.get(), nullptr, nullptr, input);
+        EXPECT_IDENTICAL(out_t.download(), expected_t, where << " transposed alone");
+      }
+    }
+  }
+}
+
 TEST(CudaQuantize, TensorwiseOnDeviceMatchesReference) {
   // The current-scaling sequence as training runs it: amax pass, scale on device, cast.
   const std::vector<bf16> x = random_tensor<bf16>(size_t{1} << 20, false);

@@ -20,6 +20,8 @@
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
 #include "numerics/float_bits.h"
+#include "numerics/quantize.h"
+#include "numerics/scaling.h"
 // The GPU tests target has no tests/ include directory.
 #include "numerics/test_util.h"
 #include "ops/cross_entropy.h"
@@ -109,6 +111,41 @@ TEST_F(OpsCuda, RmsNormMatchesCpu) {
                                stream_);
     expect_bitwise_equal(device_x.download(), gpu_out, "rmsnorm_forward in place, " + shape);
     expect_bitwise_equal(rstd.download(), gpu_rstd, "rmsnorm_forward in place rstd, " + shape);
+
+    // The fused FP8 cast: the same bf16 output and rstd, the bytes and amax of quantize() on
+    // that output (E4M3 and E5M2: the formats an FP8 linear's input takes).
+    for (Fp8Format format : {Fp8Format::E4M3, Fp8Format::E5M2}) {
+      const std::string where =
+          fmt::format("rmsnorm_forward {} cast, {}", format_name(format), shape);
+      const float scale =
+          fp8t::scale_from_amax(amax(gpu_out.data(), int64_t(n)), format_max(format), false, 0.0f) *
+          0.5f;  // some values saturate past the overflow threshold
+      Device<bf16> fused_out(n, c.offset);
+      Device<float> fused_rstd(static_cast<size_t>(c.rows));
+      Device<float> device_scale(std::vector<float>{scale});
+      Device<float> device_amax(std::vector<float>{0.0f});
+      Device<uint8_t> codes(n, c.offset);
+      fused_out.poison_nan();
+      fused_rstd.poison_nan();
+      codes.poison_nan();
+      ops::cuda::FusedCast cast{device_scale.get(), format, codes.get(), device_amax.get()};
+      ops::cuda::rmsnorm_forward(fused_out.get(), fused_rstd.get(), device_x.get(), c.rows, c.dim,
+                                 kEps, stream_, cast);
+      expect_bitwise_equal(fused_out.download(), gpu_out, where + " out");
+      expect_bitwise_equal(fused_rstd.download(), gpu_rstd, where + " rstd");
+      std::vector<uint8_t> expected(n);
+      float expected_amax = 0.0f;
+      quantize(gpu_out.data(), int64_t(n), scale, format, expected.data(), &expected_amax);
+      expect_bitwise_equal(codes.download(), expected, where + " codes");
+      expect_bitwise_equal(device_amax.download(), std::vector<float>{expected_amax},
+                           where + " amax");
+      // The amax alone (tensorwise measures it before the scale exists).
+      Device<float> amax_only(std::vector<float>{0.0f});
+      ops::cuda::rmsnorm_forward(fused_out.get(), fused_rstd.get(), device_x.get(), c.rows, c.dim,
+                                 kEps, stream_, {nullptr, format, nullptr, amax_only.get()});
+      expect_bitwise_equal(amax_only.download(), std::vector<float>{expected_amax},
+                           where + " amax only");
+    }
 
     // Backward from the GPU forward's output and rstd.
     const std::vector<bf16> dout = random_bf16(rng_, n);

@@ -35,7 +35,7 @@ struct CudaFluxMemory {
   size_t gradients = 0;      // fp32
   size_t activations = 0;    // saved for backward (bf16, fp32 statistics)
   size_t workspace = 0;      // temporaries of one step, inputs and gradients of the streams
-  size_t linear_copies = 0;  // bf16 / FP8 weight copies, saved FP8 inputs, FP8 scratch
+  size_t linear_copies = 0;  // bf16 / FP8 weight copies, FP8 scratch
   size_t total() const { return parameters + gradients + activations + workspace + linear_copies; }
 };
 

@@ -175,6 +175,11 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
     setup.fp8_config = precision_.fp8;
     setup.family = precision_.family;
     setup.fp8_wgrad = precision_.fp8_wgrad;
+    // mlp.c_proj casts relu² of the MLP's hidden layer itself: the activation is never stored.
+    const bool per_tensor = precision_.fp8.recipe == ScalingRecipe::Delayed ||
+                            precision_.fp8.recipe == ScalingRecipe::Tensorwise;
+    setup.input_relu2 = decision.fp8 && per_tensor && precision_.fp8_wgrad &&
+                        decision.linear.name.ends_with("mlp.c_proj");
     Linear linear;
     linear.weight = decision.linear.name + ".weight";
     // k and v read the input q has just quantized.
@@ -315,6 +320,13 @@ float* CudaGptModel::gradient(const std::string& name) const {
   return gradients_ + layout_[name].offset;
 }
 
+const bf16* CudaGptModel::mlp_activation(const bf16* fc, const ops::cuda::CudaLinear& mlp_proj) {
+  if (mlp_proj.input_relu2()) return fc;
+  const int64_t count = tokens_ * 4 * config_.n_embd;
+  ops::cuda::relu2_forward(buffers_->fc_act, fc, count, stream_);
+  return buffers_->fc_act;
+}
+
 CudaGptModel::Linear& CudaGptModel::linear(const std::string& name) {
   const auto found = buffers_->linears.find(name);
   FP8T_CHECK(found != buffers_->linears.end(), "no linear layer named '{}'", name);
@@ -433,8 +445,10 @@ void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with
     const std::string prefix = fmt::format("transformer.h.{}.", index);
     kernels::residual_mix_forward(b.input, previous, b.x0, parameter("resid_lambdas") + index,
                                   parameter("x0_lambdas") + index, N * C, s);
-    kernels::rmsnorm_forward(layer.attn_norm, layer.attn_rstd, b.input, N, C, kEps, s);
-    linear(prefix + "attn.c_q").layer->forward(layer.attn_norm, N, b.q_lin, record, s);
+    kernels::CudaLinear& c_q = *linear(prefix + "attn.c_q").layer;
+    kernels::rmsnorm_forward(layer.attn_norm, layer.attn_rstd, b.input, N, C, kEps, s,
+                             c_q.fused_input_cast(record, s));
+    c_q.forward(layer.attn_norm, N, b.q_lin, record, s);
     linear(prefix + "attn.c_k").layer->forward(layer.attn_norm, N, b.k_lin, record, s);
     linear(prefix + "attn.c_v").layer->forward(layer.attn_norm, N, layer.v, record, s);
     if (config_.has_value_embedding(index)) {
@@ -454,18 +468,22 @@ void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with
                         config_.attention_scale(), s);
     linear(prefix + "attn.c_proj").layer->forward(layer.attn_out, N, b.branch, record, s);
     kernels::add_forward(b.mid, b.input, b.branch, N * C, s);
-    kernels::rmsnorm_forward(layer.mlp_norm, layer.mlp_rstd, b.mid, N, C, kEps, s);
-    linear(prefix + "mlp.c_fc").layer->forward(layer.mlp_norm, N, layer.fc, record, s);
-    kernels::relu2_forward(b.fc_act, layer.fc, N * 4 * C, s);
-    linear(prefix + "mlp.c_proj").layer->forward(b.fc_act, N, b.branch, record, s);
+    kernels::CudaLinear& c_fc = *linear(prefix + "mlp.c_fc").layer;
+    kernels::rmsnorm_forward(layer.mlp_norm, layer.mlp_rstd, b.mid, N, C, kEps, s,
+                             c_fc.fused_input_cast(record, s));
+    c_fc.forward(layer.mlp_norm, N, layer.fc, record, s);
+    kernels::CudaLinear& mlp_proj = *linear(prefix + "mlp.c_proj").layer;
+    mlp_proj.forward(mlp_activation(layer.fc, mlp_proj), N, b.branch, record, s);
     kernels::add_forward(layer.output, b.mid, b.branch, N * C, s);
     previous = layer.output;
   }
   const Layer& backout = b.layers[static_cast<size_t>(config_.backout_layer())];
   kernels::backout_forward(b.input, previous, backout.output, parameter("backout_lambda"), N * C,
                            s);
-  kernels::rmsnorm_forward(b.final_norm, b.final_rstd, b.input, N, C, kEps, s);
-  linear("lm_head").layer->forward(b.final_norm, N, b.logits, record, s);
+  kernels::CudaLinear& lm_head = *linear("lm_head").layer;
+  kernels::rmsnorm_forward(b.final_norm, b.final_rstd, b.input, N, C, kEps, s,
+                           lm_head.fused_input_cast(record, s));
+  lm_head.forward(b.final_norm, N, b.logits, record, s);
   if (with_gradient) {
     kernels::softcap_cross_entropy_with_gradient(b.logits, b.targets, N, config_.vocab_size, vocab,
                                                  kSoftcap, 1.0f, b.row_losses, loss_, b.valid_rows,
@@ -508,10 +526,8 @@ void CudaGptModel::backward() {
 
     // MLP: output = mid + c_proj(relu²(c_fc(norm(mid))))
     Linear& mlp_proj = linear(prefix + "mlp.c_proj");
-    const bool needs_act = !mlp_proj.layer->fp8() || !precision_.fp8_wgrad;
-    if (needs_act) kernels::relu2_forward(b.fc_act, layer.fc, N * 4 * C, s);
-    mlp_proj.layer->backward(b.dres, b.fc_act, N, b.dfc_act, false, gradient(mlp_proj.weight),
-                             record, s);
+    mlp_proj.layer->backward(b.dres, mlp_activation(layer.fc, *mlp_proj.layer), N, b.dfc_act, false,
+                             gradient(mlp_proj.weight), record, s);
     kernels::relu2_backward(b.fc_act, b.dfc_act, layer.fc, N * 4 * C, GradStore::Write, s);
     linear(prefix + "mlp.c_fc")
         .layer->backward(b.fc_act, layer.mlp_norm, N, b.dnorm, false,

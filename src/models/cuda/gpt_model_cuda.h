@@ -6,8 +6,8 @@
 //
 // Memory is planned from the configuration and taken at construction, one allocation per
 // category (core/device_arena.h): parameters and gradients (fp32, in gpt_parameters() order),
-// the activations saved for backward, the workspace of one step, and the weight copies and
-// saved FP8 operands of the linears.
+// the activations saved for backward, the workspace of one step, and the weight copies and FP8
+// scratch of the linears.
 #pragma once
 
 #include <cstdint>
@@ -30,6 +30,9 @@ namespace fp8t {
 namespace gemm {
 class CublasLtGemm;
 }
+namespace ops::cuda {
+class CudaLinear;
+}
 
 // Device bytes per category, for the plan printed before step 1.
 struct CudaGptMemory {
@@ -37,7 +40,7 @@ struct CudaGptMemory {
   size_t gradients = 0;      // fp32
   size_t activations = 0;    // saved for backward (bf16, fp32 statistics)
   size_t workspace = 0;      // temporaries of one step, logits included
-  size_t linear_copies = 0;  // bf16 / FP8 weight copies, saved FP8 inputs, FP8 scratch
+  size_t linear_copies = 0;  // bf16 / FP8 weight copies, FP8 scratch
   size_t total() const { return parameters + gradients + activations + workspace + linear_copies; }
 };
 
@@ -101,6 +104,9 @@ class CudaGptModel {
   void lay_out();
   void prepare_weights();
   Linear& linear(const std::string& name);
+  // What mlp.c_proj reads: the hidden layer fc itself when it casts relu²(fc) on its own, else
+  // relu²(fc) in the workspace.
+  const bf16* mlp_activation(const bf16* fc, const ops::cuda::CudaLinear& mlp_proj);
   float* parameter(const std::string& name) const;
   float* gradient(const std::string& name) const;
 

@@ -3,6 +3,7 @@
 #include "ops/cuda/linear_cuda.h"
 
 #include <algorithm>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
@@ -43,6 +44,8 @@ Fp8Scratch take_fp8_scratch(DeviceArena& arena, ScalingRecipe recipe, int64_t ma
   const auto count = [](int64_t a, int64_t b) { return static_cast<size_t>(a * b); };
   Fp8Scratch scratch;
   scratch.input = arena.take<uint8_t>(count(max_tokens, max_in));
+  scratch.input_t = arena.take<uint8_t>(count(max_tokens, max_in));
+  scratch.input_t_holder = std::make_shared<const CudaLinear*>(nullptr);
   scratch.grad_output = arena.take<uint8_t>(count(max_tokens, max_out));
   scratch.grad_output_t = arena.take<uint8_t>(count(max_tokens, max_out));
   if (recipe != ScalingRecipe::Blockwise && recipe != ScalingRecipe::Mxfp8) return scratch;
@@ -52,8 +55,8 @@ Fp8Scratch take_fp8_scratch(DeviceArena& arena, ScalingRecipe recipe, int64_t ma
   const auto floats = static_cast<size_t>(std::max(
       {row_block_floats(max_tokens, max_features), row_block_floats(max_features, max_tokens),
        mx_scale_floats(max_tokens, max_features), mx_scale_floats(max_features, max_tokens)}));
-  for (float** buffer :
-       {&scratch.input_scales, &scratch.grad_output_scales, &scratch.grad_output_t_scales}) {
+  for (float** buffer : {&scratch.input_scales, &scratch.input_t_scales,
+                         &scratch.grad_output_scales, &scratch.grad_output_t_scales}) {
     *buffer = arena.take<float>(floats);
   }
   if (recipe == ScalingRecipe::Blockwise) {
@@ -91,8 +94,9 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
       kFp8Multiple, in, out, setup.max_tokens);
   FP8T_CHECK(setup.scaling != nullptr && reinterpret_cast<uintptr_t>(setup.scaling) % 16 == 0,
              "an FP8 linear needs its scaling floats, 16-byte aligned");
-  FP8T_CHECK(scratch.input != nullptr && scratch.grad_output != nullptr &&
-                 scratch.grad_output_t != nullptr,
+  FP8T_CHECK(scratch.input != nullptr && scratch.input_t != nullptr &&
+                 scratch.grad_output != nullptr && scratch.grad_output_t != nullptr &&
+                 scratch.input_t_holder != nullptr,
              "an FP8 linear needs the quantization scratch");
   if (setup.input_from != nullptr) {
     const LinearSetup& owner = setup.input_from->setup_;
@@ -104,14 +108,15 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
   FP8T_CHECK(!mx() || (in % kMxBlock == 0 && out % kMxBlock == 0),
              "an MXFP8 linear needs features that are multiples of {}, found [{} -> {}]", kMxBlock,
              in, out);
+  FP8T_CHECK(!setup.input_relu2 ||
+                 (!blockwise() && !mx() && setup.fp8_wgrad && setup.input_from == nullptr),
+             "a linear casts relu² of its input itself only with a per-tensor recipe, an FP8 "
+             "weight gradient and its own input");
   weight_fp8_ = std::make_unique<DeviceBuffer<uint8_t>>(weight_count);
   weight_fp8_t_ = std::make_unique<DeviceBuffer<uint8_t>>(weight_count);
-  if (setup.fp8_wgrad && setup.input_from == nullptr) {
-    saved_input_t_ =
-        std::make_unique<DeviceBuffer<uint8_t>>(static_cast<size_t>(in) * setup.max_tokens);
-  }
   if (mx()) {
-    FP8T_CHECK(scratch.input_scales != nullptr && scratch.grad_output_scales != nullptr &&
+    FP8T_CHECK(scratch.input_scales != nullptr && scratch.input_t_scales != nullptr &&
+                   scratch.grad_output_scales != nullptr &&
                    scratch.grad_output_t_scales != nullptr && scratch.dequantized_lhs != nullptr &&
                    scratch.dequantized_rhs != nullptr,
                "an MXFP8 linear needs the block-scale and dequantization scratch");
@@ -120,23 +125,16 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
     weight_t_bf16_ = std::make_unique<DeviceBuffer<bf16>>(weight_count);
     weight_scales_ = std::make_unique<DeviceBuffer<float>>(floats(mx_scale_floats(out, in)));
     weight_t_scales_ = std::make_unique<DeviceBuffer<float>>(floats(mx_scale_floats(in, out)));
-    if (saved_input_t_) {
-      saved_input_t_scales_ =
-          std::make_unique<DeviceBuffer<float>>(floats(mx_scale_floats(in, setup.max_tokens)));
-    }
   }
   if (blockwise()) {
     FP8T_CHECK(scratch.grid != nullptr && scratch.grid_t != nullptr &&
-                   scratch.input_scales != nullptr && scratch.grad_output_scales != nullptr &&
+                   scratch.input_scales != nullptr && scratch.input_t_scales != nullptr &&
+                   scratch.grad_output_scales != nullptr &&
                    scratch.grad_output_t_scales != nullptr && scratch.grad_input != nullptr,
                "a blockwise linear needs the block-scale scratch");
     const auto floats = [](int64_t count) { return static_cast<size_t>(count); };
     weight_scales_ = std::make_unique<DeviceBuffer<float>>(floats(tile_floats(out, in)));
     weight_t_scales_ = std::make_unique<DeviceBuffer<float>>(floats(tile_floats(in, out)));
-    if (saved_input_t_) {
-      saved_input_t_scales_ =
-          std::make_unique<DeviceBuffer<float>>(floats(row_block_floats(in, setup.max_tokens)));
-    }
   }
 }
 
@@ -145,10 +143,10 @@ size_t CudaLinear::device_bytes() const {
   for (const auto* buffer : {&weight_bf16_, &weight_t_bf16_, &bias_bf16_}) {
     if (*buffer) bytes += (*buffer)->bytes();
   }
-  for (const auto* buffer : {&weight_fp8_, &weight_fp8_t_, &saved_input_t_}) {
+  for (const auto* buffer : {&weight_fp8_, &weight_fp8_t_}) {
     if (*buffer) bytes += (*buffer)->bytes();
   }
-  for (const auto* buffer : {&weight_scales_, &weight_t_scales_, &saved_input_t_scales_}) {
+  for (const auto* buffer : {&weight_scales_, &weight_t_scales_}) {
     if (*buffer) bytes += (*buffer)->bytes();
   }
   return bytes;
@@ -156,8 +154,8 @@ size_t CudaLinear::device_bytes() const {
 
 template <typename T>
 void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole role, uint8_t* out,
-                          uint8_t* out_t, bool record_amax, cudaStream_t stream, float* scales,
-                          float* scales_t) {
+                          uint8_t* out_t, ScaleSource source, bool record_amax, cudaStream_t stream,
+                          float* scales, float* scales_t) {
   const PhaseScope timed(StepPhase::Quantization, stream);
   const Fp8Config& config = setup_.fp8_config;
   const Fp8Format format = config.format_for(role, setup_.family);
@@ -184,23 +182,67 @@ void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole rol
     }
     return;
   }
+  const auto input = role == TensorRole::Input && setup_.input_relu2 ? fp8t::cuda::CastInput::Relu2
+                                                                     : fp8t::cuda::CastInput::Value;
   float* scale = slot(role, kScaleSlot);
   float* amax = slot(role, kAmaxSlot);
   float* recorded = nullptr;
   if (config.recipe == ScalingRecipe::Tensorwise) {
     // Current scaling: this tensor's own amax, then its scale, all on the device.
-    FP8T_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
-    fp8t::cuda::amax(x, rows * cols, amax, stream);
-    fp8t::cuda::scale_from_amax(amax, format_max(format), config.use_power_of_2_scales(),
-                                config.amax_epsilon, scale, slot(role, kScaleInvSlot), stream);
-  } else if (record_amax) {
+    if (source == ScaleSource::Measure) {
+      FP8T_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+      fp8t::cuda::amax(x, rows * cols, amax, stream, input);
+    }
+    if (source != ScaleSource::Reuse) {
+      fp8t::cuda::scale_from_amax(amax, format_max(format), config.use_power_of_2_scales(),
+                                  config.amax_epsilon, scale, slot(role, kScaleInvSlot), stream);
+    }
+  } else if (record_amax && source == ScaleSource::Measure) {
     recorded = amax;  // delayed: the history's scale; this amax feeds the next update
   }
   if (out_t != nullptr) {
-    fp8t::cuda::quantize_transpose(x, rows, cols, scale, format, out, out_t, recorded, stream);
+    fp8t::cuda::quantize_transpose(x, rows, cols, scale, format, out, out_t, recorded, stream,
+                                   input);
   } else {
-    fp8t::cuda::quantize(x, rows * cols, scale, format, out, recorded, stream);
+    fp8t::cuda::quantize(x, rows * cols, scale, format, out, recorded, stream, input);
   }
+}
+
+FusedCast CudaLinear::fused_input_cast(bool record_amax, cudaStream_t stream) {
+  FusedCast cast;
+  if (!setup_.fp8 || blockwise() || mx() || setup_.input_from != nullptr || setup_.input_relu2) {
+    return cast;
+  }
+  cast.format = setup_.fp8_config.format_for(TensorRole::Input, setup_.family);
+  float* amax = slot(TensorRole::Input, kAmaxSlot);
+  if (setup_.fp8_config.recipe == ScalingRecipe::Tensorwise) {
+    FP8T_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+    cast.amax = amax;
+    input_cast_ = InputCast::AmaxDone;
+  } else {
+    cast.scale = slot(TensorRole::Input, kScaleSlot);
+    cast.out = scratch_.input;
+    cast.amax = record_amax ? amax : nullptr;
+    input_cast_ = InputCast::CastDone;
+  }
+  return cast;
+}
+
+void CudaLinear::cast_input_t(const bf16* x, int64_t tokens, cudaStream_t stream) {
+  const int64_t in = setup_.in_features;
+  if (setup_.input_from != nullptr) {
+    FP8T_CHECK(*scratch_.input_t_holder == setup_.input_from,
+               "the backward of a linear sharing its input's cast must directly follow the "
+               "backward of the linear that casts it");
+    return;
+  }
+  FP8T_CHECK(x != nullptr, "an FP8 weight gradient needs the forward's input");
+  // Block recipes write both orientations; x̂ goes to the scratch, free in backward.
+  const bool blocks = blockwise() || mx();
+  quantize(x, tokens, in, TensorRole::Input, blocks ? scratch_.input : nullptr, scratch_.input_t,
+           ScaleSource::Reuse, /*record_amax=*/false, stream, scratch_.input_scales,
+           scratch_.input_t_scales);
+  *scratch_.input_t_holder = this;
 }
 
 gemm::Fp8Operand CudaLinear::operand(const uint8_t* data, int64_t ld, TensorRole role,
@@ -243,7 +285,8 @@ void CudaLinear::prepare_weight(const float* weight, bool record_amax, cudaStrea
     return;
   }
   quantize(weight, out, in, TensorRole::Weight, weight_fp8_->get(), weight_fp8_t_->get(),
-           record_amax, stream, weight_scales_ ? weight_scales_->get() : nullptr,
+           ScaleSource::Measure, record_amax, stream,
+           weight_scales_ ? weight_scales_->get() : nullptr,
            weight_t_scales_ ? weight_t_scales_->get() : nullptr);
   if (mx()) {
     dequantize_mx(weight_fp8_->get(), weight_scales_->get(), out, in, TensorRole::Weight,
@@ -273,10 +316,11 @@ void CudaLinear::forward(const bf16* x, int64_t tokens, bf16* y, bool record_ama
                     stream);
     return;
   }
-  if (setup_.input_from == nullptr) {
-    quantize(x, tokens, in, TensorRole::Input, scratch_.input,
-             saved_input_t_ ? saved_input_t_->get() : nullptr, record_amax, stream,
-             scratch_.input_scales, saved_input_t_scales_ ? saved_input_t_scales_->get() : nullptr);
+  const InputCast fused = std::exchange(input_cast_, InputCast::None);
+  if (setup_.input_from == nullptr && fused != InputCast::CastDone) {
+    quantize(x, tokens, in, TensorRole::Input, scratch_.input, nullptr,
+             fused == InputCast::AmaxDone ? ScaleSource::Measured : ScaleSource::Measure,
+             record_amax, stream, scratch_.input_scales);
   }
   if (mx()) {
     dequantize_mx(scratch_.input, scratch_.input_scales, tokens, in, TensorRole::Input,
@@ -325,9 +369,10 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
   const bool fp8_wgrad = dweight != nullptr && setup_.fp8_wgrad;
   if (dx != nullptr || fp8_wgrad) {
     quantize(dy, tokens, out, TensorRole::GradOutput, scratch_.grad_output,
-             fp8_wgrad ? scratch_.grad_output_t : nullptr, record_amax, stream,
-             scratch_.grad_output_scales, scratch_.grad_output_t_scales);
+             fp8_wgrad ? scratch_.grad_output_t : nullptr, ScaleSource::Measure, record_amax,
+             stream, scratch_.grad_output_scales, scratch_.grad_output_t_scales);
   }
+  if (fp8_wgrad) cast_input_t(x, tokens, stream);
   if (mx()) {
     mx_backward(tokens, grad_input, fp8_wgrad ? &grad_weight : nullptr, stream);
     if (dweight != nullptr && !fp8_wgrad) bf16_wgrad();
@@ -356,14 +401,11 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
     return;
   }
   // dW[out, in] += dŷᵗ[out, tokens] · (x̂ᵗ[in, tokens])ᵀ
-  const CudaLinear& owner = input_owner();
-  const float* saved_scales =
-      owner.saved_input_t_scales_ ? owner.saved_input_t_scales_->get() : nullptr;
   gemm_.fp8_gemm(
       out, in, tokens,
       operand(scratch_.grad_output_t, tokens, TensorRole::GradOutput,
               scratch_.grad_output_t_scales),
-      owner.operand(owner.saved_input_t_->get(), tokens, TensorRole::Input, saved_scales),
+      input_owner().operand(scratch_.input_t, tokens, TensorRole::Input, scratch_.input_t_scales),
       grad_weight, /*fast_accumulation=*/false, stream);
 }
 
@@ -379,19 +421,19 @@ void CudaLinear::mx_backward(int64_t tokens, const gemm::GemmOutput& grad_input,
   }
   if (grad_weight == nullptr) return;
   // dW[out, in] += dŷᵗ[out, tokens] · (x̂ᵗ[in, tokens])ᵀ
-  const CudaLinear& owner = input_owner();
   dequantize_mx(scratch_.grad_output_t, scratch_.grad_output_t_scales, out, tokens,
                 TensorRole::GradOutput, lhs, stream);
-  dequantize_mx(owner.saved_input_t_->get(), owner.saved_input_t_scales_->get(), in, tokens,
-                TensorRole::Input, scratch_.dequantized_rhs, stream);
+  dequantize_mx(scratch_.input_t, scratch_.input_t_scales, in, tokens, TensorRole::Input,
+                scratch_.dequantized_rhs, stream);
   gemm_.bf16_gemm(gemm::Bf16Form::XWt, out, in, tokens, lhs, tokens, scratch_.dequantized_rhs,
                   tokens, *grad_weight, stream);
 }
 
 template void CudaLinear::quantize<float>(const float*, int64_t, int64_t, TensorRole, uint8_t*,
-                                          uint8_t*, bool, cudaStream_t, float*, float*);
+                                          uint8_t*, ScaleSource, bool, cudaStream_t, float*,
+                                          float*);
 template void CudaLinear::quantize<bf16>(const bf16*, int64_t, int64_t, TensorRole, uint8_t*,
-                                         uint8_t*, bool, cudaStream_t, float*, float*);
+                                         uint8_t*, ScaleSource, bool, cudaStream_t, float*, float*);
 
 }  // namespace fp8t::ops::cuda
 

@@ -6,12 +6,15 @@
 //   forward  y  = x̂·Ŵᵀ        fast accumulation
 //   dgrad    dx = dŷ·(Ŵᵗ)ᵀ     split accumulation (fast accumulation off)
 //   wgrad    dW += dŷᵗ·(x̂ᵗ)ᵀ  split accumulation; a BF16 GEMM on x when fp8_wgrad is off
-// Quantization is one fused cast + transpose + amax pass per operand (numerics/quantize_cuda.h):
-// the forward saves x̂ᵗ for wgrad instead of needing x; the weight is cast once per optimizer
-// step. Scales and amaxes live on the device (LinearScaling), so a step needs no host sync:
-// tensorwise derives each scale from the tensor's own amax on the device; delayed reads the
-// scale its history gave and records the amax, which the model folds into the history at the
-// end of the step.
+// Quantization (numerics/quantize_cuda.h) is one cast + amax pass per activation, fused into
+// the kernel that produces it where the model offers one (fused_input_cast: its RMSNorms), one
+// fused cast + transpose + amax pass per gradient, and one per weight and optimizer step. The
+// wgrad's x̂ᵗ is cast again in backward from the forward's input, which the models keep in bf16
+// anyway (their norms and attention need it): FP8 saves no activation copy of its own. Scales
+// and amaxes live on the device (LinearScaling), so a step needs no host sync: tensorwise
+// derives each scale from the tensor's own amax on the device; delayed reads the scale its
+// history gave and records the amax, which the model folds into the history at the end of the
+// step. The backward cast reuses the forward's scale, so x̂ᵗ holds the forward's numbers.
 //
 // MXFP8 (1x32 blocks, E8M0 scales) is emulated: Hopper has no MX GEMM, so each operand is
 // quantized as the recipe says, dequantized to bf16 (exact: FP8 values times powers of two) and
@@ -29,6 +32,7 @@
 #include "gemm/cublaslt_gemm.h"
 #include "numerics/float_bits.h"
 #include "numerics/scaling.h"
+#include "ops/cuda/ops_cuda.h"
 
 namespace fp8t::ops::cuda {
 
@@ -43,15 +47,20 @@ inline constexpr int kAmaxSlot = 2;
 
 // Quantized operands that live only during one call, shared by the FP8 linears of a model
 // (they run one at a time on one stream); take_fp8_scratch sizes them.
+class CudaLinear;
 struct Fp8Scratch {
   uint8_t* input = nullptr;          // >= max_tokens * the largest in_features
+  uint8_t* input_t = nullptr;        // as input: x̂ᵗ, cast in backward for the wgrad
   uint8_t* grad_output = nullptr;    // >= max_tokens * the largest out_features
   uint8_t* grad_output_t = nullptr;  // as grad_output
+  // The linear whose x̂ᵗ input_t holds (the layers sharing its input read it after it).
+  std::shared_ptr<const CudaLinear*> input_t_holder;
   // Blockwise (and, for the scales, MXFP8) only: quantize_blocks()' grids, and the operands'
   // scales in the GEMMs' layouts.
   float* grid = nullptr;
   float* grid_t = nullptr;
   float* input_scales = nullptr;
+  float* input_t_scales = nullptr;
   float* grad_output_scales = nullptr;
   float* grad_output_t_scales = nullptr;
   bf16* grad_input = nullptr;  // blockwise dgrads that add: >= max_tokens * largest in_features
@@ -83,17 +92,19 @@ struct LinearSetup {
   float* scaling = nullptr;
   // FP8: a layer that quantizes the same input just before this one (q, k and v read the same
   // normed activations): its x̂, x̂ᵗ and input scale serve this layer too, instead of a second
-  // cast and a second saved copy. The same numbers as casting again: the input and its amax
-  // are the same, so per-tensor scales are too.
-  const class CudaLinear* input_from = nullptr;
+  // cast. The same numbers as casting again: the input and its amax are the same, so
+  // per-tensor scales are too. Its backward must run just before this one's.
+  const CudaLinear* input_from = nullptr;
+  // FP8 with a per-tensor recipe and fp8_wgrad: the layer's input is relu(x)² of the x it is
+  // given, cast straight from x (the GPT's mlp.c_proj), so the activation is never stored.
+  bool input_relu2 = false;
 };
 
 class CudaLinear {
  public:
-  // Allocates the weight copy (bf16, or FP8 Ŵ and Ŵᵗ, and for MXFP8 their bf16 dequantizations)
-  // and, for FP8 with fp8_wgrad, the saved x̂ᵗ [in, max_tokens]. Throws for shapes cuBLASLt's
-  // FP8 GEMMs cannot take (features and tokens must be multiples of 16; 32 for MXFP8's
-  // features) and for the fnuz family.
+  // Allocates the weight copy (bf16, or FP8 Ŵ and Ŵᵗ, and for MXFP8 their bf16
+  // dequantizations). Throws for shapes cuBLASLt's FP8 GEMMs cannot take (features and tokens
+  // must be multiples of 16; 32 for MXFP8's features) and for the fnuz family.
   CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm, const Fp8Scratch& scratch);
 
   // Once per optimizer step, before the first forward: the weight [out, in] fp32 cast to the
@@ -102,17 +113,24 @@ class CudaLinear {
   void prepare_weight(const float* weight, bool record_amax, cudaStream_t stream,
                       const float* bias = nullptr);
 
-  // y [tokens, out] = x [tokens, in]·Wᵀ (+ b), bf16, written. FP8 with fp8_wgrad saves x̂ᵗ.
-  // FP8 layers take multiples of 16 tokens; BF16 ones any count (the modulation linears of
-  // the Flux read one row per sample).
+  // The cast the kernel producing this layer's next input can do for it, in the same pass
+  // (per-tensor FP8 recipes): delayed, the whole cast (x̂ and the amax); tensorwise, the amax,
+  // the scale depending on it. The next forward() does the rest. Empty (no fused work) for
+  // layers that cast their input themselves: BF16, block recipes, shared or relu² inputs.
+  FusedCast fused_input_cast(bool record_amax, cudaStream_t stream);
+
+  // y [tokens, out] = x [tokens, in]·Wᵀ (+ b), bf16, written. FP8 layers take multiples of 16
+  // tokens; BF16 ones any count (the modulation linears of the Flux read one row per sample).
   void forward(const bf16* x, int64_t tokens, bf16* y, bool record_amax, cudaStream_t stream);
 
   // dx [tokens, in] (bf16; written, or added to when accumulate_dx; null: not needed) and
-  // dweight [out, in] (fp32, added to). x is the forward's input, read by BF16 wgrads only.
+  // dweight [out, in] (fp32, added to). x is the forward's input (as it was then), which the
+  // weight gradient reads: in bf16, or cast again to x̂ᵗ (except for layers that share it).
   void backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* dx, bool accumulate_dx,
                 float* dweight, bool record_amax, cudaStream_t stream);
 
   bool fp8() const { return setup_.fp8; }
+  bool input_relu2() const { return setup_.input_relu2; }
   int64_t in_features() const { return setup_.in_features; }
   int64_t out_features() const { return setup_.out_features; }
   // Device memory this layer owns.
@@ -122,12 +140,24 @@ class CudaLinear {
   float* slot(TensorRole role, int index) const {
     return setup_.scaling + static_cast<int>(role) * kScalingFloatsPerRole + index;
   }
-  // Quantizes x [rows, cols] for `role` into out and, when not null, out_t [cols, rows].
-  // Blockwise: their scales land in scales and scales_t, in the GEMMs' layouts.
+  // Where a per-tensor cast takes its scale from: Measure (tensorwise: the tensor's amax, then
+  // its scale; delayed: the history's, recording the amax when asked), Measured (tensorwise:
+  // the amax slot already holds the tensor's amax) or Reuse (the role's last scale: a second
+  // cast of the same tensor). Block scales always come from the data.
+  enum class ScaleSource : uint8_t { Measure, Measured, Reuse };
+  // What fused_input_cast() left for the next forward to do.
+  enum class InputCast : uint8_t { None, AmaxDone, CastDone };
+
+  // Quantizes x [rows, cols] for `role` into out (may be null for per-tensor recipes) and, when
+  // not null, out_t [cols, rows]. Block recipes: their scales land in scales and scales_t, in
+  // the GEMMs' layouts.
   template <typename T>
   void quantize(const T* x, int64_t rows, int64_t cols, TensorRole role, uint8_t* out,
-                uint8_t* out_t, bool record_amax, cudaStream_t stream, float* scales = nullptr,
-                float* scales_t = nullptr);
+                uint8_t* out_t, ScaleSource source, bool record_amax, cudaStream_t stream,
+                float* scales = nullptr, float* scales_t = nullptr);
+  // Backward: x̂ᵗ of the forward's input x into the scratch (or, for a layer sharing its
+  // input, the check that its owner has just put it there).
+  void cast_input_t(const bf16* x, int64_t tokens, cudaStream_t stream);
   // An operand of `role`: per-tensor scales from the role's slot, block scales from `scales`.
   gemm::Fp8Operand operand(const uint8_t* data, int64_t ld, TensorRole role,
                            const float* scales = nullptr) const;
@@ -148,15 +178,15 @@ class CudaLinear {
   LinearSetup setup_;
   gemm::CublasLtGemm& gemm_;
   Fp8Scratch scratch_;
-  std::unique_ptr<DeviceBuffer<bf16>> weight_bf16_;       // BF16: [out, in]; MXFP8: Ŵ in bf16
-  std::unique_ptr<DeviceBuffer<bf16>> weight_t_bf16_;     // MXFP8: Ŵᵗ [in, out] in bf16
-  std::unique_ptr<DeviceBuffer<bf16>> bias_bf16_;         // setup.bias: [out]
-  std::unique_ptr<DeviceBuffer<uint8_t>> weight_fp8_;     // FP8: Ŵ [out, in]
-  std::unique_ptr<DeviceBuffer<uint8_t>> weight_fp8_t_;   // FP8: Ŵᵗ [in, out]
-  std::unique_ptr<DeviceBuffer<uint8_t>> saved_input_t_;  // FP8 wgrad: x̂ᵗ [in, max_tokens]
-  // Blockwise: the scales of Ŵ, Ŵᵗ and the saved x̂ᵗ, in the GEMMs' layouts (MXFP8: E8M0
-  // bytes, row-major over the blocks).
-  std::unique_ptr<DeviceBuffer<float>> weight_scales_, weight_t_scales_, saved_input_t_scales_;
+  std::unique_ptr<DeviceBuffer<bf16>> weight_bf16_;      // BF16: [out, in]; MXFP8: Ŵ in bf16
+  std::unique_ptr<DeviceBuffer<bf16>> weight_t_bf16_;    // MXFP8: Ŵᵗ [in, out] in bf16
+  std::unique_ptr<DeviceBuffer<bf16>> bias_bf16_;        // setup.bias: [out]
+  std::unique_ptr<DeviceBuffer<uint8_t>> weight_fp8_;    // FP8: Ŵ [out, in]
+  std::unique_ptr<DeviceBuffer<uint8_t>> weight_fp8_t_;  // FP8: Ŵᵗ [in, out]
+  // Blockwise: the scales of Ŵ and Ŵᵗ, in the GEMMs' layouts (MXFP8: E8M0 bytes, row-major over
+  // the blocks).
+  std::unique_ptr<DeviceBuffer<float>> weight_scales_, weight_t_scales_;
+  InputCast input_cast_ = InputCast::None;
 };
 
 }  // namespace fp8t::ops::cuda

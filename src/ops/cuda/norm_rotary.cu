@@ -30,12 +30,47 @@ constexpr int kBlocksPerSm = 8;  // 2048 resident threads per SM
 
 // --- RMSNorm: a warp per row; the vector path needs dim % 8 == 0 and 16-byte aligned rows. ---
 
-template <bool kVector>
+// The FP8 side of a fused cast, per thread: the amax of the values seen, and their codes.
+struct CastState {
+  FusedCast cast;
+  float scale = 1.0f;
+  uint32_t amax_bits = 0;
+
+  // Folds the bf16-rounded values into the amax and, with an output, returns their codes.
+  template <int kWidth>
+  __device__ void encode(const float (&rounded)[kWidth], uint8_t (&codes)[kWidth]) {
+#pragma unroll
+    for (int k = 0; k < kWidth; ++k) {
+      amax_bits = max(amax_bits, abs_bits(rounded[k]));
+      codes[k] = fp8t::encode(__fmul_rn(rounded[k], scale), cast.format, Saturation::Saturate);
+    }
+  }
+  // One atomic per block; call from every thread of the block.
+  __device__ void publish() {
+    __shared__ uint32_t warp_max[kWarps];
+    const uint32_t warp = __reduce_max_sync(device::kFullMask, amax_bits);
+    if (threadIdx.x % kWarpSize == 0) warp_max[threadIdx.x / kWarpSize] = warp;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t block = 0;
+      for (int w = 0; w < kWarps; ++w)
+        block = max(block, warp_max[w]);
+      atomicMax(reinterpret_cast<unsigned int*>(cast.amax), block);
+    }
+  }
+};
+
+// kCast: the FusedCast of out, from the values as stored (rounded to bf16).
+template <bool kVector, bool kCast>
 __global__ void __launch_bounds__(kThreads)
     rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* inp, int64_t rows, int64_t dim,
-                           float eps) {
+                           float eps, FusedCast cast) {
   const int lane = threadIdx.x % kWarpSize;
   const int64_t row_stride = int64_t(gridDim.x) * kWarps;
+  CastState fp8{cast};
+  if constexpr (kCast) {
+    if (cast.out != nullptr) fp8.scale = *cast.scale;
+  }
   // Not __restrict__: out may be inp. Each lane reads an element before writing it.
   for (int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize; row < rows;
        row += row_stride) {
@@ -66,12 +101,32 @@ __global__ void __launch_bounds__(kThreads)
         for (int k = 0; k < kBf16Vector; ++k)
           v[k] *= row_rstd;
         store_bf16x8(y + i, v);
+        if constexpr (kCast) {
+#pragma unroll
+          for (int k = 0; k < kBf16Vector; ++k)
+            v[k] = to_f32(to_bf16(v[k]));  // the values as stored
+          uint8_t codes[kBf16Vector];
+          fp8.encode(v, codes);
+          if (cast.out != nullptr)
+            *reinterpret_cast<uint2*>(cast.out + row * dim + i) = *reinterpret_cast<uint2*>(codes);
+        }
       }
     } else {
-      for (int64_t i = lane; i < dim; i += kWarpSize)
-        y[i] = to_bf16(to_f32(x[i]) * row_rstd);
+      for (int64_t i = lane; i < dim; i += kWarpSize) {
+        const bf16 stored = to_bf16(to_f32(x[i]) * row_rstd);
+        y[i] = stored;
+        if constexpr (kCast) {
+          const float rounded[1] = {to_f32(stored)};
+          uint8_t codes[1];
+          fp8.encode(rounded, codes);
+          if (cast.out != nullptr) cast.out[row * dim + i] = codes[0];
+        }
+      }
     }
     if (lane == 0) rstd[row] = row_rstd;
+  }
+  if constexpr (kCast) {
+    if (cast.amax != nullptr) fp8.publish();
   }
 }
 
@@ -427,15 +482,26 @@ void launch_rotary_backward(bf16* dinp, const bf16* dout, const bf16* out, const
 }  // namespace
 
 void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, int64_t rows, int64_t dim, float eps,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, const FusedCast& cast) {
   check_rmsnorm_args(rows, dim, out, rstd, inp);
   FP8T_CHECK(eps >= 0.0f, "expected eps >= 0, found {}", eps);
+  FP8T_CHECK(cast.out == nullptr || cast.scale != nullptr, "an FP8 output needs its scale");
+  FP8T_CHECK(cast.format != Fp8Format::E8M0, "expected an FP8 data format, found e8m0");
   if (rows == 0) return;
   const unsigned grid = warp_per_row_grid(rows);
-  if (dim % kBf16Vector == 0 && device::aligned16(out) && device::aligned16(inp)) {
-    rmsnorm_forward_kernel<true><<<grid, kThreads, 0, stream>>>(out, rstd, inp, rows, dim, eps);
+  const bool fused = cast.out != nullptr || cast.amax != nullptr;
+  // The vector path stores 8 codes at once.
+  const bool vector = dim % kBf16Vector == 0 && device::aligned16(out) && device::aligned16(inp) &&
+                      reinterpret_cast<uintptr_t>(cast.out) % kBf16Vector == 0;
+  const auto launch = [&](auto kernel) {
+    kernel<<<grid, kThreads, 0, stream>>>(out, rstd, inp, rows, dim, eps, cast);
+  };
+  if (vector) {
+    fused ? launch(rmsnorm_forward_kernel<true, true>)
+          : launch(rmsnorm_forward_kernel<true, false>);
   } else {
-    rmsnorm_forward_kernel<false><<<grid, kThreads, 0, stream>>>(out, rstd, inp, rows, dim, eps);
+    fused ? launch(rmsnorm_forward_kernel<false, true>)
+          : launch(rmsnorm_forward_kernel<false, false>);
   }
   FP8T_CUDA_CHECK_LAUNCH();
 }

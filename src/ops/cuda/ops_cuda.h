@@ -21,6 +21,7 @@
 #include <cuda_runtime_api.h>
 
 #include "numerics/float_bits.h"
+#include "numerics/formats.h"
 
 namespace fp8t::ops::cuda {
 
@@ -30,10 +31,22 @@ enum class GradStore : uint8_t { Write, Add };
 
 // --- RMSNorm without weight (ops/rmsnorm.h), row by row over [rows, dim] (norm_rotary.cu) ---
 
+// An FP8 cast fused into the kernel that produces a bf16 tensor, reading the bf16 values it
+// stores: out = encode_saturating(value * *scale) when out is set (the bytes of
+// numerics/quantize_cuda.h's quantize), and *amax = max(*amax, max |value|) when amax is set
+// (amax bit patterns, as there). The default does neither.
+struct FusedCast {
+  const float* scale = nullptr;
+  Fp8Format format = Fp8Format::E4M3;
+  uint8_t* out = nullptr;  // [rows, dim] like the bf16 output
+  float* amax = nullptr;
+};
+
 // out = inp * rstd, rstd = 1 / sqrt(mean(inp^2) + eps) (writes out and rstd [rows]). eps as the
-// CPU op's: ops::kRmsNormEps, the float machine epsilon. out may be inp (in place).
+// CPU op's: ops::kRmsNormEps, the float machine epsilon. out may be inp (in place). `cast`: the
+// FP8 copy and/or the amax of out, in the same pass (the input of an FP8 linear).
 void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, int64_t rows, int64_t dim, float eps,
-                     cudaStream_t stream);
+                     cudaStream_t stream, const FusedCast& cast = {});
 
 // dinp (store) = rstd * (dout - out * mean(dout * out)), from the forward's output and rstd.
 void rmsnorm_backward(bf16* dinp, const bf16* dout, const bf16* out, const float* rstd,
