@@ -113,7 +113,9 @@ TEST_F(OpsCuda, RmsNormMatchesCpu) {
     expect_bitwise_equal(rstd.download(), gpu_rstd, "rmsnorm_forward in place rstd, " + shape);
 
     // The fused FP8 cast: the same bf16 output and rstd, the bytes and amax of quantize() on
-    // that output (E4M3 and E5M2: the formats an FP8 linear's input takes).
+    // that output (E4M3 and E5M2: the formats an FP8 linear's input takes). The in-place run
+    // above overwrote device_x.
+    const Device<bf16> fresh_x(x, c.offset);
     for (Fp8Format format : {Fp8Format::E4M3, Fp8Format::E5M2}) {
       const std::string where =
           fmt::format("rmsnorm_forward {} cast, {}", format_name(format), shape);
@@ -129,7 +131,7 @@ TEST_F(OpsCuda, RmsNormMatchesCpu) {
       fused_rstd.poison_nan();
       codes.poison_nan();
       ops::cuda::FusedCast cast{device_scale.get(), format, codes.get(), device_amax.get()};
-      ops::cuda::rmsnorm_forward(fused_out.get(), fused_rstd.get(), device_x.get(), c.rows, c.dim,
+      ops::cuda::rmsnorm_forward(fused_out.get(), fused_rstd.get(), fresh_x.get(), c.rows, c.dim,
                                  kEps, stream_, cast);
       expect_bitwise_equal(fused_out.download(), gpu_out, where + " out");
       expect_bitwise_equal(fused_rstd.download(), gpu_rstd, where + " rstd");
@@ -141,7 +143,7 @@ TEST_F(OpsCuda, RmsNormMatchesCpu) {
                            where + " amax");
       // The amax alone (tensorwise measures it before the scale exists).
       Device<float> amax_only(std::vector<float>{0.0f});
-      ops::cuda::rmsnorm_forward(fused_out.get(), fused_rstd.get(), device_x.get(), c.rows, c.dim,
+      ops::cuda::rmsnorm_forward(fused_out.get(), fused_rstd.get(), fresh_x.get(), c.rows, c.dim,
                                  kEps, stream_, {nullptr, format, nullptr, amax_only.get()});
       expect_bitwise_equal(amax_only.download(), std::vector<float>{expected_amax},
                            where + " amax only");

@@ -315,8 +315,10 @@ void CudaFluxModel::lay_out() {
   if (fp8_count > 0) {
     DeviceArena& scratch = b.linear_scratch;
     b.scaling = scratch.take<float>(size_t(fp8_count) * kernels::kLinearScalingFloats);
-    b.fp8_scratch =
-        kernels::take_fp8_scratch(scratch, precision_.fp8.recipe, max_rows, max_in, max_out);
+    // The backward scratch fits the MLPs whole; the single blocks' linear1 and linear2 take
+    // their tokens in chunks.
+    b.fp8_scratch = kernels::take_fp8_scratch(scratch, precision_.fp8.recipe, max_rows, max_in,
+                                              max_out, config_.mlp_hidden());
   }
 }
 

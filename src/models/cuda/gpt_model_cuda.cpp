@@ -303,9 +303,10 @@ void CudaGptModel::lay_out() {
   if (fp8_count > 0) {
     DeviceArena& scratch = b.linear_scratch;
     b.scaling = scratch.take<float>(b.scaling_host.size());
-    b.fp8_scratch =
-        kernels::take_fp8_scratch(scratch, precision_.fp8.recipe, tokens_,
-                                  static_cast<int64_t>(max_in), static_cast<int64_t>(max_out));
+    // The backward scratch fits the MLP's layers whole; lm_head takes its tokens in chunks.
+    b.fp8_scratch = kernels::take_fp8_scratch(scratch, precision_.fp8.recipe, tokens_,
+                                              static_cast<int64_t>(max_in),
+                                              static_cast<int64_t>(max_out), 4 * config_.n_embd);
   }
 }
 

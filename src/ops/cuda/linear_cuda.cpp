@@ -40,14 +40,19 @@ int64_t mx_scale_floats(int64_t rows, int64_t k) {
 }  // namespace
 
 Fp8Scratch take_fp8_scratch(DeviceArena& arena, ScalingRecipe recipe, int64_t max_tokens,
-                            int64_t max_in, int64_t max_out) {
+                            int64_t max_in, int64_t max_out, int64_t backward_width) {
   const auto count = [](int64_t a, int64_t b) { return static_cast<size_t>(a * b); };
   Fp8Scratch scratch;
   scratch.input = arena.take<uint8_t>(count(max_tokens, max_in));
-  scratch.input_t = arena.take<uint8_t>(count(max_tokens, max_in));
-  scratch.input_t_holder = std::make_shared<const CudaLinear*>(nullptr);
-  scratch.grad_output = arena.take<uint8_t>(count(max_tokens, max_out));
-  scratch.grad_output_t = arena.take<uint8_t>(count(max_tokens, max_out));
+  // All tokens of layers up to backward_width wide; at least a block of rows of the widest.
+  const int64_t widest = std::max(max_in, max_out);
+  scratch.backward_elements = std::max(max_tokens * std::clamp(backward_width, int64_t{1}, widest),
+                                       std::min(max_tokens, kBlock) * widest);
+  const auto backward_count = static_cast<size_t>(scratch.backward_elements);
+  scratch.input_t = arena.take<uint8_t>(backward_count);
+  scratch.input_t_holder = std::make_shared<InputTHolder>();
+  scratch.grad_output = arena.take<uint8_t>(backward_count);
+  scratch.grad_output_t = arena.take<uint8_t>(backward_count);
   if (recipe != ScalingRecipe::Blockwise && recipe != ScalingRecipe::Mxfp8) return scratch;
   // Each block-scale buffer holds blockwise fp32 scales or MXFP8 E8M0 bytes of either operand
   // orientation.
@@ -108,6 +113,10 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
   FP8T_CHECK(!mx() || (in % kMxBlock == 0 && out % kMxBlock == 0),
              "an MXFP8 linear needs features that are multiples of {}, found [{} -> {}]", kMxBlock,
              in, out);
+  FP8T_CHECK(scratch.backward_elements / std::max(in, out) >= std::min(setup.max_tokens, kBlock),
+             "the FP8 backward scratch holds {} elements, less than a block of {} rows of a "
+             "[{} -> {}] linear",
+             scratch.backward_elements, kBlock, in, out);
   FP8T_CHECK(!setup.input_relu2 ||
                  (!blockwise() && !mx() && setup.fp8_wgrad && setup.input_from == nullptr),
              "a linear casts relu² of its input itself only with a per-tensor recipe, an FP8 "
@@ -228,21 +237,22 @@ FusedCast CudaLinear::fused_input_cast(bool record_amax, cudaStream_t stream) {
   return cast;
 }
 
-void CudaLinear::cast_input_t(const bf16* x, int64_t tokens, cudaStream_t stream) {
-  const int64_t in = setup_.in_features;
+void CudaLinear::cast_input_t(const bf16* x, int64_t first_row, int64_t rows, cudaStream_t stream) {
+  InputTHolder& holder = *scratch_.input_t_holder;
   if (setup_.input_from != nullptr) {
-    FP8T_CHECK(*scratch_.input_t_holder == setup_.input_from,
-               "the backward of a linear sharing its input's cast must directly follow the "
-               "backward of the linear that casts it");
+    FP8T_CHECK(
+        holder.layer == setup_.input_from && holder.first_row == first_row && holder.rows == rows,
+        "the backward of a linear sharing its input's cast must directly follow the "
+        "backward of the linear that casts it, over the same rows");
     return;
   }
   FP8T_CHECK(x != nullptr, "an FP8 weight gradient needs the forward's input");
   // Block recipes write both orientations; x̂ goes to the scratch, free in backward.
   const bool blocks = blockwise() || mx();
-  quantize(x, tokens, in, TensorRole::Input, blocks ? scratch_.input : nullptr, scratch_.input_t,
-           ScaleSource::Reuse, /*record_amax=*/false, stream, scratch_.input_scales,
-           scratch_.input_t_scales);
-  *scratch_.input_t_holder = this;
+  quantize(x, rows, setup_.in_features, TensorRole::Input, blocks ? scratch_.input : nullptr,
+           scratch_.input_t, ScaleSource::Reuse, /*record_amax=*/false, stream,
+           scratch_.input_scales, scratch_.input_t_scales);
+  holder = {this, first_row, rows};
 }
 
 gemm::Fp8Operand CudaLinear::operand(const uint8_t* data, int64_t ld, TensorRole role,
@@ -344,6 +354,63 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
   const int64_t in = setup_.in_features, out = setup_.out_features;
   FP8T_CHECK(tokens > 0 && tokens <= setup_.max_tokens, "expected 1 to {} tokens, found {}",
              setup_.max_tokens, tokens);
+  const bool fp8_wgrad = setup_.fp8 && dweight != nullptr && setup_.fp8_wgrad;
+  if (dweight != nullptr && !fp8_wgrad) {
+    FP8T_CHECK(x != nullptr, "a BF16 weight gradient needs the forward's input");
+    gemm::GemmOutput grad_weight;
+    grad_weight.data = dweight;
+    grad_weight.ld = in;
+    grad_weight.type = gemm::GemmType::F32;
+    grad_weight.accumulate = true;
+    gemm_.bf16_gemm(gemm::Bf16Form::DytX, tokens, out, in, dy, out, x, in, grad_weight, stream);
+  }
+  if (!setup_.fp8) {
+    if (dx != nullptr) {
+      gemm::GemmOutput grad_input;
+      grad_input.data = dx;
+      grad_input.ld = in;
+      grad_input.type = gemm::GemmType::BF16;
+      grad_input.accumulate = accumulate_dx;
+      gemm_.bf16_gemm(gemm::Bf16Form::DyW, tokens, out, in, dy, out, weight_bf16_->get(), in,
+                      grad_input, stream);
+    }
+    return;
+  }
+  if (dx == nullptr && !fp8_wgrad) return;
+  const int64_t chunk = backward_chunk(tokens);
+  ScaleSource grad_scale = ScaleSource::Measure;
+  if (chunk < tokens && setup_.fp8_config.recipe == ScalingRecipe::Tensorwise) {
+    // Every chunk takes the whole dy's scale, as one cast would.
+    const PhaseScope timed(StepPhase::Quantization, stream);
+    const Fp8Format format = setup_.fp8_config.format_for(TensorRole::GradOutput, setup_.family);
+    float* amax = slot(TensorRole::GradOutput, kAmaxSlot);
+    FP8T_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+    fp8t::cuda::amax(dy, tokens * out, amax, stream);
+    fp8t::cuda::scale_from_amax(amax, format_max(format), setup_.fp8_config.use_power_of_2_scales(),
+                                setup_.fp8_config.amax_epsilon,
+                                slot(TensorRole::GradOutput, kScaleSlot),
+                                slot(TensorRole::GradOutput, kScaleInvSlot), stream);
+    grad_scale = ScaleSource::Reuse;
+  }
+  for (int64_t first = 0; first < tokens; first += chunk) {
+    const int64_t rows = std::min(chunk, tokens - first);
+    backward_rows(dy + first * out, x != nullptr ? x + first * in : nullptr, first, rows,
+                  dx != nullptr ? dx + first * in : nullptr, accumulate_dx,
+                  fp8_wgrad ? dweight : nullptr, record_amax, grad_scale, stream);
+  }
+}
+
+int64_t CudaLinear::backward_chunk(int64_t tokens) const {
+  const int64_t width = std::max(setup_.in_features, setup_.out_features);
+  const int64_t fits = scratch_.backward_elements / width;
+  if (fits >= tokens) return tokens;
+  return fits / kBlock * kBlock;  // whole blocks of rows for the block recipes' dŷᵗ and x̂ᵗ
+}
+
+void CudaLinear::backward_rows(const bf16* dy, const bf16* x, int64_t first_row, int64_t rows,
+                               bf16* dx, bool accumulate_dx, float* dweight, bool record_amax,
+                               ScaleSource grad_scale, cudaStream_t stream) {
+  const int64_t in = setup_.in_features, out = setup_.out_features;
   gemm::GemmOutput grad_input;
   grad_input.data = dx;
   grad_input.ld = in;
@@ -354,31 +421,16 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
   grad_weight.ld = in;
   grad_weight.type = gemm::GemmType::F32;
   grad_weight.accumulate = true;
-  const auto bf16_wgrad = [&] {
-    FP8T_CHECK(x != nullptr, "a BF16 weight gradient needs the forward's input");
-    gemm_.bf16_gemm(gemm::Bf16Form::DytX, tokens, out, in, dy, out, x, in, grad_weight, stream);
-  };
-  if (!setup_.fp8) {
-    if (dx != nullptr) {
-      gemm_.bf16_gemm(gemm::Bf16Form::DyW, tokens, out, in, dy, out, weight_bf16_->get(), in,
-                      grad_input, stream);
-    }
-    if (dweight != nullptr) bf16_wgrad();
-    return;
-  }
-  const bool fp8_wgrad = dweight != nullptr && setup_.fp8_wgrad;
-  if (dx != nullptr || fp8_wgrad) {
-    quantize(dy, tokens, out, TensorRole::GradOutput, scratch_.grad_output,
-             fp8_wgrad ? scratch_.grad_output_t : nullptr, ScaleSource::Measure, record_amax,
-             stream, scratch_.grad_output_scales, scratch_.grad_output_t_scales);
-  }
-  if (fp8_wgrad) cast_input_t(x, tokens, stream);
+  const bool wgrad = dweight != nullptr;
+  quantize(dy, rows, out, TensorRole::GradOutput, scratch_.grad_output,
+           wgrad ? scratch_.grad_output_t : nullptr, grad_scale, record_amax, stream,
+           scratch_.grad_output_scales, scratch_.grad_output_t_scales);
+  if (wgrad) cast_input_t(x, first_row, rows, stream);
   if (mx()) {
-    mx_backward(tokens, grad_input, fp8_wgrad ? &grad_weight : nullptr, stream);
-    if (dweight != nullptr && !fp8_wgrad) bf16_wgrad();
+    mx_backward(rows, grad_input, wgrad ? &grad_weight : nullptr, stream);
     return;
   }
-  if (dx != nullptr) {  // dx[tokens, in] = dŷ[tokens, out] · (Ŵᵗ[in, out])ᵀ
+  if (dx != nullptr) {  // dx[rows, in] = dŷ[rows, out] · (Ŵᵗ[in, out])ᵀ
     // beta = 1 on a block-scaled GEMM is untried on sm_90: a sum of dgrads goes through the
     // scratch and one add instead.
     const bool through_scratch = blockwise() && accumulate_dx;
@@ -388,24 +440,19 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
       target.accumulate = false;
     }
     gemm_.fp8_gemm(
-        tokens, in, out,
+        rows, in, out,
         operand(scratch_.grad_output, out, TensorRole::GradOutput, scratch_.grad_output_scales),
         operand(weight_fp8_t_->get(), out, TensorRole::Weight,
                 weight_t_scales_ ? weight_t_scales_->get() : nullptr),
         target, /*fast_accumulation=*/false, stream);
-    if (through_scratch) add_forward(dx, dx, scratch_.grad_input, tokens * in, stream);
+    if (through_scratch) add_forward(dx, dx, scratch_.grad_input, rows * in, stream);
   }
-  if (dweight == nullptr) return;
-  if (!fp8_wgrad) {
-    bf16_wgrad();
-    return;
-  }
-  // dW[out, in] += dŷᵗ[out, tokens] · (x̂ᵗ[in, tokens])ᵀ
+  if (!wgrad) return;
+  // dW[out, in] += dŷᵗ[out, rows] · (x̂ᵗ[in, rows])ᵀ
   gemm_.fp8_gemm(
-      out, in, tokens,
-      operand(scratch_.grad_output_t, tokens, TensorRole::GradOutput,
-              scratch_.grad_output_t_scales),
-      input_owner().operand(scratch_.input_t, tokens, TensorRole::Input, scratch_.input_t_scales),
+      out, in, rows,
+      operand(scratch_.grad_output_t, rows, TensorRole::GradOutput, scratch_.grad_output_t_scales),
+      input_owner().operand(scratch_.input_t, rows, TensorRole::Input, scratch_.input_t_scales),
       grad_weight, /*fast_accumulation=*/false, stream);
 }
 

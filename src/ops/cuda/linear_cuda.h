@@ -48,13 +48,22 @@ inline constexpr int kAmaxSlot = 2;
 // Quantized operands that live only during one call, shared by the FP8 linears of a model
 // (they run one at a time on one stream); take_fp8_scratch sizes them.
 class CudaLinear;
+// The rows of x̂ᵗ the input_t scratch holds, and whose they are.
+struct InputTHolder {
+  const CudaLinear* layer = nullptr;
+  int64_t first_row = 0;
+  int64_t rows = 0;
+};
 struct Fp8Scratch {
-  uint8_t* input = nullptr;          // >= max_tokens * the largest in_features
-  uint8_t* input_t = nullptr;        // as input: x̂ᵗ, cast in backward for the wgrad
-  uint8_t* grad_output = nullptr;    // >= max_tokens * the largest out_features
-  uint8_t* grad_output_t = nullptr;  // as grad_output
-  // The linear whose x̂ᵗ input_t holds (the layers sharing its input read it after it).
-  std::shared_ptr<const CudaLinear*> input_t_holder;
+  uint8_t* input = nullptr;  // >= max_tokens * the largest in_features
+  // The backward's operands, backward_elements each: a layer whose tokens times its widest
+  // side exceed that runs its backward in chunks of rows (the GPT's lm_head, Flux's linear1).
+  int64_t backward_elements = 0;
+  uint8_t* input_t = nullptr;        // x̂ᵗ, cast in backward for the wgrad
+  uint8_t* grad_output = nullptr;    // dŷ
+  uint8_t* grad_output_t = nullptr;  // dŷᵗ
+  // Whose x̂ᵗ input_t holds: the layers sharing an input read it right after their owner.
+  std::shared_ptr<InputTHolder> input_t_holder;
   // Blockwise (and, for the scales, MXFP8) only: quantize_blocks()' grids, and the operands'
   // scales in the GEMMs' layouts.
   float* grid = nullptr;
@@ -72,9 +81,11 @@ struct Fp8Scratch {
 };
 
 // Takes from `arena` (a planning arena only counts) the scratch of a model's FP8 linears under
-// `recipe`, for at most max_tokens rows and the largest in_features and out_features among them.
+// `recipe`, for at most max_tokens rows and the largest in_features and out_features among them,
+// with backward operands of max_tokens * backward_width elements (at most the widest layer's,
+// at least 128 rows of it): layers wider than backward_width run their backward in chunks.
 Fp8Scratch take_fp8_scratch(DeviceArena& arena, ScalingRecipe recipe, int64_t max_tokens,
-                            int64_t max_in, int64_t max_out);
+                            int64_t max_in, int64_t max_out, int64_t backward_width);
 
 struct LinearSetup {
   int64_t in_features = 0;
@@ -126,6 +137,8 @@ class CudaLinear {
   // dx [tokens, in] (bf16; written, or added to when accumulate_dx; null: not needed) and
   // dweight [out, in] (fp32, added to). x is the forward's input (as it was then), which the
   // weight gradient reads: in bf16, or cast again to x̂ᵗ (except for layers that share it).
+  // FP8 layers wider than the scratch take the tokens in chunks of rows: the same numbers (the
+  // per-tensor scale is the whole dy's), the weight gradient summed chunk by chunk.
   void backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* dx, bool accumulate_dx,
                 float* dweight, bool record_amax, cudaStream_t stream);
 
@@ -155,9 +168,16 @@ class CudaLinear {
   void quantize(const T* x, int64_t rows, int64_t cols, TensorRole role, uint8_t* out,
                 uint8_t* out_t, ScaleSource source, bool record_amax, cudaStream_t stream,
                 float* scales = nullptr, float* scales_t = nullptr);
-  // Backward: x̂ᵗ of the forward's input x into the scratch (or, for a layer sharing its
-  // input, the check that its owner has just put it there).
-  void cast_input_t(const bf16* x, int64_t tokens, cudaStream_t stream);
+  // Backward: x̂ᵗ of the forward's input rows [first_row, first_row + rows) (x points at the
+  // first) into the scratch, or, for a layer sharing its input, the check that its owner has
+  // just put those rows there.
+  void cast_input_t(const bf16* x, int64_t first_row, int64_t rows, cudaStream_t stream);
+  // Rows per chunk of an FP8 backward over `tokens` rows: all of them, or what the scratch holds.
+  int64_t backward_chunk(int64_t tokens) const;
+  // The FP8 backward of rows [first_row, first_row + rows): dy, x and dx point at that row.
+  void backward_rows(const bf16* dy, const bf16* x, int64_t first_row, int64_t rows, bf16* dx,
+                     bool accumulate_dx, float* dweight, bool record_amax, ScaleSource grad_scale,
+                     cudaStream_t stream);
   // An operand of `role`: per-tensor scales from the role's slot, block scales from `scales`.
   gemm::Fp8Operand operand(const uint8_t* data, int64_t ld, TensorRole role,
                            const float* scales = nullptr) const;

@@ -1,0 +1,106 @@
+// The GPU linear's backward in chunks of rows (a scratch narrower than the layer) against the
+// same layer with a scratch that holds it whole: dx bit for bit (each row's dgrad is the same
+// GEMM row under the same scales), dW up to the order of its fp32 sums, for every recipe and for
+// the relu² input. The models' GPU tests compare the whole-layer path with the CPU.
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+#include <fmt/format.h>
+
+#include "core/cuda_check.h"
+#include "core/device_arena.h"
+#include "gemm/cublaslt_gemm.h"
+#include "numerics/scaling.h"
+#include "ops/cuda/linear_cuda.h"
+// The GPU tests target has no tests/ include directory.
+#include "ops/gpu_compare.h"
+
+namespace fp8t {
+namespace {
+
+using namespace test;
+namespace kernels = ops::cuda;
+
+constexpr int64_t kIn = 256, kOut = 512, kTokens = 1024;
+// 64 · 1024 elements hold 128 rows of the 512-wide layer: 8 chunks.
+constexpr int64_t kNarrowWidth = 64;
+// Weight gradients summed in another order: fp32 rounding only.
+constexpr Tolerance kReorderedSums{1e-5, 1e-4, 1e-6};
+
+// One FP8 linear with its own scratch and scaling floats (scales 1, amaxes 0).
+struct LinearUnderTest {
+  DeviceArena arena{"FP8 scratch"};
+  float* scaling = nullptr;
+  kernels::Fp8Scratch scratch;
+  std::unique_ptr<kernels::CudaLinear> layer;
+
+  LinearUnderTest(ScalingRecipe recipe, bool relu2, int64_t backward_width,
+                  gemm::CublasLtGemm& gemm) {
+    for (bool planning : {true, false}) {
+      scaling = arena.take<float>(kernels::kLinearScalingFloats);
+      scratch = kernels::take_fp8_scratch(arena, recipe, kTokens, kIn, kOut, backward_width);
+      if (planning) arena.allocate_planned();
+    }
+    std::vector<float> initial(kernels::kLinearScalingFloats, 0.0f);
+    for (size_t i = 0; i < initial.size(); ++i) {
+      const auto slot = static_cast<int>(i % kernels::kScalingFloatsPerRole);
+      if (slot == kernels::kScaleSlot || slot == kernels::kScaleInvSlot) initial[i] = 1.0f;
+    }
+    FP8T_CUDA_CHECK(cudaMemcpy(scaling, initial.data(), initial.size() * sizeof(float),
+                               cudaMemcpyHostToDevice));
+    kernels::LinearSetup setup;
+    setup.in_features = kIn;
+    setup.out_features = kOut;
+    setup.max_tokens = kTokens;
+    setup.fp8 = true;
+    setup.fp8_config.recipe = recipe;
+    setup.scaling = scaling;
+    setup.input_relu2 = relu2;
+    layer = std::make_unique<kernels::CudaLinear>(setup, gemm, scratch);
+  }
+};
+
+class LinearCuda : public StreamTest {};
+
+TEST_F(LinearCuda, BackwardInChunksMatchesTheWholeBackward) {
+  SCOPED_TRACE(rng_.trace());
+  gemm::CublasLtGemm gemm;
+  const Device<float> weight(random_floats(rng_, size_t(kIn * kOut), -0.1, 0.1));
+  const Device<bf16> x(random_bf16(rng_, size_t(kTokens * kIn)));
+  const Device<bf16> dy(random_bf16(rng_, size_t(kTokens * kOut)));
+  struct Case {
+    ScalingRecipe recipe;
+    bool relu2;
+  };
+  const Case cases[] = {{ScalingRecipe::Tensorwise, false}, {ScalingRecipe::Delayed, false},
+                        {ScalingRecipe::Blockwise, false},  {ScalingRecipe::Mxfp8, false},
+                        {ScalingRecipe::Tensorwise, true},  {ScalingRecipe::Delayed, true}};
+  for (const Case& c : cases) {
+    const std::string name = std::string(recipe_name(c.recipe)) + (c.relu2 ? " relu²" : "");
+    std::vector<bf16> dx[2];
+    std::vector<float> dweight[2];
+    for (int narrow : {0, 1}) {
+      LinearUnderTest linear(c.recipe, c.relu2, narrow ? kNarrowWidth : kOut, gemm);
+      linear.layer->prepare_weight(weight.get(), /*record_amax=*/true, stream_);
+      Device<bf16> y(size_t(kTokens * kOut));
+      linear.layer->forward(x.get(), kTokens, y.get(), /*record_amax=*/true, stream_);
+      Device<bf16> device_dx(size_t(kTokens * kIn));
+      device_dx.poison_nan();
+      Device<float> device_dweight(std::vector<float>(size_t(kIn * kOut), 0.0f));
+      linear.layer->backward(dy.get(), x.get(), kTokens, device_dx.get(), false,
+                             device_dweight.get(), /*record_amax=*/true, stream_);
+      FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      dx[narrow] = device_dx.download();
+      dweight[narrow] = device_dweight.download();
+    }
+    expect_bitwise_equal(dx[1], dx[0], name + " dx");
+    expect_close(widen(dweight[1]), widen(dweight[0]), kReorderedSums, name + " dW");
+  }
+}
+
+}  // namespace
+}  // namespace fp8t
