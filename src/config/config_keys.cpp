@@ -398,7 +398,8 @@ constexpr std::string_view kModelDetails =
   ([flux.md](flux.md)). Flux trains on the GPU (`device: auto` finds one) or the CPU, on the
   built-in shapes data, which makes image tokens of 16 features: `flux_tiny`'s and
   `flux_small`'s (the same inputs, hidden 256 and 2 + 2 blocks, so that its block linears can
-  run in FP8); the larger presets take 64 (a VAE's 16 channels) and wait for a latent dataset. The keys marked `flux` in the tables apply, and Flux has defaults
+  run in FP8); the larger presets take 64 (a VAE's 16 channels) and train on precomputed
+  shards (`flux_shards`). The keys marked `flux` in the tables apply, and Flux has defaults
   of its own: Primus' Flux 535M settings (AdamW, lr 1e-4 with cosine decay to 1e-5, weight
   decay 0.01, β (0.9, 0.999), clipping at 1.0), with 100 warmup steps (Primus warms up 1000 of
   much longer runs).
@@ -524,6 +525,16 @@ std::vector<ConfigKey> build_keys() {
       "image_size", S::Data, [](auto& c) -> auto& { return c.data.image_size; }, {16, 4096},
       "Pixels per side of the built-in shapes pictures, a multiple of 16: (image_size / 2)² "
       "image tokens.")));
+  keys.push_back(flux_only(string_key(
+      "flux_shards", S::Data, [](auto& c) -> auto& { return c.data.flux_shards; },
+      "Precomputed Flux shards to train on ([data.md](data.md#training-on-flux-shards)): a "
+      "folder (its `*.safetensors` files) or a glob pattern such as "
+      "`shards/train_*.safetensors`, relative to the working directory, read in path order; "
+      "empty: the built-in shapes pictures.")));
+  keys.push_back(flux_only(string_key(
+      "flux_val_shards", S::Data, [](auto& c) -> auto& { return c.data.flux_val_shards; },
+      "Held-out shards for validation, named as flux_shards; empty: validation reads the "
+      "training shards' first samples, so its loss is not a held-out one.")));
   // training
   keys.push_back(integer_key(
       "micro_batch_size", S::Training, [](auto& c) -> auto& { return c.training.micro_batch_size; },
@@ -798,7 +809,8 @@ std::string_view section_summary(ConfigSection section) {
     case ConfigSection::Model:
       return "Which model: the nanochat GPT (and its shape) or a Flux preset.";
     case ConfigSection::Data:
-      return "What to train on: token shards for the GPT, the built-in shapes pictures for Flux.";
+      return "What to train on: token shards for the GPT; for Flux the built-in shapes pictures "
+             "or precomputed shards.";
     case ConfigSection::Training:
       return "Batch sizes, length of training, seed.";
     case ConfigSection::Optimizer:

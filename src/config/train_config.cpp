@@ -376,6 +376,51 @@ void check_model_keys(const TrainConfig& config, const std::function<bool(std::s
   }
 }
 
+// Training on the built-in shapes data: its image tokens and picture size.
+void check_flux_shapes_data(const TrainConfig& config,
+                            const std::function<std::string(std::string_view)>& origin,
+                            std::string_view source) {
+  const int64_t token_features = int64_t{data::kFluxShapesLatentChannels} * 4;
+  if (config.flux_config().in_channels != token_features) {
+    throw ConfigError(fmt::format(
+        "{}: {} takes image tokens of {} features, but the built-in shapes data makes {} ({} "
+        "channels in 2×2 patches); flux_tiny trains on it",
+        origin("model"), config.model.name, config.flux_config().in_channels, token_features,
+        data::kFluxShapesLatentChannels));
+  }
+  if (!config.data.flux_val_shards.empty()) {
+    throw ConfigError(
+        fmt::format("{}: validation shards go with training shards; flux_shards is "
+                    "empty (the built-in shapes data has its own validation)",
+                    origin("flux_val_shards")));
+  }
+  // The data's own checks name their fields; the source says where.
+  try {
+    data::FluxShapesOptions{.image_size = config.data.image_size}.validate();
+  } catch (const ConfigError& error) {
+    throw ConfigError(fmt::format("{}: {}", source, error.what()));
+  }
+}
+
+// Training on shards: what only the built-in data can do is refused (the shards' own checks
+// need the files, and come when training starts).
+void check_flux_shards_data(const TrainConfig& config,
+                            const std::function<std::string(std::string_view)>& origin) {
+  if (!config.run.sample_prompts.empty()) {
+    throw ConfigError(fmt::format(
+        "{}: the sample grids need the built-in shapes data (prompts are encoded with its "
+        "words), but flux_shards is set; expected \"\", found \"{}\"",
+        origin("sample_prompts"), config.run.sample_prompts));
+  }
+  const int default_image_size = DataSection{}.image_size;
+  if (config.data.image_size != default_image_size) {
+    throw ConfigError(fmt::format(
+        "{}: sizes the built-in shapes pictures; with flux_shards the shards' latents set the "
+        "size (expected the default {}, found {})",
+        origin("image_size"), default_image_size, config.data.image_size));
+  }
+}
+
 // What Flux needs of the settings it shares with the GPT, and of its own.
 void check_flux(const TrainConfig& config,
                 const std::function<std::string(std::string_view)>& origin,
@@ -385,18 +430,14 @@ void check_flux(const TrainConfig& config,
         fmt::format("{}: Flux trains with adamw (Muon is set up for the GPT's parameters)",
                     origin("optimizer")));
   }
-  const int64_t token_features = int64_t{data::kFluxShapesLatentChannels} * 4;
-  if (config.flux_config().in_channels != token_features) {
-    throw ConfigError(fmt::format(
-        "{}: {} takes image tokens of {} features, but the built-in shapes data makes {} ({} "
-        "channels in 2×2 patches); flux_tiny trains on it",
-        origin("model"), config.model.name, config.flux_config().in_channels, token_features,
-        data::kFluxShapesLatentChannels));
+  if (config.data.flux_shards.empty()) {
+    check_flux_shapes_data(config, origin, source);
+  } else {
+    check_flux_shards_data(config, origin);
   }
-  // The objective's and the data's own checks name their fields; the source says where.
+  // The objective's own checks name their fields; the source says where.
   try {
     config.flux.validate();
-    data::FluxShapesOptions{.image_size = config.data.image_size}.validate();
   } catch (const ConfigError& error) {
     throw ConfigError(fmt::format("{}: {}", source, error.what()));
   }

@@ -64,6 +64,9 @@ struct DataSection {
   std::string data_path;       // empty: the built-in corpus
   std::string tokenizer_path;  // empty: the data source's default tokenizer
   int image_size = 32;         // Flux: pixels per side of the built-in shapes data
+  // Flux: precomputed shards (a folder or a glob pattern); empty: the built-in shapes data.
+  std::string flux_shards;
+  std::string flux_val_shards;  // empty: validation reads training samples
 };
 
 struct TrainingSection {

@@ -1,5 +1,7 @@
 #include "data/flux_shards.h"
 
+#include <glob.h>
+
 #include <algorithm>
 #include <charconv>
 #include <cmath>
@@ -359,6 +361,65 @@ std::string shard_mismatch(const FluxShard& shard, const FluxShard& first) {
 }
 
 }  // namespace
+
+FluxShardSet::FluxShardSet(std::span<const std::filesystem::path> paths, const FluxConfig& model,
+                           const FluxShardSet* reference) {
+  if (paths.empty()) throw Error("expected at least one Flux shard, found none");
+  shards_.reserve(paths.size());
+  first_sample_.push_back(0);
+  for (const std::filesystem::path& path : paths) {
+    FluxShard shard(path);
+    std::string error = model_mismatch(shard, model);
+    const FluxShard* like = reference != nullptr ? &reference->first()
+                            : shards_.empty()    ? nullptr
+                                                 : &shards_.front();
+    if (error.empty() && like != nullptr) error = shard_mismatch(shard, *like);
+    if (!error.empty()) throw Error(error);
+    first_sample_.push_back(first_sample_.back() + shard.samples());
+    shards_.push_back(std::move(shard));
+  }
+}
+
+void FluxShardSet::read_sample(int64_t index, FluxShardSample& out) const {
+  if (index < 0 || index >= samples()) {
+    throw Error(fmt::format("sample {} out of range [0, {}) of {} shards", index, samples(),
+                            shards_.size()));
+  }
+  // The last shard whose first sample is at or before index.
+  const auto after = std::upper_bound(first_sample_.begin(), first_sample_.end(), index);
+  const auto shard = static_cast<size_t>(after - first_sample_.begin() - 1);
+  shards_[shard].read_sample(index - first_sample_[shard], out);
+}
+
+std::vector<std::filesystem::path> find_flux_shard_files(const std::string& folder_or_pattern) {
+  std::vector<std::filesystem::path> paths;
+  std::error_code error;
+  if (std::filesystem::is_directory(folder_or_pattern, error)) {
+    for (const auto& entry : std::filesystem::directory_iterator(folder_or_pattern)) {
+      if (entry.is_regular_file() && entry.path().extension() == ".safetensors") {
+        paths.push_back(entry.path());
+      }
+    }
+    if (paths.empty()) {
+      throw Error(fmt::format("'{}': a folder without .safetensors files", folder_or_pattern));
+    }
+  } else {
+    glob_t matches{};
+    const int status = ::glob(folder_or_pattern.c_str(), 0, nullptr, &matches);
+    for (size_t i = 0; status == 0 && i < matches.gl_pathc; ++i)
+      paths.emplace_back(matches.gl_pathv[i]);
+    ::globfree(&matches);
+    if (paths.empty()) {
+      throw Error(fmt::format(
+          "'{}': expected a folder of .safetensors shards, a shard file or a glob pattern "
+          "(shards/train_*.safetensors), found no such file",
+          folder_or_pattern));
+    }
+  }
+  // glob(3) sorts by the locale's collation; the training order needs one that never varies.
+  std::sort(paths.begin(), paths.end());
+  return paths;
+}
 
 std::vector<FluxShardCheck> check_flux_shards(std::span<const std::filesystem::path> paths,
                                               const FluxConfig* model) {

@@ -89,6 +89,36 @@ class FluxShard {
   std::optional<double> latent_shift_;
 };
 
+// Several shards read as one list of samples: the shards in the given order, each shard's
+// samples in file order. Only the headers are read on construction; read_sample reads one
+// sample from its file, so a set of any size costs one sample of memory.
+class FluxShardSet {
+ public:
+  // Opens each shard and checks it as check_flux_shards does, except for the value scan:
+  // against `model`, and against the first shard of `reference` when given, else this set's
+  // first. Throws fp8t::Error with the first defect, naming its file (and tensor or key), or
+  // for an empty list.
+  FluxShardSet(std::span<const std::filesystem::path> paths, const FluxConfig& model,
+               const FluxShardSet* reference = nullptr);
+
+  const std::vector<FluxShard>& shards() const { return shards_; }
+  // The per-sample shapes, mode and normalization every shard shares.
+  const FluxShard& first() const { return shards_.front(); }
+  int64_t samples() const { return first_sample_.back(); }
+
+  // Sample `index` in [0, samples()) of the list; throws fp8t::Error otherwise.
+  void read_sample(int64_t index, FluxShardSample& out) const;
+
+ private:
+  std::vector<FluxShard> shards_;
+  std::vector<int64_t> first_sample_;  // [shards + 1]: the list index of each shard's sample 0
+};
+
+// The shard files `folder_or_pattern` names: a folder's *.safetensors files, or the files a
+// glob(3) pattern (*, ?, [...]) matches, a plain file name matching itself; sorted by path.
+// Throws fp8t::Error naming the folder or pattern when it names no file.
+std::vector<std::filesystem::path> find_flux_shard_files(const std::string& folder_or_pattern);
+
 // The outcome of checking one file.
 struct FluxShardCheck {
   std::filesystem::path path;

@@ -2,11 +2,14 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <memory>
 #include <optional>
+#include <string_view>
 #include <utility>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/error.h"
 #include "models/flux_model.h"
@@ -31,7 +34,79 @@ std::vector<NamedTensor> model_tensors(FluxParameterSet& parameters) {
   return tensors;
 }
 
+// The shards a data key names, checked against the model and, for validation, the training set.
+data::FluxShardSet open_shards(std::string_view key, const std::string& folder_or_pattern,
+                               const FluxConfig& model, const data::FluxShardSet* training) {
+  try {
+    return data::FluxShardSet(data::find_flux_shard_files(folder_or_pattern), model, training);
+  } catch (const Error& error) {
+    throw ConfigError(fmt::format("{}: {}", key, error.what()));
+  }
+}
+
+// latent_scale and latent_shift for shards: the metadata's where the shards carry the value (all
+// carry the same, FluxShardSet checks), the config's otherwise.
+void take_shard_normalization(const TrainConfig& config, const data::FluxShard& shard,
+                              FluxObjectiveOptions& objective, std::vector<std::string>& taken) {
+  const FluxObjectiveOptions defaults = TrainConfig::defaults_for(config.model.name).flux;
+  const auto take = [&](std::string_view key, std::optional<double> stored, double default_value,
+                        double& value) {
+    if (!stored) return;
+    if (value != default_value && value != *stored) {
+      throw ConfigError(fmt::format(
+          "{}: {} contradicts the shards' metadata {} = {} ({}); leave the key at its default "
+          "({}) to use the metadata's",
+          key, value, key, *stored, shard.path().string(), default_value));
+    }
+    value = *stored;
+    taken.emplace_back(key);
+  };
+  take("latent_scale", shard.latent_scale(), defaults.latent_scale, objective.latent_scale);
+  take("latent_shift", shard.latent_shift(), defaults.latent_shift, objective.latent_shift);
+}
+
 }  // namespace
+
+FluxTrainingData open_flux_data(const TrainConfig& config) {
+  const FluxConfig model = config.flux_config();
+  FluxTrainingData result;
+  result.objective = config.flux;
+  if (config.data.flux_shards.empty()) {
+    result.shapes = std::make_unique<const data::FluxShapesDataset>(flux_dataset_options(config));
+    result.source = std::make_unique<const FluxShapesSource>(*result.shapes);
+    result.description = fmt::format("built-in shapes, {}x{} pictures", config.data.image_size,
+                                     config.data.image_size);
+    return result;
+  }
+
+  data::FluxShardSet training = open_shards("flux_shards", config.data.flux_shards, model, nullptr);
+  std::optional<data::FluxShardSet> validation;
+  if (!config.data.flux_val_shards.empty()) {
+    validation = open_shards("flux_val_shards", config.data.flux_val_shards, model, &training);
+  }
+  std::vector<std::string> from_metadata;
+  take_shard_normalization(config, training.first(), result.objective, from_metadata);
+
+  const data::FluxShardLayout& layout = training.first().layout();
+  const int64_t validation_samples =
+      std::min(config.run.eval_iters * config.training.micro_batch_size, training.samples());
+  result.description = fmt::format(
+      "{} shard(s) ({}), {} samples, latents [{}, {}, {}] ({}) and {} text tokens; x0 = "
+      "{}·(latent − {}) ({}); validation: {}",
+      training.shards().size(), config.data.flux_shards, training.samples(), layout.latent.channels,
+      layout.latent.height, layout.latent.width, data::flux_latent_mode_name(layout.mode),
+      layout.text_tokens, result.objective.latent_scale, result.objective.latent_shift,
+      from_metadata.empty()
+          ? std::string("from the config")
+          : fmt::format("{} from the shards' metadata", fmt::join(from_metadata, " and ")),
+      validation ? fmt::format("{} shard(s) ({}), {} samples", validation->shards().size(),
+                               config.data.flux_val_shards, validation->samples())
+                 : fmt::format("the training shards' first {} samples (not held out)",
+                               validation_samples));
+  result.source = std::make_unique<const FluxShardSource>(
+      std::move(training), std::move(validation), static_cast<uint64_t>(config.training.seed));
+  return result;
+}
 
 data::FluxShapesOptions flux_dataset_options(const TrainConfig& config) {
   const FluxConfig model = config.flux_config();
@@ -60,21 +135,22 @@ TrainOutcome run_flux_training(const TrainConfig& config) {
   const fs::path run_folder = open_run_folder(config);
   const FluxConfig model_config = config.flux_config();
   const auto seed = static_cast<uint64_t>(config.training.seed);
-  const data::FluxShapesDataset dataset(flux_dataset_options(config));
+  const FluxTrainingData data = open_flux_data(config);
   const int64_t batch = config.training.micro_batch_size;
   const int64_t accumulation = config.grad_accum_steps(1);
   const int64_t samples_per_step = config.global_batch_size(1);
   const int64_t total_steps = config.training.train_iters;
-  const FluxBatchBuilder batches(dataset, model_config, config.flux, batch, seed);
+  const FluxBatchBuilder batches(*data.source, model_config, data.objective, batch, seed);
   const int64_t img_tokens = batches.latent_shape().tokens();
-  const int64_t txt_tokens = dataset.options().text_tokens;
+  const int64_t txt_tokens = batches.dims().text_tokens;
 
-  // The grid's prompts are checked before any time is spent training.
+  // The grid's prompts are checked before any time is spent training. They are encoded with the
+  // built-in data's words; the configuration refuses prompts with shards.
   std::optional<FluxSampleGrid> grid;
   if (std::vector<std::string> prompts = split_prompts(config.run.sample_prompts);
-      !prompts.empty()) {
+      !prompts.empty() && data.shapes) {
     try {
-      grid.emplace(dataset, model_config, flux_grid_options(config, std::move(prompts)));
+      grid.emplace(*data.shapes, model_config, flux_grid_options(config, std::move(prompts)));
     } catch (const Error& error) {
       throw ConfigError(fmt::format("sample_prompts: {}", error.what()));
     }
@@ -106,9 +182,9 @@ TrainOutcome run_flux_training(const TrainConfig& config) {
       batch, img_tokens, txt_tokens, accumulation, samples_per_step, total_steps);
   fmt::print("memory plan: {}\n", engine->memory_plan());
   fmt::print(
-      "data: built-in shapes, {}x{} pictures as {} image tokens of {} features; σ {} (shift {}), "
-      "guidance dropout {}\ndevice: {}\n",
-      config.data.image_size, config.data.image_size, img_tokens, model_config.in_channels,
+      "data: {}; {} image tokens of {} features per picture; σ {} (shift {}), guidance dropout "
+      "{}\ndevice: {}\n",
+      data.description, img_tokens, model_config.in_channels,
       sigma_sampler_name(config.flux.sigma.sampler), config.flux.sigma.shift,
       config.flux.cfg_dropout, engine->device_name());
 

@@ -2,18 +2,16 @@
 
 #include <gtest/gtest.h>
 
-#include <cmath>
+#include <fstream>
 #include <limits>
-#include <map>
-#include <random>
 #include <string>
 #include <vector>
 
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "dataset/flux_shard_spec.h"
 #include "io/safetensors.h"
-#include "numerics/float_bits.h"
 #include "test_files.h"
 
 namespace fp8t::data {
@@ -21,88 +19,12 @@ namespace {
 
 namespace fs = std::filesystem;
 using test::Contains;
-
-// A small shard, in memory: values are bf16-representable so that both dtypes read back exactly.
-struct ShardSpec {
-  int64_t samples = 3;
-  int64_t channels = 16;
-  int64_t height = 4;
-  int64_t width = 6;
-  int64_t text_tokens = 5;
-  int64_t context_dim = 4096;
-  int64_t pooled_dim = 768;
-  bool mean_logvar = false;
-  int64_t t5_samples = 0;  // 0: samples; else t5 alone has this many (a defect)
-  bool with_mask = true;
-  io::DType dtype = io::DType::BF16;  // of every float tensor
-  std::map<std::string, std::string> metadata = {
-      {"format", "fp8train-flux-shard"}, {"version", "1"},           {"vae", "FLUX.1 ae"},
-      {"latent_scale", "0.3611"},        {"latent_shift", "0.1159"}, {"image_size", "48"}};
-  std::map<std::string, std::vector<float>> values;  // filled by fill()
-  std::vector<uint8_t> mask;
-
-  int64_t latent_numel() const { return channels * height * width; }
-
-  void fill(uint64_t seed) {
-    std::mt19937_64 generator(seed);
-    // Multiples of 1/64 in [-4, 4): exact in bf16.
-    const auto random_values = [&](int64_t count) {
-      std::vector<float> out(static_cast<size_t>(count));
-      for (float& v : out)
-        v = static_cast<float>(static_cast<int>(generator() % 512) - 256) / 64;
-      return out;
-    };
-    values.clear();
-    for (const char* name : mean_logvar ? std::vector<const char*>{"latent_mean", "latent_logvar"}
-                                        : std::vector<const char*>{"latent"}) {
-      values[name] = random_values(io::shape_numel(shape_of(name)));
-    }
-    values["t5"] = random_values(io::shape_numel(shape_of("t5")));
-    values["clip"] = random_values(io::shape_numel(shape_of("clip")));
-    mask.assign(static_cast<size_t>(samples * text_tokens), 0);
-    for (size_t i = 0; i < mask.size(); ++i)
-      mask[i] = i % 5 < 3 ? 1 : 0;
-  }
-
-  std::vector<int64_t> shape_of(const std::string& name) const {
-    if (name == "t5") return {t5_samples > 0 ? t5_samples : samples, text_tokens, context_dim};
-    if (name == "clip") return {samples, pooled_dim};
-    return {samples, channels, height, width};
-  }
-
-  void write(const fs::path& path) const {
-    std::vector<std::vector<bf16>> bf16_copies;
-    bf16_copies.reserve(values.size());
-    std::vector<io::TensorToWrite> tensors;
-    for (const auto& [name, data] : values) {
-      if (dtype == io::DType::F32) {
-        tensors.push_back(io::TensorToWrite::of<float>(name, shape_of(name), data));
-        continue;
-      }
-      std::vector<bf16>& copy = bf16_copies.emplace_back(data.size());
-      for (size_t i = 0; i < data.size(); ++i)
-        copy[i] = float_to_bf16(data[i]);
-      tensors.push_back(io::TensorToWrite::of<bf16>(name, shape_of(name), copy));
-    }
-    if (with_mask) {
-      tensors.push_back(io::TensorToWrite::of<uint8_t>("t5_mask", {samples, text_tokens}, mask));
-    }
-    io::write_safetensors(path, tensors, metadata);
-  }
-
-  // Sample `index` of tensor `name`, [per-sample numel].
-  std::vector<float> row(const std::string& name, int64_t index) const {
-    const std::vector<float>& all = values.at(name);
-    const size_t size = all.size() / static_cast<size_t>(samples);
-    const auto begin = all.begin() + static_cast<std::ptrdiff_t>(size * static_cast<size_t>(index));
-    return {begin, begin + static_cast<std::ptrdiff_t>(size)};
-  }
-};
+using test::FluxShardSpec;
 
 class FluxShardsTest : public ::testing::Test {
  protected:
   // Writes `spec` (filled with fresh values) as `name` and returns its path.
-  fs::path write(ShardSpec spec, const std::string& name = "shard.safetensors") {
+  fs::path write(FluxShardSpec spec, const std::string& name = "shard.safetensors") {
     spec.fill(seed_++);
     const fs::path path = folder_ / name;
     spec.write(path);
@@ -128,7 +50,7 @@ TEST_F(FluxShardsTest, SamplesReadBackExactlyInEveryModeAndDtype) {
     for (const io::DType dtype : {io::DType::BF16, io::DType::F32}) {
       SCOPED_TRACE(::testing::Message()
                    << "mean_logvar " << mean_logvar << ", " << io::dtype_name(dtype));
-      ShardSpec spec;
+      FluxShardSpec spec;
       spec.mean_logvar = mean_logvar;
       spec.dtype = dtype;
       spec.fill(seed_++);
@@ -173,8 +95,8 @@ TEST_F(FluxShardsTest, SamplesReadBackExactlyInEveryModeAndDtype) {
 }
 
 TEST_F(FluxShardsTest, CheckAcceptsGoodShardsAndComparesAgainstTheModel) {
-  ShardSpec latent;
-  ShardSpec posterior;
+  FluxShardSpec latent;
+  FluxShardSpec posterior;
   posterior.mean_logvar = true;
   posterior.with_mask = false;
   posterior.dtype = io::DType::F32;
@@ -199,11 +121,11 @@ TEST_F(FluxShardsTest, CheckAcceptsGoodShardsAndComparesAgainstTheModel) {
 }
 
 TEST_F(FluxShardsTest, CheckNamesTheFileAndTensorOfEachDefect) {
-  ShardSpec good;
+  FluxShardSpec good;
 
   // A good shard without one tensor.
   const auto without = [&](const std::string& tensor) {
-    ShardSpec spec = good;
+    FluxShardSpec spec = good;
     spec.fill(seed_);
     spec.values.erase(tensor);
     const fs::path path = folder_ / fmt::format("no_{}.safetensors", tensor);
@@ -215,24 +137,24 @@ TEST_F(FluxShardsTest, CheckNamesTheFileAndTensorOfEachDefect) {
   EXPECT_TRUE(
       Contains(check_error(without("latent")), "no_latent.safetensors: tensor 'latent': missing"));
 
-  ShardSpec short_t5 = good;
+  FluxShardSpec short_t5 = good;
   short_t5.t5_samples = 2;
   EXPECT_TRUE(Contains(check_error(write(short_t5, "n_mismatch.safetensors")),
                        "n_mismatch.safetensors: tensor 't5': expected 3 samples (the first "
                        "dimension of latent), found 2"));
 
-  ShardSpec odd = good;
+  FluxShardSpec odd = good;
   odd.height = 5;
   EXPECT_TRUE(Contains(check_error(write(odd, "odd.safetensors")),
                        "odd.safetensors: tensor 'latent': height and width must be even"));
 
-  ShardSpec channels = good;
+  FluxShardSpec channels = good;
   channels.channels = 4;
   EXPECT_TRUE(Contains(check_error(write(channels, "channels.safetensors")),
                        "channels.safetensors: tensor 'latent': 4 latent channels pack into 16 "
                        "features, the model's in_channels is 64 (expected 16 channels)"));
 
-  ShardSpec nan = good;
+  FluxShardSpec nan = good;
   nan.mean_logvar = true;
   nan.fill(seed_);
   nan.values["latent_logvar"][static_cast<size_t>(nan.latent_numel() + 7)] =
@@ -241,7 +163,7 @@ TEST_F(FluxShardsTest, CheckNamesTheFileAndTensorOfEachDefect) {
   EXPECT_TRUE(Contains(check_error(folder_ / "nan.safetensors"),
                        "nan.safetensors: tensor 'latent_logvar': sample 1, element 7: nan"));
 
-  ShardSpec format = good;
+  FluxShardSpec format = good;
   format.metadata["format"] = "kohya-latents";
   EXPECT_TRUE(Contains(check_error(write(format, "format.safetensors")),
                        "format.safetensors: metadata 'format': expected 'fp8train-flux-shard', "
@@ -252,8 +174,8 @@ TEST_F(FluxShardsTest, CheckNamesTheFileAndTensorOfEachDefect) {
 }
 
 TEST_F(FluxShardsTest, CheckComparesShardsWithTheFirst) {
-  ShardSpec first;
-  ShardSpec longer_text = first;
+  FluxShardSpec first;
+  FluxShardSpec longer_text = first;
   longer_text.text_tokens = 7;
   const std::vector<fs::path> paths = {write(first, "a.safetensors"),
                                        write(longer_text, "b.safetensors")};
@@ -262,6 +184,66 @@ TEST_F(FluxShardsTest, CheckComparesShardsWithTheFirst) {
   EXPECT_TRUE(Contains(checks.at(1).error,
                        "b.safetensors: tensor 't5': per-sample shape [7, "
                        "4096]"));
+}
+
+TEST_F(FluxShardsTest, ShardSetReadsItsShardsAsOneListInOrder) {
+  const FluxShardSpec three = FluxShardSpec::flux_tiny(3);
+  FluxShardSpec two = FluxShardSpec::flux_tiny(2);
+  two.fill(seed_++);
+  two.write(folder_ / "b.safetensors");
+  const std::vector<fs::path> paths = {write(three, "a.safetensors"), folder_ / "b.safetensors"};
+  const FluxShardSet set(paths, FluxConfig::preset("flux_tiny"));
+  EXPECT_EQ(set.shards().size(), 2u);
+  EXPECT_EQ(set.samples(), 5);
+  FluxShardSample sample;
+  set.read_sample(3, sample);  // b's first
+  EXPECT_EQ(sample.clip, two.row("clip", 0));
+  set.read_sample(4, sample);
+  EXPECT_EQ(sample.latent, two.row("latent", 1));
+  EXPECT_TRUE(Contains(test::error_message([&] { set.read_sample(5, sample); }),
+                       "sample 5 out of range [0, 5) of 2 shards"));
+}
+
+TEST_F(FluxShardsTest, ShardSetRefusesShardsThatDoNotFitTheModelOrEachOther) {
+  const FluxConfig tiny = FluxConfig::preset("flux_tiny");
+  const fs::path good = write(FluxShardSpec::flux_tiny(2), "a.safetensors");
+  const auto error = [&](std::vector<fs::path> paths, const FluxShardSet* reference = nullptr) {
+    return test::error_message([&] { static_cast<void>(FluxShardSet(paths, tiny, reference)); });
+  };
+  EXPECT_TRUE(Contains(error({write(FluxShardSpec{}, "wide.safetensors")}),
+                       "wide.safetensors: tensor 'latent': 16 latent channels pack into 64 "
+                       "features, the model's in_channels is 16 (expected 4 channels)"));
+  FluxShardSpec longer_text = FluxShardSpec::flux_tiny(2);
+  longer_text.text_tokens = 7;
+  const fs::path longer = write(longer_text, "longer.safetensors");
+  EXPECT_TRUE(Contains(error({good, longer}),
+                       "longer.safetensors: tensor 't5': per-sample shape [7, 32], " +
+                           good.string() + " has [5, 32]"));
+  // Against a reference set: validation shards must match the training shards.
+  const FluxShardSet training(std::vector<fs::path>{good}, tiny);
+  EXPECT_TRUE(Contains(error({longer}, &training), "longer.safetensors: tensor 't5'"));
+  EXPECT_EQ(error({good}, &training), test::kNoError);
+  EXPECT_TRUE(Contains(error({}), "expected at least one Flux shard, found none"));
+}
+
+TEST_F(FluxShardsTest, ShardFilesComeFromAFolderOrAPatternInPathOrder) {
+  const FluxShardSpec spec = FluxShardSpec::flux_tiny(1);
+  const fs::path b = write(spec, "train_b.safetensors");
+  const fs::path a = write(spec, "train_a.safetensors");
+  const fs::path val = write(spec, "val_a.safetensors");
+  std::ofstream(folder_ / "notes.txt") << "not a shard";
+  EXPECT_EQ(find_flux_shard_files(folder_.path().string()), (std::vector<fs::path>{a, b, val}));
+  EXPECT_EQ(find_flux_shard_files((folder_ / "train_*.safetensors").string()),
+            (std::vector<fs::path>{a, b}));
+  EXPECT_EQ(find_flux_shard_files(val.string()), std::vector<fs::path>{val});
+
+  const std::string pattern = (folder_ / "test_*.safetensors").string();
+  EXPECT_TRUE(Contains(test::error_message([&] { find_flux_shard_files(pattern); }),
+                       "'" + pattern + "': expected a folder of .safetensors shards"));
+  fs::create_directories(folder_ / "empty");
+  EXPECT_TRUE(
+      Contains(test::error_message([&] { find_flux_shard_files((folder_ / "empty").string()); }),
+               "empty': a folder without .safetensors files"));
 }
 
 }  // namespace

@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -14,6 +15,7 @@
 
 #include "core/arena.h"
 #include "core/error.h"
+#include "dataset/flux_shard_spec.h"
 #include "io/safetensors.h"
 #include "test_files.h"
 #include "train/checkpoint.h"
@@ -23,6 +25,7 @@ namespace fp8t::train {
 namespace {
 
 namespace fs = std::filesystem;
+using test::FluxShardSpec;
 
 FluxObjectiveOptions shapes_objective() {
   FluxObjectiveOptions objective;
@@ -41,7 +44,8 @@ class FluxBatchesTest : public ::testing::Test {
  protected:
   const FluxConfig model_ = FluxConfig::preset("flux_tiny");
   const data::FluxShapesDataset dataset_{{.image_size = 16, .seed = 5}};
-  const FluxBatchBuilder builder_{dataset_, model_, shapes_objective(), 4, 5};
+  const FluxShapesSource source_{dataset_};
+  const FluxBatchBuilder builder_{source_, model_, shapes_objective(), 4, 5};
 };
 
 TEST_F(FluxBatchesTest, TrainingBatchesAreAFunctionOfSeedAndStep) {
@@ -55,7 +59,8 @@ TEST_F(FluxBatchesTest, TrainingBatchesAreAFunctionOfSeedAndStep) {
   EXPECT_NE(first.target, other.target);  // the other micro-batch holds other pictures
 
   const data::FluxShapesDataset reseeded({.image_size = 16, .seed = 6});
-  const FluxBatchBuilder other_seed(reseeded, model_, shapes_objective(), 4, 6);
+  const FluxShapesSource reseeded_source(reseeded);
+  const FluxBatchBuilder other_seed(reseeded_source, model_, shapes_objective(), 4, 6);
   other_seed.training_batch(3, 1, 2, other);
   EXPECT_NE(first.target, other.target);
   EXPECT_NE(first.timesteps, other.timesteps);
@@ -107,9 +112,16 @@ TEST_F(FluxBatchesTest, ValidationBatchesAreFixedAndHeldOut) {
 
 class FluxTrainerTest : public ::testing::Test {
  protected:
+  // A small flux_tiny run on the built-in data.
   std::vector<std::string> args(const std::string& run, std::vector<std::string> extra = {}) {
+    std::vector<std::string> all = {"--image-size=16", "--latent-scale=1", "--latent-shift=0"};
+    all.insert(all.end(), extra.begin(), extra.end());
+    return run_args(run, all);
+  }
+
+  // A small flux_tiny run on the data `data` names.
+  std::vector<std::string> run_args(const std::string& run, std::vector<std::string> data) {
     std::vector<std::string> all = {"--model=flux_tiny",
-                                    "--image-size=16",
                                     "--micro-batch-size=2",
                                     "--global-batch-size=4",
                                     "--train-iters=4",
@@ -117,12 +129,10 @@ class FluxTrainerTest : public ::testing::Test {
                                     "--eval-every=0",
                                     "--lr=1e-3",
                                     "--lr-warmup-iters=1",
-                                    "--latent-scale=1",
-                                    "--latent-shift=0",
                                     "--sample-prompts=",
                                     "--output-dir=" + (root_ / "runs").string(),
                                     "--run=" + run};
-    all.insert(all.end(), extra.begin(), extra.end());
+    all.insert(all.end(), data.begin(), data.end());
     return all;
   }
 
@@ -223,6 +233,164 @@ TEST_F(FluxTrainerTest, UnknownPromptWordIsAConfigError) {
         run_training(load_train_config(args("words", {"--sample-prompts=a purple circle"})));
       }),
       "sample_prompts: caption 'a purple circle': unknown word 'purple'"));
+}
+
+// Training on precomputed shards of flux_tiny's widths: train_a (5 samples) and train_b (6), the
+// training list of 11, and val_a (4) for validation.
+class FluxShardTrainingTest : public FluxTrainerTest {
+ protected:
+  void SetUp() override {
+    fs::create_directories(root_ / "shards");
+    write(FluxShardSpec::flux_tiny(5), "shards/train_a.safetensors");
+    write(FluxShardSpec::flux_tiny(6), "shards/train_b.safetensors");
+    write(FluxShardSpec::flux_tiny(4), "shards/val_a.safetensors");
+  }
+
+  fs::path write(FluxShardSpec spec, const std::string& name) {
+    spec.fill(seed_++);
+    const fs::path path = root_ / name;
+    fs::create_directories(path.parent_path());
+    spec.write(path);
+    return path;
+  }
+
+  // A run on the training shards (the pattern train_*) and, with `validation`, on val_a.
+  std::vector<std::string> shard_args(const std::string& run, bool validation,
+                                      std::vector<std::string> extra = {}) {
+    std::vector<std::string> data = {"--flux-shards=" +
+                                     (root_ / "shards" / "train_*.safetensors").string()};
+    if (validation) {
+      data.push_back("--flux-val-shards=" + (root_ / "shards" / "val_a.safetensors").string());
+    }
+    data.insert(data.end(), extra.begin(), extra.end());
+    return run_args(run, data);
+  }
+
+  std::string data_error(const std::vector<std::string>& arguments) {
+    return test::error_message<ConfigError>([&] { open_flux_data(load_train_config(arguments)); });
+  }
+
+  uint64_t seed_ = 1;
+};
+
+TEST_F(FluxShardTrainingTest, TrainsAndResumesExactly) {
+  const std::vector<std::string> evaluation = {"--eval-every=2", "--eval-iters=3"};
+  const TrainOutcome straight =
+      run_training(load_train_config(shard_args("straight", true, evaluation)));
+  run_training(load_train_config(shard_args("resumed", true, evaluation)));
+  std::vector<std::string> resume = evaluation;
+  resume.push_back("--resume-from-step=2");
+  const TrainOutcome resumed = run_training(load_train_config(shard_args("resumed", true, resume)));
+  EXPECT_EQ(straight.steps_done, 4);
+  EXPECT_EQ(resumed.steps_done, 4);
+  ASSERT_TRUE(straight.last_val_loss.has_value());
+  EXPECT_TRUE(std::isfinite(*straight.last_val_loss));
+  EXPECT_EQ(resumed.last_val_loss, straight.last_val_loss);
+
+  const std::vector<std::pair<int64_t, double>> straight_losses =
+      losses(root_ / "runs" / "straight");
+  const std::vector<std::pair<int64_t, double>> resumed_losses = losses(root_ / "runs" / "resumed");
+  ASSERT_EQ(straight_losses.size(), 4u);
+  ASSERT_EQ(resumed_losses.size(), 6u);  // steps 3 and 4 again, appended by the resumed run
+  for (const auto& [step, loss] : straight_losses)
+    EXPECT_TRUE(std::isfinite(loss)) << "step " << step;
+  for (size_t i = 2; i < 4; ++i)
+    EXPECT_EQ(resumed_losses[i + 2], straight_losses[i]) << "step " << i + 1;
+}
+
+TEST_F(FluxShardTrainingTest, TrainsOnVaePosteriorsWithoutValidationShards) {
+  FluxShardSpec posterior = FluxShardSpec::flux_tiny(5);
+  posterior.mean_logvar = true;
+  const fs::path shard = write(posterior, "posterior/shard.safetensors");
+  const TrainConfig config =
+      load_train_config(run_args("posterior", {"--flux-shards=" + shard.parent_path().string(),
+                                               "--eval-every=4", "--eval-iters=1"}));
+  EXPECT_TRUE(test::Contains(open_flux_data(config).description,
+                             "1 shard(s) (" + shard.parent_path().string() +
+                                 "), 5 samples, latents [4, 8, 8] (mean+logvar) and 5 text "
+                                 "tokens; x0 = 0.3611·(latent − 0.1159) (latent_scale and "
+                                 "latent_shift from the shards' metadata); validation: the "
+                                 "training shards' first 2 samples (not held out)"));
+  const TrainOutcome outcome = run_training(config);
+  EXPECT_EQ(outcome.steps_done, 4);
+  ASSERT_TRUE(outcome.last_val_loss.has_value());
+  EXPECT_TRUE(std::isfinite(*outcome.last_val_loss));
+  EXPECT_TRUE(std::isfinite(outcome.last_loss));
+}
+
+TEST_F(FluxShardTrainingTest, DataLineDescribesTheShards) {
+  const FluxTrainingData data = open_flux_data(load_train_config(shard_args("line", true)));
+  EXPECT_EQ(data.shapes.get(), nullptr);
+  EXPECT_TRUE(test::Contains(data.description, "2 shard(s) ("));
+  EXPECT_TRUE(test::Contains(data.description,
+                             "train_*.safetensors), 11 samples, latents [4, 8, 8] (latent) and 5 "
+                             "text tokens"));
+  EXPECT_TRUE(test::Contains(data.description, "validation: 1 shard(s) ("));
+  EXPECT_TRUE(test::Contains(data.description, "val_a.safetensors), 4 samples"));
+}
+
+TEST_F(FluxShardTrainingTest, LatentNormalizationComesFromTheMetadataOrTheConfig) {
+  const FluxTrainingData data = open_flux_data(load_train_config(shard_args("norm", false)));
+  EXPECT_EQ(data.objective.latent_scale, 0.3611);
+  EXPECT_EQ(data.objective.latent_shift, 0.1159);
+  // A value the config changed must agree with the metadata.
+  EXPECT_TRUE(test::Contains(data_error(shard_args("norm", false, {"--latent-scale=0.5"})),
+                             "latent_scale: 0.5 contradicts the shards' metadata latent_scale = "
+                             "0.3611 (" +
+                                 (root_ / "shards" / "train_a.safetensors").string() + ")"));
+  EXPECT_EQ(data_error(shard_args("norm", false, {"--latent-shift=0.1159"})), test::kNoError);
+
+  // Shards without the metadata take the config's.
+  FluxShardSpec bare = FluxShardSpec::flux_tiny(2);
+  bare.metadata.erase("latent_scale");
+  bare.metadata.erase("latent_shift");
+  const fs::path shard = write(bare, "bare/shard.safetensors");
+  const FluxTrainingData configured = open_flux_data(load_train_config(
+      run_args("norm", {"--flux-shards=" + shard.string(), "--latent-scale=0.5"})));
+  EXPECT_EQ(configured.objective.latent_scale, 0.5);
+  EXPECT_EQ(configured.objective.latent_shift, 0.1159);
+  EXPECT_TRUE(
+      test::Contains(configured.description, "x0 = 0.5·(latent − 0.1159) (from the config)"));
+}
+
+TEST_F(FluxShardTrainingTest, ShardsThatDoNotFitAreErrorsNamingKeyAndFile) {
+  const fs::path wide = write(FluxShardSpec{}, "wide/shard.safetensors");  // flux_535m's widths
+  EXPECT_TRUE(test::Contains(
+      data_error(run_args("errors", {"--flux-shards=" + wide.parent_path().string()})),
+      "flux_shards: " + wide.string() +
+          ": tensor 'latent': 16 latent channels pack into 64 features, the model's in_channels "
+          "is 16 (expected 4 channels)"));
+
+  const std::string nothing = (root_ / "shards" / "test_*.safetensors").string();
+  EXPECT_TRUE(test::Contains(data_error(run_args("errors", {"--flux-shards=" + nothing})),
+                             "flux_shards: '" + nothing + "': expected a folder"));
+
+  FluxShardSpec longer_text = FluxShardSpec::flux_tiny(2);
+  longer_text.text_tokens = 7;
+  const fs::path longer = write(longer_text, "longer/shard.safetensors");
+  EXPECT_TRUE(test::Contains(
+      data_error(shard_args("errors", false, {"--flux-val-shards=" + longer.string()})),
+      "flux_val_shards: " + longer.string() + ": tensor 't5': per-sample shape [7, 32]"));
+}
+
+TEST_F(FluxShardTrainingTest, ConfigRefusesWhatOnlyTheBuiltInDataDoes) {
+  const auto load_error = [](const std::vector<std::string>& arguments) {
+    return test::error_message<ConfigError>([&] { load_train_config(arguments); });
+  };
+  EXPECT_TRUE(test::Contains(
+      load_error(shard_args("errors", false, {"--sample-prompts=a red circle on the left"})),
+      "command line: --sample-prompts: the sample grids need the built-in shapes data"));
+  EXPECT_TRUE(test::Contains(load_error(shard_args("errors", false, {"--image-size=16"})),
+                             "command line: --image-size: sizes the built-in shapes pictures"));
+  EXPECT_TRUE(test::Contains(load_error(run_args("errors", {"--flux-val-shards=val"})),
+                             "command line: --flux-val-shards: validation shards go with "
+                             "training shards"));
+  // The larger presets train on shards only.
+  EXPECT_TRUE(test::Contains(load_error({"--model=flux_535m", "--sample-prompts="}),
+                             "flux_535m takes image tokens of 64 features, but the built-in "
+                             "shapes data makes 16"));
+  EXPECT_EQ(load_error({"--model=flux_535m", "--flux-shards=shards", "--sample-prompts="}),
+            test::kNoError);
 }
 
 }  // namespace
