@@ -383,12 +383,12 @@ int run_bench_gpt(const BenchGptOptions& options) {
 int run_bench_flux(const BenchFluxOptions& options) {
   const std::vector<GpuInfo> gpus = query_gpus();
   if (gpus.empty()) throw Error("bench flux: no CUDA GPU is visible");
-  const FluxConfig config = FluxConfig::preset(options.preset);
+  const FluxConfig config = flux_config_of(options.model);
   fmt::print(
       "bench flux: {} ({:.1f}M parameters; {} double + {} single blocks, hidden {}), micro-batch "
       "{} of {} image + {} text tokens, {:.3g} FLOPs per sample; AdamW, clip 1.0, random inputs; "
       "{} warm-up + {} timed steps\nGPU: {} ({})\n",
-      options.preset, double(flux_parameter_count(config)) / 1e6, config.double_blocks,
+      options.model.preset, double(flux_parameter_count(config)) / 1e6, config.double_blocks,
       config.single_blocks, config.hidden_size, options.batch, options.img_tokens,
       options.txt_tokens, flux_flops_per_sample(config, options.img_tokens, options.txt_tokens),
       options.timing.warmup, options.timing.steps, gpus[0].name, gpus[0].architecture());

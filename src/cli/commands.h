@@ -7,6 +7,8 @@
 #include <string>
 #include <vector>
 
+#include "models/flux_config.h"
+
 namespace fp8t::cli {
 
 // Exit codes shared by every command.
@@ -33,6 +35,16 @@ struct CheckNumericsOptions {
 // kExitProblemFound when any check fails.
 int run_check_numerics(const CheckNumericsOptions& options);
 
+// A Flux preset, its block counts optionally changed (a flux_12b reduced to what one GPU holds).
+struct FluxModelOptions {
+  std::string preset;
+  std::optional<int> double_blocks = std::nullopt;  // unset: the preset's
+  std::optional<int> single_blocks = std::nullopt;
+};
+
+// The preset with the block counts given; throws ConfigError for an unknown preset or no block.
+FluxConfig flux_config_of(const FluxModelOptions& options);
+
 struct ModelSummaryOptions {
   int depth = 20;
   int vocab_size = 32768;
@@ -45,10 +57,18 @@ struct ModelSummaryOptions {
   bool first_last_layers_bf16 = false;
   int layers_at_start_in_bf16 = 1;
   int layers_at_end_in_bf16 = 1;
+  // flux.preset set: the Flux model instead of the GPT, its memory planned for the GPU path.
+  FluxModelOptions flux;
+  int64_t img_tokens = 4096;
+  int64_t txt_tokens = 512;
+  std::vector<int> gpus = {1};           // a plan per data-parallel GPU count
+  std::optional<double> gpu_memory_gib;  // one GPU's; unset: an H200's
 };
 
 // Prints the GPT of a given depth: its shape, parameter counts by group, FLOPs per token, which
-// linears run in FP8 (with the reasons for the others) and the memory the CPU path plans.
+// linears run in FP8 (with the reasons for the others) and the memory the CPU path plans. With a
+// Flux preset, the same for the Flux model, and its GPU memory per GPU for each GPU count, with
+// whether it fits and, when not, the most blocks that do.
 int run_model_summary(const ModelSummaryOptions& options);
 
 struct ConfigOptions {
@@ -104,7 +124,7 @@ int run_bench_gpt(const BenchGptOptions& options);
 struct BenchFluxOptions {
   // Defaults: W-FLUX535 of docs/benchmarks.md (flux_535m, 1024² images: 4096 image and 512
   // text tokens, micro-batch 4, AdamW).
-  std::string preset = "flux_535m";
+  FluxModelOptions model{.preset = "flux_535m"};
   int64_t batch = 4;
   int64_t img_tokens = 4096;  // a square grid of latent tokens
   int64_t txt_tokens = 512;

@@ -2,6 +2,9 @@
 #include <cstdint>
 #include <exception>
 #include <iostream>
+#include <iterator>
+#include <string>
+#include <vector>
 
 #include <CLI/CLI.hpp>
 
@@ -29,23 +32,52 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{65536}));
 
+  // The Flux presets, as --preset takes them.
+  const std::vector<std::string> flux_presets(std::begin(fp8t::kFluxPresets),
+                                              std::end(fp8t::kFluxPresets));
+  // --double-blocks and --single-blocks of a Flux preset.
+  const auto add_block_options = [](CLI::App* command, fp8t::cli::FluxModelOptions& flux) {
+    return std::vector<CLI::Option*>{
+        command
+            ->add_option("--double-blocks", flux.double_blocks,
+                         "Double blocks instead of the preset's (e.g. fewer, to fit one GPU)")
+            ->check(CLI::Range(0, 10000)),
+        command
+            ->add_option("--single-blocks", flux.single_blocks,
+                         "Single blocks instead of the preset's")
+            ->check(CLI::Range(0, 10000))};
+  };
+
   fp8t::cli::ModelSummaryOptions model_options;
   CLI::App* model = app.add_subcommand(
-      "model", "Print the GPT's shape, parameters, FLOPs per token, FP8 layers and memory plan");
-  model->add_option("--depth", model_options.depth, "Number of layers (nanochat sizing)")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 1000));
-  model->add_option("--vocab-size", model_options.vocab_size, "Vocabulary size before padding")
-      ->capture_default_str()
-      ->check(CLI::Range(1, 1 << 24));
-  model->add_option("--sequence-len", model_options.sequence_len, "Tokens per sequence")
-      ->capture_default_str()
-      ->check(CLI::Range(2, 1 << 20));
+      "model",
+      "Print the GPT's (or with --preset a Flux model's) shape, parameters, FLOPs, FP8 layers and "
+      "memory plan");
+  CLI::Option* model_preset =
+      model
+          ->add_option("--preset", model_options.flux.preset,
+                       "Flux preset: the Flux model and its GPU memory plan instead of the GPT")
+          ->check(CLI::IsMember(flux_presets));
+  const std::vector<CLI::Option*> gpt_only = {
+      model->add_option("--depth", model_options.depth, "Number of layers (nanochat sizing)")
+          ->capture_default_str()
+          ->check(CLI::Range(1, 1000)),
+      model->add_option("--vocab-size", model_options.vocab_size, "Vocabulary size before padding")
+          ->capture_default_str()
+          ->check(CLI::Range(1, 1 << 24)),
+      model->add_option("--sequence-len", model_options.sequence_len, "Tokens per sequence")
+          ->capture_default_str()
+          ->check(CLI::Range(2, 1 << 20)),
+      model
+          ->add_option("--window-pattern", model_options.window_pattern,
+                       "Attention windows tiled over layers: S short, L long")
+          ->capture_default_str(),
+      model->add_flag("!--no-lm-head-fp8", model_options.lm_head_fp8, "Keep lm_head in BF16")};
+  for (CLI::Option* option : gpt_only)
+    option->excludes(model_preset);
   model
-      ->add_option("--window-pattern", model_options.window_pattern,
-                   "Attention windows tiled over layers: S short, L long")
-      ->capture_default_str();
-  model->add_option("--batch", model_options.batch, "Sequences per micro-batch (memory plan)")
+      ->add_option("--batch", model_options.batch,
+                   "Sequences (GPT) or samples (Flux) per micro-batch, for the memory plan")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   model->add_option("--fp8", model_options.fp8, "none, e4m3 or hybrid")
@@ -56,7 +88,6 @@ int main(int argc, char** argv) {
                    "delayed, tensorwise, blockwise or mxfp8")
       ->capture_default_str()
       ->check(CLI::IsMember({"delayed", "tensorwise", "blockwise", "mxfp8"}));
-  model->add_flag("!--no-lm-head-fp8", model_options.lm_head_fp8, "Keep lm_head in BF16");
   model->add_flag("--first-last-layers-bf16", model_options.first_last_layers_bf16,
                   "Keep the first and last blocks in BF16");
   model
@@ -69,6 +100,28 @@ int main(int argc, char** argv) {
                    "With --first-last-layers-bf16: blocks at the end")
       ->capture_default_str()
       ->check(CLI::NonNegativeNumber);
+  std::vector<CLI::Option*> flux_only = add_block_options(model, model_options.flux);
+  flux_only.push_back(
+      model->add_option("--img-tokens", model_options.img_tokens, "Flux: image tokens per sample")
+          ->capture_default_str()
+          ->check(CLI::Range(int64_t{1}, int64_t{1} << 20)));
+  flux_only.push_back(
+      model->add_option("--txt-tokens", model_options.txt_tokens, "Flux: text tokens per sample")
+          ->capture_default_str()
+          ->check(CLI::Range(int64_t{1}, int64_t{1} << 20)));
+  flux_only.push_back(
+      model
+          ->add_option("--gpus", model_options.gpus,
+                       "Flux: data-parallel GPU counts, a memory plan for each (e.g. 1,2,8)")
+          ->delimiter(',')
+          ->capture_default_str()
+          ->check(CLI::Range(1, 1 << 16)));
+  flux_only.push_back(model
+                          ->add_option("--gpu-memory", model_options.gpu_memory_gib,
+                                       "Flux: GiB one GPU holds (default: an H200's 139.8)")
+                          ->check(CLI::PositiveNumber));
+  for (CLI::Option* option : flux_only)
+    option->needs(model_preset);
 
   fp8t::cli::BenchGptOptions bench_options;
   CLI::App* bench = app.add_subcommand("bench", "Benchmarks on the GPU");
@@ -124,9 +177,10 @@ int main(int argc, char** argv) {
   fp8t::cli::BenchFluxOptions bench_flux_options;
   CLI::App* bench_flux = bench->add_subcommand(
       "flux", "Time Flux training steps (default: W-FLUX535, BF16 then FP8) and print a table");
-  bench_flux->add_option("--preset", bench_flux_options.preset, "Flux preset")
+  bench_flux->add_option("--preset", bench_flux_options.model.preset, "Flux preset")
       ->capture_default_str()
-      ->check(CLI::IsMember({"flux_tiny", "flux_small", "flux_535m", "flux_12b"}));
+      ->check(CLI::IsMember(flux_presets));
+  add_block_options(bench_flux, bench_flux_options.model);
   bench_flux->add_option("--batch", bench_flux_options.batch, "Samples per micro-batch")
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 16));

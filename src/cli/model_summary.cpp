@@ -1,11 +1,17 @@
-// `fp8train model`: the GPT of a given depth, without allocating it.
+// `fp8train model`: the GPT of a given depth, or a Flux preset, without allocating it.
 #include <map>
+#include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
 
 #include "cli/commands.h"
+#include "models/flux_config.h"
+#include "models/flux_memory.h"
+#include "models/flux_model.h"
 #include "models/gpt_config.h"
 #include "models/gpt_memory.h"
 #include "models/precision_policy.h"
@@ -18,8 +24,11 @@ namespace {
 std::string count_text(int64_t count) {
   return fmt::format("{:>14} ({:.1f}M)", count, double(count) / 1e6);
 }
+double in_gib(size_t bytes) {
+  return double(bytes) / double(1 << 30);
+}
 std::string gibibytes(size_t bytes) {
-  return fmt::format("{:>9.2f} GiB", double(bytes) / double(1 << 30));
+  return fmt::format("{:>9.2f} GiB", in_gib(bytes));
 }
 
 // nanochat's parameter groups, as its optimizer and its own summary name them.
@@ -39,9 +48,105 @@ Fp8Config fp8_config(const ModelSummaryOptions& options) {
   return fp8_config_from_yaml(node, "command line");
 }
 
+PrecisionOptions precision_policy(const ModelSummaryOptions& options) {
+  PrecisionOptions precision = precision_options(fp8_config(options));
+  precision.lm_head_fp8 = options.lm_head_fp8;
+  precision.first_last_layers_bf16 = options.first_last_layers_bf16;
+  precision.num_layers_at_start_in_bf16 = options.layers_at_start_in_bf16;
+  precision.num_layers_at_end_in_bf16 = options.layers_at_end_in_bf16;
+  return precision;
+}
+
+std::string blocks_text(const FluxConfig& config) {
+  return fmt::format("{} double + {} single blocks", config.double_blocks, config.single_blocks);
+}
+
+// The Flux preset: shape, parameters by BFL group, FLOPs, FP8 layers, and the GPU memory plan
+// per data-parallel GPU count.
+int run_flux_summary(const ModelSummaryOptions& options) {
+  const FluxConfig config = flux_config_of(options.flux);
+  const FluxConfig preset = FluxConfig::preset(options.flux.preset);
+  const bool reduced =
+      config.double_blocks != preset.double_blocks || config.single_blocks != preset.single_blocks;
+  fmt::print("model: Flux {}{}: {}, hidden {}, {} heads x {}, MLP {}{}\n", options.flux.preset,
+             reduced ? fmt::format(" with {} (the preset has {})", blocks_text(config),
+                                   blocks_text(preset))
+                     : "",
+             blocks_text(config), config.hidden_size, config.num_heads, config.head_dim(),
+             config.mlp_hidden(), config.guidance_embed ? ", guidance embedder" : "");
+
+  // Groups: the first component of the BFL names, in checkpoint order.
+  std::vector<std::pair<std::string, int64_t>> groups;
+  int64_t total = 0;
+  for (const FluxParam& param : flux_parameters(config)) {
+    const std::string group = param.name.substr(0, param.name.find('.'));
+    if (groups.empty() || groups.back().first != group) groups.emplace_back(group, 0);
+    groups.back().second += param.numel();
+    total += param.numel();
+  }
+  fmt::print("\nparameters: {} ({:.3f}B)\n", total, double(total) / 1e9);
+  for (const auto& [group, count] : groups) {
+    const int blocks = group == "double_blocks"   ? config.double_blocks
+                       : group == "single_blocks" ? config.single_blocks
+                                                  : 0;
+    const std::string label = blocks > 0 ? fmt::format("{} x {}", group, blocks) : group;
+    fmt::print("  {:<24}{}\n", label, count_text(count));
+  }
+  const FluxMicroBatch micro_batch{options.batch, options.img_tokens, options.txt_tokens};
+  fmt::print("FLOPs per sample (forward + backward) of {} image + {} text tokens: {:.4g}\n",
+             micro_batch.img_tokens, micro_batch.txt_tokens,
+             flux_flops_per_sample(config, micro_batch.img_tokens, micro_batch.txt_tokens));
+
+  FluxPrecision precision;
+  precision.fp8 = fp8_config(options);
+  precision.policy = precision_policy(options);
+  fmt::print("\nfp8: {}, recipe {}\n{}\n", options.fp8, options.fp8_recipe,
+             flux_precision_summary(decide_flux_precision(config, precision.policy)));
+
+  const double capacity_gib = options.gpu_memory_gib.value_or(kH200MemoryGib);
+  const auto capacity = static_cast<size_t>(capacity_gib * double(1 << 30));
+  const size_t reserve = flux_runtime_reserve_bytes(config, micro_batch);
+  fmt::print(
+      "\nmemory per GPU (GiB), GPU path, micro-batch {} x ({} image + {} text tokens):\n"
+      "  data parallel with ZeRO-1: the AdamW moments sharded over the GPUs; parameters, "
+      "gradients and activations whole on each\n"
+      "  fits: the total and {:.2f} GiB for the CUDA context and library workspaces within "
+      "{:.1f} GiB\n",
+      micro_batch.batch, micro_batch.img_tokens, micro_batch.txt_tokens, in_gib(reserve),
+      capacity_gib);
+  fmt::print(
+      "| GPUs | parameters | gradients | AdamW moments | activations | workspace | linear copies | "
+      "total | fits |\n|---|---|---|---|---|---|---|---|---|\n");
+  for (const int gpus : options.gpus) {
+    const FluxMemoryPlan plan = plan_flux_memory(config, micro_batch, precision, gpus);
+    std::string fits;
+    if (flux_fits(config, micro_batch, plan, capacity)) {
+      fits = fmt::format("yes, {:.2f} free", in_gib(capacity - plan.total() - reserve));
+    } else {
+      const std::optional<FluxConfig> largest =
+          largest_fitting_flux(config, micro_batch, precision, gpus, capacity);
+      fits = largest ? fmt::format("no; {} fit", blocks_text(*largest)) : "no; not one block fits";
+    }
+    fmt::print("| {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {} |\n", gpus,
+               in_gib(plan.parameters), in_gib(plan.gradients), in_gib(plan.optimizer_state),
+               in_gib(plan.activations), in_gib(plan.workspace), in_gib(plan.linear_copies),
+               in_gib(plan.total()), fits);
+  }
+  return kExitOk;
+}
+
 }  // namespace
 
+FluxConfig flux_config_of(const FluxModelOptions& options) {
+  FluxConfig config = FluxConfig::preset(options.preset);
+  config.double_blocks = options.double_blocks.value_or(config.double_blocks);
+  config.single_blocks = options.single_blocks.value_or(config.single_blocks);
+  config.validate();
+  return config;
+}
+
 int run_model_summary(const ModelSummaryOptions& options) {
+  if (!options.flux.preset.empty()) return run_flux_summary(options);
   GptConfig config = GptConfig::from_depth(options.depth);
   config.vocab_size = options.vocab_size;
   config.sequence_len = options.sequence_len;
@@ -73,13 +178,8 @@ int run_model_summary(const ModelSummaryOptions& options) {
   const double flops = gpt_flops_per_token(config);
   fmt::print("FLOPs per token (forward + backward): {:.4g}\n", flops);
 
-  PrecisionOptions precision = precision_options(fp8_config(options));
-  precision.lm_head_fp8 = options.lm_head_fp8;
-  precision.first_last_layers_bf16 = options.first_last_layers_bf16;
-  precision.num_layers_at_start_in_bf16 = options.layers_at_start_in_bf16;
-  precision.num_layers_at_end_in_bf16 = options.layers_at_end_in_bf16;
   fmt::print("\nfp8: {}, recipe {}\n{}\n", options.fp8, options.fp8_recipe,
-             precision_summary(decide_precision(config, precision)));
+             precision_summary(decide_precision(config, precision_policy(options))));
 
   const GptMemoryPlan plan = plan_gpt_memory(config, options.batch, config.sequence_len);
   fmt::print("\nmemory plan, CPU path (f32), micro-batch {} x {} tokens:\n", options.batch,

@@ -52,6 +52,12 @@ int run_sample(const SampleOptions& options) {
                     "GPT's text sample comes from train with sample_tokens)",
                     config_path.string(), config.model.name));
   }
+  if (!config.data.flux_shards.empty()) {
+    throw ConfigError(fmt::format(
+        "{}: flux_shards: '{}': sample encodes prompts and decodes pictures of the built-in data "
+        "only; a model trained on shards needs its own text encoders and VAE",
+        config_path.string(), config.data.flux_shards));
+  }
   const FluxConfig model = config.flux_config();
   std::vector<std::string> prompts =
       options.prompts.empty() ? train::split_prompts(config.run.sample_prompts) : options.prompts;

@@ -18,24 +18,6 @@ namespace {
 
 // cuBLASLt's FP8 GEMMs want every reduced dimension and every FP8 row a multiple of 16.
 constexpr int64_t kFp8Multiple = 16;
-constexpr int64_t kBlock = 128;
-constexpr int64_t kMxBlock = 32;
-
-int64_t blocks_of(int64_t count) {
-  return (count + kBlock - 1) / kBlock;
-}
-// Floats of a 1x128 operand's GEMM scales ([ceil(k / 128), rows]).
-int64_t row_block_floats(int64_t rows, int64_t k) {
-  return blocks_of(k) * rows;
-}
-// Floats of a 128x128 operand's GEMM scales ([ceil(rows / 128), ceil(k / 128) padded to 4]).
-int64_t tile_floats(int64_t rows, int64_t k) {
-  return blocks_of(rows) * ((blocks_of(k) + 3) / 4 * 4);
-}
-// Floats that hold an MXFP8 operand's E8M0 scales ([rows, ceil(k / 32)] bytes).
-int64_t mx_scale_floats(int64_t rows, int64_t k) {
-  return (rows * ((k + kMxBlock - 1) / kMxBlock) + 3) / 4;
-}
 
 }  // namespace
 
@@ -44,22 +26,15 @@ Fp8Scratch take_fp8_scratch(DeviceArena& arena, ScalingRecipe recipe, int64_t ma
   const auto count = [](int64_t a, int64_t b) { return static_cast<size_t>(a * b); };
   Fp8Scratch scratch;
   scratch.input = arena.take<uint8_t>(count(max_tokens, max_in));
-  // All tokens of layers up to backward_width wide; at least a block of rows of the widest.
-  const int64_t widest = std::max(max_in, max_out);
-  scratch.backward_elements = std::max(max_tokens * std::clamp(backward_width, int64_t{1}, widest),
-                                       std::min(max_tokens, kBlock) * widest);
+  scratch.backward_elements = fp8_backward_elements(max_tokens, max_in, max_out, backward_width);
   const auto backward_count = static_cast<size_t>(scratch.backward_elements);
   scratch.input_t = arena.take<uint8_t>(backward_count);
   scratch.input_t_holder = std::make_shared<InputTHolder>();
   scratch.grad_output = arena.take<uint8_t>(backward_count);
   scratch.grad_output_t = arena.take<uint8_t>(backward_count);
   if (recipe != ScalingRecipe::Blockwise && recipe != ScalingRecipe::Mxfp8) return scratch;
-  // Each block-scale buffer holds blockwise fp32 scales or MXFP8 E8M0 bytes of either operand
-  // orientation.
   const int64_t max_features = std::max(max_in, max_out);
-  const auto floats = static_cast<size_t>(std::max(
-      {row_block_floats(max_tokens, max_features), row_block_floats(max_features, max_tokens),
-       mx_scale_floats(max_tokens, max_features), mx_scale_floats(max_features, max_tokens)}));
+  const auto floats = static_cast<size_t>(fp8_scale_scratch_floats(max_tokens, max_in, max_out));
   for (float** buffer : {&scratch.input_scales, &scratch.input_t_scales,
                          &scratch.grad_output_scales, &scratch.grad_output_t_scales}) {
     *buffer = arena.take<float>(floats);
@@ -110,13 +85,14 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
                "a linear can share the input quantization only of an FP8 linear of the same input "
                "that quantizes it itself");
   }
-  FP8T_CHECK(!mx() || (in % kMxBlock == 0 && out % kMxBlock == 0),
-             "an MXFP8 linear needs features that are multiples of {}, found [{} -> {}]", kMxBlock,
-             in, out);
-  FP8T_CHECK(scratch.backward_elements / std::max(in, out) >= std::min(setup.max_tokens, kBlock),
-             "the FP8 backward scratch holds {} elements, less than a block of {} rows of a "
-             "[{} -> {}] linear",
-             scratch.backward_elements, kBlock, in, out);
+  FP8T_CHECK(!mx() || (in % kMxScaleBlock == 0 && out % kMxScaleBlock == 0),
+             "an MXFP8 linear needs features that are multiples of {}, found [{} -> {}]",
+             kMxScaleBlock, in, out);
+  FP8T_CHECK(
+      scratch.backward_elements / std::max(in, out) >= std::min(setup.max_tokens, kScaleBlock),
+      "the FP8 backward scratch holds {} elements, less than a block of {} rows of a "
+      "[{} -> {}] linear",
+      scratch.backward_elements, kScaleBlock, in, out);
   FP8T_CHECK(!setup.input_relu2 ||
                  (!blockwise() && !mx() && setup.fp8_wgrad && setup.input_from == nullptr),
              "a linear casts relu² of its input itself only with a per-tensor recipe, an FP8 "
@@ -183,11 +159,11 @@ void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole rol
     // Grids: 1x128 [rows, ceil(cols / 128)] and its transpose's [cols, ceil(rows / 128)];
     // 128x128 [ceil(rows / 128), ceil(cols / 128)] and the transposed tiles'.
     const GridLayout layout = tiles ? GridLayout::PaddedRows : GridLayout::Transposed;
-    gemm_scale_grid(scales, scratch_.grid, tiles ? blocks_of(rows) : rows, blocks_of(cols), layout,
-                    stream);
+    gemm_scale_grid(scales, scratch_.grid, tiles ? scale_blocks(rows) : rows, scale_blocks(cols),
+                    layout, stream);
     if (out_t != nullptr) {
-      gemm_scale_grid(scales_t, scratch_.grid_t, tiles ? blocks_of(cols) : cols, blocks_of(rows),
-                      layout, stream);
+      gemm_scale_grid(scales_t, scratch_.grid_t, tiles ? scale_blocks(cols) : cols,
+                      scale_blocks(rows), layout, stream);
     }
     return;
   }
@@ -404,7 +380,8 @@ int64_t CudaLinear::backward_chunk(int64_t tokens) const {
   const int64_t width = std::max(setup_.in_features, setup_.out_features);
   const int64_t fits = scratch_.backward_elements / width;
   if (fits >= tokens) return tokens;
-  return fits / kBlock * kBlock;  // whole blocks of rows for the block recipes' dŷᵗ and x̂ᵗ
+  return fits / kScaleBlock *
+         kScaleBlock;  // whole blocks of rows for the block recipes' dŷᵗ and x̂ᵗ
 }
 
 void CudaLinear::backward_rows(const bf16* dy, const bf16* x, int64_t first_row, int64_t rows,

@@ -33,17 +33,16 @@
 #include "numerics/float_bits.h"
 #include "numerics/scaling.h"
 #include "ops/cuda/ops_cuda.h"
+#include "ops/fp8_linear_layout.h"
 
 namespace fp8t::ops::cuda {
 
-// The device floats of one FP8 linear's per-tensor scaling: for each TensorRole (input, weight,
-// grad_output, in that order) the inverse scale the GEMM reads, the scale the cast uses and the
-// amax recorded this step, in 16 bytes (cuBLASLt wants its scale pointers 16-byte aligned).
-inline constexpr int kScalingFloatsPerRole = 4;
-inline constexpr int kLinearScalingFloats = 3 * kScalingFloatsPerRole;
-inline constexpr int kScaleInvSlot = 0;
-inline constexpr int kScaleSlot = 1;
-inline constexpr int kAmaxSlot = 2;
+// The scaling floats' layout (ops/fp8_linear_layout.h).
+using ops::kAmaxSlot;
+using ops::kLinearScalingFloats;
+using ops::kScaleInvSlot;
+using ops::kScaleSlot;
+using ops::kScalingFloatsPerRole;
 
 // Quantized operands that live only during one call, shared by the FP8 linears of a model
 // (they run one at a time on one stream); take_fp8_scratch sizes them.

@@ -1,0 +1,71 @@
+// The device memory of Flux training on the GPU path, planned on the host: per category, the
+// bytes CudaFluxModel (models/cuda/flux_model_cuda.h) takes, counted as it takes them (each
+// arena piece rounded up to DeviceArena's alignment, the linears' weight copies as CudaLinear
+// allocates them), and the AdamW moments of optim/cuda/adamw_cuda.h; then what one GPU of N
+// holds under data parallelism with ZeRO-1. Plain C++: CPU builds print it (`fp8train model
+// --preset`), and a GPU test compares it with CudaFluxModel::memory() category by category.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <optional>
+
+#include "models/flux_config.h"
+#include "models/flux_model.h"
+
+namespace fp8t {
+
+// One micro-batch: `batch` samples of img_tokens image and txt_tokens text tokens.
+struct FluxMicroBatch {
+  int64_t batch = 1;
+  int64_t img_tokens = 4096;  // 1024² images
+  int64_t txt_tokens = 512;
+};
+
+// Device bytes on one GPU, by category; all but optimizer_state as CudaFluxMemory counts them.
+struct FluxMemoryPlan {
+  size_t parameters = 0;       // fp32 master weights
+  size_t gradients = 0;        // fp32
+  size_t optimizer_state = 0;  // AdamW's fp32 exp_avg and exp_avg_sq: this GPU's shard
+  size_t activations = 0;      // saved for backward
+  size_t workspace = 0;        // temporaries of one step
+  size_t linear_copies = 0;    // bf16 / FP8 weight copies, FP8 scaling and scratch
+  size_t total() const {
+    return parameters + gradients + optimizer_state + activations + workspace + linear_copies;
+  }
+};
+
+// An H200's memory as the device reports it (fp8train doctor).
+inline constexpr double kH200MemoryGib = 139.8;
+
+// The plan of one GPU out of `gpus` data-parallel ones under ZeRO-1: each GPU holds the
+// parameters, gradients and activations of its own micro-batch as a single GPU does, and
+// 1/gpus of the AdamW moments (ceil(elements / gpus) of the parameter buffer, rounded up to the
+// arenas' alignment). The FP8 linears are those of decide_flux_precision(config,
+// precision.policy), run with precision.fp8.recipe; FP8 linears keep no saved input: they share
+// the scratch's transposed input.
+FluxMemoryPlan plan_flux_memory(const FluxConfig& config, const FluxMicroBatch& micro_batch,
+                                const FluxPrecision& precision, int gpus = 1);
+
+// What a GPU needs beyond the plan: the CUDA context with the kernels, cuBLASLt's workspace,
+// cuDNN's attention workspace (which grows with the micro-batch's tokens) and, with several
+// GPUs, NCCL's buffers. W-FLUX535's measured peaks exceed the plan by 0.6 GiB + 4 bytes per
+// token and hidden unit (within 0.05 GiB at micro-batches 4 and 16); the reserve takes 1 GiB
+// instead of 0.6, leaving room for NCCL.
+size_t flux_runtime_reserve_bytes(const FluxConfig& config, const FluxMicroBatch& micro_batch);
+
+// Whether the plan and the runtime reserve fit in capacity_bytes.
+bool flux_fits(const FluxConfig& config, const FluxMicroBatch& micro_batch,
+               const FluxMemoryPlan& plan, size_t capacity_bytes);
+
+// The deepest model of config's shape whose plan on one of `gpus` GPUs fits capacity_bytes,
+// with config's ratio of single to double blocks: d ≤ config.double_blocks double blocks and
+// round(d · single_blocks / double_blocks) single ones, the largest d that fits (with no double
+// blocks, the most single blocks up to config's). config itself when it fits; nullopt when not
+// even the smallest such model does.
+std::optional<FluxConfig> largest_fitting_flux(const FluxConfig& config,
+                                               const FluxMicroBatch& micro_batch,
+                                               const FluxPrecision& precision, int gpus,
+                                               size_t capacity_bytes);
+
+}  // namespace fp8t
