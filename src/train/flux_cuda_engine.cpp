@@ -30,7 +30,7 @@ void check_flux_gpu_settings(const FluxEngineSetup& setup) {
   if (fp8.mode == Fp8Mode::None) return;
   if (fp8.recipe == ScalingRecipe::Delayed) {
     throw ConfigError(
-        "fp8_recipe: delayed is not wired into the GPU Flux yet; use tensorwise, blockwise or "
+        "fp8_recipe: delayed is not enabled in the GPU Flux yet; use tensorwise, blockwise or "
         "mxfp8, or device: cpu");
   }
   check_gpu_precision(setup.precision);
@@ -119,15 +119,18 @@ class FluxCudaEngine final : public FluxEngine {
   }
 
   double evaluation_loss(const FluxBatch& batch) override {
+    model_.set_training(false);
     model_.forward(inputs(batch), batch.target.data(), false);
-    return model_.loss_value();
+    const double loss = model_.loss_value();
+    model_.set_training(true);
+    return loss;
   }
 
   double lr() const override { return lr_; }
   FluxParameterSet& host_parameters() override { return host_parameters_; }
   std::vector<NamedTensor> host_optimizer_state() override { return host_optimizer_.state(); }
   std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() override {
-    return {};  // delayed scaling is refused on the GPU Flux
+    return model_.delayed_scalings();
   }
   void to_host() override {
     model_.download_parameters(host_parameters_);
@@ -137,6 +140,7 @@ class FluxCudaEngine final : public FluxEngine {
     model_.upload_parameters(host_parameters_);
     optimizer_.upload_state(host_optimizer_);
     model_.weights_changed();
+    model_.scalings_changed();
   }
 
  private:

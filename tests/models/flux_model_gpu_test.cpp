@@ -101,6 +101,23 @@ FluxPrecision precision_for(Fp8Mode mode, ScalingRecipe recipe) {
   return precision;
 }
 
+// The CPU model's forward and backward of `batch`: its prediction and loss.
+struct CpuStep {
+  std::vector<float> prediction;
+  double loss = 0.0;
+};
+CpuStep cpu_step(FluxModel& cpu, const FluxConfig& config, const Batch& batch) {
+  const int64_t count = kBatch * kImgTokens * config.in_channels;
+  CpuStep step;
+  step.prediction.resize(static_cast<size_t>(count));
+  std::vector<float> dpred(step.prediction.size());
+  cpu.forward(batch.inputs(), step.prediction.data());
+  step.loss =
+      flow_mse_loss_with_gradient(dpred.data(), step.prediction.data(), batch.target.data(), count);
+  cpu.backward(dpred.data());
+  return step;
+}
+
 class FluxModelGpuTest : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
 
 TEST_P(FluxModelGpuTest, PredictionLossAndGradientsMatchTheCpuModel) {
@@ -115,11 +132,6 @@ TEST_P(FluxModelGpuTest, PredictionLossAndGradientsMatchTheCpuModel) {
   randomize(cpu.parameters(), config, rng);
   cpu.weights_changed();
   const int64_t count = kBatch * kImgTokens * config.in_channels;
-  std::vector<float> cpu_prediction(static_cast<size_t>(count)), dpred(cpu_prediction.size());
-  cpu.forward(batch.inputs(), cpu_prediction.data());
-  const double cpu_loss =
-      flow_mse_loss_with_gradient(dpred.data(), cpu_prediction.data(), batch.target.data(), count);
-  cpu.backward(dpred.data());
   if (mode != Fp8Mode::None) {
     const auto fp8 = std::count_if(cpu.linear_precision().begin(), cpu.linear_precision().end(),
                                    [](const FluxLinearPrecision& d) { return d.fp8; });
@@ -131,6 +143,7 @@ TEST_P(FluxModelGpuTest, PredictionLossAndGradientsMatchTheCpuModel) {
   {
     CudaFluxModel gpu(config, kBatch, kImgTokens, kTxtTokens, precision, stream);
     gpu.upload_parameters(cpu.parameters());
+    const auto [cpu_prediction, cpu_loss] = cpu_step(cpu, config, batch);
     gpu.forward(batch.inputs(), batch.target.data(), true);
     const double gpu_loss = gpu.loss_value();
     gpu.backward();

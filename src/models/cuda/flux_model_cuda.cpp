@@ -9,9 +9,11 @@
 #include <fmt/format.h>
 
 #include "core/cuda_check.h"
+#include "core/cuda_resources.h"
 #include "core/device_arena.h"
 #include "core/error.h"
 #include "gemm/cublaslt_gemm.h"
+#include "models/cuda/linear_scalings.h"
 #include "models/cuda/parameter_copies.h"
 #include "ops/cuda/attention_cudnn.h"
 #include "ops/cuda/flux_ops.h"
@@ -90,7 +92,7 @@ struct CudaFluxModel::Buffers {
   gemm::CublasLtGemm gemm;
   kernels::CudnnAttention attention;
   std::map<std::string, Linear> linears;
-  float* scaling = nullptr;
+  CudaLinearScalings scalings;
   kernels::Fp8Scratch fp8_scratch;
   std::vector<float> ids;  // the image ids the RoPE tables were made from
 
@@ -123,6 +125,19 @@ struct CudaFluxModel::Buffers {
   bf16 *d_mlp_act = nullptr, *d_mlp_hidden = nullptr, *d_qkv = nullptr;
   bf16 *d_linear1_out = nullptr, *d_linear2_in = nullptr;
   bool forward_has_gradient = false;
+
+  // The host inputs of a micro-batch go through pinned memory: fast copies, and no wait for
+  // them, only, before the next refill, for the copies out of it (staging_free).
+  PinnedFloats staging;
+  cudaEvent_t staging_free = nullptr;
+
+  Buffers(const ModelPrecision& precision, size_t staging_floats)
+      : scalings(precision.fp8, precision.family), staging(staging_floats) {
+    FP8T_CUDA_CHECK(cudaEventCreateWithFlags(&staging_free, cudaEventDisableTiming));
+  }
+  ~Buffers() { cudaEventDestroy(staging_free); }
+  Buffers(const Buffers&) = delete;
+  Buffers& operator=(const Buffers&) = delete;
 };
 
 CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens,
@@ -143,11 +158,15 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
              "the GPU Flux needs batch x image tokens and batch x text tokens to be multiples of "
              "16, found {} x {} and {} x {}",
              batch, img_tokens, batch, txt_tokens);
+  // img and target, txt, y and the two sinusoids.
+  const int64_t staging_floats =
+      batch * (2 * img_tokens * config_.in_channels + txt_tokens * config_.context_in_dim +
+               config_.vec_in_dim + 2 * config_.timestep_dim());
   FP8T_CHECK(
       precision_.fp8.mode == Fp8Mode::None || precision_.fp8.recipe != ScalingRecipe::Delayed,
-      "fp8_recipe: delayed is not wired into the GPU Flux yet; use tensorwise, blockwise or "
+      "fp8_recipe: delayed is not enabled in the GPU Flux yet; use tensorwise, blockwise or "
       "mxfp8");
-  buffers_ = std::make_unique<Buffers>();
+  buffers_ = std::make_unique<Buffers>(precision_, static_cast<size_t>(staging_floats));
   linear_precision_ = decide_flux_precision(config_, precision_.policy);
   layout_ = optim::device_parameter_layout(config_);
   lay_out();
@@ -161,6 +180,7 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
   memory_.activations = buffers_->activations.bytes();
   memory_.workspace = buffers_->workspace.bytes();
   memory_.linear_copies = buffers_->linear_scratch.bytes();
+  buffers_->scalings.initialize();
 
   const int64_t B = batch_;
   int fp8_index = 0;
@@ -177,7 +197,9 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
     setup.family = precision_.family;
     setup.fp8_wgrad = precision_.fp8_wgrad;
     if (decision.fp8) {
-      setup.scaling = buffers_->scaling + fp8_index++ * kernels::kLinearScalingFloats;
+      setup.scaling = buffers_->scalings.floats(fp8_index);
+      buffers_->scalings.add(spec.name, fp8_index, fp8_index);
+      ++fp8_index;
     }
     Linear linear{
         std::make_unique<kernels::CudaLinear>(setup, buffers_->gemm, buffers_->fp8_scratch),
@@ -186,22 +208,25 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
     memory_.linear_copies += linear.layer->device_bytes();
     buffers_->linears.emplace(spec.name, std::move(linear));
   }
-  if (fp8_index > 0) {
-    // Scale and inverse scale 1 until the first amax (tensorwise computes them every call).
-    std::vector<float> scaling(size_t(fp8_index) * kernels::kLinearScalingFloats, 0.0f);
-    for (size_t i = 0; i < scaling.size(); ++i) {
-      const auto slot = static_cast<int>(i % kernels::kScalingFloatsPerRole);
-      if (slot == kernels::kScaleSlot || slot == kernels::kScaleInvSlot) scaling[i] = 1.0f;
-    }
-    FP8T_CUDA_CHECK(cudaMemcpy(buffers_->scaling, scaling.data(), scaling.size() * sizeof(float),
-                               cudaMemcpyHostToDevice));
-  }
   FP8T_CUDA_CHECK(cudaMemsetAsync(parameters_, 0, layout_.total_bytes(), stream_));
   FP8T_CUDA_CHECK(cudaMemsetAsync(gradients_, 0, layout_.total_bytes(), stream_));
 }
 
 CudaFluxModel::~CudaFluxModel() {
   cudaStreamSynchronize(stream_);
+}
+
+void CudaFluxModel::end_step() {
+  weights_ready_ = false;
+  buffers_->scalings.end_step(stream_);
+}
+
+void CudaFluxModel::scalings_changed() {
+  buffers_->scalings.scalings_changed(stream_);
+}
+
+std::vector<std::pair<std::string, DelayedScaling*>> CudaFluxModel::delayed_scalings() {
+  return buffers_->scalings.delayed_scalings();
 }
 
 void CudaFluxModel::lay_out() {
@@ -312,9 +337,9 @@ void CudaFluxModel::lay_out() {
     max_rows =
         std::max(max_rows, flux_linear_rows(decision.linear, batch_, img_tokens_, txt_tokens_));
   }
+  b.scalings.take(b.linear_scratch, fp8_count);
   if (fp8_count > 0) {
     DeviceArena& scratch = b.linear_scratch;
-    b.scaling = scratch.take<float>(size_t(fp8_count) * kernels::kLinearScalingFloats);
     // The backward scratch fits the MLPs whole; the single blocks' linear1 and linear2 take
     // their tokens in chunks.
     b.fp8_scratch = kernels::take_fp8_scratch(scratch, precision_.fp8.recipe, max_rows, max_in,
@@ -378,19 +403,18 @@ std::vector<float> CudaFluxModel::prediction() const {
 
 void CudaFluxModel::prepare_weights() {
   for (auto& [name, linear] : buffers_->linears)
-    linear.layer->prepare_weight(linear.weight, /*record_amax=*/false, stream_, linear.bias);
+    linear.layer->prepare_weight(linear.weight, training_, stream_, linear.bias);
   weights_ready_ = true;
 }
 
 void CudaFluxModel::linear_forward(const std::string& name, const bf16* x, int64_t rows, bf16* y) {
-  linear(name).layer->forward(x, rows, y, /*record_amax=*/false, stream_);
+  linear(name).layer->forward(x, rows, y, training_, stream_);
 }
 
 void CudaFluxModel::linear_backward(const std::string& name, const bf16* dy, const bf16* x,
                                     int64_t rows, bf16* dx, bool accumulate_dx) {
   Linear& layer = linear(name);
-  layer.layer->backward(dy, x, rows, dx, accumulate_dx, layer.grad_weight,
-                        /*record_amax=*/false, stream_);
+  layer.layer->backward(dy, x, rows, dx, accumulate_dx, layer.grad_weight, training_, stream_);
   kernels::bias_backward(layer.grad_bias, dy, rows, layer.layer->out_features(),
                          buffers_->reduction, stream_);
 }
@@ -405,28 +429,35 @@ void CudaFluxModel::upload_inputs(const FluxInputs& inputs, const float* target)
   const int64_t img_count = B * Li * config_.in_channels;
   const int64_t txt_count = B * Lt * config_.context_in_dim;
   const int64_t y_count = B * config_.vec_in_dim;
-  const auto upload = [&](float* device, const float* host, int64_t count) {
-    FP8T_CUDA_CHECK(cudaMemcpyAsync(device, host, size_t(count) * sizeof(float),
+  FP8T_CUDA_CHECK(cudaEventSynchronize(b.staging_free));
+  float* staging = b.staging.data();
+  const auto send = [&](float* device, int64_t count) {
+    FP8T_CUDA_CHECK(cudaMemcpyAsync(device, staging, size_t(count) * sizeof(float),
                                     cudaMemcpyHostToDevice, stream_));
+    staging += count;
+  };
+  const auto upload = [&](float* device, const float* host, int64_t count) {
+    std::copy(host, host + count, staging);
+    send(device, count);
   };
   upload(b.img_f32, inputs.img, img_count);
   upload(b.txt_f32, inputs.txt, txt_count);
   upload(b.y_f32, inputs.y, y_count);
   upload(b.target, target, img_count);
+  // The sinusoids on the host (B values each), as the CPU model computes them.
+  const int64_t dim = config_.timestep_dim();
+  const float* scalars[] = {inputs.timesteps, inputs.guidance};
+  const int embedders = config_.guidance_embed ? 2 : 1;
+  for (int e = 0; e < embedders; ++e) {
+    ops::timestep_embedding(staging, scalars[e], B, dim);
+    send(b.sinusoid_f32[e], B * dim);
+  }
+  FP8T_CUDA_CHECK(cudaEventRecord(b.staging_free, stream_));
   kernels::cast_to_bf16(b.img, b.img_f32, img_count, stream_);
   kernels::cast_to_bf16(b.txt, b.txt_f32, txt_count, stream_);
   kernels::cast_to_bf16(b.embed_input[1], b.y_f32, y_count, stream_);
-
-  // The sinusoids on the host (B values each), as the CPU model computes them.
-  const int64_t dim = config_.timestep_dim();
-  std::vector<float> sinusoid(size_t(B * dim));
-  const float* scalars[] = {inputs.timesteps, inputs.guidance};
-  for (int e = 0; e < (config_.guidance_embed ? 2 : 1); ++e) {
-    ops::timestep_embedding(sinusoid.data(), scalars[e], B, dim);
-    upload(b.sinusoid_f32[e], sinusoid.data(), B * dim);
-    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));  // sinusoid is reused
+  for (int e = 0; e < embedders; ++e)
     kernels::cast_to_bf16(b.embed_input[e == 0 ? 0 : 2], b.sinusoid_f32[e], B * dim, stream_);
-  }
 
   // RoPE tables for [txt; img] (text ids zero), rebuilt when the image ids change.
   const int64_t L = tokens_, half = config_.head_dim() / 2;
@@ -444,7 +475,6 @@ void CudaFluxModel::upload_inputs(const FluxInputs& inputs, const float* target)
         cudaMemcpy(b.rope_sin, sin.data(), sin.size() * sizeof(float), cudaMemcpyHostToDevice));
     b.ids = ids;
   }
-  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));  // the host inputs may change after return
 }
 
 void CudaFluxModel::embedder_forward(const std::string& name, int index, bf16* out) {

@@ -12,6 +12,7 @@
 #include "core/device_arena.h"
 #include "core/error.h"
 #include "gemm/cublaslt_gemm.h"
+#include "models/cuda/linear_scalings.h"
 #include "models/cuda/parameter_copies.h"
 #include "ops/cross_entropy.h"
 #include "ops/cuda/attention_cudnn.h"
@@ -46,11 +47,8 @@ struct PinnedBuffer {
 }  // namespace
 
 struct CudaGptModel::Linear {
-  std::string weight;   // parameter name
-  int index = 0;        // FP8: its slice of the scaling floats
-  int input_index = 0;  // FP8: the slice whose input amax it records (q's for k and v)
+  std::string weight;  // parameter name
   std::unique_ptr<kernels::CudaLinear> layer;
-  std::vector<DelayedScaling> delayed;  // by TensorRole; delayed recipe only
 };
 
 // What one block saves for backward.
@@ -77,9 +75,7 @@ struct CudaGptModel::Buffers {
   gemm::CublasLtGemm gemm;
   kernels::CudnnAttention attention;
   std::map<std::string, Linear> linears;
-  float* scaling = nullptr;  // kLinearScalingFloats per FP8 linear
-  std::vector<float> scaling_host;
-  int fp8_linears = 0;
+  CudaLinearScalings scalings;
   kernels::Fp8Scratch fp8_scratch;
 
   PinnedBuffer<int32_t> idx_host, targets_host;
@@ -108,7 +104,8 @@ struct CudaGptModel::Buffers {
   bf16 *dq_lin = nullptr, *dk_lin = nullptr, *dvalue_embed = nullptr, *dfc_act = nullptr;
   bool forward_has_gradient = false;
 
-  explicit Buffers(size_t tokens) : idx_host(tokens), targets_host(tokens) {
+  Buffers(size_t tokens, const ModelPrecision& precision)
+      : scalings(precision.fp8, precision.family), idx_host(tokens), targets_host(tokens) {
     FP8T_CUDA_CHECK(cudaEventCreateWithFlags(&ids_copied, cudaEventDisableTiming));
   }
   ~Buffers() { cudaEventDestroy(ids_copied); }
@@ -129,7 +126,7 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
   FP8T_CHECK(tokens_ % 16 == 0,
              "the GPU path needs batch x sequence to be a multiple of 16, found {} x {}", batch,
              seq);
-  buffers_ = std::make_unique<Buffers>(static_cast<size_t>(tokens_));
+  buffers_ = std::make_unique<Buffers>(static_cast<size_t>(tokens_), precision_);
   linear_precision_ = decide_precision(config_, precision_.policy);
 
   layout_ = optim::device_parameter_layout(config_);
@@ -153,18 +150,8 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
                              cudaMemcpyHostToDevice));
   FP8T_CUDA_CHECK(cudaMemcpy(buffers_->rotary_sin, sin.data(), sin.size() * sizeof(float),
                              cudaMemcpyHostToDevice));
-  std::vector<float> initial_scaling(buffers_->scaling_host.size());
-  for (size_t i = 0; i < initial_scaling.size(); ++i) {
-    const auto slot = static_cast<int>(i % kernels::kScalingFloatsPerRole);
-    initial_scaling[i] =
-        slot == kernels::kScaleSlot || slot == kernels::kScaleInvSlot ? 1.0f : 0.0f;
-  }
-  buffers_->scaling_host = initial_scaling;
-  if (!initial_scaling.empty()) {
-    FP8T_CUDA_CHECK(cudaMemcpy(buffers_->scaling, initial_scaling.data(),
-                               initial_scaling.size() * sizeof(float), cudaMemcpyHostToDevice));
-  }
-  int fp8_index = 0;
+  buffers_->scalings.initialize();
+  std::map<std::string, int> fp8_index_of;  // linear name -> its scaling floats
   for (const LinearPrecision& decision : linear_precision_) {
     if (decision.linear.kind == ParamKind::Gate) continue;  // the gates are kernels of their own
     kernels::LinearSetup setup;
@@ -182,28 +169,22 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
                         decision.linear.name.ends_with("mlp.c_proj");
     Linear linear;
     linear.weight = decision.linear.name + ".weight";
-    // k and v read the input q has just quantized.
     const std::string& name = decision.linear.name;
-    if (decision.fp8 && (name.ends_with("attn.c_k") || name.ends_with("attn.c_v"))) {
-      const std::string q_name = name.substr(0, name.size() - 3) + "c_q";
-      const auto q = buffers_->linears.find(q_name);
-      if (q != buffers_->linears.end() && q->second.layer->fp8()) {
-        setup.input_from = q->second.layer.get();
-        linear.input_index = q->second.index;
-      }
-    }
     if (decision.fp8) {
-      linear.index = fp8_index++;
-      if (setup.input_from == nullptr) linear.input_index = linear.index;
-      setup.scaling = buffers_->scaling + linear.index * kernels::kLinearScalingFloats;
-      if (precision_.fp8.recipe == ScalingRecipe::Delayed) {
-        for (TensorRole role : {TensorRole::Input, TensorRole::Weight, TensorRole::GradOutput}) {
-          linear.delayed.emplace_back(
-              precision_.fp8.amax_history_len, precision_.fp8.amax_compute_algo,
-              precision_.fp8.margin, format_max(precision_.fp8.format_for(role, precision_.family)),
-              role);
+      const int index = static_cast<int>(fp8_index_of.size());
+      fp8_index_of[name] = index;
+      int input_index = index;
+      // k and v read the input q has just quantized.
+      if (name.ends_with("attn.c_k") || name.ends_with("attn.c_v")) {
+        const std::string q_name = name.substr(0, name.size() - 3) + "c_q";
+        const auto q = buffers_->linears.find(q_name);
+        if (q != buffers_->linears.end() && q->second.layer->fp8()) {
+          setup.input_from = q->second.layer.get();
+          input_index = fp8_index_of.at(q_name);
         }
       }
+      setup.scaling = buffers_->scalings.floats(index);
+      buffers_->scalings.add(name, index, input_index);
     }
     linear.layer =
         std::make_unique<kernels::CudaLinear>(setup, buffers_->gemm, buffers_->fp8_scratch);
@@ -298,11 +279,9 @@ void CudaGptModel::lay_out() {
     max_in = std::max(max_in, static_cast<size_t>(decision.linear.in_features));
     max_out = std::max(max_out, static_cast<size_t>(decision.linear.out_features));
   }
-  b.fp8_linears = fp8_count;
-  b.scaling_host.assign(static_cast<size_t>(fp8_count) * kernels::kLinearScalingFloats, 0.0f);
+  b.scalings.take(b.linear_scratch, fp8_count);
   if (fp8_count > 0) {
     DeviceArena& scratch = b.linear_scratch;
-    b.scaling = scratch.take<float>(b.scaling_host.size());
     // The backward scratch fits the MLP's layers whole; lm_head takes its tokens in chunks.
     b.fp8_scratch = kernels::take_fp8_scratch(scratch, precision_.fp8.recipe, tokens_,
                                               static_cast<int64_t>(max_in),
@@ -366,54 +345,15 @@ void CudaGptModel::prepare_weights() {
 
 void CudaGptModel::end_step() {
   weights_ready_ = false;
-  Buffers& b = *buffers_;
-  if (precision_.fp8.recipe != ScalingRecipe::Delayed || b.fp8_linears == 0) return;
-  // Fold the step's amaxes into the histories on the host (DelayedScaling, exactly as the CPU
-  // path), then hand the new scales back with the amaxes cleared.
-  FP8T_CUDA_CHECK(cudaMemcpyAsync(b.scaling_host.data(), b.scaling,
-                                  b.scaling_host.size() * sizeof(float), cudaMemcpyDeviceToHost,
-                                  stream_));
-  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  for (auto& [name, linear] : b.linears) {
-    for (size_t role = 0; role < linear.delayed.size(); ++role) {
-      // A shared input's amax is its owner's: the history stays as the CPU path's would.
-      const int source = role == size_t(TensorRole::Input) ? linear.input_index : linear.index;
-      const float* slots = b.scaling_host.data() + source * kernels::kLinearScalingFloats +
-                           role * kernels::kScalingFloatsPerRole;
-      DelayedScaling& state = linear.delayed[role];
-      state.record_amax(slots[kernels::kAmaxSlot]);
-      state.update();
-    }
-  }
-  scalings_changed();
+  buffers_->scalings.end_step(stream_);
 }
 
 void CudaGptModel::scalings_changed() {
-  Buffers& b = *buffers_;
-  for (auto& [name, linear] : b.linears) {
-    for (size_t role = 0; role < linear.delayed.size(); ++role) {
-      float* slots = b.scaling_host.data() + linear.index * kernels::kLinearScalingFloats +
-                     role * kernels::kScalingFloatsPerRole;
-      slots[kernels::kScaleSlot] = linear.delayed[role].scale();
-      slots[kernels::kScaleInvSlot] = linear.delayed[role].scale_inv();
-      slots[kernels::kAmaxSlot] = 0.0f;
-    }
-  }
-  if (b.scaling_host.empty()) return;
-  FP8T_CUDA_CHECK(cudaMemcpyAsync(b.scaling, b.scaling_host.data(),
-                                  b.scaling_host.size() * sizeof(float), cudaMemcpyHostToDevice,
-                                  stream_));
-  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));  // scaling_host may change after we return
+  buffers_->scalings.scalings_changed(stream_);
 }
 
 std::vector<std::pair<std::string, DelayedScaling*>> CudaGptModel::delayed_scalings() {
-  std::vector<std::pair<std::string, DelayedScaling*>> scalings;
-  constexpr const char* kRoles[] = {"input", "weight", "grad_output"};
-  for (auto& [name, linear] : buffers_->linears) {  // std::map: ordered by name, as the CPU's
-    for (size_t role = 0; role < linear.delayed.size(); ++role)
-      scalings.emplace_back(name + "." + kRoles[role], &linear.delayed[role]);
-  }
-  return scalings;
+  return buffers_->scalings.delayed_scalings();
 }
 
 void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with_gradient) {

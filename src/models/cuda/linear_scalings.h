@@ -1,0 +1,59 @@
+// The per-tensor scaling of a model's FP8 linears on the GPU path (CUDA builds only): the device
+// floats each CudaLinear reads and writes (ops/cuda/linear_cuda.h: kLinearScalingFloats per
+// linear) and, for delayed scaling, the host DelayedScaling objects of every linear and role,
+// the CPU path's, so that the scales are bit-identical to the CPU's for the same amaxes. Once
+// per optimizer step end_step() reads the step's amaxes back (one synchronization), folds them
+// into the histories and uploads the new scales with the amaxes cleared.
+#pragma once
+
+#include <map>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "core/device_arena.h"
+#include "numerics/scaling.h"
+
+namespace fp8t {
+
+class CudaLinearScalings {
+ public:
+  CudaLinearScalings(const Fp8Config& config, Fp8Family family)
+      : config_(config), family_(family) {}
+
+  // The floats of `linears` FP8 linears from `arena`: once from the planning arena, once more
+  // from the allocated one.
+  void take(DeviceArena& arena, int linears);
+  // Scales and inverse scales 1, amaxes 0 (synchronizes).
+  void initialize();
+  // The floats of linear `index` (0 .. linears − 1).
+  float* floats(int index) const;
+  // Delayed scaling only (a no-op otherwise): the histories of linear `name`, whose floats are
+  // `index`; its input amax is recorded in the floats of `input_index` (its own, or those of the
+  // linear whose input cast it shares).
+  void add(const std::string& name, int index, int input_index);
+
+  // Delayed: folds the step's amaxes into the histories and uploads the new scales.
+  void end_step(cudaStream_t stream);
+  // After the histories were loaded: uploads their scales, amaxes cleared (synchronizes).
+  void scalings_changed(cudaStream_t stream);
+  // "<linear>.<input|weight|grad_output>" by linear name, as the CPU models name them.
+  std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings();
+
+ private:
+  struct Linear {
+    int index = 0;
+    int input_index = 0;
+    std::vector<DelayedScaling> roles;  // by TensorRole
+  };
+
+  Fp8Config config_;
+  Fp8Family family_;
+  float* device_ = nullptr;
+  std::vector<float> host_;
+  std::map<std::string, Linear> delayed_;
+};
+
+}  // namespace fp8t
