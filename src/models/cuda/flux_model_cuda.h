@@ -9,8 +9,8 @@
 // allocation per category (core/device_arena.h), as the GPU GPT does.
 //
 // FP8 recipes: tensorwise, blockwise and mxfp8 (emulated). Delayed scaling is wired through
-// models/cuda/linear_scalings.h as in the GPU GPT but refused: its GPU test found one weight
-// gradient that does not follow the CPU model's yet.
+// models/cuda/linear_scalings.h as in the GPU GPT, and refused until its comparison with the CPU
+// model passes on a GPU.
 #pragma once
 
 #include <cstdint>
