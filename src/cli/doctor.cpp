@@ -6,6 +6,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/commands.h"
+#include "distributed/launch.h"
 #include "numerics/formats.h"
 #include "platform/device_info.h"
 
@@ -97,6 +98,7 @@ void print_text(const DeviceInfo& info, const FamilyChoice& choice, const Verdic
   line("cuBLASLt", library_text(info.libraries.cublaslt));
   line("cuDNN", library_text(info.libraries.cudnn));
   line("NCCL", library_text(info.libraries.nccl));
+  line("launch", distributed::detect_launch().describe());
   line("FP8 family",
        fmt::format("{} (auto for {}): forward {}, backward {}", family_name(choice.family),
                    choice.architecture, format_name(choice.forward_format),
@@ -115,6 +117,7 @@ nlohmann::json text_or_null(const std::string& text) {
 }
 
 void print_json(const DeviceInfo& info, const FamilyChoice& choice, const Verdict& verdict) {
+  const distributed::LaunchInfo launch = distributed::detect_launch();
   nlohmann::json gpus = nlohmann::json::array();
   bool fp8_gemm_available = false;
   for (const GpuInfo& gpu : info.gpus) {
@@ -136,6 +139,11 @@ void print_json(const DeviceInfo& info, const FamilyChoice& choice, const Verdic
       {"gpu_count", info.gpus.size()},
       {"gpus", gpus},
       {"fp8_gemm_available", fp8_gemm_available},
+      {"launch",
+       {{"launcher", launch.launcher},
+        {"rank", launch.rank},
+        {"world_size", launch.world_size},
+        {"local_rank", launch.local_rank}}},
       {"libraries",
        {{"cublaslt", library_json(info.libraries.cublaslt)},
         {"cudnn", library_json(info.libraries.cudnn)},
