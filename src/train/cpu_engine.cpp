@@ -1,6 +1,7 @@
 // The CPU path of the training loop: GptModel and GptOptimizer in host memory.
 #include <cmath>
 #include <memory>
+#include <utility>
 
 #include <fmt/format.h>
 
@@ -16,7 +17,8 @@ namespace {
 class CpuEngine final : public TrainingEngine {
  public:
   explicit CpuEngine(const EngineSetup& setup)
-      : plan_(plan_gpt_memory(setup.model, setup.batch, setup.seq)),
+      : communicator_(setup.communicator),
+        plan_(plan_gpt_memory(setup.model, setup.batch, setup.seq)),
         model_((check_memory_fits(plan_), setup.model), setup.batch, setup.seq, setup.precision),
         optimizer_(setup.model, setup.optimizer, setup.tokens_per_step) {
     for (const ParamSpec& spec : model_.gradients().specs()) {
@@ -43,14 +45,21 @@ class CpuEngine final : public TrainingEngine {
                         const optim::StepSchedule& schedule) override {
     model_.zero_gradients();
     StepResult result;
+    const int ranks = communicator_ != nullptr ? communicator_->size() : 1;
     for (int64_t micro = 0; micro < accumulation; ++micro) {
-      const data::TokenBatch batch = loader.next_batch();
+      const data::TokenBatch batch = this_ranks_batch(loader, ranks);
       result.loss += model_.forward(batch.inputs.data(), batch.targets.data());
       model_.backward();
     }
-    result.loss /= double(accumulation);
-    if (accumulation > 1) {  // the gradient of the mean over micro-batches
-      const float inverse = 1.0f / float(accumulation);
+    if (ranks > 1) {  // the sums over every rank's micro-batches
+      for (const optim::GradientSpan& span : gradient_spans_)
+        communicator_->sum(span.data, static_cast<size_t>(span.count));
+      communicator_->sum(&result.loss, 1);
+    }
+    const int64_t micro_batches = accumulation * ranks;
+    result.loss /= double(micro_batches);
+    if (micro_batches > 1) {  // the gradient of the mean over micro-batches
+      const float inverse = 1.0f / float(micro_batches);
       for (const optim::GradientSpan& span : gradient_spans_)
         for (int64_t i = 0; i < span.count; ++i)
           span.data[i] *= inverse;
@@ -83,6 +92,17 @@ class CpuEngine final : public TrainingEngine {
   void from_host() override { model_.weights_changed(); }
 
  private:
+  // The next `ranks` batches of the loader, of which this rank keeps its own.
+  data::TokenBatch this_ranks_batch(data::TokenLoader& loader, int ranks) const {
+    const int rank = communicator_ != nullptr ? communicator_->rank() : 0;
+    data::TokenBatch kept;
+    for (int r = 0; r < ranks; ++r) {
+      data::TokenBatch batch = loader.next_batch();
+      if (r == rank) kept = std::move(batch);
+    }
+    return kept;
+  }
+
   // Fails before allocating when the plan cannot fit in the memory the system has available.
   static void check_memory_fits(const GptMemoryPlan& plan) {
     const double available = available_memory_bytes();
@@ -97,6 +117,7 @@ class CpuEngine final : public TrainingEngine {
     }
   }
 
+  distributed::Communicator* communicator_;
   GptMemoryPlan plan_;
   GptModel model_;
   optim::GptOptimizer optimizer_;

@@ -63,8 +63,9 @@ double available_memory_bytes() {
   return proc_kib("/proc/meminfo", "MemAvailable");
 }
 
-RunLog::RunLog(const std::filesystem::path& run_folder, bool terminal)
-    : jsonl_path_(run_folder / "metrics.jsonl"), terminal_(terminal) {
+RunLog::RunLog(const std::filesystem::path& run_folder, bool terminal, bool writes)
+    : jsonl_path_(run_folder / "metrics.jsonl"), terminal_(terminal && writes), writes_(writes) {
+  if (!writes) return;
   jsonl_.open(jsonl_path_, std::ios::app);
   if (!jsonl_) throw Error(fmt::format("{}: cannot open for writing", jsonl_path_.string()));
 }
@@ -94,6 +95,7 @@ std::string RunLog::step_line(const StepMetrics& m) {
 }
 
 void RunLog::step(const StepMetrics& m, bool print) {
+  if (!writes_) return;
   nlohmann::json record = {
       {"step", m.step},
       {"total_steps", m.total_steps},
@@ -121,6 +123,7 @@ void RunLog::step(const StepMetrics& m, bool print) {
 }
 
 void RunLog::event(const std::string& kind, const std::string& message) {
+  if (!writes_) return;
   // Generated text can end inside a multi-byte character: store U+FFFD for broken bytes.
   jsonl_ << nlohmann::json{{"event", kind}, {"message", message}}.dump(
                 -1, ' ', false, nlohmann::json::error_handler_t::replace)

@@ -56,8 +56,9 @@ double available_memory_bytes();
 class RunLog {
  public:
   // Appends to RUN/metrics.jsonl (a resumed run continues the same file). `terminal`: draw a
-  // progress bar on stderr between the step lines.
-  RunLog(const std::filesystem::path& run_folder, bool terminal);
+  // progress bar on stderr between the step lines. `writes` false: a silent log, for the ranks
+  // of a data-parallel job other than rank 0.
+  RunLog(const std::filesystem::path& run_folder, bool terminal, bool writes = true);
   ~RunLog();
   RunLog(const RunLog&) = delete;
   RunLog& operator=(const RunLog&) = delete;
@@ -78,6 +79,7 @@ class RunLog {
   std::ofstream jsonl_;
   std::filesystem::path jsonl_path_;
   bool terminal_;
+  bool writes_;
   bool bar_drawn_ = false;
 };
 

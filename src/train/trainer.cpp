@@ -22,6 +22,7 @@
 #include "train/checkpoint.h"
 #include "train/flux_trainer.h"
 #include "train/run_log.h"
+#include "train/stop_signal.h"
 #include "train/training_engine.h"
 #include "train/training_loop.h"
 
@@ -152,12 +153,50 @@ fs::path cache_folder() {
   return ".fp8train-cache";
 }
 
-TrainOutcome run_training(const TrainConfig& config) {
-  if (config.is_flux()) return run_flux_training(config);
-  const fs::path run_folder = open_run_folder(config);
+// What data parallelism over several processes runs so far: the GPT on the CPU path, without
+// delayed scaling (its amaxes are not reduced over the ranks yet), and a global batch the ranks
+// share evenly.
+void check_data_parallel(const TrainConfig& config, int ranks) {
+  const std::string why = fmt::format("training over {} processes", ranks);
+  if (config.is_flux()) {
+    throw ConfigError(
+        fmt::format("model: {}: {} runs the GPT only so far", config.model.name, why));
+  }
+  if (use_cuda(config.run.device)) {
+    throw ConfigError(fmt::format(
+        "device: {} picks the GPU here; {} runs on the CPU path only so far (device: cpu)",
+        config.run.device == DeviceChoice::Auto ? "auto" : "cuda", why));
+  }
+  if (config.fp8_config().mode != Fp8Mode::None &&
+      config.fp8_config().recipe == ScalingRecipe::Delayed) {
+    throw ConfigError(fmt::format(
+        "fp8_recipe: delayed: {} needs the amaxes reduced over the ranks, not built yet", why));
+  }
+  const int64_t per_pass = config.training.micro_batch_size * ranks;
+  if (config.global_batch_size(ranks) % per_pass != 0) {
+    throw ConfigError(
+        fmt::format("global_batch_size: {} is not a multiple of micro_batch_size x ranks = {} x {}",
+                    config.global_batch_size(ranks), config.training.micro_batch_size, ranks));
+  }
+}
 
-  // Data and tokenizer.
-  const DataSources sources = find_data(config);
+TrainOutcome run_training(const TrainConfig& config) {
+  distributed::Communicator one_process{distributed::LaunchInfo{}};
+  return run_training(config, one_process);
+}
+
+TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& communicator) {
+  const bool several = communicator.several();
+  if (several) check_data_parallel(config, communicator.size());
+  if (config.is_flux()) return run_flux_training(config);
+  // Rank 0 prepares the run folder and the data (the built-in corpus is tokenized on first
+  // use) and prints; the others wait for it, then only read.
+  const bool leader = communicator.rank() == 0;
+  const fs::path run_folder = leader ? open_run_folder(config) : config.run_dir();
+  std::optional<DataSources> leader_sources;
+  if (leader) leader_sources = find_data(config);
+  communicator.barrier();
+  const DataSources sources = leader ? *leader_sources : find_data(config);
   const tokenizer::BpeTokenizer tokenizer = tokenizer::BpeTokenizer::load(sources.tokenizer);
   check_vocabulary(config, tokenizer, sources);
   const int64_t batch = config.training.micro_batch_size;
@@ -168,8 +207,9 @@ TrainOutcome run_training(const TrainConfig& config) {
   // Model and optimizer.
   const bool cuda = use_cuda(config.run.device);
   const GptConfig model_config = config.gpt_config();
-  const int64_t accumulation = config.grad_accum_steps(1);
-  const int64_t tokens_per_step = config.global_batch_size(1) * seq;
+  const int ranks = communicator.size();
+  const int64_t accumulation = config.grad_accum_steps(ranks);
+  const int64_t tokens_per_step = config.global_batch_size(ranks) * seq;
   EngineSetup setup;
   setup.model = model_config;
   setup.precision = model_precision(config, cuda);
@@ -177,6 +217,7 @@ TrainOutcome run_training(const TrainConfig& config) {
   setup.seq = seq;
   setup.optimizer = config.optimizer_settings();
   setup.tokens_per_step = tokens_per_step;
+  if (several) setup.communicator = &communicator;
   const std::unique_ptr<TrainingEngine> engine =
       cuda ? make_cuda_engine(setup) : make_cpu_engine(setup);
   const optim::LrSchedule schedule = config.lr_schedule();
@@ -184,19 +225,25 @@ TrainOutcome run_training(const TrainConfig& config) {
   const double flops_per_token = gpt_flops_per_token(model_config);
   const bool adamw = config.optimizer.kind == optim::OptimizerKind::AdamW;
 
-  fmt::print("model: depth {}, dim {}, {} heads, vocab {}, sequence {}; {:.2f}M parameters\n",
-             model_config.n_layer, model_config.n_embd, model_config.n_head,
-             model_config.vocab_size, seq,
-             double(ParameterSet::planned_bytes(model_config, DType::F32)) / 4e6);
-  fmt::print("precision: {}; {}\n", describe(setup.precision.fp8),
-             precision_summary(engine->linear_precision()));
-  print_emulation_note(setup.precision, cuda);
-  fmt::print(
-      "batch: {} x {} tokens per micro-batch, {} micro-batch(es) per step, {} tokens per "
-      "step; {} steps\n",
-      batch, seq, accumulation, tokens_per_step, total_steps);
-  fmt::print("memory plan: {}\n", engine->memory_plan());
-  fmt::print("data: {}\ndevice: {}\n", describe_data(loader, sources), engine->device_name());
+  if (leader) {
+    fmt::print("model: depth {}, dim {}, {} heads, vocab {}, sequence {}; {:.2f}M parameters\n",
+               model_config.n_layer, model_config.n_embd, model_config.n_head,
+               model_config.vocab_size, seq,
+               double(ParameterSet::planned_bytes(model_config, DType::F32)) / 4e6);
+    fmt::print("precision: {}; {}\n", describe(setup.precision.fp8),
+               precision_summary(engine->linear_precision()));
+    print_emulation_note(setup.precision, cuda);
+    fmt::print(
+        "batch: {} x {} tokens per micro-batch, {} micro-batch(es) per step{}, {} tokens per "
+        "step; {} steps\n",
+        batch, seq, accumulation,
+        several ? fmt::format(" on each of {} ranks ({}, data parallel)", ranks,
+                              communicator.launch().launcher)
+                : "",
+        tokens_per_step, total_steps);
+    fmt::print("memory plan: {}\n", engine->memory_plan());
+    fmt::print("data: {}\ndevice: {}\n", describe_data(loader, sources), engine->device_name());
+  }
 
   // Checkpoint contents: views of the model's, the optimizer's and the FP8 state.
   ScalingStateBuffers scaling(engine->delayed_scalings());
@@ -222,6 +269,7 @@ TrainOutcome run_training(const TrainConfig& config) {
              total_steps);
 
   const auto save = [&](int64_t at_step, double train_seconds) {
+    if (!leader) return;  // every rank holds the same weights and optimizer state
     engine->to_host();
     save_run_checkpoint(run_folder, config, at_step,
                         {{"data_position", loader.position()},
@@ -232,7 +280,7 @@ TrainOutcome run_training(const TrainConfig& config) {
 
   // Validation: the same batches from the start of the validation shards at every evaluation.
   const auto validation_loss = [&]() -> std::optional<double> {
-    if (sources.val_shards.empty() || config.run.eval_iters <= 0) return std::nullopt;
+    if (!leader || sources.val_shards.empty() || config.run.eval_iters <= 0) return std::nullopt;
     data::TokenLoader val_loader(sources.val_shards,
                                  {.batch = batch, .sequence = seq, .seed = seed});
     double sum = 0.0;
@@ -241,8 +289,9 @@ TrainOutcome run_training(const TrainConfig& config) {
     return sum / double(config.run.eval_iters);
   };
 
-  RunLog log(run_folder, ::isatty(STDERR_FILENO) != 0);
+  RunLog log(run_folder, ::isatty(STDERR_FILENO) != 0, /*writes=*/leader);
   TrainingLoop loop = training_loop_for(config);
+  if (several) loop.stop_signal = [&] { return communicator.max(StopSignal::received()); };
   loop.tokens_per_step = double(tokens_per_step);
   loop.flops_per_token = flops_per_token;
   if (cuda) loop.peak_flops = kGpuPeakFlops;
@@ -264,7 +313,7 @@ TrainOutcome run_training(const TrainConfig& config) {
   outcome.last_val_loss = done.last_val_loss;
   outcome.stop_signal = done.stop_signal;
 
-  if (outcome.stop_signal == 0 && config.run.sample_tokens > 0) {
+  if (leader && outcome.stop_signal == 0 && config.run.sample_tokens > 0) {
     const std::string prompt_text = "The";
     std::vector<int32_t> prompt = tokenizer.encode_document(prompt_text);
     SamplingOptions options;

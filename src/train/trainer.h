@@ -9,6 +9,7 @@
 #include <string>
 
 #include "config/train_config.h"
+#include "distributed/communicator.h"
 
 namespace fp8t::train {
 
@@ -29,5 +30,10 @@ std::filesystem::path cache_folder();
 // stdout. Throws fp8t::Error (ConfigError for settings that cannot work together) naming the
 // file, key or value at fault.
 TrainOutcome run_training(const TrainConfig& config);
+// The same as one rank of a data-parallel job (communicator.several()): every rank trains the
+// same model on its share of each step's micro-batches; rank 0 alone prints, writes the run
+// folder and checkpoints, and evaluates. So far the GPT on the CPU path, without delayed
+// scaling (ConfigError otherwise).
+TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& communicator);
 
 }  // namespace fp8t::train

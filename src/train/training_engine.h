@@ -13,6 +13,7 @@
 
 #include "config/train_config.h"
 #include "data/token_loader.h"
+#include "distributed/communicator.h"
 #include "models/gpt_memory.h"
 #include "models/gpt_model.h"
 #include "optim/gpt_optimizer.h"
@@ -33,8 +34,10 @@ class TrainingEngine {
   virtual double peak_memory_bytes() const = 0;
   virtual const std::vector<LinearPrecision>& linear_precision() const = 0;
 
-  // One optimizer step: `accumulation` micro-batches from the loader, their mean gradient,
-  // the global norm (clipped to clip_grad when > 0) and, when it is finite, the update.
+  // One optimizer step: `accumulation` micro-batches from the loader (with R ranks, micro-batch
+  // m of this rank is the loader's m·R + rank: R times as many are read), their mean gradient
+  // over all ranks, the global norm (clipped to clip_grad when > 0) and, when it is finite, the
+  // update.
   virtual StepResult train_step(data::TokenLoader& loader, int64_t accumulation, double clip_grad,
                                 const optim::StepSchedule& schedule) = 0;
   // The loss of one batch, without gradients and without touching the FP8 scaling state.
@@ -57,6 +60,9 @@ struct EngineSetup {
   int64_t seq = 0;
   optim::OptimizerSettings optimizer;
   int64_t tokens_per_step = 0;
+  // Data parallelism (the CPU engine): each rank takes its share of a step's micro-batches and
+  // the gradients are summed over the ranks before the update. Null: one process.
+  distributed::Communicator* communicator = nullptr;
 };
 
 // The CPU path. Throws ConfigError when the plan does not fit in the available memory.

@@ -146,9 +146,10 @@ LoopOutcome run_training_loop(const TrainingLoop& loop, int64_t steps_done, doub
 
     if (saved_on_schedule(step)) loop.save(step, train_seconds);
     if (loop.after_step) loop.after_step(step);
-    if (StopSignal::received() != 0) {
+    const int stop = loop.stop_signal ? loop.stop_signal() : StopSignal::received();
+    if (stop != 0) {
       if (!saved_on_schedule(step)) loop.save(step, train_seconds);
-      outcome.stop_signal = StopSignal::received();
+      outcome.stop_signal = stop;
       log.event("interrupted", fmt::format("stopped by signal {} after step {}; checkpoint saved "
                                            "in {}; continue with --resume-from-step={}",
                                            outcome.stop_signal, step,

@@ -73,6 +73,9 @@ struct TrainingLoop {
   std::function<void(int64_t steps_done, double train_seconds)> save;
   // After each step's log line and checkpoint; may be empty.
   std::function<void(int64_t steps_done)> after_step;
+  // The stop signal received so far (0: none); empty: this process's. Several ranks must agree
+  // on it, so that all stop after the same step.
+  std::function<int()> stop_signal;
 };
 
 // The loop's settings from the run keys (train_iters, log_every, eval_every, save_every).
