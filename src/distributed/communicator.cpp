@@ -78,6 +78,10 @@ int Communicator::max(int value) {
   return value;
 }
 
+void Communicator::max(float* values, size_t count) {
+  if (several()) all_reduce(values, count, MPI_FLOAT, MPI_MAX);
+}
+
 void Communicator::barrier() {
   if (several()) check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
 }
@@ -104,6 +108,7 @@ void Communicator::sum(double*, size_t) {}
 int Communicator::max(int value) {
   return value;
 }
+void Communicator::max(float*, size_t) {}
 void Communicator::barrier() {}
 void Communicator::abort(int code) {
   std::exit(code);

@@ -29,6 +29,7 @@ class Communicator {
   void sum(float* values, size_t count);
   void sum(double* values, size_t count);
   int max(int value);
+  void max(float* values, size_t count);
   void barrier();
   // Ends the whole job with `code`: with several ranks through MPI, so that no rank waits
   // forever for one that failed.

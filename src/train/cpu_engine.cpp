@@ -2,6 +2,7 @@
 #include <cmath>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -68,6 +69,7 @@ class CpuEngine final : public TrainingEngine {
                                        : optim::global_norm(gradient_spans_);
     if (std::isfinite(result.grad_norm)) {
       optimizer_.step(model_.parameters(), model_.gradients(), schedule);
+      if (ranks > 1) reduce_amaxes();
       model_.end_step();
     }
     return result;
@@ -101,6 +103,20 @@ class CpuEngine final : public TrainingEngine {
       if (r == rank) kept = std::move(batch);
     }
     return kept;
+  }
+
+  // Delayed scaling: every rank folds the largest amax any rank saw into its histories, so the
+  // scales stay the same on every rank (a tensor that ran on no rank still records nothing).
+  void reduce_amaxes() {
+    const auto scalings = model_.delayed_scalings();
+    if (scalings.empty()) return;
+    std::vector<float> amaxes;
+    for (const auto& [name, scaling] : scalings)
+      amaxes.push_back(scaling->pending_amax());
+    communicator_->max(amaxes.data(), amaxes.size());
+    for (size_t i = 0; i < scalings.size(); ++i) {
+      if (amaxes[i] != 0.0f) scalings[i].second->record_amax(amaxes[i]);
+    }
   }
 
   // Fails before allocating when the plan cannot fit in the memory the system has available.

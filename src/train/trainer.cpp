@@ -153,9 +153,8 @@ fs::path cache_folder() {
   return ".fp8train-cache";
 }
 
-// What data parallelism over several processes runs so far: the GPT on the CPU path, without
-// delayed scaling (its amaxes are not reduced over the ranks yet), and a global batch the ranks
-// share evenly.
+// What data parallelism over several processes runs so far: the GPT on the CPU path, with a
+// global batch the ranks share evenly.
 void check_data_parallel(const TrainConfig& config, int ranks) {
   const std::string why = fmt::format("training over {} processes", ranks);
   if (config.is_flux()) {
@@ -166,11 +165,6 @@ void check_data_parallel(const TrainConfig& config, int ranks) {
     throw ConfigError(fmt::format(
         "device: {} picks the GPU here; {} runs on the CPU path only so far (device: cpu)",
         config.run.device == DeviceChoice::Auto ? "auto" : "cuda", why));
-  }
-  if (config.fp8_config().mode != Fp8Mode::None &&
-      config.fp8_config().recipe == ScalingRecipe::Delayed) {
-    throw ConfigError(fmt::format(
-        "fp8_recipe: delayed: {} needs the amaxes reduced over the ranks, not built yet", why));
   }
   const int64_t per_pass = config.training.micro_batch_size * ranks;
   if (config.global_batch_size(ranks) % per_pass != 0) {

@@ -32,8 +32,8 @@ std::filesystem::path cache_folder();
 TrainOutcome run_training(const TrainConfig& config);
 // The same as one rank of a data-parallel job (communicator.several()): every rank trains the
 // same model on its share of each step's micro-batches; rank 0 alone prints, writes the run
-// folder and checkpoints, and evaluates. So far the GPT on the CPU path, without delayed
-// scaling (ConfigError otherwise).
+// folder and checkpoints, and evaluates. So far the GPT on the CPU path (ConfigError
+// otherwise).
 TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& communicator);
 
 }  // namespace fp8t::train
