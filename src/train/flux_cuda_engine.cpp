@@ -139,7 +139,6 @@ class FluxCudaEngine final : public FluxEngine {
   void from_host() override {
     model_.upload_parameters(host_parameters_);
     optimizer_.upload_state(host_optimizer_);
-    model_.weights_changed();
     model_.scalings_changed();
   }
 

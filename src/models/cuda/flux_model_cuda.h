@@ -59,7 +59,8 @@ class CudaFluxModel {
   float* parameters() const { return parameters_; }
   float* gradients() const { return gradients_; }
   const optim::DeviceParameterLayout& layout() const { return layout_; }
-  // Copies between a host FluxParameterSet (f32) and the device (synchronizes).
+  // Copies between a host FluxParameterSet (f32) and the device (synchronizes); an upload makes
+  // the next forward cast the weights again.
   void upload_parameters(const FluxParameterSet& host);
   void download_parameters(FluxParameterSet& host) const;
   void download_gradients(FluxParameterSet& host) const;
@@ -82,7 +83,6 @@ class CudaFluxModel {
   // Once per optimizer step, after the weights changed: the delayed-scaling update (one
   // synchronization) and the weight casts of the next forward.
   void end_step();
-  void weights_changed() { weights_ready_ = false; }
   // Training records the amaxes delayed scaling learns from; evaluation leaves them alone.
   void set_training(bool training) { training_ = training; }
   // Host delayed-scaling state, named as FluxModel::delayed_scalings(); the trainer saves and

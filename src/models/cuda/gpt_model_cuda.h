@@ -65,7 +65,8 @@ class CudaGptModel {
   float* parameters() const { return parameters_; }
   float* gradients() const { return gradients_; }
   const optim::DeviceParameterLayout& layout() const { return layout_; }
-  // Copies between a host ParameterSet (f32) and the device parameters (synchronizes).
+  // Copies between a host ParameterSet (f32) and the device parameters (synchronizes); an upload
+  // makes the next forward cast the weights again.
   void upload_parameters(const ParameterSet& host);
   void download_parameters(ParameterSet& host) const;
   void download_gradients(ParameterSet& host) const;
@@ -88,9 +89,6 @@ class CudaGptModel {
   // step's amaxes back: one synchronization) and the weight casts of the next forward.
   void end_step();
   void set_training(bool training) { training_ = training; }
-  // After the weights were replaced: re-cast them on the next forward, without a delayed-
-  // scaling update.
-  void weights_changed() { weights_ready_ = false; }
   // Host delayed-scaling state, named as GptModel::delayed_scalings(); the trainer saves and
   // loads it. After load_state on these, call scalings_changed().
   std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings();

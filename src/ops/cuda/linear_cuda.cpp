@@ -167,23 +167,15 @@ void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole rol
     }
     return;
   }
-  const auto input = role == TensorRole::Input && setup_.input_relu2 ? fp8t::cuda::CastInput::Relu2
-                                                                     : fp8t::cuda::CastInput::Value;
+  const fp8t::cuda::CastInput input = cast_input(role);
   float* scale = slot(role, kScaleSlot);
-  float* amax = slot(role, kAmaxSlot);
   float* recorded = nullptr;
   if (config.recipe == ScalingRecipe::Tensorwise) {
-    // Current scaling: this tensor's own amax, then its scale, all on the device.
-    if (source == ScaleSource::Measure) {
-      FP8T_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
-      fp8t::cuda::amax(x, rows * cols, amax, stream, input);
-    }
-    if (source != ScaleSource::Reuse) {
-      fp8t::cuda::scale_from_amax(amax, format_max(format), config.use_power_of_2_scales(),
-                                  config.amax_epsilon, scale, slot(role, kScaleInvSlot), stream);
-    }
+    if (source != ScaleSource::Reuse)
+      tensorwise_scale(x, rows * cols, role, source == ScaleSource::Measured, stream);
   } else if (record_amax && source == ScaleSource::Measure) {
-    recorded = amax;  // delayed: the history's scale; this amax feeds the next update
+    // Delayed: the history's scale; this amax feeds the next update.
+    recorded = slot(role, kAmaxSlot);
   }
   if (out_t != nullptr) {
     fp8t::cuda::quantize_transpose(x, rows, cols, scale, format, out, out_t, recorded, stream,
@@ -191,6 +183,20 @@ void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole rol
   } else {
     fp8t::cuda::quantize(x, rows * cols, scale, format, out, recorded, stream, input);
   }
+}
+
+template <typename T>
+void CudaLinear::tensorwise_scale(const T* x, int64_t count, TensorRole role, bool amax_measured,
+                                  cudaStream_t stream) {
+  const Fp8Config& config = setup_.fp8_config;
+  float* amax = slot(role, kAmaxSlot);
+  if (!amax_measured) {
+    FP8T_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+    fp8t::cuda::amax(x, count, amax, stream, cast_input(role));
+  }
+  fp8t::cuda::scale_from_amax(amax, format_max(config.format_for(role, setup_.family)),
+                              config.use_power_of_2_scales(), config.amax_epsilon,
+                              slot(role, kScaleSlot), slot(role, kScaleInvSlot), stream);
 }
 
 FusedCast CudaLinear::fused_input_cast(bool record_amax, cudaStream_t stream) {
@@ -358,14 +364,7 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
   if (chunk < tokens && setup_.fp8_config.recipe == ScalingRecipe::Tensorwise) {
     // Every chunk takes the whole dy's scale, as one cast would.
     const PhaseScope timed(StepPhase::Quantization, stream);
-    const Fp8Format format = setup_.fp8_config.format_for(TensorRole::GradOutput, setup_.family);
-    float* amax = slot(TensorRole::GradOutput, kAmaxSlot);
-    FP8T_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
-    fp8t::cuda::amax(dy, tokens * out, amax, stream);
-    fp8t::cuda::scale_from_amax(amax, format_max(format), setup_.fp8_config.use_power_of_2_scales(),
-                                setup_.fp8_config.amax_epsilon,
-                                slot(TensorRole::GradOutput, kScaleSlot),
-                                slot(TensorRole::GradOutput, kScaleInvSlot), stream);
+    tensorwise_scale(dy, tokens * out, TensorRole::GradOutput, /*amax_measured=*/false, stream);
     grad_scale = ScaleSource::Reuse;
   }
   for (int64_t first = 0; first < tokens; first += chunk) {

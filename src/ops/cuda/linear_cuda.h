@@ -31,6 +31,7 @@
 #include "core/device_buffer.h"
 #include "gemm/cublaslt_gemm.h"
 #include "numerics/float_bits.h"
+#include "numerics/quantize_cuda.h"
 #include "numerics/scaling.h"
 #include "ops/cuda/ops_cuda.h"
 #include "ops/fp8_linear_layout.h"
@@ -167,6 +168,16 @@ class CudaLinear {
   void quantize(const T* x, int64_t rows, int64_t cols, TensorRole role, uint8_t* out,
                 uint8_t* out_t, ScaleSource source, bool record_amax, cudaStream_t stream,
                 float* scales = nullptr, float* scales_t = nullptr);
+  // Tensorwise: the role's scale from the amax of x [count] (measured here, or already in the
+  // slot when amax_measured), on the device.
+  template <typename T>
+  void tensorwise_scale(const T* x, int64_t count, TensorRole role, bool amax_measured,
+                        cudaStream_t stream);
+  // What a per-tensor cast of `role` reads: relu² of the given input for input_relu2 layers.
+  fp8t::cuda::CastInput cast_input(TensorRole role) const {
+    return role == TensorRole::Input && setup_.input_relu2 ? fp8t::cuda::CastInput::Relu2
+                                                           : fp8t::cuda::CastInput::Value;
+  }
   // Backward: x̂ᵗ of the forward's input rows [first_row, first_row + rows) (x points at the
   // first) into the scratch, or, for a layer sharing its input, the check that its owner has
   // just put those rows there.
