@@ -9,8 +9,8 @@ shift || true
 if ! command -v nvcc >/dev/null && [[ -x /usr/local/cuda/bin/nvcc ]]; then
   export PATH="/usr/local/cuda/bin:$PATH"
 fi
-# Without MPI: the bundle would have to carry OpenMPI's libraries and plugins, and the GPU path
-# runs one process so far.
+# Without MPI: the bundle would have to carry OpenMPI's libraries and plugins; ranks started by
+# --nproc-per-node meet over TCP and the GPUs talk through NCCL (the host's libnccl).
 cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DFP8TRAIN_CUDA=ON -DFP8TRAIN_MPI=OFF "$@"
 cmake --build build-gpu --parallel "$(nproc)"
 rm -rf "$dest" && mkdir -p "$dest/lib"

@@ -1,9 +1,11 @@
 // `fp8train bench gpt` and `bench flux`: training steps on the GPU with random inputs, timed with
-// CUDA events.
+// CUDA events. `bench gpt` also runs data-parallel (one rank per GPU, gradients through NCCL).
 #include <algorithm>
 #include <array>
 #include <cmath>
+#include <cstdio>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -12,6 +14,7 @@
 
 #include "cli/commands.h"
 #include "core/error.h"
+#include "distributed/communicator.h"
 #include "models/flux_config.h"
 #include "models/flux_model.h"
 #include "models/gpt_config.h"
@@ -28,8 +31,13 @@
 #include "core/phase_timer.h"
 #include "models/cuda/flux_model_cuda.h"
 #include "models/cuda/gpt_model_cuda.h"
+#include "ops/cuda/gpt_gates.h"
 #include "optim/cuda/adamw_cuda.h"
 #include "optim/cuda/gpu_optimizer.h"
+#include "train/training_engine.h"
+#if FP8TRAIN_WITH_NCCL
+#include "distributed/nccl_group.h"
+#endif
 #endif
 
 namespace fp8t::cli {
@@ -163,8 +171,50 @@ void time_steps(const BenchTiming& timing, cudaStream_t stream, const StepParts&
   }
 }
 
+// Data parallelism in `bench gpt`: what a training step adds on each rank, the NCCL sums of the
+// gradients (after the backward or overlapped with it, as the training engine's) and of the
+// delayed-scaling amaxes. Without NCCL, or with one rank: nothing.
+struct BenchRanks {
+  int count = 1;
+  bool overlap = false;  // --overlap-grad-reduce
+#if FP8TRAIN_WITH_NCCL
+  distributed::NcclGroup* nccl = nullptr;
+#endif
+
+  // Before the steps, with overlap: the backward hands each finished range of gradients to NCCL.
+  void attach(CudaGptModel& model, cudaStream_t stream) const {
+#if FP8TRAIN_WITH_NCCL
+    if (nccl == nullptr || !overlap) return;
+    model.set_gradients_ready([this, &model, stream](int64_t offset, int64_t elements) {
+      nccl->sum_after(model.gradients() + offset, static_cast<size_t>(elements), stream);
+    });
+#else
+    (void)model, (void)stream;
+#endif
+  }
+
+  // Before the optimizer: the mean gradient of every rank's, the largest amaxes.
+  void reduce(CudaGptModel& model, cudaStream_t stream) const {
+#if FP8TRAIN_WITH_NCCL
+    if (nccl == nullptr) return;
+    if (overlap) {
+      nccl->join(stream);
+    } else {
+      nccl->sum(model.gradients(), static_cast<size_t>(model.layout().total_elements), stream);
+    }
+    ops::cuda::scale_f32(model.gradients(), 1.0f / float(count), model.layout().total_elements,
+                         stream);
+    if (!model.delayed_scalings().empty()) {
+      nccl->max(model.scalings().device_floats(), model.scalings().float_count(), stream);
+    }
+#else
+    (void)model, (void)stream;
+#endif
+  }
+};
+
 Measurement measure(const BenchGptOptions& options, const GptConfig& config, bool fp8,
-                    ScalingRecipe recipe, cudaStream_t stream) {
+                    ScalingRecipe recipe, const BenchRanks& ranks, cudaStream_t stream) {
   const GptPrecision precision = bench_precision(fp8, options.fp8, recipe);
   const int64_t batch = options.batch, seq = options.sequence_len, tokens = batch * seq;
   Measurement result;
@@ -179,6 +229,7 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, boo
     model.upload_parameters(parameters);
   }
   result.fp8_layers = precision_summary(model.linear_precision());
+  ranks.attach(model, stream);
 
   std::mt19937 generator(7);
   std::uniform_int_distribution<int32_t> token(0, config.vocab_size - 1);
@@ -203,6 +254,7 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, boo
               .backward = [&] { model.backward(); },
               .optimize =
                   [&] {
+                    ranks.reduce(model, stream);
                     optimizer.global_norm(model.gradients(), count, norm, stream);
                     optimizer.step(model.parameters(), model.gradients(), schedule, stream);
                     model.end_step();
@@ -210,8 +262,8 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, boo
              result);
   result.final_loss = model.loss_value();
   cudaFree(norm);
-  result.throughput = double(tokens) / (result.step_ms * 1e-3);
-  result.mfu = result.throughput * gpt_flops_per_token(config) / kBf16PeakFlops;
+  result.throughput = double(tokens) * ranks.count / (result.step_ms * 1e-3);
+  result.mfu = result.throughput / ranks.count * gpt_flops_per_token(config) / kBf16PeakFlops;
   return result;
 }
 
@@ -354,6 +406,25 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
 int run_bench_gpt(const BenchGptOptions& options) {
   const std::vector<GpuInfo> gpus = query_gpus();
   if (gpus.empty()) throw Error("bench gpt: no CUDA GPU is visible");
+  // Started as one of several ranks (--nproc-per-node, mpirun, srun): each times the same
+  // micro-batch on its own GPU and reduces the gradients with the others; rank 0 prints.
+  distributed::Communicator communicator(distributed::detect_launch(), 0);
+  BenchRanks ranks;
+  ranks.count = communicator.size();
+  ranks.overlap = options.overlap_grad_reduce;
+#if FP8TRAIN_WITH_NCCL
+  std::unique_ptr<distributed::NcclGroup> nccl;
+  if (communicator.several()) {
+    train::training_gpu(communicator.launch().local_rank);
+    nccl = std::make_unique<distributed::NcclGroup>(communicator);
+    ranks.nccl = nccl.get();
+  }
+#else
+  if (communicator.several()) throw Error("bench gpt: several ranks need NCCL, not in this build");
+#endif
+  if (communicator.rank() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) {
+    throw Error("bench gpt: cannot silence the output of the ranks after the first");
+  }
   GptConfig config = GptConfig::from_depth(options.depth);
   config.vocab_size = options.vocab_size;
   config.sequence_len = options.sequence_len;
@@ -363,17 +434,23 @@ int run_bench_gpt(const BenchGptOptions& options) {
   fmt::print(
       "bench gpt: depth {}, dim {}, {} heads, vocab {}, sequence {}, windows {}, micro-batch {} "
       "({} tokens), {:.3f}B parameters, {:.4g} FLOPs/token; MuonAdamW, random tokens; {} "
-      "warm-up + {} timed steps\nGPU: {} ({})\n",
+      "warm-up + {} timed steps\nGPU: {} ({}){}\n",
       config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.sequence_len,
       config.window_pattern, options.batch, options.batch * config.sequence_len,
       double(ParameterSet::planned_bytes(config, DType::F32)) / 4e9, flops_per_token,
-      options.timing.warmup, options.timing.steps, gpus[0].name, gpus[0].architecture());
+      options.timing.warmup, options.timing.steps, gpus[0].name, gpus[0].architecture(),
+      ranks.count > 1
+          ? fmt::format(" x {} ranks, data parallel (NCCL all-reduce of the fp32 gradients, {}); "
+                        "tokens/s of all ranks, memory of rank 0",
+                        ranks.count,
+                        ranks.overlap ? "overlapped with the backward" : "after the backward")
+          : "");
 
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const std::vector<Measurement> results = measure_runs(
       options.precisions, options.fp8_recipes, "tokens/s", [&](bool fp8, ScalingRecipe recipe) {
-        return measure(options, config, fp8, recipe, stream);
+        return measure(options, config, fp8, recipe, ranks, stream);
       });
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
   print_results(results, "tokens/s", options.timing);

@@ -114,6 +114,7 @@ struct BenchGptOptions {
   std::vector<std::string> fp8_recipes = {"tensorwise"};  // each, for the fp8 precision
   std::string fp8 = "hybrid";                             // fp8 formats: hybrid or e4m3
   BenchTiming timing;
+  bool overlap_grad_reduce = false;  // with several ranks (--nproc-per-node)
 };
 
 // Times training steps of the GPT on the GPU (docs/benchmarks.md): step ms (median), tokens/s,
@@ -176,8 +177,12 @@ struct DataCheckOptions {
 int run_data_check(const DataCheckOptions& options);
 
 // Runs the training job configured by `args` (--config FILE and overrides, see
-// load_train_config). kExitOk when it ran to the end; 128 + the signal after SIGINT or SIGTERM
-// (a checkpoint was saved).
+// load_train_config), as one process or as one rank of a job a launcher started. kExitOk when
+// it ran to the end; 128 + the signal after SIGINT or SIGTERM (a checkpoint was saved).
 int run_train(const std::vector<std::string>& args);
+
+// `--nproc-per-node N`: N ranks of `fp8train ARGUMENTS...` on this node
+// (distributed/local_ranks.h); their exit code. Refused in a process that already is a rank.
+int run_local_ranks(int processes, const std::vector<std::string>& arguments);
 
 }  // namespace fp8t::cli

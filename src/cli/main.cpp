@@ -9,10 +9,37 @@
 #include <CLI/CLI.hpp>
 
 #include "cli/commands.h"
+#include "config/train_config.h"
+
+namespace {
+
+// The command line of each rank --nproc-per-node starts: this one without that option.
+std::vector<std::string> without_nproc_per_node(int argc, char** argv) {
+  std::vector<std::string> arguments;
+  for (int i = 1; i < argc; ++i) {
+    const std::string argument = argv[i];
+    if (argument == "--nproc-per-node") {
+      ++i;  // and its value
+    } else if (!argument.starts_with("--nproc-per-node=")) {
+      arguments.push_back(argument);
+    }
+  }
+  return arguments;
+}
+
+}  // namespace
 
 int main(int argc, char** argv) {
   CLI::App app{"fp8train: FP8 training engine", "fp8train"};
   app.set_version_flag("--version", "fp8train " FP8TRAIN_VERSION);
+  // `train` and `bench gpt` run data-parallel: N ranks on this node.
+  int nproc_per_node = 0;
+  const auto add_nproc_per_node = [&nproc_per_node](CLI::App* command) {
+    command
+        ->add_option("--nproc-per-node", nproc_per_node,
+                     "Start N ranks of this command on this node (data parallel, one GPU each)")
+        ->check(CLI::Range(1, 1024));
+  };
   app.require_subcommand(1);
 
   fp8t::cli::DoctorOptions doctor_options;
@@ -173,6 +200,9 @@ int main(int argc, char** argv) {
   };
   add_run_options(bench_gpt, bench_options.precisions, bench_options.fp8_recipes, bench_options.fp8,
                   bench_options.timing);
+  add_nproc_per_node(bench_gpt);
+  bench_gpt->add_flag("--overlap-grad-reduce", bench_options.overlap_grad_reduce,
+                      "With several ranks: sum each block's gradients while the backward goes on");
 
   fp8t::cli::BenchFluxOptions bench_flux_options;
   CLI::App* bench_flux = bench->add_subcommand(
@@ -210,7 +240,8 @@ int main(int argc, char** argv) {
   CLI::App* train = app.add_subcommand(
       "train",
       "Train the GPT or a Flux model: a YAML experiment (--config FILE) and overrides of any key");
-  train->allow_extras();  // every argument goes to the configuration's parser
+  train->allow_extras();  // every other argument goes to the configuration's parser
+  add_nproc_per_node(train);
   train->footer(
       "Arguments: --config FILE, then overrides --key=value, --key value, --flag, and nanochat's "
       "flags (--depth=24 --fp8 --run=NAME --resume-from-step=N --device-batch-size=16). See "
@@ -311,6 +342,10 @@ int main(int argc, char** argv) {
     if (*doctor) return fp8t::cli::run_doctor(doctor_options);
     if (*model) return fp8t::cli::run_model_summary(model_options);
     if (*tokenize) return fp8t::cli::run_tokenize(tokenize_options);
+    if (nproc_per_node > 0) {
+      if (*train) fp8t::load_train_config(train->remaining());  // an error once, not per rank
+      return fp8t::cli::run_local_ranks(nproc_per_node, without_nproc_per_node(argc, argv));
+    }
     if (*train) return fp8t::cli::run_train(train->remaining());
     if (*sample) return fp8t::cli::run_sample(sample_options);
     if (*plot) return fp8t::cli::run_plot(plot_options);

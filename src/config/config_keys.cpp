@@ -458,6 +458,11 @@ std::vector<ConfigKey> build_keys() {
       "Where to train: cuda (the GPU path), cpu (the reference path), auto: cuda when a GPU is "
       "present, else cpu.",
       {}, kDeviceAdvice));
+  keys.push_back(boolean_key(
+      "overlap_grad_reduce", S::Run, [](auto& c) -> auto& { return c.run.overlap_grad_reduce; },
+      "Data parallelism on GPUs: sum each block's gradients over the ranks (NCCL) while the "
+      "backward goes on; false: one sum after the backward (faster on one NVLink node, where "
+      "the overlapped sums slow the backward's GEMMs more than they save)."));
   keys.push_back(flux_only(integer_key(
       "sample_every", S::Run, [](auto& c) -> auto& { return c.run.sample_every; }, {0},
       "Write a grid of samples (run folder, samples/step_NNNNNN.png) every N steps; 0: only the "

@@ -40,6 +40,8 @@ struct RunSection {
   int64_t eval_every = 250;   // -1 or 0: no evaluation
   int64_t eval_iters = 100;   // micro-batches per evaluation
   DeviceChoice device = DeviceChoice::Auto;
+  // Several GPUs: sum each block's gradients over the ranks while the backward goes on.
+  bool overlap_grad_reduce = false;
   // Flux: sample grids of the model being trained (models/flux_sampling.h).
   int64_t sample_every = 0;  // 0: only at the end
   int64_t sample_steps = 28;

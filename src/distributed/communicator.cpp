@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "distributed/tcp_group.h"
 
 #if FP8TRAIN_WITH_MPI
 // MPI's C interface only: without these, OpenMPI's and MPICH's headers pull in their deprecated
@@ -18,9 +19,9 @@
 
 namespace fp8t::distributed {
 
-#if FP8TRAIN_WITH_MPI
-
 namespace {
+
+#if FP8TRAIN_WITH_MPI
 
 void check_mpi(int status, const char* call) {
   if (status == MPI_SUCCESS) return;
@@ -32,7 +33,7 @@ void check_mpi(int status, const char* call) {
 
 // MPI counts are ints: larger buffers go in slices.
 template <typename T>
-void all_reduce(T* values, size_t count, MPI_Datatype type, MPI_Op op) {
+void mpi_all_reduce(T* values, size_t count, MPI_Datatype type, MPI_Op op) {
   for (size_t done = 0; done < count;) {
     const auto slice = static_cast<int>(std::min<size_t>(count - done, INT_MAX));
     check_mpi(MPI_Allreduce(MPI_IN_PLACE, values + done, slice, type, op, MPI_COMM_WORLD),
@@ -41,16 +42,50 @@ void all_reduce(T* values, size_t count, MPI_Datatype type, MPI_Op op) {
   }
 }
 
+// Every rank learns whether all ranks hold rank 0's hash.
+void check_same_job(uint64_t job_hash, int rank) {
+  uint64_t leader_hash = job_hash;
+  check_mpi(MPI_Bcast(&leader_hash, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD), "MPI_Bcast");
+  int differs = leader_hash != job_hash ? rank + 1 : 0;  // the last rank that differs, plus 1
+  check_mpi(MPI_Allreduce(MPI_IN_PLACE, &differs, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD),
+            "MPI_Allreduce");
+  if (differs != 0) {
+    throw Error(fmt::format(
+        "rank {}'s configuration differs from rank 0's: start every rank with the same config "
+        "and flags",
+        differs - 1));
+  }
+}
+
+#endif  // FP8TRAIN_WITH_MPI
+
+#if FP8TRAIN_WITH_MPI
+constexpr bool kHaveMpi = true;
+#else
+constexpr bool kHaveMpi = false;
+#endif
+
 }  // namespace
 
-Communicator::Communicator(const LaunchInfo& launch) : launch_(launch) {
+Communicator::Communicator(const LaunchInfo& launch, uint64_t job_hash) : launch_(launch) {
   if (!several()) return;
-  if (launch.launcher == "torchrun") {
-    throw Error(fmt::format(
-        "this process is {}: several processes talk through MPI here; start them with mpirun or "
-        "srun",
-        launch.describe()));
+  mpi_ = kHaveMpi && launch.launcher != "torchrun";
+  if (!mpi_) {
+    if (launch.rendezvous_address.empty() || launch.rendezvous_port == 0) {
+      throw Error(fmt::format(
+          "this process is {}: {}set MASTER_ADDR and MASTER_PORT (rank 0's host and a free port) "
+          "so that the ranks can meet over TCP",
+          launch.describe(),
+          kHaveMpi ? "" : "this fp8train was built without MPI (libopenmpi-dev); "));
+    }
+    tcp_ =
+        std::make_unique<TcpGroup>(launch.rank, launch.world_size,
+                                   TcpRendezvous{launch.rendezvous_address, launch.rendezvous_port,
+                                                 launch.rendezvous_timeout_seconds},
+                                   job_hash);
+    return;
   }
+#if FP8TRAIN_WITH_MPI
   check_mpi(MPI_Init(nullptr, nullptr), "MPI_Init");
   int rank = 0, size = 0;
   check_mpi(MPI_Comm_rank(MPI_COMM_WORLD, &rank), "MPI_Comm_rank");
@@ -59,61 +94,77 @@ Communicator::Communicator(const LaunchInfo& launch) : launch_(launch) {
     throw Error(fmt::format("MPI sees rank {} of {}, but the launcher said {}", rank, size,
                             launch.describe()));
   }
+  check_same_job(job_hash, rank);
+#endif
 }
 
 Communicator::~Communicator() {
-  if (several()) MPI_Finalize();
+#if FP8TRAIN_WITH_MPI
+  if (mpi_) MPI_Finalize();
+#endif
+}
+
+std::string Communicator::transport() const {
+  return mpi_ ? "MPI" : tcp_ ? "TCP" : "none";
 }
 
 void Communicator::sum(float* values, size_t count) {
-  if (several()) all_reduce(values, count, MPI_FLOAT, MPI_SUM);
+#if FP8TRAIN_WITH_MPI
+  if (mpi_) return mpi_all_reduce(values, count, MPI_FLOAT, MPI_SUM);
+#endif
+  if (tcp_) tcp_->sum(values, count);
 }
 
 void Communicator::sum(double* values, size_t count) {
-  if (several()) all_reduce(values, count, MPI_DOUBLE, MPI_SUM);
+#if FP8TRAIN_WITH_MPI
+  if (mpi_) return mpi_all_reduce(values, count, MPI_DOUBLE, MPI_SUM);
+#endif
+  if (tcp_) tcp_->sum(values, count);
 }
 
 int Communicator::max(int value) {
-  if (several()) all_reduce(&value, 1, MPI_INT, MPI_MAX);
+#if FP8TRAIN_WITH_MPI
+  if (mpi_) mpi_all_reduce(&value, 1, MPI_INT, MPI_MAX);
+#endif
+  if (tcp_) tcp_->max(&value, 1);
   return value;
 }
 
 void Communicator::max(float* values, size_t count) {
-  if (several()) all_reduce(values, count, MPI_FLOAT, MPI_MAX);
+#if FP8TRAIN_WITH_MPI
+  if (mpi_) return mpi_all_reduce(values, count, MPI_FLOAT, MPI_MAX);
+#endif
+  if (tcp_) tcp_->max(values, count);
+}
+
+void Communicator::broadcast(void* bytes, size_t size) {
+#if FP8TRAIN_WITH_MPI
+  if (mpi_) {
+    for (size_t done = 0; done < size;) {  // int counts, as in mpi_all_reduce
+      const auto slice = static_cast<int>(std::min<size_t>(size - done, INT_MAX));
+      check_mpi(MPI_Bcast(static_cast<char*>(bytes) + done, slice, MPI_BYTE, 0, MPI_COMM_WORLD),
+                "MPI_Bcast");
+      done += static_cast<size_t>(slice);
+    }
+    return;
+  }
+#endif
+  if (tcp_) tcp_->broadcast(bytes, size);
 }
 
 void Communicator::barrier() {
-  if (several()) check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+#if FP8TRAIN_WITH_MPI
+  if (mpi_) return check_mpi(MPI_Barrier(MPI_COMM_WORLD), "MPI_Barrier");
+#endif
+  if (tcp_) tcp_->barrier();
 }
 
 void Communicator::abort(int code) {
-  if (several()) MPI_Abort(MPI_COMM_WORLD, code);
+#if FP8TRAIN_WITH_MPI
+  if (mpi_) MPI_Abort(MPI_COMM_WORLD, code);
+#endif
+  tcp_.reset();  // closed connections: the other ranks stop with an error
   std::exit(code);
 }
-
-#else  // without MPI: one process only
-
-Communicator::Communicator(const LaunchInfo& launch) : launch_(launch) {
-  if (several()) {
-    throw Error(fmt::format(
-        "this process is {}, but this fp8train was built without MPI (install libopenmpi-dev and "
-        "build again)",
-        launch.describe()));
-  }
-}
-
-Communicator::~Communicator() = default;
-void Communicator::sum(float*, size_t) {}
-void Communicator::sum(double*, size_t) {}
-int Communicator::max(int value) {
-  return value;
-}
-void Communicator::max(float*, size_t) {}
-void Communicator::barrier() {}
-void Communicator::abort(int code) {
-  std::exit(code);
-}
-
-#endif  // FP8TRAIN_WITH_MPI
 
 }  // namespace fp8t::distributed

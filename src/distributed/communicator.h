@@ -1,21 +1,30 @@
-// The collectives data parallelism needs, between the processes of one training job: one
-// process (every collective a no-op), or several ranks launched by mpirun or srun, which talk
-// through MPI (the CPU path's backend; the GPU path will use NCCL). Built with MPI when CMake
-// finds it (FP8TRAIN_MPI).
+// The host-side collectives data parallelism needs, between the processes of one training job:
+// one process (every collective a no-op), or several ranks. Ranks started by mpirun or srun talk
+// through MPI when this build has it (FP8TRAIN_MPI); others (torchrun-style launchers,
+// `train --nproc-per-node`) through a TCP group that meets at MASTER_ADDR:MASTER_PORT. The GPU
+// path's gradients travel through NCCL (nccl_group.h); these collectives carry the small things:
+// losses, stop signals, checks, and NCCL's unique id.
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
 
 #include "distributed/launch.h"
 
 namespace fp8t::distributed {
 
+class TcpGroup;
+
 class Communicator {
  public:
-  // One process when !launch.several(); otherwise initializes MPI (the destructor finalizes it)
-  // and checks that MPI sees the rank and world size the launcher set. Throws fp8t::Error when
-  // this build has no MPI, or for a torchrun-style launch (MPI cannot join it).
-  explicit Communicator(const LaunchInfo& launch);
+  // One process when !launch.several(). Otherwise joins the other ranks: through MPI for an
+  // OpenMPI or Slurm launch in a build with MPI (the destructor finalizes it), else over TCP.
+  // `job_hash` identifies the job's configuration: ranks whose hashes differ stop with an error,
+  // as do ranks that disagree about the world size or do not arrive in time. Throws fp8t::Error
+  // when neither way is open (no MPI in this build and no MASTER_ADDR / MASTER_PORT).
+  Communicator(const LaunchInfo& launch, uint64_t job_hash);
   ~Communicator();
   Communicator(const Communicator&) = delete;
   Communicator& operator=(const Communicator&) = delete;
@@ -24,19 +33,25 @@ class Communicator {
   int size() const { return launch_.world_size; }
   bool several() const { return launch_.several(); }
   const LaunchInfo& launch() const { return launch_; }
+  // "MPI", "TCP" or "none".
+  std::string transport() const;
 
   // In place, the same result on every rank.
   void sum(float* values, size_t count);
   void sum(double* values, size_t count);
   int max(int value);
   void max(float* values, size_t count);
+  // Rank 0's bytes to every rank.
+  void broadcast(void* bytes, size_t size);
   void barrier();
-  // Ends the whole job with `code`: with several ranks through MPI, so that no rank waits
-  // forever for one that failed.
+  // Ends the whole job with `code`: through MPI, or by closing this rank's connections so that
+  // the others stop with an error, instead of waiting forever for one that failed.
   [[noreturn]] void abort(int code);
 
  private:
   LaunchInfo launch_;
+  bool mpi_ = false;
+  std::unique_ptr<TcpGroup> tcp_;
 };
 
 }  // namespace fp8t::distributed

@@ -38,6 +38,25 @@ int whole_number(const char* name, const char* text, int at_least, int below) {
   return number;
 }
 
+// MASTER_ADDR, the port and the timeout of the TCP rendezvous.
+void read_rendezvous(LaunchInfo& info, const std::function<const char*(const char*)>& read) {
+  const char* address = read("MASTER_ADDR");
+  const char* port = read("MASTER_PORT");
+  const char* own_port = read("FP8TRAIN_RENDEZVOUS_PORT");
+  if (address != nullptr) info.rendezvous_address = address;
+  if (own_port != nullptr) {
+    info.rendezvous_port = whole_number("FP8TRAIN_RENDEZVOUS_PORT", own_port, 1, 65536);
+  } else if (port != nullptr) {
+    const bool torchrun_store = read("TORCHELASTIC_USE_AGENT_STORE") != nullptr;
+    info.rendezvous_port = whole_number("MASTER_PORT", port, 1, torchrun_store ? 65535 : 65536) +
+                           (torchrun_store ? 1 : 0);
+  }
+  if (const char* timeout = read("FP8TRAIN_RENDEZVOUS_TIMEOUT"); timeout != nullptr) {
+    info.rendezvous_timeout_seconds =
+        whole_number("FP8TRAIN_RENDEZVOUS_TIMEOUT", timeout, 1, 24 * 3600 + 1);
+  }
+}
+
 }  // namespace
 
 std::string LaunchInfo::describe() const {
@@ -66,6 +85,7 @@ LaunchInfo detect_launch(const std::function<const char*(const char*)>& variable
     info.local_rank = local_rank != nullptr
                           ? whole_number(launcher.local_rank, local_rank, 0, info.world_size)
                           : 0;
+    read_rendezvous(info, read);
     return info;
   }
   return {};

@@ -48,7 +48,7 @@ class CpuEngine final : public TrainingEngine {
     StepResult result;
     const int ranks = communicator_ != nullptr ? communicator_->size() : 1;
     for (int64_t micro = 0; micro < accumulation; ++micro) {
-      const data::TokenBatch batch = this_ranks_batch(loader, ranks);
+      const data::TokenBatch batch = this_ranks_batch(loader, communicator_);
       result.loss += model_.forward(batch.inputs.data(), batch.targets.data());
       model_.backward();
     }
@@ -94,17 +94,6 @@ class CpuEngine final : public TrainingEngine {
   void from_host() override { model_.weights_changed(); }
 
  private:
-  // The next `ranks` batches of the loader, of which this rank keeps its own.
-  data::TokenBatch this_ranks_batch(data::TokenLoader& loader, int ranks) const {
-    const int rank = communicator_ != nullptr ? communicator_->rank() : 0;
-    data::TokenBatch kept;
-    for (int r = 0; r < ranks; ++r) {
-      data::TokenBatch batch = loader.next_batch();
-      if (r == rank) kept = std::move(batch);
-    }
-    return kept;
-  }
-
   // Delayed scaling: every rank folds the largest amax any rank saw into its histories, so the
   // scales stay the same on every rank (a tensor that ran on no rank still records nothing).
   void reduce_amaxes() {
@@ -141,6 +130,17 @@ class CpuEngine final : public TrainingEngine {
 };
 
 }  // namespace
+
+data::TokenBatch this_ranks_batch(data::TokenLoader& loader,
+                                  const distributed::Communicator* communicator) {
+  if (communicator == nullptr) return loader.next_batch();
+  data::TokenBatch kept;
+  for (int rank = 0; rank < communicator->size(); ++rank) {
+    data::TokenBatch batch = loader.next_batch();
+    if (rank == communicator->rank()) kept = std::move(batch);
+  }
+  return kept;
+}
 
 std::unique_ptr<TrainingEngine> make_cpu_engine(const EngineSetup& setup) {
   return std::make_unique<CpuEngine>(setup);

@@ -1,5 +1,6 @@
 // The GPU path of the training loop: CudaGptModel and CudaGptOptimizer on one stream, with host
-// mirrors of the parameters and the optimizer state for checkpoints and sampling.
+// mirrors of the parameters and the optimizer state for checkpoints and sampling. With several
+// ranks (one GPU each) the gradients and the delayed-scaling amaxes are reduced through NCCL.
 #include <cmath>
 #include <memory>
 #include <utility>
@@ -18,6 +19,9 @@
 #include "core/cuda_check.h"
 #include "core/cuda_resources.h"
 #include "models/cuda/gpt_model_cuda.h"
+#if FP8TRAIN_WITH_NCCL
+#include "distributed/nccl_group.h"
+#endif
 #include "ops/cuda/gpt_gates.h"
 #include "optim/cuda/gpu_optimizer.h"
 #endif
@@ -53,6 +57,8 @@ class CudaEngine final : public TrainingEngine {
  public:
   CudaEngine(const EngineSetup& setup, GpuInfo gpu)
       : gpu_(std::move(gpu)),
+        communicator_(setup.communicator),
+        overlap_grad_reduce_(setup.overlap_grad_reduce),
         model_(setup.model, setup.batch, setup.seq, setup.precision, stream_.get()),
         host_arena_("parameters (host mirror)",
                     ParameterSet::planned_bytes(setup.model, DType::F32)),
@@ -62,9 +68,16 @@ class CudaEngine final : public TrainingEngine {
         norm_host_(1),
         losses_host_(kMaxLossesPerRead) {
     FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));
+    delayed_ = !model_.delayed_scalings().empty();
+#if FP8TRAIN_WITH_NCCL
+    if (communicator_ != nullptr) nccl_ = std::make_unique<distributed::NcclGroup>(*communicator_);
+#endif
     peak_memory_ = device_memory_in_use();
   }
-  ~CudaEngine() override { cudaFree(norm_); }
+  ~CudaEngine() override {
+    cudaStreamSynchronize(stream_.get());  // no collective left in flight when NCCL goes
+    cudaFree(norm_);
+  }
 
   std::string device_name() const override {
     return fmt::format("cuda ({}, {}, {:.0f} GiB)", gpu_.name, gpu_.architecture(),
@@ -82,7 +95,9 @@ class CudaEngine final : public TrainingEngine {
         format_bytes(double(memory.activations)), format_bytes(double(memory.workspace)),
         format_bytes(double(memory.linear_copies)));
   }
-  double peak_memory_bytes() const override { return peak_memory_; }
+  double peak_memory_bytes() const override {
+    return peak_memory_;
+  }
   const std::vector<LinearPrecision>& linear_precision() const override {
     return model_.linear_precision();
   }
@@ -93,12 +108,18 @@ class CudaEngine final : public TrainingEngine {
     model_.zero_gradients();
     StepResult result;
     int64_t pending = 0;  // losses copied to the host but not yet summed
+    const int ranks = communicator_ != nullptr ? communicator_->size() : 1;
     for (int64_t micro = 0; micro < accumulation; ++micro) {
-      const data::TokenBatch batch = loader.next_batch();
+      const data::TokenBatch batch = this_ranks_batch(loader, communicator_);
       model_.forward(batch.inputs.data(), batch.targets.data(), true);
       FP8T_CUDA_CHECK(cudaMemcpyAsync(losses_host_.data() + pending, model_.loss_device(),
                                       sizeof(float), cudaMemcpyDeviceToHost, stream));
+      // overlap_grad_reduce: the last backward sums each range of gradients over the ranks as
+      // soon as it is done.
+      const bool overlap = ranks > 1 && overlap_grad_reduce_ && micro + 1 == accumulation;
+      if (overlap) model_.set_gradients_ready(sum_over_ranks());
       model_.backward();
+      if (overlap) model_.set_gradients_ready(nullptr);
       if (++pending == kMaxLossesPerRead) {
         result.loss += sum_losses(pending);
         pending = 0;
@@ -106,18 +127,22 @@ class CudaEngine final : public TrainingEngine {
     }
     float* gradients = model_.gradients();
     const int64_t count = model_.layout().total_elements;
-    if (accumulation > 1) {
-      ops::cuda::scale_f32(gradients, 1.0f / float(accumulation), count, stream);
+    if (ranks > 1) finish_sums(gradients, count);
+    const int64_t micro_batches = accumulation * ranks;
+    if (micro_batches > 1) {  // the gradient of the mean over micro-batches
+      ops::cuda::scale_f32(gradients, 1.0f / float(micro_batches), count, stream);
     }
     optimizer_.global_norm(gradients, count, norm_, stream);
     if (clip_grad > 0.0) optimizer_.clip(gradients, count, norm_, float(clip_grad), stream);
     FP8T_CUDA_CHECK(
         cudaMemcpyAsync(norm_host_.data(), norm_, sizeof(float), cudaMemcpyDeviceToHost, stream));
     result.loss += sum_losses(pending);  // synchronizes: the norm has arrived too
-    result.loss /= double(accumulation);
+    if (ranks > 1) communicator_->sum(&result.loss, 1);
+    result.loss /= double(micro_batches);
     result.grad_norm = norm_host_.data()[0];
     if (std::isfinite(result.grad_norm)) {
       optimizer_.step(model_.parameters(), gradients, schedule, stream);
+      if (ranks > 1 && delayed_) reduce_amaxes();
       model_.end_step();
     }
     peak_memory_ = std::max(peak_memory_, device_memory_in_use());
@@ -135,8 +160,12 @@ class CudaEngine final : public TrainingEngine {
   const std::vector<optim::OptimizerGroup>& optimizer_groups() const override {
     return optimizer_.groups();
   }
-  ParameterSet& host_parameters() override { return host_parameters_; }
-  optim::GptOptimizer& host_optimizer() override { return host_optimizer_; }
+  ParameterSet& host_parameters() override {
+    return host_parameters_;
+  }
+  optim::GptOptimizer& host_optimizer() override {
+    return host_optimizer_;
+  }
   std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() override {
     return model_.delayed_scalings();
   }
@@ -153,6 +182,40 @@ class CudaEngine final : public TrainingEngine {
  private:
   static constexpr int64_t kMaxLossesPerRead = 64;
 
+  // For the last backward of a step (overlap_grad_reduce): sums each finished range of
+  // gradients over the ranks on NCCL's stream while the backward goes on.
+  CudaGptModel::GradientsReady sum_over_ranks() {
+#if FP8TRAIN_WITH_NCCL
+    return [this](int64_t offset, int64_t count) {
+      nccl_->sum_after(model_.gradients() + offset, static_cast<size_t>(count), stream_.get());
+    };
+#else
+    return {};
+#endif
+  }
+  // After the backward, queued on the stream: the gradients summed over the ranks (the
+  // overlapped sums awaited, or one sum of them all).
+  void finish_sums(float* gradients, int64_t count) {
+#if FP8TRAIN_WITH_NCCL
+    if (overlap_grad_reduce_) {
+      nccl_->join(stream_.get());
+    } else {
+      nccl_->sum(gradients, static_cast<size_t>(count), stream_.get());
+    }
+#else
+    (void)gradients, (void)count;
+#endif
+  }
+
+  // Delayed scaling: every rank folds the largest amax any rank saw, so the scales stay the same
+  // on every rank. Scales and inverse scales are the same on every rank: their max is themselves.
+  void reduce_amaxes() {
+#if FP8TRAIN_WITH_NCCL
+    CudaLinearScalings& scalings = model_.scalings();
+    nccl_->max(scalings.device_floats(), scalings.float_count(), stream_.get());
+#endif
+  }
+
   double sum_losses(int64_t count) {
     FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_.get()));
     double sum = 0.0;
@@ -162,6 +225,8 @@ class CudaEngine final : public TrainingEngine {
   }
 
   GpuInfo gpu_;
+  distributed::Communicator* communicator_;
+  bool overlap_grad_reduce_;
   CudaStream stream_;
   CudaGptModel model_;
   Arena host_arena_;
@@ -172,26 +237,48 @@ class CudaEngine final : public TrainingEngine {
   PinnedFloats norm_host_;
   PinnedFloats losses_host_;
   double peak_memory_ = 0.0;
+  bool delayed_ = false;  // delayed scaling: amaxes to reduce over the ranks
+#if FP8TRAIN_WITH_NCCL
+  std::unique_ptr<distributed::NcclGroup> nccl_;  // with several ranks
+#endif
 };
 
 }  // namespace
 
-GpuInfo training_gpu() {
+GpuInfo training_gpu(int local_rank) {
   const std::vector<GpuInfo> gpus = query_gpus();
   if (gpus.empty()) {
     throw ConfigError("device: cuda: no CUDA GPU is visible; use device: auto or cpu");
   }
-  return gpus.front();
+  if (gpus.size() == 1) local_rank = 0;  // the launcher gave each rank its own GPU
+  if (local_rank >= int(gpus.size())) {
+    throw ConfigError(fmt::format(
+        "device: cuda: this is local rank {} but the node has {} GPUs: start at most one rank "
+        "per GPU",
+        local_rank, gpus.size()));
+  }
+  FP8T_CUDA_CHECK(cudaSetDevice(local_rank));
+  return gpus[static_cast<size_t>(local_rank)];
 }
 
 std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
   check_gpu_precision(setup.precision);
-  return std::make_unique<CudaEngine>(setup, training_gpu());
+  const distributed::Communicator* communicator = setup.communicator;
+#if !FP8TRAIN_WITH_NCCL
+  if (communicator != nullptr) {
+    throw ConfigError(
+        "device: cuda: several ranks on the GPU path reduce their gradients through NCCL, and "
+        "this fp8train was built without it; rebuild with NCCL (the CUDA toolkit's) or use "
+        "device: cpu");
+  }
+#endif
+  return std::make_unique<CudaEngine>(
+      setup, training_gpu(communicator != nullptr ? communicator->launch().local_rank : 0));
 }
 
 #else
 
-GpuInfo training_gpu() {
+GpuInfo training_gpu(int) {
   throw ConfigError(
       "device: cuda: this fp8train was built without CUDA; rebuild with the CUDA toolkit "
       "(FP8TRAIN_CUDA=ON) or use device: cpu");

@@ -22,22 +22,6 @@
 
 namespace fp8t::train {
 
-namespace {
-
-// What the GPU Flux cannot run, refused before anything is built, naming the key.
-void check_flux_gpu_settings(const FluxEngineSetup& setup) {
-  const Fp8Config& fp8 = setup.precision.fp8;
-  if (fp8.mode == Fp8Mode::None) return;
-  if (fp8.recipe == ScalingRecipe::Delayed) {
-    throw ConfigError(
-        "fp8_recipe: delayed is not enabled in the GPU Flux yet; use tensorwise, blockwise or "
-        "mxfp8, or device: cpu");
-  }
-  check_gpu_precision(setup.precision);
-}
-
-}  // namespace
-
 #if FP8TRAIN_WITH_CUDA
 
 namespace {
@@ -166,14 +150,14 @@ class FluxCudaEngine final : public FluxEngine {
 }  // namespace
 
 std::unique_ptr<FluxEngine> make_flux_cuda_engine(const FluxEngineSetup& setup) {
-  check_flux_gpu_settings(setup);
+  check_gpu_precision(setup.precision);
   return std::make_unique<FluxCudaEngine>(setup, training_gpu());
 }
 
 #else
 
 std::unique_ptr<FluxEngine> make_flux_cuda_engine(const FluxEngineSetup& setup) {
-  check_flux_gpu_settings(setup);
+  check_gpu_precision(setup.precision);
   training_gpu();  // throws: no CUDA in this build
   return nullptr;
 }

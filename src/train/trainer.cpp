@@ -153,18 +153,12 @@ fs::path cache_folder() {
   return ".fp8train-cache";
 }
 
-// What data parallelism over several processes runs so far: the GPT on the CPU path, with a
-// global batch the ranks share evenly.
+// What data parallelism over several processes runs so far: the GPT, with a global batch the
+// ranks share evenly.
 void check_data_parallel(const TrainConfig& config, int ranks) {
-  const std::string why = fmt::format("training over {} processes", ranks);
   if (config.is_flux()) {
-    throw ConfigError(
-        fmt::format("model: {}: {} runs the GPT only so far", config.model.name, why));
-  }
-  if (use_cuda(config.run.device)) {
-    throw ConfigError(fmt::format(
-        "device: {} picks the GPU here; {} runs on the CPU path only so far (device: cpu)",
-        config.run.device == DeviceChoice::Auto ? "auto" : "cuda", why));
+    throw ConfigError(fmt::format("model: {}: training over {} processes runs the GPT only so far",
+                                  config.model.name, ranks));
   }
   const int64_t per_pass = config.training.micro_batch_size * ranks;
   if (config.global_batch_size(ranks) % per_pass != 0) {
@@ -174,8 +168,28 @@ void check_data_parallel(const TrainConfig& config, int ranks) {
   }
 }
 
+// Every rank's delayed-scaling state must be the same (the amaxes are reduced over the ranks):
+// checked at each checkpoint, so that a divergence stops the run with a clear error.
+void check_same_scaling_on_every_rank(ScalingStateBuffers& scaling,
+                                      distributed::Communicator& communicator, int64_t step) {
+  scaling.copy_from_scalings();
+  std::string bytes;
+  for (const NamedTensor& tensor : scaling.tensors())
+    bytes.append(static_cast<const char*>(tensor.view.raw()), tensor.view.bytes());
+  const uint64_t mine = std::hash<std::string>{}(bytes);
+  uint64_t leader = mine;
+  communicator.broadcast(&leader, sizeof(leader));
+  const int differs = communicator.max(mine != leader ? communicator.rank() + 1 : 0);
+  if (differs != 0) {
+    throw Error(fmt::format(
+        "step {}: the FP8 scaling state of rank {} differs from rank 0's (the amax reduction "
+        "over the ranks failed)",
+        step, differs - 1));
+  }
+}
+
 TrainOutcome run_training(const TrainConfig& config) {
-  distributed::Communicator one_process{distributed::LaunchInfo{}};
+  distributed::Communicator one_process{distributed::LaunchInfo{}, 0};
   return run_training(config, one_process);
 }
 
@@ -212,6 +226,7 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   setup.optimizer = config.optimizer_settings();
   setup.tokens_per_step = tokens_per_step;
   if (several) setup.communicator = &communicator;
+  setup.overlap_grad_reduce = config.run.overlap_grad_reduce;
   const std::unique_ptr<TrainingEngine> engine =
       cuda ? make_cuda_engine(setup) : make_cpu_engine(setup);
   const optim::LrSchedule schedule = config.lr_schedule();
@@ -263,6 +278,9 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
              total_steps);
 
   const auto save = [&](int64_t at_step, double train_seconds) {
+    if (several && !scaling.empty()) {
+      check_same_scaling_on_every_rank(scaling, communicator, at_step);
+    }
     if (!leader) return;  // every rank holds the same weights and optimizer state
     engine->to_host();
     save_run_checkpoint(run_folder, config, at_step,

@@ -60,9 +60,11 @@ struct EngineSetup {
   int64_t seq = 0;
   optim::OptimizerSettings optimizer;
   int64_t tokens_per_step = 0;
-  // Data parallelism (the CPU engine): each rank takes its share of a step's micro-batches and
-  // the gradients are summed over the ranks before the update. Null: one process.
+  // Data parallelism: each rank takes its share of a step's micro-batches and the gradients are
+  // summed over the ranks before the update (on the GPU path through NCCL). Null: one process.
   distributed::Communicator* communicator = nullptr;
+  // With several ranks on the GPU path: the gradient sums overlap the backward.
+  bool overlap_grad_reduce = false;
 };
 
 // The CPU path. Throws ConfigError when the plan does not fit in the available memory.
@@ -70,14 +72,21 @@ std::unique_ptr<TrainingEngine> make_cpu_engine(const EngineSetup& setup);
 // The GPU path on the current CUDA device; throws ConfigError in builds without CUDA.
 std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup);
 
+// The next `ranks` batches of the loader, of which this rank keeps its own (every batch when
+// `communicator` is null).
+data::TokenBatch this_ranks_batch(data::TokenLoader& loader,
+                                  const distributed::Communicator* communicator);
+
 // `device`: auto picks CUDA when the build has it and a GPU is present.
 bool use_cuda(DeviceChoice device);
 
 // Throws ConfigError, naming the key, for FP8 settings no GPU model runs (the fnuz formats).
 void check_gpu_precision(const ModelPrecision& precision);
 
-// The GPU a CUDA engine trains on: GPU 0. Throws ConfigError naming `device` when none is
-// visible, or when this build has no CUDA.
-GpuInfo training_gpu();
+// The GPU a CUDA engine trains on, made the current device: GPU `local_rank` (one rank per GPU
+// of a node), or the only visible one (a launcher that gives each rank its own GPU). Throws
+// ConfigError naming `device` when none is visible, when this build has no CUDA, or when the
+// node has fewer GPUs than ranks.
+GpuInfo training_gpu(int local_rank = 0);
 
 }  // namespace fp8t::train

@@ -95,5 +95,34 @@ TEST(Launch, BadValuesNameTheVariable) {
             "WORLD_SIZE is set (2) but RANK is not: which rank is this process?");
 }
 
+// Where ranks without MPI meet: MASTER_ADDR:MASTER_PORT, the port overridden by
+// FP8TRAIN_RENDEZVOUS_PORT, or one above torchrun's own store; the wait from
+// FP8TRAIN_RENDEZVOUS_TIMEOUT.
+TEST(Launch, ReadsTheRendezvous) {
+  const std::map<std::string, std::string> torchrun = {
+      {"WORLD_SIZE", "2"}, {"RANK", "1"}, {"MASTER_ADDR", "node7"}, {"MASTER_PORT", "29500"}};
+  const LaunchInfo plain = Environment{torchrun}.detect();
+  EXPECT_EQ(plain.rendezvous_address, "node7");
+  EXPECT_EQ(plain.rendezvous_port, 29500);
+  EXPECT_EQ(plain.rendezvous_timeout_seconds, 300.0);
+
+  Environment elastic{torchrun};
+  elastic.values["TORCHELASTIC_USE_AGENT_STORE"] = "True";
+  EXPECT_EQ(elastic.detect().rendezvous_port, 29501);
+  elastic.values["FP8TRAIN_RENDEZVOUS_PORT"] = "40000";
+  elastic.values["FP8TRAIN_RENDEZVOUS_TIMEOUT"] = "20";
+  EXPECT_EQ(elastic.detect().rendezvous_port, 40000);
+  EXPECT_EQ(elastic.detect().rendezvous_timeout_seconds, 20.0);
+
+  const LaunchInfo unset = Environment{{{"WORLD_SIZE", "2"}, {"RANK", "0"}}}.detect();
+  EXPECT_TRUE(unset.rendezvous_address.empty());
+  EXPECT_EQ(unset.rendezvous_port, 0);
+
+  Environment bad{torchrun};
+  bad.values["MASTER_PORT"] = "70000";
+  EXPECT_EQ(error_of(bad),
+            "MASTER_PORT=70000: expected a whole number from 1 to 65535, found '70000'");
+}
+
 }  // namespace
 }  // namespace fp8t::distributed

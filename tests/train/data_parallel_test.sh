@@ -1,24 +1,38 @@
 #!/usr/bin/env bash
-# Data parallelism on the CPU path: the same global batch on 2 MPI ranks and on one process gives
-# the same losses (up to the order of the gradient sums), in BF16 and in FP8 with delayed
-# scaling, and one run folder; a checkpoint the 2 ranks wrote resumes on one process. Usage: data_parallel_test.sh FP8TRAIN MPIEXEC OUTPUT_DIR
+# Data parallelism: the same global batch on 2 ranks and on one process gives the same losses (up
+# to the order of the gradient sums), in BF16 and in FP8 with delayed scaling, and one run
+# folder; a checkpoint the 2 ranks wrote resumes on one process and the other way round.
+# Usage: data_parallel_test.sh FP8TRAIN LAUNCHER OUTPUT_DIR [DEVICE [TRAIN ARGS...]]
+#   LAUNCHER: the path of mpiexec (2 MPI ranks), or "nproc-per-node" (train --nproc-per-node 2:
+#   ranks that meet over TCP, and on the GPU through NCCL); DEVICE: cpu (default) or cuda;
+#   TRAIN ARGS: more arguments for every run (--data-path=... where the built-in corpus is not).
 set -euo pipefail
 fp8train="$1"
-mpiexec="$2"
+launcher="$2"
 output="$3"
+device="${4:-cpu}"
+shift $(($# < 4 ? $# : 4))
 rm -rf "$output"
 mkdir -p "$output"
 args=(--depth=2 --vocab-size=4096 --sequence-len=64 --micro-batch-size=2 --global-batch-size=8
-      --train-iters=20 --save-every=10 --eval-every=0 --sample-tokens=0 --device=cpu
-      --output-dir="$output")
+      --train-iters=20 --save-every=10 --eval-every=0 --sample-tokens=0 --device="$device"
+      --output-dir="$output" "$@")
+# fp8train train ARGS... on 2 ranks.
+two_ranks() {
+  if [[ $launcher == nproc-per-node ]]; then
+    "$fp8train" train --nproc-per-node 2 "$@"
+  else
+    "$launcher" -np 2 --oversubscribe "$fp8train" train "$@"
+  fi
+}
 # BF16, and FP8 with delayed scaling (its amaxes max-reduced over the ranks).
 for precision in bf16 delayed; do
   extra=()
   [[ $precision == delayed ]] && extra=(--fp8=hybrid --fp8-recipe=delayed)
   "$fp8train" train "${args[@]}" "${extra[@]}" --run=one_$precision >"$output/one.log" 2>&1 ||
     { cat "$output/one.log"; exit 1; }
-  "$mpiexec" -np 2 --oversubscribe "$fp8train" train "${args[@]}" "${extra[@]}" --run=$precision \
-    >"$output/two.log" 2>&1 || { cat "$output/two.log"; echo "FAIL: the 2-rank run failed"; exit 1; }
+  two_ranks "${args[@]}" "${extra[@]}" --run=$precision >"$output/two.log" 2>&1 ||
+    { cat "$output/two.log"; echo "FAIL: the 2-rank run failed"; exit 1; }
   grep -q "2 micro-batch(es) per step on each of 2 ranks" "$output/two.log" ||
     { cat "$output/two.log"; echo "FAIL: the 2-rank run did not split the step"; exit 1; }
   [[ $(grep -c "^step " "$output/two.log") -eq 20 ]] ||
@@ -43,8 +57,8 @@ done
 one_step=(--train-iters=1 --fp8=hybrid --fp8-recipe=delayed)
 "$fp8train" train "${args[@]}" "${one_step[@]}" --run=one_step_one >"$output/one.log" 2>&1 ||
   { cat "$output/one.log"; exit 1; }
-"$mpiexec" -np 2 --oversubscribe "$fp8train" train "${args[@]}" "${one_step[@]}" --run=one_step_two \
-  >"$output/two.log" 2>&1 || { cat "$output/two.log"; exit 1; }
+two_ranks "${args[@]}" "${one_step[@]}" --run=one_step_two >"$output/two.log" 2>&1 ||
+  { cat "$output/two.log"; exit 1; }
 python3 - "$output/one_step_one" "$output/one_step_two" <<'PY'
 import sys
 import numpy as np
@@ -61,8 +75,7 @@ PY
 # both end where the uninterrupted runs did.
 "$fp8train" train "${args[@]}" --run=bf16 --resume-from-step=10 >"$output/resumed.log" 2>&1 ||
   { cat "$output/resumed.log"; echo "FAIL: the 2-rank checkpoint did not resume on one process"; exit 1; }
-"$mpiexec" -np 2 --oversubscribe "$fp8train" train "${args[@]}" --run=one_bf16 --resume-from-step=10 \
-  >"$output/resumed_two.log" 2>&1 ||
+two_ranks "${args[@]}" --run=one_bf16 --resume-from-step=10 >"$output/resumed_two.log" 2>&1 ||
   { cat "$output/resumed_two.log"; echo "FAIL: one process's checkpoint did not resume on 2 ranks"; exit 1; }
 python3 - "$output" <<'PY'
 import json, sys
@@ -79,4 +92,11 @@ for run in ("bf16", "one_bf16"):  # metrics.jsonl continues across the resume
         sys.exit(f"FAIL: {run}: step 20 loss {resumed} after the resume, {straight} straight")
 print("resumes across world sizes end where the straight runs did")
 PY
+# 50 delayed-scaling steps: each checkpoint compares the ranks' scaling state (bit for bit).
+if [[ $device == cuda ]]; then
+  two_ranks "${args[@]}" --fp8=hybrid --fp8-recipe=delayed --train-iters=50 --save-every=25 \
+    --run=delayed_50 >"$output/fifty.log" 2>&1 ||
+    { cat "$output/fifty.log"; echo "FAIL: 50 delayed steps on 2 ranks"; exit 1; }
+  echo "delayed: the 2 ranks' scaling states are identical after 25 and 50 steps"
+fi
 echo "PASS: 2 ranks match one process; checkpoints resume across world sizes"

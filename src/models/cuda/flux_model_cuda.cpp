@@ -162,10 +162,6 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
   const int64_t staging_floats =
       batch * (2 * img_tokens * config_.in_channels + txt_tokens * config_.context_in_dim +
                config_.vec_in_dim + 2 * config_.timestep_dim());
-  FP8T_CHECK(
-      precision_.fp8.mode == Fp8Mode::None || precision_.fp8.recipe != ScalingRecipe::Delayed,
-      "fp8_recipe: delayed is not enabled in the GPU Flux yet; use tensorwise, blockwise or "
-      "mxfp8");
   buffers_ = std::make_unique<Buffers>(precision_, static_cast<size_t>(staging_floats));
   linear_precision_ = decide_flux_precision(config_, precision_.policy);
   layout_ = optim::device_parameter_layout(config_);

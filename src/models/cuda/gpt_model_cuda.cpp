@@ -130,6 +130,7 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
   linear_precision_ = decide_precision(config_, precision_.policy);
 
   layout_ = optim::device_parameter_layout(config_);
+  plan_gradient_ranges();
   lay_out();
   for (DeviceArena* arena : {&buffers_->parameters, &buffers_->gradients, &buffers_->activations,
                              &buffers_->workspace, &buffers_->linear_scratch}) {
@@ -348,6 +349,10 @@ void CudaGptModel::end_step() {
   buffers_->scalings.end_step(stream_);
 }
 
+CudaLinearScalings& CudaGptModel::scalings() {
+  return buffers_->scalings;
+}
+
 void CudaGptModel::scalings_changed() {
   buffers_->scalings.scalings_changed(stream_);
 }
@@ -436,6 +441,40 @@ void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with
   b.forward_has_gradient = with_gradient;
 }
 
+void CudaGptModel::plan_gradient_ranges() {
+  const int layers = config_.n_layer;
+  // Group 0: lm_head; group 1 + k: block n−1−k (backward's order); group 1 + n: the rest.
+  const auto group_of = [&](const std::string& name) {
+    if (name == "lm_head.weight") return 0;
+    for (int index = 0; index < layers; ++index) {
+      if (name.starts_with(fmt::format("transformer.h.{}.", index)) ||
+          name == fmt::format("value_embeds.{}.weight", index)) {
+        return 1 + (layers - 1 - index);
+      }
+    }
+    return 1 + layers;
+  };
+  gradient_ranges_.assign(static_cast<size_t>(layers + 2), {});
+  const auto& parameters = layout_.parameters;
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    const int64_t offset = parameters[i].offset;
+    const int64_t end =
+        i + 1 < parameters.size() ? parameters[i + 1].offset : layout_.total_elements;
+    auto& ranges = gradient_ranges_[static_cast<size_t>(group_of(parameters[i].name))];
+    if (!ranges.empty() && ranges.back().first + ranges.back().second == offset) {
+      ranges.back().second += end - offset;  // adjacent: one range
+    } else {
+      ranges.emplace_back(offset, end - offset);
+    }
+  }
+}
+
+void CudaGptModel::report_gradients(size_t group) const {
+  if (!gradients_ready_) return;
+  for (const auto& [offset, count] : gradient_ranges_[group])
+    gradients_ready_(offset, count);
+}
+
 void CudaGptModel::backward() {
   const int64_t B = batch_, T = seq_, N = tokens_, C = config_.n_embd;
   const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
@@ -449,6 +488,7 @@ void CudaGptModel::backward() {
   // The logits hold their gradient (the fused cross-entropy wrote it).
   linear("lm_head").layer->backward(b.logits, b.final_norm, N, b.dnorm, false,
                                     gradient("lm_head.weight"), record, s);
+  report_gradients(0);
   kernels::rmsnorm_backward(b.dres_next, b.dnorm, b.final_norm, b.final_rstd, N, C,
                             GradStore::Write, s);  // d final_input
   // final_input = output - backout_lambda * backout layer's output: d output of the last
@@ -516,6 +556,7 @@ void CudaGptModel::backward() {
         N * C, GradStore::Write, dx0_written ? GradStore::Add : GradStore::Write, b.reduction, s);
     dx0_written = true;
     std::swap(b.dres, b.dres_next);
+    report_gradients(static_cast<size_t>(1 + (config_.n_layer - 1 - index)));
   }
   kernels::add_forward(b.dx0, b.dx0, b.dres, N * C, s);
 
@@ -526,6 +567,7 @@ void CudaGptModel::backward() {
   kernels::rmsnorm_backward(b.dres, b.dnorm, b.embedding_norm, b.embedding_rstd, N, C,
                             GradStore::Write, s);
   kernels::embedding_backward(gradient("transformer.wte.weight"), b.dres, b.idx, N, vocab, C, s);
+  report_gradients(static_cast<size_t>(1 + config_.n_layer));
 }
 
 }  // namespace fp8t

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <utility>
@@ -18,6 +19,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "models/cuda/linear_scalings.h"
 #include "models/gpt_config.h"
 #include "models/gpt_memory.h"
 #include "models/gpt_model.h"
@@ -77,6 +79,12 @@ class CudaGptModel {
   void forward(const int32_t* idx, const int32_t* targets, bool with_gradient);
   // Adds d(loss)/d(parameter) to the gradients. Needs a forward with_gradient first.
   void backward();
+  // Called by backward(), when set, with each range of the gradients (elements of the layout)
+  // as soon as the work queued on the stream completes it: lm_head's, each block's (its value
+  // embedding's with it), the block below's next, and last the rest. Data parallelism reduces
+  // each range while the backward goes on. Every gradient lies in exactly one range.
+  using GradientsReady = std::function<void(int64_t offset, int64_t count)>;
+  void set_gradients_ready(GradientsReady ready) { gradients_ready_ = std::move(ready); }
   void zero_gradients();
   // Waits for the stream and returns the mean loss of the last forward.
   double loss_value();
@@ -93,6 +101,8 @@ class CudaGptModel {
   // loads it. After load_state on these, call scalings_changed().
   std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings();
   void scalings_changed();
+  // The device floats of every FP8 linear's scaling (CudaLinearScalings::device_floats).
+  CudaLinearScalings& scalings();
 
  private:
   struct Linear;
@@ -107,6 +117,9 @@ class CudaGptModel {
   const bf16* mlp_activation(const bf16* fc, const ops::cuda::CudaLinear& mlp_proj);
   float* parameter(const std::string& name) const;
   float* gradient(const std::string& name) const;
+  // Groups the layout into the ranges backward() reports, in its order.
+  void plan_gradient_ranges();
+  void report_gradients(size_t group) const;
 
   GptConfig config_;
   int64_t batch_, seq_, tokens_;
@@ -116,6 +129,10 @@ class CudaGptModel {
   bool weights_ready_ = false;
   std::vector<LinearPrecision> linear_precision_;
   optim::DeviceParameterLayout layout_;
+  GradientsReady gradients_ready_;
+  // Per group of gradients that complete together (lm_head, blocks n-1 .. 0, the rest): ranges
+  // {offset, count} of the layout, padding between tensors included.
+  std::vector<std::vector<std::pair<int64_t, int64_t>>> gradient_ranges_;
   float* parameters_ = nullptr;
   float* gradients_ = nullptr;
   float* loss_ = nullptr;

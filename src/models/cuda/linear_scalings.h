@@ -35,6 +35,12 @@ class CudaLinearScalings {
   // linear whose input cast it shares).
   void add(const std::string& name, int index, int input_index);
 
+  // Every linear's device floats (scales, inverse scales and the step's amaxes), for data
+  // parallelism: max-reduced over the ranks before end_step, every rank folds the largest amax
+  // any rank saw (the scales are the same on every rank already).
+  float* device_floats() const { return device_; }
+  size_t float_count() const { return host_.size(); }
+
   // Delayed: folds the step's amaxes into the histories and uploads the new scales.
   void end_step(cudaStream_t stream);
   // After the histories were loaded: uploads their scales, amaxes cleared (synchronizes).

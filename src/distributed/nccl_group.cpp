@@ -1,0 +1,64 @@
+#if FP8TRAIN_WITH_NCCL
+
+#include "distributed/nccl_group.h"
+
+#include <nccl.h>
+
+#include <fmt/format.h>
+
+#include "core/cuda_check.h"
+#include "core/error.h"
+
+namespace fp8t::distributed {
+
+namespace {
+
+void check_nccl(ncclResult_t status, const char* call) {
+  if (status == ncclSuccess) return;
+  throw Error(fmt::format("{} failed: {} ({})", call, ncclGetErrorString(status),
+                          ncclGetLastError(nullptr)));
+}
+
+}  // namespace
+
+NcclGroup::NcclGroup(Communicator& host) {
+  ncclUniqueId id{};
+  if (host.rank() == 0) check_nccl(ncclGetUniqueId(&id), "ncclGetUniqueId");
+  host.broadcast(&id, sizeof(id));
+  check_nccl(ncclCommInitRank(&comm_, host.size(), id, host.rank()), "ncclCommInitRank");
+  FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  FP8T_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+}
+
+NcclGroup::~NcclGroup() {
+  cudaStreamSynchronize(stream_);
+  cudaEventDestroy(ready_);
+  cudaStreamDestroy(stream_);
+  ncclCommDestroy(comm_);
+}
+
+void NcclGroup::sum_after(float* values, size_t count, cudaStream_t producer) {
+  // One event serves every call: a wait takes the event's state when it is queued.
+  FP8T_CUDA_CHECK(cudaEventRecord(ready_, producer));
+  FP8T_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_, 0));
+  sum(values, count, stream_);
+}
+
+void NcclGroup::join(cudaStream_t consumer) {
+  FP8T_CUDA_CHECK(cudaEventRecord(ready_, stream_));
+  FP8T_CUDA_CHECK(cudaStreamWaitEvent(consumer, ready_, 0));
+}
+
+void NcclGroup::sum(float* values, size_t count, cudaStream_t stream) {
+  check_nccl(ncclAllReduce(values, values, count, ncclFloat32, ncclSum, comm_, stream),
+             "ncclAllReduce");
+}
+
+void NcclGroup::max(float* values, size_t count, cudaStream_t stream) {
+  check_nccl(ncclAllReduce(values, values, count, ncclFloat32, ncclMax, comm_, stream),
+             "ncclAllReduce");
+}
+
+}  // namespace fp8t::distributed
+
+#endif  // FP8TRAIN_WITH_NCCL

@@ -1,0 +1,39 @@
+// The GPU path's collectives: one NCCL communicator over the job's ranks, one GPU each (CUDA
+// builds with NCCL only). NCCL's unique id travels from rank 0 through the host Communicator.
+#pragma once
+
+#include <cstddef>
+
+#include <cuda_runtime_api.h>
+
+#include "distributed/communicator.h"
+
+struct ncclComm;
+
+namespace fp8t::distributed {
+
+class NcclGroup {
+ public:
+  // Joins the ranks of `host` on the current CUDA device; every rank calls it together.
+  explicit NcclGroup(Communicator& host);
+  ~NcclGroup();
+  NcclGroup(const NcclGroup&) = delete;
+  NcclGroup& operator=(const NcclGroup&) = delete;
+
+  // In place on the device, queued on `stream`; the same result on every rank.
+  void sum(float* values, size_t count, cudaStream_t stream);
+  void max(float* values, size_t count, cudaStream_t stream);
+
+  // Overlapped with later work on `producer`: queues the sum on the group's own stream, after
+  // the work queued on `producer` so far (which completes `values`).
+  void sum_after(float* values, size_t count, cudaStream_t producer);
+  // Work queued on `consumer` from now on waits for every sum_after queued so far.
+  void join(cudaStream_t consumer);
+
+ private:
+  ncclComm* comm_ = nullptr;
+  cudaStream_t stream_ = nullptr;  // sum_after's
+  cudaEvent_t ready_ = nullptr;    // records a producer's or the own stream's progress
+};
+
+}  // namespace fp8t::distributed
