@@ -69,7 +69,7 @@ class CpuEngine final : public TrainingEngine {
                                        : optim::global_norm(gradient_spans_);
     if (std::isfinite(result.grad_norm)) {
       optimizer_.step(model_.parameters(), model_.gradients(), schedule);
-      if (ranks > 1) reduce_amaxes();
+      if (ranks > 1) reduce_delayed_amaxes(model_.delayed_scalings(), *communicator_);
       model_.end_step();
     }
     return result;
@@ -94,20 +94,6 @@ class CpuEngine final : public TrainingEngine {
   void from_host() override { model_.weights_changed(); }
 
  private:
-  // Delayed scaling: every rank folds the largest amax any rank saw into its histories, so the
-  // scales stay the same on every rank (a tensor that ran on no rank still records nothing).
-  void reduce_amaxes() {
-    const auto scalings = model_.delayed_scalings();
-    if (scalings.empty()) return;
-    std::vector<float> amaxes;
-    for (const auto& [name, scaling] : scalings)
-      amaxes.push_back(scaling->pending_amax());
-    communicator_->max(amaxes.data(), amaxes.size());
-    for (size_t i = 0; i < scalings.size(); ++i) {
-      if (amaxes[i] != 0.0f) scalings[i].second->record_amax(amaxes[i]);
-    }
-  }
-
   // Fails before allocating when the plan cannot fit in the memory the system has available.
   static void check_memory_fits(const GptMemoryPlan& plan) {
     const double available = available_memory_bytes();
@@ -130,6 +116,18 @@ class CpuEngine final : public TrainingEngine {
 };
 
 }  // namespace
+
+void reduce_delayed_amaxes(const std::vector<std::pair<std::string, DelayedScaling*>>& scalings,
+                           distributed::Communicator& communicator) {
+  if (scalings.empty()) return;
+  std::vector<float> amaxes;
+  for (const auto& [name, scaling] : scalings)
+    amaxes.push_back(scaling->pending_amax());
+  communicator.max(amaxes.data(), amaxes.size());
+  for (size_t i = 0; i < scalings.size(); ++i) {
+    if (amaxes[i] != 0.0f) scalings[i].second->record_amax(amaxes[i]);
+  }
+}
 
 data::TokenBatch this_ranks_batch(data::TokenLoader& loader,
                                   const distributed::Communicator* communicator) {

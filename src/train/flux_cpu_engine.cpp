@@ -9,6 +9,7 @@
 #include "optim/clip.h"
 #include "train/flux_engine.h"
 #include "train/run_log.h"
+#include "train/training_engine.h"
 
 namespace fp8t::train {
 
@@ -24,7 +25,8 @@ std::vector<optim::AdamWOptimizer::Parameter> optimized_parameters(const FluxCon
 class FluxCpuEngine final : public FluxEngine {
  public:
   explicit FluxCpuEngine(const FluxEngineSetup& setup)
-      : img_ids_(setup.img_ids),
+      : communicator_(setup.communicator),
+        img_ids_(setup.img_ids),
         model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision),
         optimizer_(optimized_parameters(setup.model), setup.adamw),
         prediction_(size_t(setup.batch * setup.img_tokens * setup.model.in_channels)),
@@ -57,8 +59,11 @@ class FluxCpuEngine final : public FluxEngine {
     FP8T_CHECK(!micro_batches.empty(), "expected at least one micro-batch");
     model_.zero_gradients();
     StepResult result;
-    // Each micro-batch's loss gradient is scaled by 1/A: the gradient of the mean loss.
-    const auto share = static_cast<float>(1.0 / double(micro_batches.size()));
+    // Each micro-batch's loss gradient is scaled by 1/(A·R): the gradient of the mean loss over
+    // every rank's micro-batches, once the ranks' gradients are summed.
+    const int ranks = communicator_ != nullptr ? communicator_->size() : 1;
+    const auto total = static_cast<double>(std::ssize(micro_batches) * ranks);
+    const auto share = static_cast<float>(1.0 / total);
     for (const FluxBatch& batch : micro_batches) {
       model_.forward(inputs(batch), prediction_.data());
       result.loss +=
@@ -66,11 +71,17 @@ class FluxCpuEngine final : public FluxEngine {
                                       batch.target.data(), std::ssize(prediction_), share);
       model_.backward(grad_prediction_.data());
     }
-    result.loss /= double(micro_batches.size());
+    if (ranks > 1) {
+      for (const optim::GradientSpan& span : gradient_spans_)
+        communicator_->sum(span.data, static_cast<size_t>(span.count));
+      communicator_->sum(&result.loss, 1);
+    }
+    result.loss /= total;
     result.grad_norm = clip_grad > 0.0 ? optim::clip_gradients(gradient_spans_, clip_grad)
                                        : optim::global_norm(gradient_spans_);
     if (std::isfinite(result.grad_norm)) {
       optimizer_.step(parameter_data_, gradient_data_, lr_multiplier);
+      if (ranks > 1) reduce_delayed_amaxes(model_.delayed_scalings(), *communicator_);
       model_.end_step();
     }
     return result;
@@ -102,6 +113,7 @@ class FluxCpuEngine final : public FluxEngine {
             batch.timesteps.data(), batch.guidance.empty() ? nullptr : batch.guidance.data()};
   }
 
+  distributed::Communicator* communicator_;
   std::vector<float> img_ids_;
   FluxModel model_;
   optim::AdamWOptimizer optimizer_;

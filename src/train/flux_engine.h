@@ -13,6 +13,7 @@
 #include <utility>
 #include <vector>
 
+#include "distributed/communicator.h"
 #include "models/flux_model.h"
 #include "optim/adamw.h"
 #include "train/flux_batches.h"
@@ -30,9 +31,9 @@ class FluxEngine {
   virtual double peak_memory_bytes() const = 0;
   virtual const std::vector<FluxLinearPrecision>& linear_precision() const = 0;
 
-  // One optimizer step: the mean loss and gradient over the micro-batches, the global norm
-  // (clipped to clip_grad when > 0) and, when it is finite, AdamW at lr · lr_multiplier and the
-  // model's end_step.
+  // One optimizer step: the mean loss and gradient over the micro-batches (with R ranks, over
+  // every rank's: R times as many), the global norm (clipped to clip_grad when > 0) and, when it
+  // is finite, AdamW at lr · lr_multiplier and the model's end_step.
   virtual StepResult train_step(std::span<const FluxBatch> micro_batches, double clip_grad,
                                 double lr_multiplier) = 0;
   // The loss of one batch, without gradients and without touching the FP8 scaling state.
@@ -54,6 +55,9 @@ struct FluxEngineSetup {
   int64_t txt_tokens = 0;
   std::vector<float> img_ids;  // [img_tokens, 3], the same for every sample
   optim::AdamWHyperparameters adamw;
+  // Data parallelism (the CPU engine): the gradients and losses are summed over the ranks and
+  // the delayed-scaling amaxes max-reduced. Null: one process.
+  distributed::Communicator* communicator = nullptr;
 };
 
 std::unique_ptr<FluxEngine> make_flux_cpu_engine(const FluxEngineSetup& setup);

@@ -18,6 +18,7 @@
 #include "train/flux_batches.h"
 #include "train/flux_engine.h"
 #include "train/run_log.h"
+#include "train/stop_signal.h"
 #include "train/training_engine.h"
 #include "train/training_loop.h"
 
@@ -131,14 +132,19 @@ fs::path flux_sample_grid_path(const fs::path& run_folder, int64_t step) {
   return run_folder / "samples" / fmt::format("step_{:06d}.png", step);
 }
 
-TrainOutcome run_flux_training(const TrainConfig& config) {
-  const fs::path run_folder = open_run_folder(config);
+TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communicator& communicator) {
+  // Rank 0 prepares the run folder, prints and writes; the others wait for the folder first.
+  const bool leader = communicator.rank() == 0;
+  const bool several = communicator.several();
+  const int ranks = communicator.size();
+  const fs::path run_folder = leader ? open_run_folder(config) : config.run_dir();
+  communicator.barrier();
   const FluxConfig model_config = config.flux_config();
   const auto seed = static_cast<uint64_t>(config.training.seed);
   const FluxTrainingData data = open_flux_data(config);
   const int64_t batch = config.training.micro_batch_size;
-  const int64_t accumulation = config.grad_accum_steps(1);
-  const int64_t samples_per_step = config.global_batch_size(1);
+  const int64_t accumulation = config.grad_accum_steps(ranks);  // per rank
+  const int64_t samples_per_step = config.global_batch_size(ranks);
   const int64_t total_steps = config.training.train_iters;
   const FluxBatchBuilder batches(*data.source, model_config, data.objective, batch, seed);
   const int64_t img_tokens = batches.latent_shape().tokens();
@@ -148,7 +154,7 @@ TrainOutcome run_flux_training(const TrainConfig& config) {
   // built-in data's words; the configuration refuses prompts with shards.
   std::optional<FluxSampleGrid> grid;
   if (std::vector<std::string> prompts = split_prompts(config.run.sample_prompts);
-      !prompts.empty() && data.shapes) {
+      leader && !prompts.empty() && data.shapes) {
     try {
       grid.emplace(*data.shapes, model_config, flux_grid_options(config, std::move(prompts)));
     } catch (const Error& error) {
@@ -165,28 +171,32 @@ TrainOutcome run_flux_training(const TrainConfig& config) {
   setup.txt_tokens = txt_tokens;
   setup.img_ids = batches.img_ids();
   setup.adamw = config.optimizer_settings().adamw;
+  if (several) setup.communicator = &communicator;
   const std::unique_ptr<FluxEngine> engine =
       cuda ? make_flux_cuda_engine(setup) : make_flux_cpu_engine(setup);
   const optim::LrSchedule schedule = config.lr_schedule();
 
-  fmt::print("model: {}: hidden {}, {} heads, {} double + {} single blocks; {:.3f}M parameters\n",
-             config.model.name, model_config.hidden_size, model_config.num_heads,
-             model_config.double_blocks, model_config.single_blocks,
-             double(flux_parameter_count(model_config)) / 1e6);
-  fmt::print("precision: {}; {}\n", describe(setup.precision.fp8),
-             flux_precision_summary(engine->linear_precision()));
-  print_emulation_note(setup.precision, cuda);
-  fmt::print(
-      "batch: {} pictures per micro-batch ({} image + {} text tokens each), {} micro-batch(es) "
-      "per step, {} pictures per step; {} steps\n",
-      batch, img_tokens, txt_tokens, accumulation, samples_per_step, total_steps);
-  fmt::print("memory plan: {}\n", engine->memory_plan());
-  fmt::print(
-      "data: {}; {} image tokens of {} features per picture; σ {} (shift {}), guidance dropout "
-      "{}\ndevice: {}\n",
-      data.description, img_tokens, model_config.in_channels,
-      sigma_sampler_name(config.flux.sigma.sampler), config.flux.sigma.shift,
-      config.flux.cfg_dropout, engine->device_name());
+  if (leader) {
+    fmt::print("model: {}: hidden {}, {} heads, {} double + {} single blocks; {:.3f}M parameters\n",
+               config.model.name, model_config.hidden_size, model_config.num_heads,
+               model_config.double_blocks, model_config.single_blocks,
+               double(flux_parameter_count(model_config)) / 1e6);
+    fmt::print("precision: {}; {}\n", describe(setup.precision.fp8),
+               flux_precision_summary(engine->linear_precision()));
+    print_emulation_note(setup.precision, cuda);
+    fmt::print(
+        "batch: {} pictures per micro-batch ({} image + {} text tokens each), {} micro-batch(es) "
+        "per step{}, {} pictures per step; {} steps\n",
+        batch, img_tokens, txt_tokens, accumulation, ranks_note(communicator), samples_per_step,
+        total_steps);
+    fmt::print("memory plan: {}\n", engine->memory_plan());
+    fmt::print(
+        "data: {}; {} image tokens of {} features per picture; σ {} (shift {}), guidance "
+        "dropout {}\ndevice: {}\n",
+        data.description, img_tokens, model_config.in_channels,
+        sigma_sampler_name(config.flux.sigma.sampler), config.flux.sigma.shift,
+        config.flux.cfg_dropout, engine->device_name());
+  }
 
   // Checkpoint contents: views of the model's, the optimizer's and the FP8 state.
   ScalingStateBuffers scaling(engine->delayed_scalings());
@@ -211,6 +221,10 @@ TrainOutcome run_flux_training(const TrainConfig& config) {
              total_steps);
 
   const auto save = [&](int64_t at_step, double train_seconds) {
+    if (several && !scaling.empty()) {
+      check_same_scaling_on_every_rank(scaling, communicator, at_step);
+    }
+    if (!leader) return;  // every rank holds the same weights and optimizer state
     engine->to_host();
     save_run_checkpoint(
         run_folder, config, at_step,
@@ -221,6 +235,7 @@ TrainOutcome run_flux_training(const TrainConfig& config) {
   // Validation: the same held-out pictures, σ and noise at every evaluation.
   FluxBatch held_out;
   const auto validation_loss = [&]() -> std::optional<double> {
+    if (!leader) return std::nullopt;
     double sum = 0.0;
     for (int64_t i = 0; i < config.run.eval_iters; ++i) {
       batches.validation_batch(i, held_out);
@@ -229,7 +244,7 @@ TrainOutcome run_flux_training(const TrainConfig& config) {
     return sum / double(config.run.eval_iters);
   };
 
-  RunLog log(run_folder, ::isatty(STDERR_FILENO) != 0);
+  RunLog log(run_folder, ::isatty(STDERR_FILENO) != 0, /*writes=*/leader);
   const auto write_grid = [&](int64_t at_step) {
     const fs::path path = flux_sample_grid_path(run_folder, at_step);
     fs::create_directories(path.parent_path());
@@ -247,9 +262,12 @@ TrainOutcome run_flux_training(const TrainConfig& config) {
       flux_flops_per_sample(model_config, img_tokens, txt_tokens) / double(img_tokens);
   loop.memory_bytes = resident_memory_bytes;
   loop.peak_memory_bytes = [&] { return engine->peak_memory_bytes(); };
+  // Rank r's micro-batch m is the step's m·R + r of A·R: the step sees one process's batches.
   loop.train_step = [&](int64_t at_step) {
-    for (int64_t micro = 0; micro < accumulation; ++micro)
-      batches.training_batch(at_step, micro, accumulation, micro_batches[size_t(micro)]);
+    for (int64_t micro = 0; micro < accumulation; ++micro) {
+      batches.training_batch(at_step, micro * ranks + communicator.rank(), accumulation * ranks,
+                             micro_batches[size_t(micro)]);
+    }
     const double multiplier = optim::lr_multiplier(schedule, at_step);
     const StepResult result =
         engine->train_step(micro_batches, config.optimizer.clip_grad, multiplier);
@@ -257,6 +275,7 @@ TrainOutcome run_flux_training(const TrainConfig& config) {
   };
   loop.validation_loss = validation_loss;
   loop.save = save;
+  if (several) loop.stop_signal = [&] { return communicator.max(StopSignal::received()); };
   loop.after_step = [&](int64_t steps_done) {
     const int64_t every = config.run.sample_every;
     if (grid && every > 0 && steps_done % every == 0 && steps_done < total_steps) {

@@ -13,14 +13,17 @@
 
 #include "config/train_config.h"
 #include "data/flux_shapes.h"
+#include "distributed/communicator.h"
 #include "train/flux_batches.h"
 #include "train/flux_sample_grid.h"
 #include "train/trainer.h"
 
 namespace fp8t::train {
 
-// Runs the job of a Flux configuration; as run_training.
-TrainOutcome run_flux_training(const TrainConfig& config);
+// Runs the job of a Flux configuration; as run_training, data-parallel over the ranks of
+// `communicator` on the CPU path (rank 0 writes the run folder, logs, checkpoints, validation
+// and sample grids).
+TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communicator& communicator);
 
 // What a Flux run trains on: data.flux_shards, or the built-in shapes data when it is empty.
 struct FluxTrainingData {

@@ -153,12 +153,14 @@ fs::path cache_folder() {
   return ".fp8train-cache";
 }
 
-// What data parallelism over several processes runs so far: the GPT, with a global batch the
-// ranks share evenly.
+// What data parallelism over several processes runs so far: the GPT, and Flux on the CPU path,
+// with a global batch the ranks share evenly.
 void check_data_parallel(const TrainConfig& config, int ranks) {
-  if (config.is_flux()) {
-    throw ConfigError(fmt::format("model: {}: training over {} processes runs the GPT only so far",
-                                  config.model.name, ranks));
+  if (config.is_flux() && use_cuda(config.run.device)) {
+    throw ConfigError(fmt::format(
+        "device: {} picks the GPU here; training model {} over {} processes runs on the CPU "
+        "path only so far (device: cpu)",
+        config.run.device == DeviceChoice::Auto ? "auto" : "cuda", config.model.name, ranks));
   }
   const int64_t per_pass = config.training.micro_batch_size * ranks;
   if (config.global_batch_size(ranks) % per_pass != 0) {
@@ -166,6 +168,12 @@ void check_data_parallel(const TrainConfig& config, int ranks) {
         fmt::format("global_batch_size: {} is not a multiple of micro_batch_size x ranks = {} x {}",
                     config.global_batch_size(ranks), config.training.micro_batch_size, ranks));
   }
+}
+
+std::string ranks_note(const distributed::Communicator& communicator) {
+  if (!communicator.several()) return "";
+  return fmt::format(" on each of {} ranks ({}, data parallel)", communicator.size(),
+                     communicator.launch().launcher);
 }
 
 // Every rank's delayed-scaling state must be the same (the amaxes are reduced over the ranks):
@@ -196,7 +204,7 @@ TrainOutcome run_training(const TrainConfig& config) {
 TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& communicator) {
   const bool several = communicator.several();
   if (several) check_data_parallel(config, communicator.size());
-  if (config.is_flux()) return run_flux_training(config);
+  if (config.is_flux()) return run_flux_training(config, communicator);
   // Rank 0 prepares the run folder and the data (the built-in corpus is tokenized on first
   // use) and prints; the others wait for it, then only read.
   const bool leader = communicator.rank() == 0;
@@ -245,11 +253,7 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
     fmt::print(
         "batch: {} x {} tokens per micro-batch, {} micro-batch(es) per step{}, {} tokens per "
         "step; {} steps\n",
-        batch, seq, accumulation,
-        several ? fmt::format(" on each of {} ranks ({}, data parallel)", ranks,
-                              communicator.launch().launcher)
-                : "",
-        tokens_per_step, total_steps);
+        batch, seq, accumulation, ranks_note(communicator), tokens_per_step, total_steps);
     fmt::print("memory plan: {}\n", engine->memory_plan());
     fmt::print("data: {}\ndevice: {}\n", describe_data(loader, sources), engine->device_name());
   }

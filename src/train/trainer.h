@@ -32,8 +32,17 @@ std::filesystem::path cache_folder();
 TrainOutcome run_training(const TrainConfig& config);
 // The same as one rank of a data-parallel job (communicator.several()): every rank trains the
 // same model on its share of each step's micro-batches; rank 0 alone prints, writes the run
-// folder and checkpoints, and evaluates. So far the GPT on the CPU path (ConfigError
-// otherwise).
+// folder and checkpoints, and evaluates. So far the GPT (CPU path or GPUs) and Flux on the CPU
+// path (ConfigError otherwise).
 TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& communicator);
+
+// The batch line's " on each of R ranks (launcher, data parallel)", or "" for one process.
+std::string ranks_note(const distributed::Communicator& communicator);
+
+class ScalingStateBuffers;
+// Throws fp8t::Error naming the rank whose delayed-scaling state differs from rank 0's at
+// `step`: the checkpoints' check that the amax reduction keeps the ranks' scales identical.
+void check_same_scaling_on_every_rank(ScalingStateBuffers& scaling,
+                                      distributed::Communicator& communicator, int64_t step);
 
 }  // namespace fp8t::train

@@ -72,6 +72,12 @@ std::unique_ptr<TrainingEngine> make_cpu_engine(const EngineSetup& setup);
 // The GPU path on the current CUDA device; throws ConfigError in builds without CUDA.
 std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup);
 
+// Delayed scaling over several ranks, before the step's end_step: every rank folds the largest
+// amax any rank saw into its histories, so the scales stay the same on every rank (a tensor
+// that ran on no rank still records nothing).
+void reduce_delayed_amaxes(const std::vector<std::pair<std::string, DelayedScaling*>>& scalings,
+                           distributed::Communicator& communicator);
+
 // The next `ranks` batches of the loader, of which this rank keeps its own (every batch when
 // `communicator` is null).
 data::TokenBatch this_ranks_batch(data::TokenLoader& loader,
