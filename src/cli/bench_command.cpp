@@ -36,7 +36,7 @@
 #include "optim/cuda/gpu_optimizer.h"
 #include "train/training_engine.h"
 #if FP8TRAIN_WITH_NCCL
-#include "distributed/nccl_group.h"
+#include "train/cuda_rank_sums.h"
 #endif
 #endif
 
@@ -171,46 +171,11 @@ void time_steps(const BenchTiming& timing, cudaStream_t stream, const StepParts&
   }
 }
 
-// Data parallelism in `bench gpt`: what a training step adds on each rank, the NCCL sums of the
-// gradients (after the backward or overlapped with it, as the training engine's) and of the
-// delayed-scaling amaxes. Without NCCL, or with one rank: nothing.
+// Data parallelism in `bench gpt`: the ranks of the job (one: none) and how they sum.
 struct BenchRanks {
-  int count = 1;
-  bool overlap = false;  // --overlap-grad-reduce
-#if FP8TRAIN_WITH_NCCL
-  distributed::NcclGroup* nccl = nullptr;
-#endif
-
-  // Before the steps, with overlap: the backward hands each finished range of gradients to NCCL.
-  void attach(CudaGptModel& model, cudaStream_t stream) const {
-#if FP8TRAIN_WITH_NCCL
-    if (nccl == nullptr || !overlap) return;
-    model.set_gradients_ready([this, &model, stream](int64_t offset, int64_t elements) {
-      nccl->sum_after(model.gradients() + offset, static_cast<size_t>(elements), stream);
-    });
-#else
-    (void)model, (void)stream;
-#endif
-  }
-
-  // Before the optimizer: the mean gradient of every rank's, the largest amaxes.
-  void reduce(CudaGptModel& model, cudaStream_t stream) const {
-#if FP8TRAIN_WITH_NCCL
-    if (nccl == nullptr) return;
-    if (overlap) {
-      nccl->join(stream);
-    } else {
-      nccl->sum(model.gradients(), static_cast<size_t>(model.layout().total_elements), stream);
-    }
-    ops::cuda::scale_f32(model.gradients(), 1.0f / float(count), model.layout().total_elements,
-                         stream);
-    if (!model.delayed_scalings().empty()) {
-      nccl->max(model.scalings().device_floats(), model.scalings().float_count(), stream);
-    }
-#else
-    (void)model, (void)stream;
-#endif
-  }
+  distributed::Communicator* communicator = nullptr;  // with several ranks
+  bool overlap = false;                               // --overlap-grad-reduce
+  int count() const { return communicator != nullptr ? communicator->size() : 1; }
 };
 
 Measurement measure(const BenchGptOptions& options, const GptConfig& config, bool fp8,
@@ -229,7 +194,27 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, boo
     model.upload_parameters(parameters);
   }
   result.fp8_layers = precision_summary(model.linear_precision());
-  ranks.attach(model, stream);
+  // Several ranks: what a training step adds on each (train/cuda_rank_sums.h).
+#if FP8TRAIN_WITH_NCCL
+  std::unique_ptr<train::GptRankSums> rank_sums;
+  if (ranks.communicator != nullptr) {
+    rank_sums = std::make_unique<train::GptRankSums>(*ranks.communicator, model, ranks.overlap);
+  }
+  const auto backward = [&] { rank_sums ? rank_sums->last_backward() : model.backward(); };
+  const auto sum_over_ranks = [&] {
+    if (!rank_sums) return;
+    rank_sums->sum_gradients();
+    ops::cuda::scale_f32(model.gradients(), 1.0f / float(ranks.count()),
+                         model.layout().total_elements, stream);
+  };
+  const auto reduce_amaxes = [&] {
+    if (rank_sums) rank_sums->reduce_amaxes();
+  };
+#else
+  const auto backward = [&] { model.backward(); };
+  const auto sum_over_ranks = [] {};
+  const auto reduce_amaxes = [] {};
+#endif
 
   std::mt19937 generator(7);
   std::uniform_int_distribution<int32_t> token(0, config.vocab_size - 1);
@@ -251,19 +236,20 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, boo
                     model.zero_gradients();
                     model.forward(idx.data(), targets.data(), true);
                   },
-              .backward = [&] { model.backward(); },
+              .backward = backward,
               .optimize =
                   [&] {
-                    ranks.reduce(model, stream);
+                    sum_over_ranks();
                     optimizer.global_norm(model.gradients(), count, norm, stream);
                     optimizer.step(model.parameters(), model.gradients(), schedule, stream);
+                    reduce_amaxes();
                     model.end_step();
                   }},
              result);
   result.final_loss = model.loss_value();
   cudaFree(norm);
-  result.throughput = double(tokens) * ranks.count / (result.step_ms * 1e-3);
-  result.mfu = result.throughput / ranks.count * gpt_flops_per_token(config) / kBf16PeakFlops;
+  result.throughput = double(tokens) * ranks.count() / (result.step_ms * 1e-3);
+  result.mfu = result.throughput / ranks.count() * gpt_flops_per_token(config) / kBf16PeakFlops;
   return result;
 }
 
@@ -409,19 +395,14 @@ int run_bench_gpt(const BenchGptOptions& options) {
   // Started as one of several ranks (--nproc-per-node, mpirun, srun): each times the same
   // micro-batch on its own GPU and reduces the gradients with the others; rank 0 prints.
   distributed::Communicator communicator(distributed::detect_launch(), 0);
-  BenchRanks ranks;
-  ranks.count = communicator.size();
-  ranks.overlap = options.overlap_grad_reduce;
-#if FP8TRAIN_WITH_NCCL
-  std::unique_ptr<distributed::NcclGroup> nccl;
+  BenchRanks ranks{.overlap = options.overlap_grad_reduce};
   if (communicator.several()) {
-    train::training_gpu(communicator.launch().local_rank);
-    nccl = std::make_unique<distributed::NcclGroup>(communicator);
-    ranks.nccl = nccl.get();
-  }
-#else
-  if (communicator.several()) throw Error("bench gpt: several ranks need NCCL, not in this build");
+#if !FP8TRAIN_WITH_NCCL
+    throw Error("bench gpt: several ranks need NCCL, not in this build");
 #endif
+    train::training_gpu(communicator.launch().local_rank);
+    ranks.communicator = &communicator;
+  }
   if (communicator.rank() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) {
     throw Error("bench gpt: cannot silence the output of the ranks after the first");
   }
@@ -439,10 +420,10 @@ int run_bench_gpt(const BenchGptOptions& options) {
       config.window_pattern, options.batch, options.batch * config.sequence_len,
       double(ParameterSet::planned_bytes(config, DType::F32)) / 4e9, flops_per_token,
       options.timing.warmup, options.timing.steps, gpus[0].name, gpus[0].architecture(),
-      ranks.count > 1
+      ranks.count() > 1
           ? fmt::format(" x {} ranks, data parallel (NCCL all-reduce of the fp32 gradients, {}); "
                         "tokens/s of all ranks, memory of rank 0",
-                        ranks.count,
+                        ranks.count(),
                         ranks.overlap ? "overlapped with the backward" : "after the backward")
           : "");
 

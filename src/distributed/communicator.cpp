@@ -42,28 +42,13 @@ void mpi_all_reduce(T* values, size_t count, MPI_Datatype type, MPI_Op op) {
   }
 }
 
-// Every rank learns whether all ranks hold rank 0's hash.
-void check_same_job(uint64_t job_hash, int rank) {
-  uint64_t leader_hash = job_hash;
-  check_mpi(MPI_Bcast(&leader_hash, 1, MPI_UINT64_T, 0, MPI_COMM_WORLD), "MPI_Bcast");
-  int differs = leader_hash != job_hash ? rank + 1 : 0;  // the last rank that differs, plus 1
-  check_mpi(MPI_Allreduce(MPI_IN_PLACE, &differs, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD),
-            "MPI_Allreduce");
-  if (differs != 0) {
-    throw Error(fmt::format(
-        "rank {}'s configuration differs from rank 0's: start every rank with the same config "
-        "and flags",
-        differs - 1));
-  }
-}
+constexpr bool kHaveMpi = true;
+
+#else
+
+constexpr bool kHaveMpi = false;
 
 #endif  // FP8TRAIN_WITH_MPI
-
-#if FP8TRAIN_WITH_MPI
-constexpr bool kHaveMpi = true;
-#else
-constexpr bool kHaveMpi = false;
-#endif
 
 }  // namespace
 
@@ -94,7 +79,12 @@ Communicator::Communicator(const LaunchInfo& launch, uint64_t job_hash) : launch
     throw Error(fmt::format("MPI sees rank {} of {}, but the launcher said {}", rank, size,
                             launch.describe()));
   }
-  check_same_job(job_hash, rank);
+  if (const int differs = rank_differing_from_first(job_hash); differs >= 0) {
+    throw Error(fmt::format(
+        "rank {}'s configuration differs from rank 0's: start every rank with the same config "
+        "and flags",
+        differs));
+  }
 #endif
 }
 
@@ -102,10 +92,6 @@ Communicator::~Communicator() {
 #if FP8TRAIN_WITH_MPI
   if (mpi_) MPI_Finalize();
 #endif
-}
-
-std::string Communicator::transport() const {
-  return mpi_ ? "MPI" : tcp_ ? "TCP" : "none";
 }
 
 void Communicator::sum(float* values, size_t count) {
@@ -150,6 +136,12 @@ void Communicator::broadcast(void* bytes, size_t size) {
   }
 #endif
   if (tcp_) tcp_->broadcast(bytes, size);
+}
+
+int Communicator::rank_differing_from_first(uint64_t value) {
+  uint64_t first = value;
+  broadcast(&first, sizeof(first));
+  return max(first != value ? rank() : -1);
 }
 
 void Communicator::barrier() {

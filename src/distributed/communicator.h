@@ -9,7 +9,6 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
-#include <string>
 
 #include "distributed/launch.h"
 
@@ -33,8 +32,6 @@ class Communicator {
   int size() const { return launch_.world_size; }
   bool several() const { return launch_.several(); }
   const LaunchInfo& launch() const { return launch_; }
-  // "MPI", "TCP" or "none".
-  std::string transport() const;
 
   // In place, the same result on every rank.
   void sum(float* values, size_t count);
@@ -43,6 +40,8 @@ class Communicator {
   void max(float* values, size_t count);
   // Rank 0's bytes to every rank.
   void broadcast(void* bytes, size_t size);
+  // On every rank: the highest rank whose `value` differs from rank 0's, or -1 when all agree.
+  int rank_differing_from_first(uint64_t value);
   void barrier();
   // Ends the whole job with `code`: through MPI, or by closing this rank's connections so that
   // the others stop with an error, instead of waiting forever for one that failed.

@@ -20,7 +20,7 @@
 #include "core/cuda_resources.h"
 #include "models/cuda/gpt_model_cuda.h"
 #if FP8TRAIN_WITH_NCCL
-#include "distributed/nccl_group.h"
+#include "train/cuda_rank_sums.h"
 #endif
 #include "ops/cuda/gpt_gates.h"
 #include "optim/cuda/gpu_optimizer.h"
@@ -58,7 +58,6 @@ class CudaEngine final : public TrainingEngine {
   CudaEngine(const EngineSetup& setup, GpuInfo gpu)
       : gpu_(std::move(gpu)),
         communicator_(setup.communicator),
-        overlap_grad_reduce_(setup.overlap_grad_reduce),
         model_(setup.model, setup.batch, setup.seq, setup.precision, stream_.get()),
         host_arena_("parameters (host mirror)",
                     ParameterSet::planned_bytes(setup.model, DType::F32)),
@@ -68,9 +67,10 @@ class CudaEngine final : public TrainingEngine {
         norm_host_(1),
         losses_host_(kMaxLossesPerRead) {
     FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));
-    delayed_ = !model_.delayed_scalings().empty();
 #if FP8TRAIN_WITH_NCCL
-    if (communicator_ != nullptr) nccl_ = std::make_unique<distributed::NcclGroup>(*communicator_);
+    if (communicator_ != nullptr) {
+      rank_sums_ = std::make_unique<GptRankSums>(*communicator_, model_, setup.overlap_grad_reduce);
+    }
 #endif
     peak_memory_ = device_memory_in_use();
   }
@@ -114,12 +114,11 @@ class CudaEngine final : public TrainingEngine {
       model_.forward(batch.inputs.data(), batch.targets.data(), true);
       FP8T_CUDA_CHECK(cudaMemcpyAsync(losses_host_.data() + pending, model_.loss_device(),
                                       sizeof(float), cudaMemcpyDeviceToHost, stream));
-      // overlap_grad_reduce: the last backward sums each range of gradients over the ranks as
-      // soon as it is done.
-      const bool overlap = ranks > 1 && overlap_grad_reduce_ && micro + 1 == accumulation;
-      if (overlap) model_.set_gradients_ready(sum_over_ranks());
-      model_.backward();
-      if (overlap) model_.set_gradients_ready(nullptr);
+      if (ranks > 1 && micro + 1 == accumulation) {
+        last_backward();
+      } else {
+        model_.backward();
+      }
       if (++pending == kMaxLossesPerRead) {
         result.loss += sum_losses(pending);
         pending = 0;
@@ -127,7 +126,7 @@ class CudaEngine final : public TrainingEngine {
     }
     float* gradients = model_.gradients();
     const int64_t count = model_.layout().total_elements;
-    if (ranks > 1) finish_sums(gradients, count);
+    if (ranks > 1) sum_gradients();
     const int64_t micro_batches = accumulation * ranks;
     if (micro_batches > 1) {  // the gradient of the mean over micro-batches
       ops::cuda::scale_f32(gradients, 1.0f / float(micro_batches), count, stream);
@@ -142,7 +141,7 @@ class CudaEngine final : public TrainingEngine {
     result.grad_norm = norm_host_.data()[0];
     if (std::isfinite(result.grad_norm)) {
       optimizer_.step(model_.parameters(), gradients, schedule, stream);
-      if (ranks > 1 && delayed_) reduce_amaxes();
+      if (ranks > 1) reduce_amaxes();
       model_.end_step();
     }
     peak_memory_ = std::max(peak_memory_, device_memory_in_use());
@@ -182,37 +181,20 @@ class CudaEngine final : public TrainingEngine {
  private:
   static constexpr int64_t kMaxLossesPerRead = 64;
 
-  // For the last backward of a step (overlap_grad_reduce): sums each finished range of
-  // gradients over the ranks on NCCL's stream while the backward goes on.
-  CudaGptModel::GradientsReady sum_over_ranks() {
+  // With several ranks (GptRankSums); without NCCL make_cuda_engine refuses them.
+  void last_backward() {
 #if FP8TRAIN_WITH_NCCL
-    return [this](int64_t offset, int64_t count) {
-      nccl_->sum_after(model_.gradients() + offset, static_cast<size_t>(count), stream_.get());
-    };
-#else
-    return {};
+    rank_sums_->last_backward();
 #endif
   }
-  // After the backward, queued on the stream: the gradients summed over the ranks (the
-  // overlapped sums awaited, or one sum of them all).
-  void finish_sums(float* gradients, int64_t count) {
+  void sum_gradients() {
 #if FP8TRAIN_WITH_NCCL
-    if (overlap_grad_reduce_) {
-      nccl_->join(stream_.get());
-    } else {
-      nccl_->sum(gradients, static_cast<size_t>(count), stream_.get());
-    }
-#else
-    (void)gradients, (void)count;
+    rank_sums_->sum_gradients();
 #endif
   }
-
-  // Delayed scaling: every rank folds the largest amax any rank saw, so the scales stay the same
-  // on every rank. Scales and inverse scales are the same on every rank: their max is themselves.
   void reduce_amaxes() {
 #if FP8TRAIN_WITH_NCCL
-    CudaLinearScalings& scalings = model_.scalings();
-    nccl_->max(scalings.device_floats(), scalings.float_count(), stream_.get());
+    rank_sums_->reduce_amaxes();
 #endif
   }
 
@@ -226,7 +208,6 @@ class CudaEngine final : public TrainingEngine {
 
   GpuInfo gpu_;
   distributed::Communicator* communicator_;
-  bool overlap_grad_reduce_;
   CudaStream stream_;
   CudaGptModel model_;
   Arena host_arena_;
@@ -237,9 +218,8 @@ class CudaEngine final : public TrainingEngine {
   PinnedFloats norm_host_;
   PinnedFloats losses_host_;
   double peak_memory_ = 0.0;
-  bool delayed_ = false;  // delayed scaling: amaxes to reduce over the ranks
 #if FP8TRAIN_WITH_NCCL
-  std::unique_ptr<distributed::NcclGroup> nccl_;  // with several ranks
+  std::unique_ptr<GptRankSums> rank_sums_;  // with several ranks
 #endif
 };
 

@@ -184,15 +184,12 @@ void check_same_scaling_on_every_rank(ScalingStateBuffers& scaling,
   std::string bytes;
   for (const NamedTensor& tensor : scaling.tensors())
     bytes.append(static_cast<const char*>(tensor.view.raw()), tensor.view.bytes());
-  const uint64_t mine = std::hash<std::string>{}(bytes);
-  uint64_t leader = mine;
-  communicator.broadcast(&leader, sizeof(leader));
-  const int differs = communicator.max(mine != leader ? communicator.rank() + 1 : 0);
-  if (differs != 0) {
+  const int differs = communicator.rank_differing_from_first(std::hash<std::string>{}(bytes));
+  if (differs >= 0) {
     throw Error(fmt::format(
         "step {}: the FP8 scaling state of rank {} differs from rank 0's (the amax reduction "
         "over the ranks failed)",
-        step, differs - 1));
+        step, differs));
   }
 }
 

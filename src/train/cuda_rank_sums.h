@@ -1,0 +1,38 @@
+// What data parallelism adds to a step of the GPU GPT on each rank (CUDA builds with NCCL): the
+// sum of every rank's fp32 gradients, after the last backward or overlapped with it, and for
+// delayed scaling the largest amax any rank saw. The training engine and `bench gpt` both run
+// it, so that the benchmark times what training does.
+#pragma once
+
+#include <memory>
+
+#include "distributed/communicator.h"
+#include "distributed/nccl_group.h"
+#include "models/cuda/gpt_model_cuda.h"
+
+namespace fp8t::train {
+
+class GptRankSums {
+ public:
+  // Joins the ranks of `host` through NCCL on the current device (every rank together). The
+  // collectives run on the model's stream, the overlapped sums on NCCL's own.
+  GptRankSums(distributed::Communicator& host, CudaGptModel& model, bool overlap_grad_reduce);
+
+  // The step's last backward; with overlap_grad_reduce each finished range of gradients is
+  // summed over the ranks while it goes on.
+  void last_backward();
+  // Queued after the last backward: every rank's gradients summed (not yet averaged).
+  void sum_gradients();
+  // Delayed scaling, after the update and before the model's end_step: every rank folds the
+  // largest amax any rank saw, so the scales stay the same on every rank (scales and inverse
+  // scales are the same everywhere already: their max is themselves). A no-op for other recipes.
+  void reduce_amaxes();
+
+ private:
+  CudaGptModel& model_;
+  bool overlap_;
+  bool delayed_;
+  std::unique_ptr<distributed::NcclGroup> nccl_;
+};
+
+}  // namespace fp8t::train
