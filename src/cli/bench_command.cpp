@@ -95,19 +95,29 @@ class Events {
   std::vector<cudaEvent_t> events_;
 };
 
-std::string run_name(bool fp8, const std::string& formats, ScalingRecipe recipe) {
-  return fp8 ? fmt::format("fp8 {} {}{}", formats, recipe_name(recipe),
-                           recipe == ScalingRecipe::Mxfp8 ? " (emulated)" : "")
-             : "bf16";
+// One measured run: BF16, or FP8 with a recipe, with or without FP8 attention.
+struct RunKind {
+  bool fp8 = false;
+  ScalingRecipe recipe = ScalingRecipe::Tensorwise;
+  bool fp8_attention = false;
+};
+
+std::string run_name(const RunKind& run, const std::string& formats) {
+  if (!run.fp8) return "bf16";
+  return fmt::format("fp8 {} {}{}{}", formats, recipe_name(run.recipe),
+                     run.recipe == ScalingRecipe::Mxfp8 ? " (emulated)" : "",
+                     run.fp8_attention ? " + fp8 attention" : "");
 }
 
-ModelPrecision bench_precision(bool fp8, const std::string& formats, ScalingRecipe recipe) {
+ModelPrecision bench_precision(const RunKind& run, const std::string& formats) {
   ModelPrecision precision;
-  precision.fp8.mode = fp8 ? (formats == "e4m3" ? Fp8Mode::E4M3 : Fp8Mode::Hybrid) : Fp8Mode::None;
-  precision.fp8.recipe = recipe;
+  precision.fp8.mode =
+      run.fp8 ? (formats == "e4m3" ? Fp8Mode::E4M3 : Fp8Mode::Hybrid) : Fp8Mode::None;
+  precision.fp8.recipe = run.recipe;
   precision.policy.mode = precision.fp8.mode;
-  precision.policy.recipe = recipe;
+  precision.policy.recipe = run.recipe;
   precision.family = Fp8Family::Ocp;
+  precision.fp8_attention = run.fp8 && run.fp8_attention;
   return precision;
 }
 
@@ -178,12 +188,12 @@ struct BenchRanks {
   int count() const { return communicator != nullptr ? communicator->size() : 1; }
 };
 
-Measurement measure(const BenchGptOptions& options, const GptConfig& config, bool fp8,
-                    ScalingRecipe recipe, const BenchRanks& ranks, cudaStream_t stream) {
-  const GptPrecision precision = bench_precision(fp8, options.fp8, recipe);
+Measurement measure(const BenchGptOptions& options, const GptConfig& config, const RunKind& run,
+                    const BenchRanks& ranks, cudaStream_t stream) {
+  const GptPrecision precision = bench_precision(run, options.fp8);
   const int64_t batch = options.batch, seq = options.sequence_len, tokens = batch * seq;
   Measurement result;
-  result.name = run_name(fp8, options.fp8, recipe);
+  result.name = run_name(run, options.fp8);
   CudaGptModel model(config, batch, seq, precision, stream);
   const optim::GptOptimizer host_optimizer(config, optim::OptimizerSettings{}, tokens);
   optim::CudaGptOptimizer optimizer(host_optimizer, model.layout(), model.gemm());
@@ -262,30 +272,38 @@ std::string format_rate(double rate) {
   return rate >= 1e3 ? fmt::format("{:.1f} K", rate / 1e3) : fmt::format("{:.1f}", rate);
 }
 
-// Each precision in turn, and for fp8 each recipe: measure(fp8, recipe) per run, a line each.
+// Each precision in turn, and for fp8 each recipe with each attention setting ("off", "on"):
+// measure_run(RunKind) per run, a line each.
 template <typename Measure>
 std::vector<Measurement> measure_runs(const std::vector<std::string>& precisions,
-                                      const std::vector<std::string>& fp8_recipes, const char* unit,
-                                      const Measure& measure_run) {
-  std::vector<Measurement> results;
+                                      const std::vector<std::string>& fp8_recipes,
+                                      const std::vector<std::string>& fp8_attention,
+                                      const char* unit, const Measure& measure_run) {
+  std::vector<RunKind> runs;
   for (const std::string& precision : precisions) {
-    const bool fp8 = precision == "fp8";
-    const std::vector<std::string> recipes =
-        fp8 ? fp8_recipes : std::vector<std::string>{"tensorwise"};
-    for (const std::string& recipe_text : recipes) {
+    if (precision != "fp8") {
+      runs.push_back({});
+      continue;
+    }
+    for (const std::string& recipe_text : fp8_recipes) {
       ScalingRecipe recipe = ScalingRecipe::Tensorwise;
       for (const auto& [name, value] : kScalingRecipeNames) {
         if (name == recipe_text) recipe = value;
       }
-      const Measurement result = measure_run(fp8, recipe);
-      fmt::print(
-          "{}: {:.1f} ms/step (forward {:.1f}, backward {:.1f}, optimizer {:.1f}), {} {}, "
-          "bf16-MFU {:.1f} %, peak {}, loss {:.3f}; {}\n",
-          result.name, result.step_ms, result.forward_ms, result.backward_ms, result.optimizer_ms,
-          format_rate(result.throughput), unit, 100.0 * result.mfu,
-          train::format_bytes(result.peak_memory), result.final_loss, result.fp8_layers);
-      results.push_back(result);
+      for (const std::string& attention : fp8_attention)
+        runs.push_back({true, recipe, attention == "on"});
     }
+  }
+  std::vector<Measurement> results;
+  for (const RunKind& run : runs) {
+    const Measurement result = measure_run(run);
+    fmt::print(
+        "{}: {:.1f} ms/step (forward {:.1f}, backward {:.1f}, optimizer {:.1f}), {} {}, "
+        "bf16-MFU {:.1f} %, peak {}, loss {:.3f}; {}\n",
+        result.name, result.step_ms, result.forward_ms, result.backward_ms, result.optimizer_ms,
+        format_rate(result.throughput), unit, 100.0 * result.mfu,
+        train::format_bytes(result.peak_memory), result.final_loss, result.fp8_layers);
+    results.push_back(result);
   }
   return results;
 }
@@ -320,12 +338,12 @@ void print_results(const std::vector<Measurement>& results, const char* unit,
 
 // W-FLUX535's step: random latents, text and pooled embeddings and σ, the rectified-flow loss,
 // AdamW with Primus' settings (lr 1e-4, wd 0.01, betas 0.9 / 0.999) and clipping at 1.0.
-Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& config, bool fp8,
-                         ScalingRecipe recipe, cudaStream_t stream) {
-  const FluxPrecision precision = bench_precision(fp8, options.fp8, recipe);
+Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& config,
+                         const RunKind& run, cudaStream_t stream) {
+  const FluxPrecision precision = bench_precision(run, options.fp8);
   const int64_t B = options.batch, Li = options.img_tokens, Lt = options.txt_tokens;
   Measurement result;
-  result.name = run_name(fp8, options.fp8, recipe);
+  result.name = run_name(run, options.fp8);
   CudaFluxModel model(config, B, Li, Lt, precision, stream);
   optim::CudaAdamW optimizer(model.layout(), {.lr = 1e-4, .weight_decay = 0.01});
   {
@@ -430,9 +448,8 @@ int run_bench_gpt(const BenchGptOptions& options) {
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const std::vector<Measurement> results = measure_runs(
-      options.precisions, options.fp8_recipes, "tokens/s", [&](bool fp8, ScalingRecipe recipe) {
-        return measure(options, config, fp8, recipe, ranks, stream);
-      });
+      options.precisions, options.fp8_recipes, options.fp8_attention, "tokens/s",
+      [&](const RunKind& run) { return measure(options, config, run, ranks, stream); });
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
   print_results(results, "tokens/s", options.timing);
   return kExitOk;
@@ -453,10 +470,9 @@ int run_bench_flux(const BenchFluxOptions& options) {
 
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const std::vector<Measurement> results = measure_runs(
-      options.precisions, options.fp8_recipes, "samples/s", [&](bool fp8, ScalingRecipe recipe) {
-        return measure_flux(options, config, fp8, recipe, stream);
-      });
+  const std::vector<Measurement> results =
+      measure_runs(options.precisions, options.fp8_recipes, options.fp8_attention, "samples/s",
+                   [&](const RunKind& run) { return measure_flux(options, config, run, stream); });
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
   print_results(results, "samples/s", options.timing);
   return kExitOk;

@@ -113,6 +113,7 @@ struct BenchGptOptions {
   std::vector<std::string> precisions = {"bf16", "fp8"};  // each is measured in turn
   std::vector<std::string> fp8_recipes = {"tensorwise"};  // each, for the fp8 precision
   std::string fp8 = "hybrid";                             // fp8 formats: hybrid or e4m3
+  std::vector<std::string> fp8_attention = {"off"};       // each, for each fp8 recipe: off, on
   BenchTiming timing;
   bool overlap_grad_reduce = false;  // with several ranks (--nproc-per-node)
 };
@@ -132,6 +133,7 @@ struct BenchFluxOptions {
   std::vector<std::string> precisions = {"bf16", "fp8"};
   std::vector<std::string> fp8_recipes = {"tensorwise"};
   std::string fp8 = "hybrid";
+  std::vector<std::string> fp8_attention = {"off"};
   BenchTiming timing;
 };
 

@@ -174,6 +174,7 @@ int main(int argc, char** argv) {
   // The options both benchmarks share.
   const auto add_run_options = [](CLI::App* command, std::vector<std::string>& precisions,
                                   std::vector<std::string>& recipes, std::string& formats,
+                                  std::vector<std::string>& fp8_attention,
                                   fp8t::cli::BenchTiming& timing) {
     command->add_option("--precision", precisions, "bf16 and/or fp8, measured in the order given")
         ->delimiter(',')
@@ -188,6 +189,13 @@ int main(int argc, char** argv) {
     command->add_option("--fp8", formats, "FP8 formats: hybrid or e4m3")
         ->capture_default_str()
         ->check(CLI::IsMember({"e4m3", "hybrid"}));
+    command
+        ->add_option("--fp8-attention", fp8_attention,
+                     "FP8 runs without (off) and/or with (on) FP8 attention "
+                     "(fp8_dot_product_attention), measured in the order given")
+        ->delimiter(',')
+        ->capture_default_str()
+        ->check(CLI::IsMember({"off", "on"}));
     command->add_option("--warmup", timing.warmup, "Untimed steps first")
         ->capture_default_str()
         ->check(CLI::Range(0, 1000));
@@ -199,7 +207,7 @@ int main(int argc, char** argv) {
                       "quantization, other)");
   };
   add_run_options(bench_gpt, bench_options.precisions, bench_options.fp8_recipes, bench_options.fp8,
-                  bench_options.timing);
+                  bench_options.fp8_attention, bench_options.timing);
   add_nproc_per_node(bench_gpt);
   bench_gpt->add_flag("--overlap-grad-reduce", bench_options.overlap_grad_reduce,
                       "With several ranks: sum each block's gradients while the backward goes on");
@@ -223,7 +231,8 @@ int main(int argc, char** argv) {
       ->capture_default_str()
       ->check(CLI::Range(int64_t{1}, int64_t{1} << 20));
   add_run_options(bench_flux, bench_flux_options.precisions, bench_flux_options.fp8_recipes,
-                  bench_flux_options.fp8, bench_flux_options.timing);
+                  bench_flux_options.fp8, bench_flux_options.fp8_attention,
+                  bench_flux_options.timing);
 
   fp8t::cli::ConfigOptions config_options;
   CLI::App* config =

@@ -290,8 +290,8 @@ constexpr ValueAdvice kRecipeAdvice[] = {
      "block, is the closest"}};
 constexpr ValueAdvice kDeviceAdvice[] = {{"mps", "Apple GPUs are not supported; use cpu"}};
 
-constexpr std::string_view kAttentionInBf16 =
-    "true is not supported yet: attention runs in BF16 until the GPU attention kernel lands";
+constexpr std::string_view kMultiHeadAttentionRefused =
+    "true is not supported: FP8 between the attention block's operations is not implemented";
 
 // Details of the fp8 keys, for the docs.
 
@@ -299,7 +299,7 @@ constexpr std::string_view kFp8Details =
     R"(Which tensors of a linear layer are FP8, and in which format.
 
 - `none` (the default for training): BF16 training; the other fp8 keys are read and checked
-  but have no effect.
+  but have no effect (`fp8_dot_product_attention: true` is an error).
 - `e4m3`: input, weight and grad_output in E4M3.
 - `hybrid`: input and weight (the forward pass) in E4M3, grad_output (the backward pass) in
   E5M2, whose wider range suits gradients. nanochat's `--fp8` is this, and so is `--fp8` alone
@@ -370,15 +370,22 @@ to bf16, fp32 accumulation), as Megatron's `--no-fp8-wgrad`; the forward and inp
 GEMMs stay FP8.)";
 
 constexpr std::string_view kDotProductAttentionDetails =
-    R"(Megatron's switch for FP8 in the attention products (QKᵀ and PV, with FP8 Q, K, V). Attention
-runs in BF16 until the GPU attention kernel lands, so only `false` is accepted for now; `true`
-is an error that says so.)";
+    R"(Megatron's switch for FP8 in attention's two products (QKᵀ and PV) and their gradients, at
+the quantization points of cuDNN's FP8 SDPA: Q, K, V, the probabilities P and the output O in
+the forward format (E4M3); dO, the score gradient dS, dQ, dK and dV in the gradient format
+(E5M2 with `fp8: hybrid`). Q, K, V and dO are scaled from their own amax, P from 1 (its
+largest possible value), O from twice V's amax, and dS, dQ, dK, dV from 4 × the amax the
+previous backward of the same attention measured (until a backward with a non-zero dO has
+measured them, a backward first runs twice into scratch to measure);
+`fp8_power_of_2_scales` and `fp8_amax_epsilon` apply ([numerics.md](numerics.md#fp8-attention)).
+On the GPU, cuDNN's FP8 SDPA (on Hopper: head_dim 128 only, with an FP8 output); on the CPU, an
+emulation with the same quantization points. Needs `fp8` other than `none`; off by default.)";
 
 constexpr std::string_view kMultiHeadAttentionDetails =
     R"(Megatron's switch for FP8 across the whole attention block: the QKV projection hands its output
 to attention in FP8, and attention hands its output to the output projection in FP8, without
-BF16 round trips. Attention runs in BF16 until the GPU attention kernel lands, so only `false`
-is accepted for now; `true` is an error that says so.)";
+BF16 round trips. Not implemented: only `false` is accepted; `true` is an error that says so.
+`fp8_dot_product_attention` puts the attention products themselves in FP8.)";
 
 constexpr std::string_view kEdgeLayersDetails =
     R"(Primus's precision override: with `first_last_layers_bf16: true`, the linear layers of the
@@ -680,13 +687,13 @@ std::vector<ConfigKey> build_keys() {
   keys.push_back(boolean_key(
       "fp8_dot_product_attention", S::Fp8,
       [](auto& c) -> auto& { return c.fp8.dot_product_attention; },
-      "FP8 attention products (reserved: only false for now).", kDotProductAttentionDetails,
-      kAttentionInBf16));
+      "Attention's two products and their gradients on FP8 operands.",
+      kDotProductAttentionDetails));
   keys.push_back(boolean_key(
       "fp8_multi_head_attention", S::Fp8,
       [](auto& c) -> auto& { return c.fp8.multi_head_attention; },
-      "FP8 between the attention block's operations (reserved: only false for now).",
-      kMultiHeadAttentionDetails, kAttentionInBf16));
+      "FP8 between the attention block's operations (not implemented: only false).",
+      kMultiHeadAttentionDetails, kMultiHeadAttentionRefused));
   keys.push_back(gpt_only(boolean_key(
       "lm_head_fp8", S::Fp8, [](auto& c) -> auto& { return c.fp8.lm_head_fp8; },
       "lm_head in FP8 (nanochat); false: in BF16.", kLmHeadDetails)));

@@ -480,6 +480,10 @@ void check_whole(const TrainConfig& config, int world_size,
     throw ConfigError(fmt::format("{}: {}", source, error.what()));
   }
   validate(config.fp8.scaling, source);
+  if (config.fp8.dot_product_attention && config.fp8.scaling.mode == Fp8Mode::None) {
+    throw ConfigError(
+        fmt::format("{}: true needs fp8 other than none", origin("fp8_dot_product_attention")));
+  }
 }
 
 // The defaults of `defaults`' model, then the file (with its bases), then the overrides.

@@ -107,8 +107,8 @@ struct Fp8Section {
     return bf16;
   }();
   bool wgrad = true;
-  bool dot_product_attention = false;  // reserved: attention is BF16 for now
-  bool multi_head_attention = false;   // reserved: attention is BF16 for now
+  bool dot_product_attention = false;  // attention's products in FP8 (ops/attention_fp8.h)
+  bool multi_head_attention = false;   // reserved: not implemented, only false
   bool lm_head_fp8 = true;
   bool first_last_layers_bf16 = false;
   int num_layers_at_start_in_bf16 = 1;

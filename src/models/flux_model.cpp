@@ -577,6 +577,10 @@ FluxModel::FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens
     }
     linears_.emplace(spec.name, std::move(layer));
   }
+  if (precision_.fp8_attention) {
+    fp8_attention_.assign(static_cast<size_t>(config_.double_blocks + config_.single_blocks),
+                          ops::AttentionFp8(attention_fp8_formats(precision_)));
+  }
 }
 
 FluxModel::~FluxModel() = default;
@@ -642,8 +646,8 @@ void FluxModel::embedder_backward(const std::string& name, const FluxEmbedderAct
   linear_backward(linear(name + ".in_layer"), data(ws.d_embed_hidden), data(saved.input), nullptr);
 }
 
-void FluxModel::attention_forward(FluxAttentionActivations& saved, const std::string& txt_norm,
-                                  const std::string& img_norm) {
+void FluxModel::attention_forward(FluxAttentionActivations& saved, int attention,
+                                  const std::string& txt_norm, const std::string& img_norm) {
   const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
   FluxWorkspace& ws = *workspace_;
   const int64_t L = d.tokens, H = d.heads, D = d.head_dim, rows = d.batch * L * H;
@@ -666,11 +670,17 @@ void FluxModel::attention_forward(FluxAttentionActivations& saved, const std::st
     }
   }
   const ops::AttentionShape shape = joint_attention_shape(d);
-  ops::attention_forward(data(ws.attn), data(saved.lse), data(saved.q), data(saved.k),
-                         data(saved.v), shape, static_cast<float>(1.0 / std::sqrt(double(D))));
+  const auto scale = static_cast<float>(1.0 / std::sqrt(double(D)));
+  if (precision_.fp8_attention) {
+    fp8_attention_[static_cast<size_t>(attention)].forward(
+        data(ws.attn), data(saved.lse), data(saved.q), data(saved.k), data(saved.v), shape, scale);
+  } else {
+    ops::attention_forward(data(ws.attn), data(saved.lse), data(saved.q), data(saved.k),
+                           data(saved.v), shape, scale);
+  }
 }
 
-void FluxModel::attention_backward(const FluxAttentionActivations& saved,
+void FluxModel::attention_backward(const FluxAttentionActivations& saved, int attention,
                                    const std::string& txt_norm, const std::string& img_norm) {
   const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
   FluxWorkspace& ws = *workspace_;
@@ -678,9 +688,15 @@ void FluxModel::attention_backward(const FluxAttentionActivations& saved,
   for (const TensorView* view : {&ws.dq, &ws.dk, &ws.dv})
     zero(*view);
   const ops::AttentionShape shape = joint_attention_shape(d);
-  ops::attention_backward(data(ws.dq), data(ws.dk), data(ws.dv), data(ws.d_attn), data(saved.q),
-                          data(saved.k), data(saved.v), data(saved.lse), shape,
-                          static_cast<float>(1.0 / std::sqrt(double(D))));
+  const auto scale = static_cast<float>(1.0 / std::sqrt(double(D)));
+  if (precision_.fp8_attention) {
+    fp8_attention_[static_cast<size_t>(attention)].backward(
+        data(ws.dq), data(ws.dk), data(ws.dv), data(ws.d_attn), data(saved.q), data(saved.k),
+        data(saved.v), data(ws.attn), data(saved.lse), shape, scale);
+  } else {
+    ops::attention_backward(data(ws.dq), data(ws.dk), data(ws.dv), data(ws.d_attn), data(saved.q),
+                            data(saved.k), data(saved.v), data(saved.lse), shape, scale);
+  }
   struct Path {
     const TensorView& grad;  // of the attention's input
     const TensorView& normed;
@@ -730,7 +746,7 @@ void FluxModel::double_block_forward(int block) {
     copy_tokens(data(saved.attention.v), s.joint, data(ws.projection) + 2 * C, qkv, B, s.tokens, C);
   }
   const std::string prefix = fmt::format("double_blocks.{}.", block);
-  attention_forward(saved.attention, prefix + "txt_attn.norm", prefix + "img_attn.norm");
+  attention_forward(saved.attention, block, prefix + "txt_attn.norm", prefix + "img_attn.norm");
   for (const Stream& s : streams) {
     FluxStreamActivations& a = s.saved;
     const int64_t rows = B * s.tokens;
@@ -787,9 +803,13 @@ void FluxModel::double_block_backward(int block) {
     linear_backward(linear(s.prefix + "_attn.proj"), data(ws.d_branch), data(a.attn),
                     data(ws.d_modulated));
     copy_tokens(data(ws.d_attn), s.joint, data(ws.d_modulated), s.own, B, s.tokens, C);
+    // FP8 attention's backward quantizes the forward's output again.
+    if (precision_.fp8_attention) {
+      copy_tokens(data(ws.attn), s.joint, data(a.attn), s.own, B, s.tokens, C);
+    }
   }
   const std::string prefix = fmt::format("double_blocks.{}.", block);
-  attention_backward(saved.attention, prefix + "txt_attn.norm", prefix + "img_attn.norm");
+  attention_backward(saved.attention, block, prefix + "txt_attn.norm", prefix + "img_attn.norm");
   for (const Stream& s : streams) {
     const FluxStreamActivations& a = s.saved;
     const int64_t rows = B * s.tokens;
@@ -830,7 +850,7 @@ void FluxModel::single_block_forward(int block) {
   copy_tokens(data(ws.k_raw), joint, data(ws.projection) + C, projection, B, L, C);
   copy_tokens(data(a.attention.v), joint, data(ws.projection) + 2 * C, projection, B, L, C);
   copy_tokens(data(a.mlp_hidden), {L, 0, M}, data(ws.projection) + 3 * C, projection, B, L, M);
-  attention_forward(a.attention, prefix + ".norm", prefix + ".norm");
+  attention_forward(a.attention, config_.double_blocks + block, prefix + ".norm", prefix + ".norm");
   float* linear2_in = data(a.linear2_in);
   copy_tokens(linear2_in, {L, 0, C + M}, data(ws.attn), joint, B, L, C);
   for (int64_t row = 0; row < N; ++row) {
@@ -863,7 +883,11 @@ void FluxModel::single_block_backward(int block) {
   copy_tokens(data(ws.d_mlp_act), mlp, data(ws.d_linear2_in) + C, linear2_in, B, L, M);
   zero(ws.d_mlp_hidden);
   ops::gelu_tanh_backward(data(ws.d_mlp_hidden), data(ws.d_mlp_act), data(a.mlp_hidden), N * M);
-  attention_backward(a.attention, prefix + ".norm", prefix + ".norm");
+  if (precision_.fp8_attention) {  // FP8 attention's backward quantizes its output again
+    copy_tokens(data(ws.attn), joint, data(a.linear2_in), linear2_in, B, L, C);
+  }
+  attention_backward(a.attention, config_.double_blocks + block, prefix + ".norm",
+                     prefix + ".norm");
   const TokenRows projection{L, 0, 3 * C + M};
   float* d_projection = data(ws.d_projection);
   copy_tokens(d_projection, projection, data(ws.dq_raw), joint, B, L, C);

@@ -16,6 +16,7 @@
 #include "models/flux_config.h"
 #include "models/precision_policy.h"
 #include "numerics/scaling.h"
+#include "ops/attention_fp8.h"
 #include "ops/fp8_linear.h"
 #include "ops/linear.h"
 
@@ -119,7 +120,8 @@ class FluxModel {
   void forward(const FluxInputs& inputs, float* prediction);
   // Adds d(loss)/d(parameter) to the gradients, given d(loss)/d(prediction) of the last
   // forward (zero the gradients first with zero_gradients()). The saved activations are only
-  // read: backward may run again on the same forward.
+  // read: backward may run again on the same forward (with fp8_attention, with the gradient
+  // scales the previous backward measured).
   void backward(const float* grad_prediction);
   void zero_gradients() { gradients_->fill_zero(); }
 
@@ -160,11 +162,13 @@ class FluxModel {
   // The joint attention of a block, from the workspace's raw q and k and the saved v: QK norm
   // with the scale of each token's stream (txt_norm, img_norm: the norms' parameter prefixes,
   // the same in single blocks), RoPE, softmax(q kᵀ / √D) v into the workspace's output.
-  void attention_forward(FluxAttentionActivations& saved, const std::string& txt_norm,
-                         const std::string& img_norm);
+  // `attention` numbers the block's attention, double blocks first (for FP8 attention's state).
+  void attention_forward(FluxAttentionActivations& saved, int attention,
+                         const std::string& txt_norm, const std::string& img_norm);
   // From the workspace's gradient of the attention output to those of the raw q, k and of v.
-  void attention_backward(const FluxAttentionActivations& saved, const std::string& txt_norm,
-                          const std::string& img_norm);
+  // With fp8_attention, the workspace's output must hold the forward's again.
+  void attention_backward(const FluxAttentionActivations& saved, int attention,
+                          const std::string& txt_norm, const std::string& img_norm);
   void double_block_forward(int block);
   void double_block_backward(int block);
   void single_block_forward(int block);
@@ -181,6 +185,8 @@ class FluxModel {
   std::vector<float> rope_cos_, rope_sin_;  // [L, head_dim / 2]
   std::vector<FluxLinearPrecision> linear_precision_;
   std::map<std::string, Linear> linears_;
+  // Per attention, double blocks first; empty without fp8_attention.
+  std::vector<ops::AttentionFp8> fp8_attention_;
 };
 
 }  // namespace fp8t

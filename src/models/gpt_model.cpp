@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <random>
+#include <vector>
 
 #include "models/fp8_layers.h"
 #include "ops/attention.h"
@@ -73,6 +74,10 @@ GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
           decision.linear.out_features, precision_.fp8_wgrad);
     }
     linears_.emplace(decision.linear.name, std::move(layer));
+  }
+  if (precision_.fp8_attention) {
+    fp8_attention_.assign(static_cast<size_t>(config_.n_layer),
+                          ops::AttentionFp8(attention_fp8_formats(precision_)));
   }
 }
 
@@ -183,6 +188,41 @@ std::vector<std::pair<std::string, DelayedScaling*>> GptModel::delayed_scalings(
   return fp8_delayed_scalings(linears_);
 }
 
+void GptModel::attention_forward(int layer, const ops::AttentionShape& shape) {
+  BlockActivations& block = activations_->blocks[static_cast<size_t>(layer)];
+  const float* q = block.q.data<float>();
+  const float* k = block.k.data<float>();
+  const float* v = block.v.data<float>();
+  float* out = block.attn_out.data<float>();
+  float* lse = block.logsumexp.data<float>();
+  if (precision_.fp8_attention) {
+    fp8_attention_[static_cast<size_t>(layer)].forward(out, lse, q, k, v, shape,
+                                                       config_.attention_scale());
+  } else {
+    ops::attention_forward(out, lse, q, k, v, shape, config_.attention_scale());
+  }
+}
+
+void GptModel::attention_backward(int layer, const ops::AttentionShape& shape) {
+  const BlockActivations& block = activations_->blocks[static_cast<size_t>(layer)];
+  GptWorkspace& ws = *workspace_;
+  float* dq = ws.dq.data<float>();
+  float* dk = ws.dk.data<float>();
+  float* dv = ws.dv.data<float>();
+  const float* dout = ws.dattn_out.data<float>();
+  const float* q = block.q.data<float>();
+  const float* k = block.k.data<float>();
+  const float* v = block.v.data<float>();
+  const float* lse = block.logsumexp.data<float>();
+  if (precision_.fp8_attention) {
+    fp8_attention_[static_cast<size_t>(layer)].backward(dq, dk, dv, dout, q, k, v,
+                                                        block.attn_out.data<float>(), lse, shape,
+                                                        config_.attention_scale());
+  } else {
+    ops::attention_backward(dq, dk, dv, dout, q, k, v, lse, shape, config_.attention_scale());
+  }
+}
+
 double GptModel::forward(const int32_t* idx, const int32_t* targets) {
   const int64_t B = batch_, T = seq_, N = B * T, C = config_.n_embd;
   const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
@@ -231,10 +271,7 @@ double GptModel::forward(const int32_t* idx, const int32_t* targets) {
                          N * H, D);
     ops::rmsnorm_forward(block.k.data<float>(), block.k_rstd.data<float>(), ws.dk_rot.data<float>(),
                          N * Hkv, D);
-    const ops::AttentionShape shape{B, T, H, Hkv, D, config_.window(layer)};
-    ops::attention_forward(block.attn_out.data<float>(), block.logsumexp.data<float>(),
-                           block.q.data<float>(), block.k.data<float>(), block.v.data<float>(),
-                           shape, config_.attention_scale());
+    attention_forward(layer, {B, T, H, Hkv, D, config_.window(layer)});
     linear_forward(linear(prefix + "attn.c_proj"), block.attn_out.data<float>(),
                    ws.branch.data<float>());
     add(block.mid.data<float>(), block.input.data<float>(), ws.branch.data<float>(), N * C);
@@ -311,11 +348,7 @@ void GptModel::backward() {
     for (TensorView* view :
          {&ws.dq, &ws.dk, &ws.dv, &ws.dq_rot, &ws.dk_rot, &ws.dq_lin, &ws.dk_lin})
       zero(*view);
-    const ops::AttentionShape shape{B, T, H, Hkv, D, config_.window(layer)};
-    ops::attention_backward(ws.dq.data<float>(), ws.dk.data<float>(), ws.dv.data<float>(),
-                            ws.dattn_out.data<float>(), block.q.data<float>(),
-                            block.k.data<float>(), block.v.data<float>(),
-                            block.logsumexp.data<float>(), shape, config_.attention_scale());
+    attention_backward(layer, {B, T, H, Hkv, D, config_.window(layer)});
     ops::rmsnorm_backward(ws.dq_rot.data<float>(), ws.dq.data<float>(), block.q.data<float>(),
                           block.q_rstd.data<float>(), N * H, D);
     ops::rmsnorm_backward(ws.dk_rot.data<float>(), ws.dk.data<float>(), block.k.data<float>(),

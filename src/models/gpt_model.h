@@ -15,6 +15,7 @@
 #include "models/gpt_config.h"
 #include "models/gpt_memory.h"
 #include "models/precision_policy.h"
+#include "ops/attention_fp8.h"
 #include "ops/fp8_linear.h"
 #include "ops/linear.h"
 
@@ -77,6 +78,9 @@ class GptModel {
   void linear_forward(Linear& linear, const float* x, float* y);
   void linear_backward(Linear& linear, const float* dy, const float* x, float* dx);
   Linear& linear(const std::string& name);
+  // The attention of a block: ops/attention.h, or ops/attention_fp8.h with fp8_attention.
+  void attention_forward(int layer, const ops::AttentionShape& shape);
+  void attention_backward(int layer, const ops::AttentionShape& shape);
   float scalar(const std::string& name, int index = 0);
   float* parameter(const std::string& name);
   float* gradient(const std::string& name);
@@ -92,6 +96,7 @@ class GptModel {
   std::vector<float> rotary_cos_, rotary_sin_;  // [T, D/2]
   std::vector<LinearPrecision> linear_precision_;
   std::map<std::string, Linear> linears_;
+  std::vector<ops::AttentionFp8> fp8_attention_;  // per block; empty without fp8_attention
 };
 
 }  // namespace fp8t

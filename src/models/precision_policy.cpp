@@ -19,6 +19,15 @@ ModelPrecision ModelPrecision::fp32_reference() {
   return precision;
 }
 
+ops::AttentionFp8Formats attention_fp8_formats(const ModelPrecision& precision) {
+  ops::AttentionFp8Formats formats;
+  formats.forward = precision.fp8.format_for(TensorRole::Input, precision.family);
+  formats.backward = precision.fp8.format_for(TensorRole::GradOutput, precision.family);
+  formats.power_of_2_scales = precision.fp8.use_power_of_2_scales();
+  formats.amax_epsilon = precision.fp8.amax_epsilon;
+  return formats;
+}
+
 namespace {
 
 bool in_edge_layers(int layer, int n_layer, const PrecisionOptions& options) {

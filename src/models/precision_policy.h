@@ -8,6 +8,7 @@
 
 #include "models/gpt_config.h"
 #include "numerics/scaling.h"
+#include "ops/attention_fp8.h"
 #include "ops/linear.h"
 
 namespace fp8t {
@@ -39,10 +40,17 @@ struct ModelPrecision {
   PrecisionOptions policy;            // which linears may be FP8
   bool fp8_wgrad = true;
   ops::LinearOperands other_linears = ops::LinearOperands::Fp32;
+  // fp8_dot_product_attention: attention's products on FP8 operands (ops/attention_fp8.h).
+  // Only with fp8 other than none.
+  bool fp8_attention = false;
 
   // Everything in fp32: the reference golden files and FP8 runs are compared with.
   static ModelPrecision fp32_reference();
 };
+
+// The formats and scale rounding of FP8 attention: the recipe's input and gradient formats for
+// the family, its power-of-2 rule and amax epsilon.
+ops::AttentionFp8Formats attention_fp8_formats(const ModelPrecision& precision);
 
 struct LinearPrecision {
   LinearSpec linear;

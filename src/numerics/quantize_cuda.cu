@@ -343,6 +343,36 @@ __global__ void dequantize_kernel(const uint8_t* q, int64_t count, const float* 
   }
 }
 
+// The OCP formats eight codes at a time: one 8-byte load, the hardware's FP8 → half conversions
+// (exact: every E4M3 and E5M2 value is a half, NaN stays NaN), the same fp32 product, and
+// 16-byte stores. The byte-at-a-time kernel above runs at a fraction of the copy rate.
+constexpr int kCodesPerThread = 8;
+
+template <typename Out>
+__global__ void dequantize_vector_kernel(const uint2* q, int64_t groups, const float* scale_inv,
+                                         __nv_fp8_interpretation_t kind, Out* out) {
+  const float multiplier = *scale_inv;
+  for (int64_t g = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; g < groups;
+       g += int64_t(gridDim.x) * blockDim.x) {
+    const uint2 word = q[g];
+    alignas(16) Out values[kCodesPerThread];
+    const uint32_t halves[2] = {word.x, word.y};
+#pragma unroll
+    for (int pair = 0; pair < kCodesPerThread / 2; ++pair) {
+      const auto codes =
+          static_cast<__nv_fp8x2_storage_t>(halves[pair / 2] >> (16 * (pair % 2)) & 0xFFFFu);
+      const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(codes, kind);
+      const float2 decoded = __half22float2(__half2(raw));
+      store_as(&values[2 * pair], __fmul_rn(decoded.x, multiplier));
+      store_as(&values[2 * pair + 1], __fmul_rn(decoded.y, multiplier));
+    }
+    auto* destination = reinterpret_cast<uint4*>(out + g * kCodesPerThread);
+#pragma unroll
+    for (size_t part = 0; part < sizeof(values) / sizeof(uint4); ++part)
+      destination[part] = reinterpret_cast<const uint4*>(values)[part];
+  }
+}
+
 // Block scalings. One block owns a 128x128 tile held as fp32 in shared memory (pitch 129:
 // column walks hit distinct banks). Rows: each warp takes rows, a lane holds columns
 // lane + 32j. Columns (the transposed copy): each warp takes columns, a lane holds rows
@@ -604,8 +634,21 @@ void dequantize(const uint8_t* q, int64_t count, const float* scale_inv, Fp8Form
   check_pointers(count, q, out);
   FP8T_CHECK(scale_inv != nullptr, "scale_inv must be a device pointer");
   if (count == 0) return;
-  dequantize_kernel<<<elementwise_grid(count), kThreads, 0, stream>>>(q, count, scale_inv, format,
-                                                                      out);
+  const bool ocp = format == Fp8Format::E4M3 || format == Fp8Format::E5M2;
+  const bool aligned = reinterpret_cast<uintptr_t>(q) % sizeof(uint2) == 0 &&
+                       reinterpret_cast<uintptr_t>(out) % sizeof(uint4) == 0;
+  int64_t done = 0;
+  if (ocp && aligned && count >= kCodesPerThread) {
+    const int64_t groups = count / kCodesPerThread;
+    dequantize_vector_kernel<<<elementwise_grid(groups), kThreads, 0, stream>>>(
+        reinterpret_cast<const uint2*>(q), groups, scale_inv,
+        format == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2, out);
+    FP8T_CUDA_CHECK_LAUNCH();
+    done = groups * kCodesPerThread;
+  }
+  if (done == count) return;
+  dequantize_kernel<<<elementwise_grid(count - done), kThreads, 0, stream>>>(
+      q + done, count - done, scale_inv, format, out + done);
   FP8T_CUDA_CHECK_LAUNCH();
 }
 

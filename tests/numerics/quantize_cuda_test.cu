@@ -11,6 +11,7 @@
 #include <vector>
 
 #include <cuda_runtime_api.h>
+#include <fmt/format.h>
 
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
@@ -404,6 +405,48 @@ TEST(CudaQuantize, TensorwiseOnDeviceMatchesReference) {
     dequantize(expected.data(), n, 1.0f / expected_scale, format, expected_restored.data());
     EXPECT_IDENTICAL(out.download(), expected, format_name(format));
     EXPECT_IDENTICAL(restored.download(), expected_restored, format_name(format) << " dequantized");
+  }
+}
+
+// Every code, at lengths around the eight-code vector path and from unaligned addresses (its
+// tail and its byte-at-a-time fallback), to fp32 and to bf16, with a scale that is no power of
+// two: the CPU's decode times scale_inv, rounded to bf16 for bf16.
+TEST(CudaQuantize, DequantizeEveryCodeAtAnyLengthAndAlignment) {
+  std::vector<uint8_t> codes;
+  for (int repeat = 0; repeat < 3; ++repeat) {
+    for (int code = 0; code < 256; ++code)
+      codes.push_back(static_cast<uint8_t>(code));
+  }
+  const float scale_inv = 0.3f;
+  DeviceBuffer<float> device_scale_inv(std::vector<float>{scale_inv});
+  DeviceBuffer<uint8_t> device_codes(codes);
+  for (Fp8Format format : kDataFormats) {
+    for (const int64_t offset : {0, 1, 8}) {
+      for (const int64_t count : {int64_t{5}, int64_t{8}, int64_t{700}, int64_t{759}}) {
+        std::vector<float> expected(static_cast<size_t>(count));
+        dequantize(codes.data() + offset, count, scale_inv, format, expected.data());
+        DeviceBuffer<float> restored(static_cast<size_t>(count + offset));
+        DeviceBuffer<bf16> restored_bf16(static_cast<size_t>(count + offset));
+        restored.poison();
+        restored_bf16.poison();
+        cuda::dequantize(device_codes.get() + offset, count, device_scale_inv.get(), format,
+                         restored.get() + offset, nullptr);
+        cuda::dequantize(device_codes.get() + offset, count, device_scale_inv.get(), format,
+                         restored_bf16.get() + offset, nullptr);
+        const std::vector<float> got = restored.download();
+        const std::vector<bf16> got_bf16 = restored_bf16.download();
+        std::vector<float> got_tail(got.begin() + offset, got.end());
+        std::vector<float> got_bf16_tail, expected_bf16;
+        for (int64_t i = 0; i < count; ++i) {
+          got_bf16_tail.push_back(bf16_to_float(got_bf16[size_t(offset + i)]));
+          expected_bf16.push_back(bf16_to_float(float_to_bf16(expected[size_t(i)])));
+        }
+        const std::string where =
+            fmt::format("{} offset {} count {}", format_name(format), offset, count);
+        EXPECT_IDENTICAL(got_tail, expected, where);
+        EXPECT_IDENTICAL(got_bf16_tail, expected_bf16, where << " to bf16");
+      }
+    }
   }
 }
 

@@ -6,6 +6,7 @@
 #include <limits>
 
 #include "core/error.h"
+#include "ops/attention_test_util.h"
 #include "ops/gradient_check.h"
 
 namespace fp8t {
@@ -23,20 +24,6 @@ const AttentionShape kShapes[] = {
     {1, 1, 2, 1, 4, 0}, {2, 5, 3, 3, 8, 0, false}, {2, 7, 4, 2, 6, 0, false},
 };
 
-std::string describe(const AttentionShape& s) {
-  return fmt::format("B {} T {} H {} Hkv {} D {} window {}{}", s.batch, s.seq_len, s.heads,
-                     s.kv_heads, s.head_dim, s.window, s.causal ? "" : " not causal");
-}
-
-size_t q_size(const AttentionShape& s) {
-  return static_cast<size_t>(s.batch * s.seq_len * s.heads * s.head_dim);
-}
-size_t kv_size(const AttentionShape& s) {
-  return static_cast<size_t>(s.batch * s.seq_len * s.kv_heads * s.head_dim);
-}
-size_t lse_size(const AttentionShape& s) {
-  return static_cast<size_t>(s.batch * s.heads * s.seq_len);
-}
 double default_scale(const AttentionShape& s) {
   return 1.0 / std::sqrt(double(s.head_dim));
 }
@@ -47,9 +34,9 @@ struct Inputs {
 
 Inputs random_inputs(TestRng& rng, const AttentionShape& s) {
   // Inputs up to 2 make the softmax far from uniform.
-  return {test::random_values(rng, q_size(s), -2.0, 2.0),
-          test::random_values(rng, kv_size(s), -2.0, 2.0), test::random_values(rng, kv_size(s)),
-          test::random_values(rng, q_size(s))};
+  return {test::random_values(rng, test::q_size(s), -2.0, 2.0),
+          test::random_values(rng, test::kv_size(s), -2.0, 2.0),
+          test::random_values(rng, test::kv_size(s)), test::random_values(rng, test::q_size(s))};
 }
 
 // The textbook computation: the full [seq_len, seq_len] score matrix of each (batch, head)
@@ -101,12 +88,12 @@ TEST(OpsAttention, ForwardMatchesTheMaskedScoreMatrix) {
   TestRng rng;
   SCOPED_TRACE(rng.trace());
   for (const AttentionShape& s : kShapes) {
-    SCOPED_TRACE(describe(s));
+    SCOPED_TRACE(test::describe(s));
     const Inputs in = random_inputs(rng, s);
     const double scale = default_scale(s);
-    std::vector<double> out(q_size(s)), lse(lse_size(s));
+    std::vector<double> out(test::q_size(s)), lse(test::lse_size(s));
     ops::attention_forward(out.data(), lse.data(), in.q.data(), in.k.data(), in.v.data(), s, scale);
-    std::vector<double> expected_out(q_size(s)), expected_lse(lse_size(s));
+    std::vector<double> expected_out(test::q_size(s)), expected_lse(test::lse_size(s));
     naive_attention(expected_out, expected_lse, in, s, scale);
     test::expect_near_relative(out, expected_out, 1e-12, 1e-3, "out");
     test::expect_near_relative(lse, expected_lse, 1e-12, 1e-3, "lse");
@@ -118,7 +105,7 @@ TEST(OpsAttention, WindowZeroSeesOnlyItselfAndWindowsPastTheSequenceAreFullCausa
   SCOPED_TRACE(rng.trace());
   AttentionShape s{2, 6, 4, 2, 6, 0};
   const Inputs in = random_inputs(rng, s);
-  std::vector<double> out(q_size(s)), lse(lse_size(s));
+  std::vector<double> out(test::q_size(s)), lse(test::lse_size(s));
   ops::attention_forward(out.data(), lse.data(), in.q.data(), in.k.data(), in.v.data(), s, 0.5);
   for (int64_t b = 0; b < s.batch; ++b) {
     for (int64_t t = 0; t < s.seq_len; ++t) {
@@ -133,7 +120,7 @@ TEST(OpsAttention, WindowZeroSeesOnlyItselfAndWindowsPastTheSequenceAreFullCausa
     }
   }
   s.window = s.seq_len - 1;
-  std::vector<double> full(q_size(s)), full_lse(lse_size(s));
+  std::vector<double> full(test::q_size(s)), full_lse(test::lse_size(s));
   ops::attention_forward(full.data(), full_lse.data(), in.q.data(), in.k.data(), in.v.data(), s,
                          0.5);
   for (const int64_t window : {s.seq_len, int64_t{1} << 40}) {
@@ -153,16 +140,16 @@ TEST(OpsAttention, NotCausalSeesEveryKeyAcrossQueryTiles) {
   AttentionShape s{2, 70, 2, 1, 4, 0, false};
   const Inputs in = random_inputs(rng, s);
   const double scale = default_scale(s);
-  std::vector<double> out(q_size(s)), lse(lse_size(s));
+  std::vector<double> out(test::q_size(s)), lse(test::lse_size(s));
   ops::attention_forward(out.data(), lse.data(), in.q.data(), in.k.data(), in.v.data(), s, scale);
-  std::vector<double> expected_out(q_size(s)), expected_lse(lse_size(s));
+  std::vector<double> expected_out(test::q_size(s)), expected_lse(test::lse_size(s));
   naive_attention(expected_out, expected_lse, in, s, scale);
   test::expect_near_relative(out, expected_out, 1e-12, 1e-3, "out");
   test::expect_near_relative(lse, expected_lse, 1e-12, 1e-3, "lse");
   EXPECT_NE(out[0], in.v[0]);
 
   s.window = 3;
-  std::vector<double> windowed(q_size(s)), windowed_lse(lse_size(s));
+  std::vector<double> windowed(test::q_size(s)), windowed_lse(test::lse_size(s));
   ops::attention_forward(windowed.data(), windowed_lse.data(), in.q.data(), in.k.data(),
                          in.v.data(), s, scale);
   EXPECT_EQ(windowed, out);
@@ -173,17 +160,18 @@ TEST(OpsAttention, GradientMatchesFiniteDifferences) {
   TestRng rng;
   SCOPED_TRACE(rng.trace());
   for (const AttentionShape& s : kShapes) {
-    SCOPED_TRACE(describe(s));
+    SCOPED_TRACE(test::describe(s));
     Inputs in = random_inputs(rng, s);
     const double scale = default_scale(s);
-    std::vector<double> out(q_size(s)), lse(lse_size(s));
+    std::vector<double> out(test::q_size(s)), lse(test::lse_size(s));
     const auto loss = [&] {
       ops::attention_forward(out.data(), lse.data(), in.q.data(), in.k.data(), in.v.data(), s,
                              scale);
       return test::weighted_sum(out, in.dout);
     };
     loss();
-    std::vector<double> dq(q_size(s), 0.0), dk(kv_size(s), 0.0), dv(kv_size(s), 0.0);
+    std::vector<double> dq(test::q_size(s), 0.0), dk(test::kv_size(s), 0.0),
+        dv(test::kv_size(s), 0.0);
     ops::attention_backward(dq.data(), dk.data(), dv.data(), in.dout.data(), in.q.data(),
                             in.k.data(), in.v.data(), lse.data(), s, scale);
     test::expect_gradient_matches(dq, test::numeric_gradient(in.q, loss), "q");
@@ -197,10 +185,11 @@ TEST(OpsAttention, BackwardAccumulates) {
   SCOPED_TRACE(rng.trace());
   const AttentionShape s = kShapes[1];
   const Inputs in = random_inputs(rng, s);
-  std::vector<double> out(q_size(s)), lse(lse_size(s));
+  std::vector<double> out(test::q_size(s)), lse(test::lse_size(s));
   ops::attention_forward(out.data(), lse.data(), in.q.data(), in.k.data(), in.v.data(), s, 0.4);
   test::expect_backward_accumulates(
-      {q_size(s), kv_size(s), kv_size(s)}, [&](std::vector<std::vector<double>>& g) {
+      {test::q_size(s), test::kv_size(s), test::kv_size(s)},
+      [&](std::vector<std::vector<double>>& g) {
         ops::attention_backward(g[0].data(), g[1].data(), g[2].data(), in.dout.data(), in.q.data(),
                                 in.k.data(), in.v.data(), lse.data(), s, 0.4);
       });
@@ -210,18 +199,20 @@ TEST(OpsAttention, FloatMatchesDouble) {
   TestRng rng;
   SCOPED_TRACE(rng.trace());
   for (const AttentionShape& s : {kShapes[0], kShapes[4], kShapes[8]}) {
-    SCOPED_TRACE(describe(s));
+    SCOPED_TRACE(test::describe(s));
     const Inputs in = random_inputs(rng, s);
     const float scale = static_cast<float>(default_scale(s));  // the same value in both runs
-    std::vector<double> out(q_size(s)), lse(lse_size(s));
-    std::vector<double> dq(q_size(s), 0.0), dk(kv_size(s), 0.0), dv(kv_size(s), 0.0);
+    std::vector<double> out(test::q_size(s)), lse(test::lse_size(s));
+    std::vector<double> dq(test::q_size(s), 0.0), dk(test::kv_size(s), 0.0),
+        dv(test::kv_size(s), 0.0);
     ops::attention_forward(out.data(), lse.data(), in.q.data(), in.k.data(), in.v.data(), s, scale);
     ops::attention_backward(dq.data(), dk.data(), dv.data(), in.dout.data(), in.q.data(),
                             in.k.data(), in.v.data(), lse.data(), s, scale);
     const std::vector<float> q = test::convert<float>(in.q), k = test::convert<float>(in.k),
                              v = test::convert<float>(in.v), dout = test::convert<float>(in.dout);
-    std::vector<float> out_f(q_size(s)), lse_f(lse_size(s));
-    std::vector<float> dq_f(q_size(s), 0.0f), dk_f(kv_size(s), 0.0f), dv_f(kv_size(s), 0.0f);
+    std::vector<float> out_f(test::q_size(s)), lse_f(test::lse_size(s));
+    std::vector<float> dq_f(test::q_size(s), 0.0f), dk_f(test::kv_size(s), 0.0f),
+        dv_f(test::kv_size(s), 0.0f);
     ops::attention_forward(out_f.data(), lse_f.data(), q.data(), k.data(), v.data(), s, scale);
     ops::attention_backward(dq_f.data(), dk_f.data(), dv_f.data(), dout.data(), q.data(), k.data(),
                             v.data(), lse_f.data(), s, scale);

@@ -21,6 +21,7 @@
 #include "numerics/quantize.h"
 #include "numerics/scaling.h"
 #include "numerics/test_util.h"
+#include "ops/gradient_check.h"
 #include "ops/linear.h"
 
 namespace fp8t {
@@ -97,15 +98,6 @@ Product naive_abt(const std::vector<float>& a, const std::vector<float>& b, int6
     }
   }
   return p;
-}
-
-double relative_error(const std::vector<float>& out, const std::vector<double>& ref) {
-  double diff = 0, norm = 0;
-  for (size_t i = 0; i < ref.size(); ++i) {
-    diff += (out[i] - ref[i]) * (out[i] - ref[i]);
-    norm += ref[i] * ref[i];
-  }
-  return std::sqrt(diff / norm);
 }
 
 // The quantized operands of one linear as the numerics API makes them, written out in the
@@ -241,8 +233,8 @@ TEST_P(Fp8LinearRecipe, MatchesRecomputationAndQuantizationBound) {
   // Backward: dgrad on dŷ and Ŵᵗ (blocks along out), wgrad on dŷᵗ and x̂ᵗ (blocks along tokens).
   const Product dx_ref = naive_abt(dy_hat.rowwise, w_hat.transposed, s.tokens, s.in, s.out);
   const Product dw_ref = naive_abt(dy_hat.transposed, x_hat.transposed, s.out, s.in, s.tokens);
-  EXPECT_LE(relative_error(dx, dx_ref.value), 1e-6);
-  EXPECT_LE(relative_error(dw, dw_ref.value), 1e-6);
+  EXPECT_LE(test::relative_error(dx, dx_ref.value), 1e-6);
+  EXPECT_LE(test::relative_error(dw, dw_ref.value), 1e-6);
 
   // Against the fp32 linear: within the quantization error of the two operands (and bf16 for y).
   const double input_precision = relative_precision(config.format_for(TensorRole::Input, family));
@@ -253,9 +245,10 @@ TEST_P(Fp8LinearRecipe, MatchesRecomputationAndQuantizationBound) {
   const Product dx32 = naive_abt(data.dy, transposed(data.w, s.out, s.in), s.tokens, s.in, s.out);
   const Product dw32 = naive_abt(transposed(data.dy, s.tokens, s.out),
                                  transposed(data.x, s.tokens, s.in), s.out, s.in, s.tokens);
-  EXPECT_LE(relative_error(y, y32.value), input_precision + weight_precision + std::ldexp(1.0, -8));
-  EXPECT_LE(relative_error(dx, dx32.value), grad_precision + weight_precision);
-  EXPECT_LE(relative_error(dw, dw32.value), grad_precision + input_precision);
+  EXPECT_LE(test::relative_error(y, y32.value),
+            input_precision + weight_precision + std::ldexp(1.0, -8));
+  EXPECT_LE(test::relative_error(dx, dx32.value), grad_precision + weight_precision);
+  EXPECT_LE(test::relative_error(dw, dw32.value), grad_precision + input_precision);
 }
 
 std::string case_name(const ::testing::TestParamInfo<RecipeCase>& info) {

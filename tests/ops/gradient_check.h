@@ -28,6 +28,18 @@ std::vector<To> convert(const std::vector<From>& values) {
   return std::vector<To>(values.begin(), values.end());
 }
 
+// ‖actual − expected‖ / ‖expected‖, in double.
+template <typename A>
+double relative_error(const std::vector<A>& actual, const std::vector<double>& expected) {
+  double error = 0.0, norm = 0.0;
+  for (size_t i = 0; i < expected.size(); ++i) {
+    const double difference = static_cast<double>(actual[i]) - expected[i];
+    error += difference * difference;
+    norm += expected[i] * expected[i];
+  }
+  return std::sqrt(error / norm);
+}
+
 // sum(values * weights): a scalar loss whose gradient with respect to values is weights,
 // which is what the tests hand to a backward as dout.
 inline double weighted_sum(const std::vector<double>& values, const std::vector<double>& weights) {

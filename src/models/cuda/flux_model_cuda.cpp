@@ -16,6 +16,7 @@
 #include "models/cuda/linear_scalings.h"
 #include "models/cuda/parameter_copies.h"
 #include "ops/cuda/attention_cudnn.h"
+#include "ops/cuda/attention_fp8_cuda.h"
 #include "ops/cuda/flux_ops.h"
 #include "ops/cuda/gpt_gates.h"
 #include "ops/cuda/linear_cuda.h"
@@ -54,7 +55,8 @@ struct CudaFluxModel::AttentionSaved {
   bf16 *q_normed = nullptr, *k_normed = nullptr;  // before the scale and the rotation
   float *q_rstd = nullptr, *k_rstd = nullptr;     // [B·L·H]
   bf16* out = nullptr;
-  float* stats = nullptr;  // [B, H, L]
+  float* stats = nullptr;          // [B, H, L]
+  kernels::Fp8AttentionSaved fp8;  // fp8_dot_product_attention
 };
 
 // One stream of a double block: [B·L_s, ·].
@@ -91,6 +93,8 @@ struct CudaFluxModel::Buffers {
   DeviceArena linear_scratch{"FP8 scratch"};
   gemm::CublasLtGemm gemm;
   kernels::CudnnAttention attention;
+  std::unique_ptr<kernels::CudaFp8Attention> fp8_attention;  // fp8_dot_product_attention
+  kernels::Fp8AttentionScratch fp8_attention_scratch;
   std::map<std::string, Linear> linears;
   CudaLinearScalings scalings;
   kernels::Fp8Scratch fp8_scratch;
@@ -177,6 +181,18 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
   memory_.workspace = buffers_->workspace.bytes();
   memory_.linear_copies = buffers_->linear_scratch.bytes();
   buffers_->scalings.initialize();
+  if (precision_.fp8_attention) {
+    buffers_->fp8_attention = std::make_unique<kernels::CudaFp8Attention>(
+        buffers_->attention, attention_fp8_formats(precision_));
+    const auto zero_floats = [&](const AttentionSaved& a) {
+      FP8T_CUDA_CHECK(
+          cudaMemsetAsync(a.fp8.floats, 0, sizeof(float) * kernels::kAttentionFp8Floats, stream_));
+    };
+    for (const DoubleBlock& block : buffers_->doubles)
+      zero_floats(block.attention);
+    for (const SingleBlock& block : buffers_->singles)
+      zero_floats(block.attention);
+  }
 
   const int64_t B = batch_;
   int fp8_index = 0;
@@ -256,6 +272,11 @@ void CudaFluxModel::lay_out() {
     a.q_rstd = act.take<float>(N * H);
     a.k_rstd = act.take<float>(N * H);
     a.stats = act.take<float>(B * H * L);
+    if (precision_.fp8_attention) {
+      for (uint8_t** codes : {&a.fp8.q, &a.fp8.k, &a.fp8.v, &a.fp8.out})
+        *codes = act.take<uint8_t>(N * C);
+      a.fp8.floats = act.take<float>(size_t(kernels::kAttentionFp8Floats));
+    }
   };
   b.doubles.resize(size_t(config_.double_blocks));
   for (DoubleBlock& block : b.doubles) {
@@ -321,6 +342,10 @@ void CudaFluxModel::lay_out() {
   b.d_qkv = ws.take<bf16>(B * Ls * 3 * C);
   b.d_linear1_out = config_.single_blocks > 0 ? ws.take<bf16>(N * (3 * C + M)) : nullptr;
   b.d_linear2_in = config_.single_blocks > 0 ? ws.take<bf16>(N * (C + M)) : nullptr;
+  if (precision_.fp8_attention) {
+    b.fp8_attention_scratch = {ws.take<uint8_t>(N * C), ws.take<uint8_t>(N * C),
+                               ws.take<uint8_t>(N * C), ws.take<uint8_t>(N * C)};
+  }
 
   // FP8: the scaling floats and the quantization scratch of the largest linear.
   int fp8_count = 0;
@@ -578,8 +603,7 @@ void CudaFluxModel::double_block_forward(int block) {
     stream_into_joint(saved.attention, stream + "_attn.norm", b.qkv, 3 * C, p.first, p.tokens);
   }
   AttentionSaved& a = saved.attention;
-  b.attention.forward(a.out, a.stats, a.q, a.k, a.v, joint_attention(config_, B, tokens_),
-                      attention_scale(config_), stream_);
+  joint_attention_forward(a);
   for (const Part& p : parts) {
     const std::string stream = prefix + p.name;
     const kernels::StreamShape shape{B, p.tokens, C, p.tokens};
@@ -610,8 +634,7 @@ void CudaFluxModel::single_block_forward(int block) {
   linear_forward(prefix + ".linear1", s.modulated, N, s.linear1_out);
   stream_into_joint(s.attention, prefix + ".norm", s.linear1_out, width1, 0, tokens_);
   AttentionSaved& a = s.attention;
-  b.attention.forward(a.out, a.stats, a.q, a.k, a.v, joint_attention(config_, B, tokens_),
-                      attention_scale(config_), stream_);
+  joint_attention_forward(a);
   copy_rows(s.linear2_in, width2, a.out, C, N, C, stream_);
   kernels::gelu_tanh_forward(s.linear2_in + C, width2, s.linear1_out + 3 * C, width1, N, M,
                              stream_);
@@ -658,6 +681,29 @@ void CudaFluxModel::forward(const FluxInputs& inputs, const float* target, bool 
   b.forward_has_gradient = with_gradient;
 }
 
+void CudaFluxModel::joint_attention_forward(AttentionSaved& a) {
+  Buffers& b = *buffers_;
+  const ops::AttentionShape shape = joint_attention(config_, batch_, tokens_);
+  if (b.fp8_attention) {
+    b.fp8_attention->forward(a.out, a.stats, a.q, a.k, a.v, a.fp8, shape, attention_scale(config_),
+                             stream_);
+  } else {
+    b.attention.forward(a.out, a.stats, a.q, a.k, a.v, shape, attention_scale(config_), stream_);
+  }
+}
+
+void CudaFluxModel::joint_attention_backward(AttentionSaved& a) {
+  Buffers& b = *buffers_;
+  const ops::AttentionShape shape = joint_attention(config_, batch_, tokens_);
+  if (b.fp8_attention) {
+    b.fp8_attention->backward(b.dq, b.dk, b.dv, b.d_attn, a.fp8, a.stats, b.fp8_attention_scratch,
+                              shape, attention_scale(config_), stream_);
+  } else {
+    b.attention.backward(b.dq, b.dk, b.dv, b.d_attn, a.q, a.k, a.v, a.out, a.stats, shape,
+                         attention_scale(config_), stream_);
+  }
+}
+
 void CudaFluxModel::single_block_backward(int block) {
   Buffers& b = *buffers_;
   SingleBlock& s = b.singles[size_t(block)];
@@ -673,8 +719,7 @@ void CudaFluxModel::single_block_backward(int block) {
                               s.linear1_out + 3 * C, width1, N, M, stream_);
   copy_rows(b.d_attn, C, b.d_linear2_in, width2, N, C, stream_);
   AttentionSaved& a = s.attention;
-  b.attention.backward(b.dq, b.dk, b.dv, b.d_attn, a.q, a.k, a.v, a.out, a.stats,
-                       joint_attention(config_, B, tokens_), attention_scale(config_), stream_);
+  joint_attention_backward(a);
   stream_from_joint(a, prefix + ".norm", b.d_linear1_out, width1, 0, tokens_);
   linear_backward(prefix + ".linear1", b.d_linear1_out, s.modulated, N, b.d_modulated, false);
   kernels::layernorm_modulate_backward(b.d_joint, b.dmod_img, b.dmod_img + C, 3 * C, b.d_modulated,
@@ -720,8 +765,7 @@ void CudaFluxModel::double_block_backward(int block) {
     into_joint(b.d_attn, b.d_modulated, C, p.first, p.tokens);
   }
   AttentionSaved& a = saved.attention;
-  b.attention.backward(b.dq, b.dk, b.dv, b.d_attn, a.q, a.k, a.v, a.out, a.stats,
-                       joint_attention(config_, B, tokens_), attention_scale(config_), stream_);
+  joint_attention_backward(a);
   for (const Part& p : parts) {
     const std::string stream = prefix + p.name;
     const kernels::StreamShape shape{B, p.tokens, C, p.tokens};

@@ -116,6 +116,10 @@ class CudaFluxModel {
   void out_of_joint(bf16* rows, int64_t ld, const bf16* joint, int64_t first, int64_t tokens);
   // One stream's q, k (QK norm with its scales, RoPE) and v into the joint sequence of
   // `attention`, from raw [B·L_s, ·] with row stride ld; and the way back.
+  // The joint attention of a block, in BF16 or FP8 (fp8_dot_product_attention): forward writes
+  // attention.out and .stats; backward writes the workspace's dq, dk and dv from d_attn.
+  void joint_attention_forward(AttentionSaved& attention);
+  void joint_attention_backward(AttentionSaved& attention);
   void stream_into_joint(AttentionSaved& attention, const std::string& norm, const bf16* raw,
                          int64_t ld, int64_t first, int64_t tokens);
   void stream_from_joint(const AttentionSaved& attention, const std::string& norm, bf16* draw,

@@ -16,6 +16,7 @@
 #include "models/cuda/parameter_copies.h"
 #include "ops/cross_entropy.h"
 #include "ops/cuda/attention_cudnn.h"
+#include "ops/cuda/attention_fp8_cuda.h"
 #include "ops/cuda/gpt_gates.h"
 #include "ops/cuda/linear_cuda.h"
 #include "ops/cuda/ops_cuda.h"
@@ -59,7 +60,8 @@ struct CudaGptModel::Layer {
   float *q_rstd, *k_rstd;
   float* value_gate;  // layers with a value embedding
   float* stats;       // [B, H, T]
-  bf16* attn_out;
+  bf16* attn_out;     // FP8 attention: a workspace buffer, read back from fp8_attention.out
+  kernels::Fp8AttentionSaved fp8_attention;
   bf16* mlp_norm;
   float* mlp_rstd;
   bf16* fc;  // before relu²
@@ -74,6 +76,8 @@ struct CudaGptModel::Buffers {
   DeviceArena linear_scratch{"FP8 scratch"};
   gemm::CublasLtGemm gemm;
   kernels::CudnnAttention attention;
+  std::unique_ptr<kernels::CudaFp8Attention> fp8_attention;  // fp8_dot_product_attention
+  kernels::Fp8AttentionScratch fp8_attention_scratch;
   std::map<std::string, Linear> linears;
   CudaLinearScalings scalings;
   kernels::Fp8Scratch fp8_scratch;
@@ -152,6 +156,14 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
   FP8T_CUDA_CHECK(cudaMemcpy(buffers_->rotary_sin, sin.data(), sin.size() * sizeof(float),
                              cudaMemcpyHostToDevice));
   buffers_->scalings.initialize();
+  if (precision_.fp8_attention) {
+    buffers_->fp8_attention = std::make_unique<kernels::CudaFp8Attention>(
+        buffers_->attention, attention_fp8_formats(precision_));
+    for (Layer& layer : buffers_->layers) {
+      FP8T_CUDA_CHECK(cudaMemsetAsync(layer.fp8_attention.floats, 0,
+                                      sizeof(float) * kernels::kAttentionFp8Floats, stream_));
+    }
+  }
   std::map<std::string, int> fp8_index_of;  // linear name -> its scaling floats
   for (const LinearPrecision& decision : linear_precision_) {
     if (decision.linear.kind == ParamKind::Gate) continue;  // the gates are kernels of their own
@@ -218,18 +230,32 @@ void CudaGptModel::lay_out() {
   b.smear_gate = act.take<float>(N);
   b.x0 = act.take<bf16>(N * C);
   b.layers.resize(static_cast<size_t>(config_.n_layer));
+  DeviceArena& ws = b.workspace;
+  // FP8 attention keeps v and the attention output in FP8 for the backward: their bf16 forms
+  // live only until the next layer's.
+  const bool fp8_attention = precision_.fp8_attention;
+  bf16* v_work = fp8_attention ? ws.take<bf16>(N * Hkv * D) : nullptr;
+  bf16* attn_out_work = fp8_attention ? ws.take<bf16>(N * H * D) : nullptr;
   for (int index = 0; index < config_.n_layer; ++index) {
     Layer& layer = b.layers[static_cast<size_t>(index)];
     layer.attn_norm = act.take<bf16>(N * C);
     layer.attn_rstd = act.take<float>(N);
     layer.q = act.take<bf16>(N * H * D);
     layer.k = act.take<bf16>(N * Hkv * D);
-    layer.v = act.take<bf16>(N * Hkv * D);
+    layer.v = fp8_attention ? v_work : act.take<bf16>(N * Hkv * D);
     layer.q_rstd = act.take<float>(N * H);
     layer.k_rstd = act.take<float>(N * Hkv);
     layer.value_gate = config_.has_value_embedding(index) ? act.take<float>(N * Hkv) : nullptr;
     layer.stats = act.take<float>(N * H);
-    layer.attn_out = act.take<bf16>(N * H * D);
+    layer.attn_out = fp8_attention ? attn_out_work : act.take<bf16>(N * H * D);
+    if (fp8_attention) {
+      kernels::Fp8AttentionSaved& saved = layer.fp8_attention;
+      saved.q = act.take<uint8_t>(N * H * D);
+      saved.k = act.take<uint8_t>(N * Hkv * D);
+      saved.v = act.take<uint8_t>(N * Hkv * D);
+      saved.out = act.take<uint8_t>(N * H * D);
+      saved.floats = act.take<float>(static_cast<size_t>(kernels::kAttentionFp8Floats));
+    }
     layer.mlp_norm = act.take<bf16>(N * C);
     layer.mlp_rstd = act.take<float>(N);
     layer.fc = act.take<bf16>(N * 4 * C);
@@ -238,7 +264,6 @@ void CudaGptModel::lay_out() {
   b.final_norm = act.take<bf16>(N * C);
   b.final_rstd = act.take<float>(N);
 
-  DeviceArena& ws = b.workspace;
   b.idx = ws.take<int32_t>(N);
   b.targets = ws.take<int32_t>(N);
   b.rotary_cos = ws.take<float>(static_cast<size_t>(seq_) * D / 2);
@@ -270,6 +295,10 @@ void CudaGptModel::lay_out() {
   b.dk_lin = ws.take<bf16>(N * Hkv * D);
   b.dvalue_embed = ws.take<bf16>(N * Hkv * D);
   b.dfc_act = ws.take<bf16>(N * 4 * C);
+  if (fp8_attention) {
+    b.fp8_attention_scratch = {ws.take<uint8_t>(N * H * D), ws.take<uint8_t>(N * H * D),
+                               ws.take<uint8_t>(N * Hkv * D), ws.take<uint8_t>(N * Hkv * D)};
+  }
 
   // FP8: the scaling floats and the quantization scratch of the largest linear.
   int fp8_count = 0;
@@ -410,8 +439,13 @@ void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with
     kernels::rotary_rmsnorm_forward(layer.k, layer.k_rstd, b.k_lin, b.rotary_cos, b.rotary_sin,
                                     k_shape, kEps, s);
     const ops::AttentionShape shape{B, T, H, Hkv, D, config_.window(index)};
-    b.attention.forward(layer.attn_out, layer.stats, layer.q, layer.k, layer.v, shape,
-                        config_.attention_scale(), s);
+    if (b.fp8_attention) {
+      b.fp8_attention->forward(layer.attn_out, layer.stats, layer.q, layer.k, layer.v,
+                               layer.fp8_attention, shape, config_.attention_scale(), s);
+    } else {
+      b.attention.forward(layer.attn_out, layer.stats, layer.q, layer.k, layer.v, shape,
+                          config_.attention_scale(), s);
+    }
     linear(prefix + "attn.c_proj").layer->forward(layer.attn_out, N, b.branch, record, s);
     kernels::add_forward(b.mid, b.input, b.branch, N * C, s);
     kernels::CudaLinear& c_fc = *linear(prefix + "mlp.c_fc").layer;
@@ -517,12 +551,19 @@ void CudaGptModel::backward() {
                               s);  // dres: d mid
 
     // Attention: mid = input + c_proj(attention(q, k, v))
+    const ops::AttentionShape shape{B, T, H, Hkv, D, config_.window(index)};
+    if (b.fp8_attention)
+      b.fp8_attention->read_output(layer.attn_out, layer.fp8_attention, shape, s);
     linear(prefix + "attn.c_proj")
         .layer->backward(b.dres, layer.attn_out, N, b.dattn_out, false,
                          gradient(prefix + "attn.c_proj.weight"), record, s);
-    const ops::AttentionShape shape{B, T, H, Hkv, D, config_.window(index)};
-    b.attention.backward(b.dq, b.dk, b.dv, b.dattn_out, layer.q, layer.k, layer.v, layer.attn_out,
-                         layer.stats, shape, config_.attention_scale(), s);
+    if (b.fp8_attention) {
+      b.fp8_attention->backward(b.dq, b.dk, b.dv, b.dattn_out, layer.fp8_attention, layer.stats,
+                                b.fp8_attention_scratch, shape, config_.attention_scale(), s);
+    } else {
+      b.attention.backward(b.dq, b.dk, b.dv, b.dattn_out, layer.q, layer.k, layer.v, layer.attn_out,
+                           layer.stats, shape, config_.attention_scale(), s);
+    }
     kernels::rotary_rmsnorm_backward(b.dq_lin, b.dq, layer.q, layer.q_rstd, b.rotary_cos,
                                      b.rotary_sin, q_shape, GradStore::Write, s);
     kernels::rotary_rmsnorm_backward(b.dk_lin, b.dk, layer.k, layer.k_rstd, b.rotary_cos,
