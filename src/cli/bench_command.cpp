@@ -418,7 +418,7 @@ int run_bench_gpt(const BenchGptOptions& options) {
 #if !FP8TRAIN_WITH_NCCL
     throw Error("bench gpt: several ranks need NCCL, not in this build");
 #endif
-    train::training_gpu(communicator.launch().local_rank);
+    train::training_gpu(&communicator);
     ranks.communicator = &communicator;
   }
   if (communicator.rank() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) {

@@ -225,7 +225,16 @@ class CudaEngine final : public TrainingEngine {
 
 }  // namespace
 
-GpuInfo training_gpu(int local_rank) {
+GpuInfo training_gpu(const distributed::Communicator* communicator) {
+#if !FP8TRAIN_WITH_NCCL
+  if (communicator != nullptr) {
+    throw ConfigError(
+        "device: cuda: several ranks on the GPU path reduce their gradients through NCCL, and "
+        "this fp8train was built without it; rebuild with NCCL (the CUDA toolkit's) or use "
+        "device: cpu");
+  }
+#endif
+  int local_rank = communicator != nullptr ? communicator->launch().local_rank : 0;
   const std::vector<GpuInfo> gpus = query_gpus();
   if (gpus.empty()) {
     throw ConfigError("device: cuda: no CUDA GPU is visible; use device: auto or cpu");
@@ -243,22 +252,12 @@ GpuInfo training_gpu(int local_rank) {
 
 std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
   check_gpu_precision(setup.precision);
-  const distributed::Communicator* communicator = setup.communicator;
-#if !FP8TRAIN_WITH_NCCL
-  if (communicator != nullptr) {
-    throw ConfigError(
-        "device: cuda: several ranks on the GPU path reduce their gradients through NCCL, and "
-        "this fp8train was built without it; rebuild with NCCL (the CUDA toolkit's) or use "
-        "device: cpu");
-  }
-#endif
-  return std::make_unique<CudaEngine>(
-      setup, training_gpu(communicator != nullptr ? communicator->launch().local_rank : 0));
+  return std::make_unique<CudaEngine>(setup, training_gpu(setup.communicator));
 }
 
 #else
 
-GpuInfo training_gpu(int) {
+GpuInfo training_gpu(const distributed::Communicator*) {
   throw ConfigError(
       "device: cuda: this fp8train was built without CUDA; rebuild with the CUDA toolkit "
       "(FP8TRAIN_CUDA=ON) or use device: cpu");

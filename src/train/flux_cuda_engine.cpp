@@ -19,6 +19,9 @@
 #include "models/cuda/flux_model_cuda.h"
 #include "optim/cuda/adamw_cuda.h"
 #endif
+#if FP8TRAIN_WITH_NCCL
+#include "distributed/nccl_group.h"
+#endif
 
 namespace fp8t::train {
 
@@ -37,6 +40,7 @@ class FluxCudaEngine final : public FluxEngine {
  public:
   FluxCudaEngine(const FluxEngineSetup& setup, GpuInfo gpu)
       : gpu_(std::move(gpu)),
+        communicator_(setup.communicator),
         img_ids_(setup.img_ids),
         model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision,
                stream_.get()),
@@ -51,9 +55,15 @@ class FluxCudaEngine final : public FluxEngine {
     FP8T_CHECK(std::ssize(img_ids_) == setup.img_tokens * 3, "expected {} image ids, found {}",
                setup.img_tokens * 3, img_ids_.size());
     FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));
+#if FP8TRAIN_WITH_NCCL
+    if (communicator_ != nullptr) nccl_ = std::make_unique<distributed::NcclGroup>(*communicator_);
+#endif
     peak_memory_ = device_memory_in_use();
   }
-  ~FluxCudaEngine() override { cudaFree(norm_); }
+  ~FluxCudaEngine() override {
+    cudaStreamSynchronize(stream_.get());  // no collective left in flight when NCCL goes
+    cudaFree(norm_);
+  }
 
   std::string device_name() const override {
     return fmt::format("cuda: {} ({})", gpu_.name, gpu_.architecture());
@@ -69,7 +79,9 @@ class FluxCudaEngine final : public FluxEngine {
         format_bytes(double(m.workspace)), format_bytes(double(m.linear_copies)),
         format_bytes(double(m.total() + optimizer_.device_bytes())));
   }
-  double peak_memory_bytes() const override { return peak_memory_; }
+  double peak_memory_bytes() const override {
+    return peak_memory_;
+  }
   const std::vector<FluxLinearPrecision>& linear_precision() const override {
     return model_.linear_precision();
   }
@@ -79,14 +91,21 @@ class FluxCudaEngine final : public FluxEngine {
     FP8T_CHECK(!micro_batches.empty(), "expected at least one micro-batch");
     model_.zero_gradients();
     StepResult result;
-    // Each micro-batch's loss gradient is scaled by 1/A: the gradient of the mean loss.
-    const auto share = static_cast<float>(1.0 / double(micro_batches.size()));
+    // Each micro-batch's loss gradient is scaled by 1/(A·R): the gradient of the mean loss over
+    // every rank's micro-batches, once the ranks' gradients are summed.
+    const int ranks = communicator_ != nullptr ? communicator_->size() : 1;
+    const auto total = static_cast<double>(std::ssize(micro_batches) * ranks);
+    const auto share = static_cast<float>(1.0 / total);
     for (const FluxBatch& batch : micro_batches) {
       model_.forward(inputs(batch), batch.target.data(), true, share);
       model_.backward();
       result.loss += model_.loss_value();
     }
-    result.loss /= double(micro_batches.size());
+    if (ranks > 1) {
+      sum_gradients();
+      communicator_->sum(&result.loss, 1);
+    }
+    result.loss /= total;
     optimizer_.clip(model_.gradients(), norm_, static_cast<float>(std::max(clip_grad, 0.0)),
                     stream_.get());
     FP8T_CUDA_CHECK(cudaMemcpyAsync(norm_host_.data(), norm_, sizeof(float), cudaMemcpyDeviceToHost,
@@ -95,6 +114,7 @@ class FluxCudaEngine final : public FluxEngine {
     result.grad_norm = norm_host_.data()[0];
     if (std::isfinite(result.grad_norm)) {
       optimizer_.step(model_.parameters(), model_.gradients(), lr_multiplier, stream_.get());
+      if (ranks > 1) reduce_amaxes();
       model_.end_step();
       lr_ = base_lr_ * lr_multiplier;
     }
@@ -110,9 +130,15 @@ class FluxCudaEngine final : public FluxEngine {
     return loss;
   }
 
-  double lr() const override { return lr_; }
-  FluxParameterSet& host_parameters() override { return host_parameters_; }
-  std::vector<NamedTensor> host_optimizer_state() override { return host_optimizer_.state(); }
+  double lr() const override {
+    return lr_;
+  }
+  FluxParameterSet& host_parameters() override {
+    return host_parameters_;
+  }
+  std::vector<NamedTensor> host_optimizer_state() override {
+    return host_optimizer_.state();
+  }
   std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() override {
     return model_.delayed_scalings();
   }
@@ -133,7 +159,25 @@ class FluxCudaEngine final : public FluxEngine {
             batch.timesteps.data(), batch.guidance.empty() ? nullptr : batch.guidance.data()};
   }
 
+  // Every rank's fp32 gradients summed over NCCL (not yet averaged: the loss share did that).
+  void sum_gradients() {
+#if FP8TRAIN_WITH_NCCL
+    nccl_->sum(model_.gradients(), static_cast<size_t>(model_.layout().total_elements),
+               stream_.get());
+#endif
+  }
+  // Delayed scaling: every rank folds the largest amax any rank saw into its history, so the
+  // scales stay the same on every rank. Other recipes keep no amaxes across steps.
+  void reduce_amaxes() {
+#if FP8TRAIN_WITH_NCCL
+    if (model_.delayed_scalings().empty()) return;
+    CudaLinearScalings& scalings = model_.scalings();
+    nccl_->max(scalings.device_floats(), scalings.float_count(), stream_.get());
+#endif
+  }
+
   GpuInfo gpu_;
+  distributed::Communicator* communicator_;
   CudaStream stream_;
   std::vector<float> img_ids_;
   CudaFluxModel model_;
@@ -145,13 +189,16 @@ class FluxCudaEngine final : public FluxEngine {
   float* norm_ = nullptr;
   PinnedFloats norm_host_;
   double peak_memory_ = 0.0;
+#if FP8TRAIN_WITH_NCCL
+  std::unique_ptr<distributed::NcclGroup> nccl_;  // with several ranks
+#endif
 };
 
 }  // namespace
 
 std::unique_ptr<FluxEngine> make_flux_cuda_engine(const FluxEngineSetup& setup) {
   check_gpu_precision(setup.precision);
-  return std::make_unique<FluxCudaEngine>(setup, training_gpu());
+  return std::make_unique<FluxCudaEngine>(setup, training_gpu(setup.communicator));
 }
 
 #else

@@ -153,15 +153,8 @@ fs::path cache_folder() {
   return ".fp8train-cache";
 }
 
-// What data parallelism over several processes runs so far: the GPT, and Flux on the CPU path,
-// with a global batch the ranks share evenly.
+// Data parallelism over several processes needs a global batch the ranks share evenly.
 void check_data_parallel(const TrainConfig& config, int ranks) {
-  if (config.is_flux() && use_cuda(config.run.device)) {
-    throw ConfigError(fmt::format(
-        "device: {} picks the GPU here; training model {} over {} processes runs on the CPU "
-        "path only so far (device: cpu)",
-        config.run.device == DeviceChoice::Auto ? "auto" : "cuda", config.model.name, ranks));
-  }
   const int64_t per_pass = config.training.micro_batch_size * ranks;
   if (config.global_batch_size(ranks) % per_pass != 0) {
     throw ConfigError(

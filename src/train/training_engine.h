@@ -89,10 +89,11 @@ bool use_cuda(DeviceChoice device);
 // Throws ConfigError, naming the key, for FP8 settings no GPU model runs (the fnuz formats).
 void check_gpu_precision(const ModelPrecision& precision);
 
-// The GPU a CUDA engine trains on, made the current device: GPU `local_rank` (one rank per GPU
-// of a node), or the only visible one (a launcher that gives each rank its own GPU). Throws
-// ConfigError naming `device` when none is visible, when this build has no CUDA, or when the
-// node has fewer GPUs than ranks.
-GpuInfo training_gpu(int local_rank = 0);
+// The GPU a CUDA engine trains on, made the current device: with several ranks (communicator
+// set) GPU LOCAL_RANK (one rank per GPU of a node) or the only visible one (a launcher that
+// gives each rank its own GPU); else GPU 0. Throws ConfigError naming `device` when none is
+// visible, when this build has no CUDA, when the node has fewer GPUs than ranks, or for several
+// ranks in a build without NCCL.
+GpuInfo training_gpu(const distributed::Communicator* communicator = nullptr);
 
 }  // namespace fp8t::train

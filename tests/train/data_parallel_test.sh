@@ -6,6 +6,8 @@
 #   LAUNCHER: the path of mpiexec (2 MPI ranks), or "nproc-per-node" (train --nproc-per-node 2:
 #   ranks that meet over TCP, and on the GPU through NCCL); DEVICE: cpu (default) or cuda;
 #   TRAIN ARGS: more arguments for every run (--data-path=... where the built-in corpus is not).
+#   IDENTICAL_OK=1: 2 ranks may match one process to the last bit (a model whose fp32 gradient
+#   sums are exact in any order); otherwise that fails, as gradients that were never summed.
 set -euo pipefail
 fp8train="$1"
 launcher="$2"
@@ -39,7 +41,7 @@ for precision in bf16 delayed; do
   [[ $(grep -c "^step " "$output/two.log") -eq 20 ]] ||
     { cat "$output/two.log"; echo "FAIL: expected 20 step lines, from rank 0 only"; exit 1; }
   python3 - "$precision" "$output/one_$precision/metrics.jsonl" "$output/$precision/metrics.jsonl" <<'PY'
-import json, sys
+import json, os, sys
 def losses(path):
     return [r["loss"] for r in map(json.loads, open(path)) if "loss" in r]
 precision, one, two = sys.argv[1], losses(sys.argv[2]), losses(sys.argv[3])
@@ -48,7 +50,7 @@ worst = max(abs(a - b) / abs(a) for a, b in zip(one, two))
 # fp32 gradient sums in another order, carried through 20 Muon steps.
 if worst > 2e-3:
     sys.exit(f"FAIL: {precision}: losses differ by {worst:.2e} (relative): {one} vs {two}")
-if one == two:
+if one == two and os.environ.get("IDENTICAL_OK") != "1":
     sys.exit(f"FAIL: {precision}: identical to the last bit: were the gradients reduced at all?")
 print(f"{precision}: losses agree within {worst:.2e}")
 PY

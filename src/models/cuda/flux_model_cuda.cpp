@@ -237,6 +237,10 @@ void CudaFluxModel::scalings_changed() {
   buffers_->scalings.scalings_changed(stream_);
 }
 
+CudaLinearScalings& CudaFluxModel::scalings() {
+  return buffers_->scalings;
+}
+
 std::vector<std::pair<std::string, DelayedScaling*>> CudaFluxModel::delayed_scalings() {
   return buffers_->scalings.delayed_scalings();
 }

@@ -22,6 +22,7 @@
 #include <cuda_runtime_api.h>
 
 #include "models/flux_config.h"
+#include "models/cuda/linear_scalings.h"
 #include "models/flux_model.h"
 #include "numerics/scaling.h"
 #include "optim/cuda/device_parameters.h"
@@ -89,6 +90,8 @@ class CudaFluxModel {
   // loads it. After load_state on these, call scalings_changed().
   std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings();
   void scalings_changed();
+  // The FP8 linears' device scaling floats (data parallelism max-reduces their amaxes).
+  CudaLinearScalings& scalings();
 
  private:
   struct Linear;
