@@ -2,6 +2,7 @@
 // CUDA events. `bench gpt` also runs data-parallel (one rank per GPU, gradients through NCCL).
 #include <algorithm>
 #include <array>
+#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <functional>
@@ -59,6 +60,9 @@ struct Measurement {
   std::string name;
   double step_ms = 0.0;
   double forward_ms = 0.0, backward_ms = 0.0, optimizer_ms = 0.0;
+  // Host time to issue forward + backward (no waits in them): near their GPU time, the GPU
+  // waits on launches.
+  double issue_ms = 0.0;
   double throughput = 0.0;  // tokens/s (GPT) or samples/s (Flux)
   double mfu = 0.0;
   double peak_memory = 0.0;
@@ -132,7 +136,7 @@ struct StepParts {
 void time_steps(const BenchTiming& timing, cudaStream_t stream, const StepParts& parts,
                 Measurement& result) {
   Events events(4);
-  std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms;
+  std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms, issue_ms;
   std::array<std::vector<double>, kStepPhases> phase_ms;
   std::vector<double> other_ms;
   PhaseTimer phase_timer;
@@ -145,10 +149,13 @@ void time_steps(const BenchTiming& timing, cudaStream_t stream, const StepParts&
     parts.prepare();
     events.record(0, stream);
     if (phased) set_active_phase_timer(&phase_timer);
+    const auto issue_start = std::chrono::steady_clock::now();
     parts.forward();
     events.record(1, stream);
     parts.backward();
     events.record(2, stream);
+    const std::chrono::duration<double, std::milli> issued =
+        std::chrono::steady_clock::now() - issue_start;
     set_active_phase_timer(nullptr);
     parts.optimize();
     events.record(3, stream);
@@ -168,12 +175,14 @@ void time_steps(const BenchTiming& timing, cudaStream_t stream, const StepParts&
     forward_ms.push_back(events.ms(0, 1));
     backward_ms.push_back(events.ms(1, 2));
     optimizer_ms.push_back(events.ms(2, 3));
+    issue_ms.push_back(issued.count());
     result.peak_memory = std::max(result.peak_memory, device_memory_in_use());
   }
   result.step_ms = median(step_ms);
   result.forward_ms = median(forward_ms);
   result.backward_ms = median(backward_ms);
   result.optimizer_ms = median(optimizer_ms);
+  result.issue_ms = median(issue_ms);
   if (timing.phases) {
     for (size_t phase = 0; phase < kStepPhases; ++phase)
       result.phase_ms[phase] = median(phase_ms[phase]);
@@ -298,10 +307,10 @@ std::vector<Measurement> measure_runs(const std::vector<std::string>& precisions
   for (const RunKind& run : runs) {
     const Measurement result = measure_run(run);
     fmt::print(
-        "{}: {:.1f} ms/step (forward {:.1f}, backward {:.1f}, optimizer {:.1f}), {} {}, "
-        "bf16-MFU {:.1f} %, peak {}, loss {:.3f}; {}\n",
+        "{}: {:.1f} ms/step (forward {:.1f}, backward {:.1f}, optimizer {:.1f}; forward + "
+        "backward issued in {:.1f} ms), {} {}, bf16-MFU {:.1f} %, peak {}, loss {:.3f}; {}\n",
         result.name, result.step_ms, result.forward_ms, result.backward_ms, result.optimizer_ms,
-        format_rate(result.throughput), unit, 100.0 * result.mfu,
+        result.issue_ms, format_rate(result.throughput), unit, 100.0 * result.mfu,
         train::format_bytes(result.peak_memory), result.final_loss, result.fp8_layers);
     results.push_back(result);
   }
@@ -339,7 +348,7 @@ void print_results(const std::vector<Measurement>& results, const char* unit,
 // W-FLUX535's step: random latents, text and pooled embeddings and σ, the rectified-flow loss,
 // AdamW with Primus' settings (lr 1e-4, wd 0.01, betas 0.9 / 0.999) and clipping at 1.0.
 Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& config,
-                         const RunKind& run, cudaStream_t stream) {
+                         const RunKind& run, const BenchRanks& ranks, cudaStream_t stream) {
   const FluxPrecision precision = bench_precision(run, options.fp8);
   const int64_t B = options.batch, Li = options.img_tokens, Lt = options.txt_tokens;
   Measurement result;
@@ -353,6 +362,23 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
     model.upload_parameters(parameters);
   }
   result.fp8_layers = flux_precision_summary(model.linear_precision());
+  // Several ranks: what a training step adds on each (train/cuda_rank_sums.h). Each rank's
+  // loss gradient is scaled by 1/ranks, as training's share of the mean over every rank.
+#if FP8TRAIN_WITH_NCCL
+  std::unique_ptr<train::FluxRankSums> rank_sums;
+  if (ranks.communicator != nullptr)
+    rank_sums = std::make_unique<train::FluxRankSums>(*ranks.communicator, model);
+  const auto sum_over_ranks = [&] {
+    if (rank_sums) rank_sums->sum_gradients();
+  };
+  const auto reduce_amaxes = [&] {
+    if (rank_sums) rank_sums->reduce_amaxes();
+  };
+#else
+  const auto sum_over_ranks = [] {};
+  const auto reduce_amaxes = [] {};
+#endif
+  const float share = 1.0f / static_cast<float>(ranks.count());
 
   std::mt19937 generator(7);
   std::normal_distribution<float> normal;
@@ -387,22 +413,50 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
                         img.data(),       ids.data(),
                         txt.data(),       y.data(),
                         timesteps.data(), config.guidance_embed ? guidance.data() : nullptr};
-                    model.forward(inputs, target.data(), true);
+                    model.forward(inputs, target.data(), true, share);
                   },
               .backward = [&] { model.backward(); },
               .optimize =
                   [&] {
+                    sum_over_ranks();
                     optimizer.clip(model.gradients(), norm, 1.0f, stream);
                     optimizer.step(model.parameters(), model.gradients(), 1.0, stream);
+                    reduce_amaxes();
                     model.end_step();
                   }},
              result);
   result.final_loss = model.loss_value();
   cudaFree(norm);
-  result.throughput = double(B) / (result.step_ms * 1e-3);
+  result.throughput = double(B) * ranks.count() / (result.step_ms * 1e-3);
   result.mfu =
       double(B) * flux_flops_per_sample(config, Li, Lt) / (result.step_ms * 1e-3) / kBf16PeakFlops;
   return result;
+}
+
+// Started as one of several ranks (--nproc-per-node, mpirun, srun): each rank times the same
+// micro-batch on its own GPU (LOCAL_RANK) and sums the gradients with the others; rank 0 prints.
+BenchRanks join_ranks(distributed::Communicator& communicator, const char* command, bool overlap) {
+  BenchRanks ranks{.overlap = overlap};
+  if (communicator.several()) {
+#if !FP8TRAIN_WITH_NCCL
+    throw Error(fmt::format("{}: several ranks need NCCL, not in this build", command));
+#endif
+    train::training_gpu(&communicator);
+    ranks.communicator = &communicator;
+  }
+  if (communicator.rank() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) {
+    throw Error(fmt::format("{}: cannot silence the output of the ranks after the first", command));
+  }
+  return ranks;
+}
+
+// The header's note on data parallelism; empty for one rank.
+std::string ranks_text(const BenchRanks& ranks, const char* unit) {
+  if (ranks.count() == 1) return "";
+  return fmt::format(
+      " x {} ranks, data parallel (NCCL all-reduce of the fp32 gradients, {}); {} of all ranks, "
+      "memory of rank 0",
+      ranks.count(), ranks.overlap ? "overlapped with the backward" : "after the backward", unit);
 }
 
 }  // namespace
@@ -410,20 +464,8 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
 int run_bench_gpt(const BenchGptOptions& options) {
   const std::vector<GpuInfo> gpus = query_gpus();
   if (gpus.empty()) throw Error("bench gpt: no CUDA GPU is visible");
-  // Started as one of several ranks (--nproc-per-node, mpirun, srun): each times the same
-  // micro-batch on its own GPU and reduces the gradients with the others; rank 0 prints.
   distributed::Communicator communicator(distributed::detect_launch(), 0);
-  BenchRanks ranks{.overlap = options.overlap_grad_reduce};
-  if (communicator.several()) {
-#if !FP8TRAIN_WITH_NCCL
-    throw Error("bench gpt: several ranks need NCCL, not in this build");
-#endif
-    train::training_gpu(&communicator);
-    ranks.communicator = &communicator;
-  }
-  if (communicator.rank() != 0 && std::freopen("/dev/null", "w", stdout) == nullptr) {
-    throw Error("bench gpt: cannot silence the output of the ranks after the first");
-  }
+  const BenchRanks ranks = join_ranks(communicator, "bench gpt", options.overlap_grad_reduce);
   GptConfig config = GptConfig::from_depth(options.depth);
   config.vocab_size = options.vocab_size;
   config.sequence_len = options.sequence_len;
@@ -438,12 +480,7 @@ int run_bench_gpt(const BenchGptOptions& options) {
       config.window_pattern, options.batch, options.batch * config.sequence_len,
       double(ParameterSet::planned_bytes(config, DType::F32)) / 4e9, flops_per_token,
       options.timing.warmup, options.timing.steps, gpus[0].name, gpus[0].architecture(),
-      ranks.count() > 1
-          ? fmt::format(" x {} ranks, data parallel (NCCL all-reduce of the fp32 gradients, {}); "
-                        "tokens/s of all ranks, memory of rank 0",
-                        ranks.count(),
-                        ranks.overlap ? "overlapped with the backward" : "after the backward")
-          : "");
+      ranks_text(ranks, "tokens/s"));
 
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -458,21 +495,24 @@ int run_bench_gpt(const BenchGptOptions& options) {
 int run_bench_flux(const BenchFluxOptions& options) {
   const std::vector<GpuInfo> gpus = query_gpus();
   if (gpus.empty()) throw Error("bench flux: no CUDA GPU is visible");
+  distributed::Communicator communicator(distributed::detect_launch(), 0);
+  const BenchRanks ranks = join_ranks(communicator, "bench flux", false);
   const FluxConfig config = flux_config_of(options.model);
   fmt::print(
       "bench flux: {} ({:.1f}M parameters; {} double + {} single blocks, hidden {}), micro-batch "
       "{} of {} image + {} text tokens, {:.3g} FLOPs per sample; AdamW, clip 1.0, random inputs; "
-      "{} warm-up + {} timed steps\nGPU: {} ({})\n",
+      "{} warm-up + {} timed steps\nGPU: {} ({}){}\n",
       options.model.preset, double(flux_parameter_count(config)) / 1e6, config.double_blocks,
       config.single_blocks, config.hidden_size, options.batch, options.img_tokens,
       options.txt_tokens, flux_flops_per_sample(config, options.img_tokens, options.txt_tokens),
-      options.timing.warmup, options.timing.steps, gpus[0].name, gpus[0].architecture());
+      options.timing.warmup, options.timing.steps, gpus[0].name, gpus[0].architecture(),
+      ranks_text(ranks, "samples/s"));
 
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  const std::vector<Measurement> results =
-      measure_runs(options.precisions, options.fp8_recipes, options.fp8_attention, "samples/s",
-                   [&](const RunKind& run) { return measure_flux(options, config, run, stream); });
+  const std::vector<Measurement> results = measure_runs(
+      options.precisions, options.fp8_recipes, options.fp8_attention, "samples/s",
+      [&](const RunKind& run) { return measure_flux(options, config, run, ranks, stream); });
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
   print_results(results, "samples/s", options.timing);
   return kExitOk;

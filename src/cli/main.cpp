@@ -32,7 +32,7 @@ std::vector<std::string> without_nproc_per_node(int argc, char** argv) {
 int main(int argc, char** argv) {
   CLI::App app{"fp8train: FP8 training engine", "fp8train"};
   app.set_version_flag("--version", "fp8train " FP8TRAIN_VERSION);
-  // `train` and `bench gpt` run data-parallel: N ranks on this node.
+  // `train` and `bench gpt|flux` run data-parallel: N ranks on this node.
   int nproc_per_node = 0;
   const auto add_nproc_per_node = [&nproc_per_node](CLI::App* command) {
     command
@@ -233,6 +233,7 @@ int main(int argc, char** argv) {
   add_run_options(bench_flux, bench_flux_options.precisions, bench_flux_options.fp8_recipes,
                   bench_flux_options.fp8, bench_flux_options.fp8_attention,
                   bench_flux_options.timing);
+  add_nproc_per_node(bench_flux);
 
   fp8t::cli::ConfigOptions config_options;
   CLI::App* config =

@@ -166,9 +166,11 @@ struct Problem {
   int64_t m = 0, n = 0, k = 0;  // the caller's sizes
   cublasOperation_t trans_a = CUBLAS_OP_N;
   cublasOperation_t trans_b = CUBLAS_OP_N;
-  Matrix a, b, d;       // C is D's buffer (read only when beta = 1)
-  void* out = nullptr;  // D's data
+  Matrix a, b, d;                // C has D's layout (read only when beta != 0)
+  void* out = nullptr;           // D's data
+  const void* addend = nullptr;  // C's data when it is not D's
   GemmType out_type = GemmType::F32;
+  float alpha = 1.0f;
   float beta = 0.0f;
   // FP8 only. cuBLASLt's A is the caller's b and its B the caller's a (see map_xwt).
   Fp8Format a_format = Fp8Format::E4M3, b_format = Fp8Format::E4M3;  // the caller's a and b
@@ -198,7 +200,11 @@ std::string describe(const Problem& p) {
                        p.k, gemm_type_name(p.out_type));
   }
   if (p.d.batch > 1) text += fmt::format(", batch of {}", p.d.batch);
-  if (p.beta != 0.0f) text += " (accumulate)";
+  if (p.addend != nullptr) {
+    text += fmt::format(" ({} x result + {} x addend)", p.alpha, p.beta);
+  } else if (p.beta != 0.0f) {
+    text += " (accumulate)";
+  }
   if (p.bias != nullptr) text += fmt::format(", {} bias", gemm_type_name(p.bias_type));
   if (p.kind == Kind::Fp8) {
     text += fmt::format(", fast accumulation {}", p.fast_accumulation ? "on" : "off");
@@ -301,6 +307,15 @@ struct PlanKeyHash {
   }
 };
 
+// D's alignment, and C's where C is another buffer: the two share one layout.
+uint32_t output_alignment(const Problem& p) {
+  const uint32_t d = alignment_of(p.d);
+  if (p.addend == nullptr) return d;
+  Matrix c = p.d;
+  c.data = p.addend;
+  return std::min(d, alignment_of(c));
+}
+
 PlanKey key_of(const Problem& p) {
   const bool fp8 = p.kind == Kind::Fp8;
   return {.kind = p.kind,
@@ -326,7 +341,7 @@ PlanKey key_of(const Problem& p) {
           .fast_accumulation = fp8 && p.fast_accumulation,
           .align_a = alignment_of(p.a),
           .align_b = alignment_of(p.b),
-          .align_d = alignment_of(p.d),
+          .align_d = output_alignment(p),
           .align_bias = p.bias != nullptr ? alignment_of(p.bias) : 0u};
 }
 
@@ -524,7 +539,7 @@ struct CublasLtGemm::State {
     FP8T_CUBLASLT_CHECK(cublasLtMatmulPreferenceCreate(&raw_preference), p);
     const Preference preference(raw_preference);
     const uint64_t workspace_bytes = kWorkspaceBytes;
-    const uint32_t alignments[] = {alignment_of(p.a), alignment_of(p.b), alignment_of(p.d)};
+    const uint32_t alignments[] = {alignment_of(p.a), alignment_of(p.b), output_alignment(p)};
     FP8T_CUBLASLT_CHECK(cublasLtMatmulPreferenceSetAttribute(
                             raw_preference, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
                             &workspace_bytes, sizeof workspace_bytes),
@@ -573,12 +588,12 @@ struct CublasLtGemm::State {
     Plan& plan = plan_for(p);
     if (!plan.refusal.empty()) throw Error(plan.refusal);
     set_pointers(plan.desc.get(), p);
-    const float alpha = 1.0f;
-    FP8T_CUBLASLT_CHECK(cublasLtMatmul(handle, plan.desc.get(), &alpha, p.a.data, plan.a.get(),
-                                       p.b.data, plan.b.get(), &p.beta, plan.c ? nullptr : p.out,
-                                       plan.c ? plan.c.get() : plan.d.get(), p.out, plan.d.get(),
-                                       &plan.algo, workspace.get(), kWorkspaceBytes, stream),
-                        p);
+    const void* c = plan.c ? nullptr : p.addend != nullptr ? p.addend : p.out;
+    FP8T_CUBLASLT_CHECK(
+        cublasLtMatmul(handle, plan.desc.get(), &p.alpha, p.a.data, plan.a.get(), p.b.data,
+                       plan.b.get(), &p.beta, c, plan.c ? plan.c.get() : plan.d.get(), p.out,
+                       plan.d.get(), &plan.algo, workspace.get(), kWorkspaceBytes, stream),
+        p);
   }
 };
 
@@ -617,6 +632,11 @@ void CublasLtGemm::bf16_gemm(Bf16Form form, int64_t m, int64_t n, int64_t k, con
   p.k = k;
   p.out_type = out.type;
   p.beta = out.accumulate ? 1.0f : 0.0f;
+  if (out.addend != nullptr) {
+    p.addend = out.addend;
+    p.alpha = out.result_scale;
+    p.beta = out.addend_scale;
+  }
   p.bias = out.bias;
   p.bias_type = out.bias_type;
   p.d.batch = batch.count;
@@ -642,6 +662,12 @@ void CublasLtGemm::bf16_gemm(Bf16Form form, int64_t m, int64_t n, int64_t k, con
   FP8T_CHECK(ldb >= k, "{}: expected the leading dimension of {} >= {}, found {}", describe(p),
              b_name, k, ldb);
   check_output(out, p);
+  FP8T_CHECK(out.addend == nullptr || !out.accumulate,
+             "{}: expected an addend or accumulation, found both", describe(p));
+  FP8T_CHECK(out.addend != nullptr || (out.result_scale == 1.0f && out.addend_scale == 1.0f),
+             "{}: result and addend scales need an addend", describe(p));
+  FP8T_CHECK(out.addend == nullptr || out.bias == nullptr, "{}: expected an addend or a bias",
+             describe(p));
   FP8T_CHECK(batch.count >= 1 && batch.count <= std::numeric_limits<int32_t>::max(),
              "{}: expected a batch of 1 to {} matrices, found {}", describe(p),
              std::numeric_limits<int32_t>::max(), batch.count);
@@ -730,6 +756,8 @@ void CublasLtGemm::fp8_gemm(int64_t m, int64_t n, int64_t k, const Fp8Operand& a
              "{}: block scales need M and N multiples of 4, found M={}, N={}", describe(p), m, n);
 
   check_output(out, p);
+  FP8T_CHECK(out.addend == nullptr && out.result_scale == 1.0f && out.addend_scale == 1.0f,
+             "{}: FP8 GEMMs take no addend or result scale", describe(p));
   FP8T_CHECK(!out.accumulate || !is_fp8(out.type),
              "{}: accumulation needs an f32 or bf16 output, found {}", describe(p),
              gemm_type_name(out.type));

@@ -98,6 +98,13 @@ struct GemmOutput {
   // value and rounds once. Without it the output is only written and may hold anything, NaN
   // included.
   bool accumulate = false;
+  // BF16 GEMMs only: data = result_scale·result + addend_scale·addend, summed in fp32 and rounded
+  // once, addend another buffer laid out as the output (its type, ld and batch stride) that
+  // does not overlap it (Polar Express's b·A + c·A² and a·X + B·X in one pass). Not with
+  // accumulate.
+  const void* addend = nullptr;
+  float result_scale = 1.0f;
+  float addend_scale = 1.0f;
   // Optional bias, one value per output column, added to every row before any output scale.
   // BF16 GEMMs: of the output's type (BF16 or F32). FP8 GEMMs: BF16.
   const void* bias = nullptr;

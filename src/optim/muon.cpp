@@ -145,21 +145,17 @@ void polar_express(float* matrix, int64_t rows, int64_t cols, int steps, MuonPre
     const auto c = static_cast<float>(coefficients[2]);
     gram(matrix, rows, cols, tall, gram_matrix.data());
     store_all(gram_matrix, precision);
+    // The two sums take the products' fp32 values and round once, as a GEMM epilogue does.
     matmul(side, side, side, gram_matrix.data(), gram_matrix.data(), gram_squared.data());
-    store_all(gram_squared, precision);
-    for (size_t i = 0; i < gram_matrix.size(); ++i) {  // becomes b·A + c·A²
-      gram_matrix[i] =
-          stored(stored(b * gram_matrix[i], precision) + stored(c * gram_squared[i], precision),
-                 precision);
-    }
+    for (size_t i = 0; i < gram_matrix.size(); ++i)  // becomes B = b·A + c·A²
+      gram_matrix[i] = stored(c * gram_squared[i] + b * gram_matrix[i], precision);
     if (tall) {
       matmul(rows, cols, cols, matrix, gram_matrix.data(), product.data());
     } else {
       matmul(rows, cols, rows, gram_matrix.data(), matrix, product.data());
     }
-    store_all(product, precision);
     for (size_t i = 0; i < x.size(); ++i)
-      x[i] = stored(stored(a * x[i], precision) + product[i], precision);
+      x[i] = stored(product[i] + a * x[i], precision);
   }
 }
 

@@ -35,10 +35,11 @@ inline constexpr std::array<std::array<double, 3>, 5> kPolarExpressCoefficients 
 // fp32 on the CPU (or with NANOCHAT_DTYPE=float32).
 enum class MuonPrecision : uint8_t {
   Fp32,
-  // Rounds to bf16 wherever nanochat's eager PyTorch materializes a bf16 tensor: the momentum
-  // update, MuonEq's row scales and result, the norm, the normalized X, every GEMM output (fp32
-  // accumulation) and every elementwise result of the iteration. torch.compile on the GPU fuses
-  // the elementwise ops and rounds once per fused expression instead: the same order of error.
+  // Rounds to bf16 wherever nanochat materializes a bf16 tensor: the momentum update, MuonEq's
+  // row scales and result, the norm, the normalized X, and in each iteration the Gram matrix A
+  // (fp32 accumulation), b·A + c·A² and a·X + B·X. The two sums take their products' fp32 sums
+  // and round once, as a GEMM epilogue computes them; nanochat's torch.compile rounds the
+  // product to bf16 first and then the fused sum: one rounding more, the same order of error.
   Bf16,
 };
 

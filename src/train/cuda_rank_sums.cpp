@@ -32,6 +32,22 @@ void GptRankSums::reduce_amaxes() {
   nccl_->max(scalings.device_floats(), scalings.float_count(), model_.stream());
 }
 
+FluxRankSums::FluxRankSums(distributed::Communicator& host, CudaFluxModel& model)
+    : model_(model),
+      delayed_(!model.delayed_scalings().empty()),
+      nccl_(std::make_unique<distributed::NcclGroup>(host)) {}
+
+void FluxRankSums::sum_gradients() {
+  nccl_->sum(model_.gradients(), static_cast<size_t>(model_.layout().total_elements),
+             model_.stream());
+}
+
+void FluxRankSums::reduce_amaxes() {
+  if (!delayed_) return;
+  CudaLinearScalings& scalings = model_.scalings();
+  nccl_->max(scalings.device_floats(), scalings.float_count(), model_.stream());
+}
+
 }  // namespace fp8t::train
 
 #endif  // FP8TRAIN_WITH_NCCL

@@ -1,13 +1,14 @@
-// What data parallelism adds to a step of the GPU GPT on each rank (CUDA builds with NCCL): the
-// sum of every rank's fp32 gradients, after the last backward or overlapped with it, and for
-// delayed scaling the largest amax any rank saw. The training engine and `bench gpt` both run
-// it, so that the benchmark times what training does.
+// What data parallelism adds to a step of the GPU GPT or Flux on each rank (CUDA builds with
+// NCCL): the sum of every rank's fp32 gradients, after the last backward (or, for the GPT,
+// overlapped with it), and for delayed scaling the largest amax any rank saw. The training
+// engines and `bench gpt|flux` both run them, so that the benchmarks time what training does.
 #pragma once
 
 #include <memory>
 
 #include "distributed/communicator.h"
 #include "distributed/nccl_group.h"
+#include "models/cuda/flux_model_cuda.h"
 #include "models/cuda/gpt_model_cuda.h"
 
 namespace fp8t::train {
@@ -31,6 +32,23 @@ class GptRankSums {
  private:
   CudaGptModel& model_;
   bool overlap_;
+  bool delayed_;
+  std::unique_ptr<distributed::NcclGroup> nccl_;
+};
+
+class FluxRankSums {
+ public:
+  // Joins the ranks of `host` through NCCL on the current device (every rank together); the
+  // collectives run on the model's stream.
+  FluxRankSums(distributed::Communicator& host, CudaFluxModel& model);
+
+  // Queued after the last backward: every rank's gradients summed (not yet averaged).
+  void sum_gradients();
+  // As GptRankSums::reduce_amaxes.
+  void reduce_amaxes();
+
+ private:
+  CudaFluxModel& model_;
   bool delayed_;
   std::unique_ptr<distributed::NcclGroup> nccl_;
 };

@@ -20,7 +20,7 @@
 #include "optim/cuda/adamw_cuda.h"
 #endif
 #if FP8TRAIN_WITH_NCCL
-#include "distributed/nccl_group.h"
+#include "train/cuda_rank_sums.h"
 #endif
 
 namespace fp8t::train {
@@ -56,7 +56,8 @@ class FluxCudaEngine final : public FluxEngine {
                setup.img_tokens * 3, img_ids_.size());
     FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));
 #if FP8TRAIN_WITH_NCCL
-    if (communicator_ != nullptr) nccl_ = std::make_unique<distributed::NcclGroup>(*communicator_);
+    if (communicator_ != nullptr)
+      rank_sums_ = std::make_unique<FluxRankSums>(*communicator_, model_);
 #endif
     peak_memory_ = device_memory_in_use();
   }
@@ -162,17 +163,12 @@ class FluxCudaEngine final : public FluxEngine {
   // Every rank's fp32 gradients summed over NCCL (not yet averaged: the loss share did that).
   void sum_gradients() {
 #if FP8TRAIN_WITH_NCCL
-    nccl_->sum(model_.gradients(), static_cast<size_t>(model_.layout().total_elements),
-               stream_.get());
+    rank_sums_->sum_gradients();
 #endif
   }
-  // Delayed scaling: every rank folds the largest amax any rank saw into its history, so the
-  // scales stay the same on every rank. Other recipes keep no amaxes across steps.
   void reduce_amaxes() {
 #if FP8TRAIN_WITH_NCCL
-    if (model_.delayed_scalings().empty()) return;
-    CudaLinearScalings& scalings = model_.scalings();
-    nccl_->max(scalings.device_floats(), scalings.float_count(), stream_.get());
+    rank_sums_->reduce_amaxes();
 #endif
   }
 
@@ -190,7 +186,7 @@ class FluxCudaEngine final : public FluxEngine {
   PinnedFloats norm_host_;
   double peak_memory_ = 0.0;
 #if FP8TRAIN_WITH_NCCL
-  std::unique_ptr<distributed::NcclGroup> nccl_;  // with several ranks
+  std::unique_ptr<FluxRankSums> rank_sums_;  // with several ranks
 #endif
 };
 

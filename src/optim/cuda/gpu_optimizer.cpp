@@ -87,15 +87,15 @@ struct CudaGptOptimizer::State {
   std::unique_ptr<DeviceBuffer<int64_t>> offsets;  // the Muon matrices' offsets in the layout
   std::unique_ptr<DeviceBuffer<uint8_t>> workspace;
   // Pieces of the workspace, sized for the largest Muon group (groups take turns).
-  bf16* update = nullptr;        // the stacked update X
-  bf16* product = nullptr;       // B·X or X·B
-  bf16* gram = nullptr;          // A, then B = b·A + c·A²
-  bf16* gram_squared = nullptr;  // A²
-  double* lines = nullptr;       // sums of squares per row or column
-  float* scalars = nullptr;      // per matrix: MuonEq's target, then Polar Express's divisor
-  float* factors = nullptr;      // per matrix: Muon+'s factor
-  float* scales = nullptr;       // NorMuon's, per row or column
-  double* partials = nullptr;    // the gradient norm's block sums
+  bf16* update = nullptr;      // the stacked update X
+  bf16* product = nullptr;     // Polar Express's next X, a·X + B·X (the two take turns)
+  bf16* gram = nullptr;        // A
+  bf16* combined = nullptr;    // B = b·A + c·A²
+  double* lines = nullptr;     // sums of squares per row or column
+  float* scalars = nullptr;    // per matrix: MuonEq's target, then Polar Express's divisor
+  float* factors = nullptr;    // per matrix: Muon+'s factor
+  float* scales = nullptr;     // NorMuon's, per row or column
+  double* partials = nullptr;  // the gradient norm's block sums
 
   State(gemm::CublasLtGemm& gemm_, const DeviceParameterLayout& layout_,
         const std::vector<OptimizerGroup>& groups_)
@@ -108,7 +108,7 @@ struct CudaGptOptimizer::State {
   void allocate_workspace();
   void muon_step(const MuonPlan& plan, float* params, const float* grads,
                  const StepSchedule& schedule, cudaStream_t stream);
-  void polar_express(const MuonPlan& plan, cudaStream_t stream);
+  bf16* polar_express(const MuonPlan& plan, cudaStream_t stream);
   // The host's state buffers, each checked against the device state (name, dtype, size), with
   // the slice it maps to; the step counter maps to none.
   std::vector<std::pair<NamedTensor, const StateSlice*>> match(GptOptimizer& host) const;
@@ -209,7 +209,7 @@ void CudaGptOptimizer::State::allocate_workspace() {
     return offset;
   };
   const int64_t update_at = take(stack * 2), product_at = take(stack * 2);
-  const int64_t gram_at = take(grams * 2), gram_squared_at = take(grams * 2);
+  const int64_t gram_at = take(grams * 2), combined_at = take(grams * 2);
   const int64_t lines_at = take(lines_count * 8), scales_at = take(lines_count * 4);
   const int64_t scalars_at = take(matrices * 4), factors_at = take(matrices * 4);
   const int64_t partials_at = take(int64_t{cuda::kNormPartials} * 8);
@@ -218,7 +218,7 @@ void CudaGptOptimizer::State::allocate_workspace() {
   update = reinterpret_cast<bf16*>(base + update_at);
   product = reinterpret_cast<bf16*>(base + product_at);
   gram = reinterpret_cast<bf16*>(base + gram_at);
-  gram_squared = reinterpret_cast<bf16*>(base + gram_squared_at);
+  combined = reinterpret_cast<bf16*>(base + combined_at);
   lines = reinterpret_cast<double*>(base + lines_at);
   scales = reinterpret_cast<float*>(base + scales_at);
   scalars = reinterpret_cast<float*>(base + scalars_at);
@@ -247,54 +247,66 @@ void CudaGptOptimizer::State::muon_step(const MuonPlan& plan, float* params, con
   cuda::muon_equilibrate_rows(update, lines, scalars, x, stream);
   cuda::muon_matrix_scalars(scalars, lines, x, cuda::MatrixScalar::PolarExpressDivisor, stream);
   cuda::muon_divide(update, scalars, x, stream);
-  polar_express(plan, stream);
-  cuda::muon_row_squares(lines, update, nullptr, x, stream);
+  const bf16* orthogonalized = polar_express(plan, stream);
+  cuda::muon_row_squares(lines, orthogonalized, nullptr, x, stream);
   cuda::muon_matrix_scalars(factors, lines, x, cuda::MatrixScalar::MuonPlusFactor, stream);
   if (x.rows >= x.cols) {
-    cuda::muon_row_squares(lines, update, factors, x, stream);
+    cuda::muon_row_squares(lines, orthogonalized, factors, x, stream);
   } else {
-    cuda::muon_column_squares(lines, update, factors, x, stream);
+    cuda::muon_column_squares(lines, orthogonalized, factors, x, stream);
   }
   cuda::normuon_scales(scales, second_moment, lines, x, beta2, stream);
-  cuda::muon_cautious_update(params, matrix_offsets, update, factors, scales, x, lr, decay, stream);
+  cuda::muon_cautious_update(params, matrix_offsets, orthogonalized, factors, scales, x, lr, decay,
+                             stream);
 }
 
-// The iterations of muon.cpp's polar_express() on the whole stack: three batched GEMMs each
-// (bf16 results of fp32 sums) and the two combinations. All five steps, as GptOptimizer runs.
-void CudaGptOptimizer::State::polar_express(const MuonPlan& plan, cudaStream_t stream) {
+// The iterations of muon.cpp's polar_express() on the whole stack, three batched GEMMs each
+// (fp32 sums): A = X·Xᵀ (bf16), then B = c·A² + b·A and X' = B·X + a·X with the sums in the
+// GEMMs' epilogues, each rounded to bf16 once. X' goes to the other stack buffer; returns the
+// one that holds the result after all five steps, as GptOptimizer runs.
+bf16* CudaGptOptimizer::State::polar_express(const MuonPlan& plan, cudaStream_t stream) {
   using gemm::Bf16Form;
   const int64_t rows = plan.stack.rows, cols = plan.stack.cols, side = plan.gram.rows;
   const int64_t count = plan.stack.count, xs = plan.stack.stride, gs = plan.gram.stride;
-  const gemm::GemmOutput gram_out{.data = gram, .ld = side, .type = gemm::GemmType::BF16};
-  const gemm::GemmOutput squared_out{
-      .data = gram_squared, .ld = side, .type = gemm::GemmType::BF16};
-  const gemm::GemmOutput product_out{.data = product, .ld = cols, .type = gemm::GemmType::BF16};
   const gemm::GemmBatch grams{.count = count, .stride_a = gs, .stride_b = gs, .stride_out = gs};
+  const gemm::GemmBatch of_stack{.count = count, .stride_a = xs, .stride_b = xs, .stride_out = gs};
+  bf16* x = update;
+  bf16* next = product;
   for (const auto& coefficients : kPolarExpressCoefficients) {
     const auto a = static_cast<float>(coefficients[0]);
     const auto b = static_cast<float>(coefficients[1]);
     const auto c = static_cast<float>(coefficients[2]);
-    const gemm::GemmBatch of_stack{
-        .count = count, .stride_a = xs, .stride_b = xs, .stride_out = gs};
+    const gemm::GemmOutput gram_out{.data = gram, .ld = side, .type = gemm::GemmType::BF16};
     if (plan.tall) {  // A = XᵀX [cols, cols]
-      gemm.bf16_gemm(Bf16Form::DytX, rows, cols, cols, update, cols, update, cols, gram_out,
-                     of_stack, stream);
+      gemm.bf16_gemm(Bf16Form::DytX, rows, cols, cols, x, cols, x, cols, gram_out, of_stack,
+                     stream);
     } else {  // A = X·Xᵀ [rows, rows]
-      gemm.bf16_gemm(Bf16Form::XWt, rows, rows, cols, update, cols, update, cols, gram_out,
-                     of_stack, stream);
+      gemm.bf16_gemm(Bf16Form::XWt, rows, rows, cols, x, cols, x, cols, gram_out, of_stack, stream);
     }
-    gemm.bf16_gemm(Bf16Form::DyW, side, side, side, gram, side, gram, side, squared_out, grams,
+    const gemm::GemmOutput combined_out{.data = combined,
+                                        .ld = side,
+                                        .type = gemm::GemmType::BF16,
+                                        .addend = gram,
+                                        .result_scale = c,
+                                        .addend_scale = b};
+    gemm.bf16_gemm(Bf16Form::DyW, side, side, side, gram, side, gram, side, combined_out, grams,
                    stream);
-    cuda::polar_express_combine(gram, gram_squared, b, c, plan.gram, stream);
+    const gemm::GemmOutput next_out{.data = next,
+                                    .ld = cols,
+                                    .type = gemm::GemmType::BF16,
+                                    .addend = x,
+                                    .result_scale = 1.0f,
+                                    .addend_scale = a};
     if (plan.tall) {  // X·B
-      gemm.bf16_gemm(Bf16Form::DyW, rows, cols, cols, update, cols, gram, cols, product_out,
+      gemm.bf16_gemm(Bf16Form::DyW, rows, cols, cols, x, cols, combined, cols, next_out,
                      {.count = count, .stride_a = xs, .stride_b = gs, .stride_out = xs}, stream);
     } else {  // B·X
-      gemm.bf16_gemm(Bf16Form::DyW, rows, rows, cols, gram, rows, update, cols, product_out,
+      gemm.bf16_gemm(Bf16Form::DyW, rows, rows, cols, combined, rows, x, cols, next_out,
                      {.count = count, .stride_a = gs, .stride_b = xs, .stride_out = xs}, stream);
     }
-    cuda::polar_express_combine(update, product, a, 1.0f, plan.stack, stream);
+    std::swap(x, next);
   }
+  return x;
 }
 
 std::vector<std::pair<NamedTensor, const StateSlice*>> CudaGptOptimizer::State::match(

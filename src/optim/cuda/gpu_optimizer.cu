@@ -189,19 +189,6 @@ __global__ void __launch_bounds__(kThreads)
     values[i] = device::to_bf16(__fdiv_rn(device::to_f32(values[i]), divisor));
 }
 
-__global__ void __launch_bounds__(kThreads)
-    combine_kernel(bf16* x, const bf16* y, float alpha, float beta, MuonShape shape) {
-  const int64_t matrix = blockIdx.y;
-  const int64_t elements = shape.rows * shape.cols;
-  bf16* xs = x + matrix * shape.stride;
-  const bf16* ys = y + matrix * shape.stride;
-  for (int64_t i = first_element(); i < elements; i += element_stride()) {
-    const float scaled_x = round_bf16(__fmul_rn(alpha, device::to_f32(xs[i])));
-    const float scaled_y = round_bf16(__fmul_rn(beta, device::to_f32(ys[i])));
-    xs[i] = device::to_bf16(__fadd_rn(scaled_x, scaled_y));
-  }
-}
-
 // Grid (count): one block per matrix, as muon.cpp's normuon() for one matrix. Each thread
 // rescales the lines it computed, so the only synchronization is inside block_sum.
 __global__ void __launch_bounds__(kThreads)
@@ -374,15 +361,6 @@ void muon_divide(bf16* x, const float* divisors, const MuonShape& shape, cudaStr
   check_pointers({x, divisors}, "muon_divide");
   divide_kernel<<<matrix_grid(shape.rows * shape.cols, shape.count), kThreads, 0, stream>>>(
       x, divisors, shape);
-  FP8T_CUDA_CHECK_LAUNCH();
-}
-
-void polar_express_combine(bf16* x, const bf16* y, float alpha, float beta, const MuonShape& shape,
-                           cudaStream_t stream) {
-  check_shape(shape, "polar_express_combine");
-  check_pointers({x, y}, "polar_express_combine");
-  combine_kernel<<<matrix_grid(shape.rows * shape.cols, shape.count), kThreads, 0, stream>>>(
-      x, y, alpha, beta, shape);
   FP8T_CUDA_CHECK_LAUNCH();
 }
 

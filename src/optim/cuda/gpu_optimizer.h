@@ -7,11 +7,11 @@
 // The math is GptOptimizer's with MuonPrecision::Bf16 (nanochat on sm80+ GPUs):
 //   - AdamW groups: every tensor of every AdamW group in one launch, bit for bit adamw_step.
 //   - Muon groups, all matrices of a group at once: Nesterov momentum (fp32 state) into a bf16
-//     stack, MuonEq, Polar Express through batched cuBLASLt BF16 GEMMs (fp32 accumulation, bf16
-//     results, rounded where muon.h's Bf16 rounds), Muon+, NorMuon (fp32 second moment) and the
-//     cautious weight-decayed update of the fp32 parameters. Sums of squares accumulate in
-//     double in a fixed order, so a step is deterministic; it differs from the CPU's only where
-//     the GEMMs' fp32 sums round a bf16 result the other way.
+//     stack, MuonEq, Polar Express through batched cuBLASLt BF16 GEMMs (fp32 accumulation, its
+//     sums in the GEMMs' epilogues, bf16 results, rounded where muon.h's Bf16 rounds), Muon+,
+//     NorMuon (fp32 second moment) and the cautious weight-decayed update of the fp32 parameters.
+//     Sums of squares accumulate in double in a fixed order, so a step is deterministic; it differs
+//     from the CPU's only where the GEMMs' fp32 sums round a bf16 result the other way.
 //
 // All device memory (state, tables, workspace) is taken at construction. The state is zero and
 // the step counter 0 until upload_state. Calls of one instance must not overlap in time (one
@@ -158,11 +158,6 @@ void muon_equilibrate_rows(bf16* x, double* row_squares, const float* targets,
 
 // x_i = bf16(x_i / divisors[i]).
 void muon_divide(bf16* x, const float* divisors, const MuonShape& shape, cudaStream_t stream);
-
-// x = bf16(bf16(alpha·x) + bf16(beta·y)), y stacked like x: Polar Express's b·A + c·A² and
-// a·X + product (beta 1 keeps a bf16 y exact).
-void polar_express_combine(bf16* x, const bf16* y, float alpha, float beta, const MuonShape& shape,
-                           cudaStream_t stream);
 
 // NorMuon's scales from line_squares (Σ (X·f)² per row when rows >= cols, else per column):
 // updates second_moment [count, max(rows, cols)] (fp32 state) with weight 1 − beta2 and writes
