@@ -205,7 +205,9 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, con
   result.name = run_name(run, options.fp8);
   CudaGptModel model(config, batch, seq, precision, stream);
   const optim::GptOptimizer host_optimizer(config, optim::OptimizerSettings{}, tokens);
-  optim::CudaGptOptimizer optimizer(host_optimizer, model.layout(), model.gemm());
+  const std::span<uint8_t> scratch = model.scratch_between_steps();
+  optim::CudaGptOptimizer optimizer(host_optimizer, model.layout(), model.gemm(), scratch.data(),
+                                    scratch.size());
   {
     Arena arena("parameters", ParameterSet::planned_bytes(config, DType::F32));
     ParameterSet parameters(arena, config, DType::F32);

@@ -63,7 +63,8 @@ class CudaEngine final : public TrainingEngine {
                     ParameterSet::planned_bytes(setup.model, DType::F32)),
         host_parameters_(host_arena_, setup.model, DType::F32),
         host_optimizer_(setup.model, setup.optimizer, setup.tokens_per_step),
-        optimizer_(host_optimizer_, model_.layout(), model_.gemm()),
+        optimizer_(host_optimizer_, model_.layout(), model_.gemm(),
+                   model_.scratch_between_steps().data(), model_.scratch_between_steps().size()),
         norm_host_(1),
         losses_host_(kMaxLossesPerRead) {
     FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));

@@ -311,6 +311,46 @@ TEST_F(CudaGptOptimizerTest, AdamWStepsMatchCpu) {
   run_side_by_side(OptimizerKind::AdamW, 4);
 }
 
+// A borrowed workspace (poisoned: DeviceBuffer starts so) gives the same steps and norms, bit
+// for bit, as one of the optimizer's own, which it then does not allocate; a span too small
+// for the workspace is not used.
+TEST_F(CudaGptOptimizerTest, BorrowedWorkspaceGivesTheSameSteps) {
+  SCOPED_TRACE(rng_.trace());
+  const OptimizerSettings settings = settings_of(OptimizerKind::Muon);
+  GptOptimizer host(config_, settings, kReferenceBatchTokens);
+  CudaGptOptimizer own(host, layout_, gemm_);
+  DeviceBuffer<uint8_t> lent(own.device_workspace_bytes());  // the tables' bytes to spare
+  CudaGptOptimizer borrowing(host, layout_, gemm_, lent.get(), lent.count());
+  EXPECT_FALSE(own.workspace_borrowed());
+  EXPECT_TRUE(borrowing.workspace_borrowed());
+  EXPECT_LT(borrowing.device_workspace_bytes(), own.device_workspace_bytes() / 2);
+  DeviceBuffer<uint8_t> small(lent.count() / 2);
+  const CudaGptOptimizer refused(host, layout_, gemm_, small.get(), small.count());
+  EXPECT_FALSE(refused.workspace_borrowed());
+
+  HostSet params(config_), grads(config_);
+  fill_parameters(rng_, params);
+  DeviceRun with_own(params, layout_), with_borrowed(params, layout_);
+  DeviceBuffer<float> norms(2);
+  for (int step = 0; step < 3; ++step) {
+    fill_gradients(rng_, host, grads);
+    upload(grads.set, layout_, with_own.grads.get());
+    upload(grads.set, layout_, with_borrowed.grads.get());
+    own.global_norm(with_own.grads.get(), layout_.total_elements, norms.get(), stream_);
+    borrowing.global_norm(with_borrowed.grads.get(), layout_.total_elements, norms.get() + 1,
+                          stream_);
+    own.step(with_own.params.get(), with_own.grads.get(), schedule_at(step), stream_);
+    borrowing.step(with_borrowed.params.get(), with_borrowed.grads.get(), schedule_at(step),
+                   stream_);
+    const std::vector<float> expected = with_own.params.download();
+    const std::vector<float> actual = with_borrowed.params.download();
+    ASSERT_EQ(std::memcmp(actual.data(), expected.data(), expected.size() * sizeof(float)), 0)
+        << "step " << step + 1 << ": the parameters differ";
+    const std::vector<float> norm = norms.download();
+    EXPECT_EQ(norm[0], norm[1]) << "step " << step + 1;
+  }
+}
+
 // A checkpoint's state continues on the GPU as on the CPU: two CPU steps, the state uploaded
 // (after a round trip through the device that must give it back bit for bit), then one more
 // step on both.

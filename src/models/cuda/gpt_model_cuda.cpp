@@ -106,6 +106,8 @@ struct CudaGptModel::Buffers {
   bf16 *dres = nullptr, *dres_next = nullptr, *dbackout = nullptr, *dx0 = nullptr;
   bf16 *dnorm = nullptr, *dattn_out = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
   bf16 *dq_lin = nullptr, *dk_lin = nullptr, *dvalue_embed = nullptr, *dfc_act = nullptr;
+  uint8_t* region = nullptr;  // where the pieces of one phase take turns (lay_out)
+  size_t region_bytes = 0;
   bool forward_has_gradient = false;
 
   Buffers(size_t tokens, const ModelPrecision& precision)
@@ -212,6 +214,29 @@ CudaGptModel::~CudaGptModel() {
   cudaStreamSynchronize(stream_);
 }
 
+namespace {
+
+// Consecutive 256-byte aligned pieces of a region from byte `start` on: their pointers, or null
+// while the region is not yet there (base null), and where they end.
+class RegionPieces {
+ public:
+  RegionPieces(uint8_t* base, size_t start) : base_(base), end_(start) {}
+  template <typename T>
+  T* take(size_t count) {
+    const size_t offset = end_;
+    constexpr size_t kAlignment = DeviceArena::kAlignment;
+    end_ += (count * sizeof(T) + kAlignment - 1) / kAlignment * kAlignment;
+    return base_ != nullptr ? reinterpret_cast<T*>(base_ + offset) : nullptr;
+  }
+  size_t end() const { return end_; }
+
+ private:
+  uint8_t* base_;
+  size_t end_;
+};
+
+}  // namespace
+
 void CudaGptModel::lay_out() {
   Buffers& b = *buffers_;
   const auto N = static_cast<size_t>(tokens_);
@@ -268,33 +293,48 @@ void CudaGptModel::lay_out() {
   b.targets = ws.take<int32_t>(N);
   b.rotary_cos = ws.take<float>(static_cast<size_t>(seq_) * D / 2);
   b.rotary_sin = ws.take<float>(static_cast<size_t>(seq_) * D / 2);
-  b.input = ws.take<bf16>(N * C);
-  b.mid = ws.take<bf16>(N * C);
-  b.branch = ws.take<bf16>(N * C);
-  b.q_lin = ws.take<bf16>(N * H * D);
-  b.k_lin = ws.take<bf16>(N * Hkv * D);
-  b.value_embed = ws.take<bf16>(N * Hkv * D);
-  b.fc_act = ws.take<bf16>(N * 4 * C);
-  b.logits = ws.take<bf16>(N * vocab);
   b.row_losses = ws.take<float>(N);
   b.valid_rows = ws.take<int32_t>(1);
   loss_ = ws.take<float>(1);
   b.reduction = ws.take<float>(static_cast<size_t>(
       std::max<int64_t>({kernels::kResidualMixWorkspaceFloats, kernels::kValueGateWorkspaceFloats,
                          kernels::kSmearWorkspaceFloats, kernels::kBackoutWorkspaceFloats})));
-  b.dres = ws.take<bf16>(N * C);
-  b.dres_next = ws.take<bf16>(N * C);
-  b.dbackout = ws.take<bf16>(N * C);
-  b.dx0 = ws.take<bf16>(N * C);
-  b.dnorm = ws.take<bf16>(N * C);
-  b.dattn_out = ws.take<bf16>(N * H * D);
-  b.dq = ws.take<bf16>(N * H * D);
-  b.dk = ws.take<bf16>(N * Hkv * D);
-  b.dv = ws.take<bf16>(N * Hkv * D);
-  b.dq_lin = ws.take<bf16>(N * H * D);
-  b.dk_lin = ws.take<bf16>(N * Hkv * D);
-  b.dvalue_embed = ws.take<bf16>(N * Hkv * D);
-  b.dfc_act = ws.take<bf16>(N * 4 * C);
+  b.dnorm = ws.take<bf16>(N * C);  // lm_head's backward writes it while reading the logits
+
+  // What lives in one phase of a step only takes turns in one region: the forward's temporaries
+  // (until lm_head's forward), the logits (from there to the end of lm_head's backward), the
+  // backward's temporaries (after it), and between steps the optimizer's workspace
+  // (scratch_between_steps). fc_act and value_embed serve forward and backward both.
+  const auto lay_out_region = [&](uint8_t* base) {
+    RegionPieces both(base, 0);
+    b.fc_act = both.take<bf16>(N * 4 * C);
+    b.value_embed = both.take<bf16>(N * Hkv * D);
+    RegionPieces forward(base, both.end());
+    b.input = forward.take<bf16>(N * C);
+    b.mid = forward.take<bf16>(N * C);
+    b.branch = forward.take<bf16>(N * C);
+    b.q_lin = forward.take<bf16>(N * H * D);
+    b.k_lin = forward.take<bf16>(N * Hkv * D);
+    RegionPieces backward(base, both.end());
+    b.dres = backward.take<bf16>(N * C);
+    b.dres_next = backward.take<bf16>(N * C);
+    b.dbackout = backward.take<bf16>(N * C);
+    b.dx0 = backward.take<bf16>(N * C);
+    b.dattn_out = backward.take<bf16>(N * H * D);
+    b.dq = backward.take<bf16>(N * H * D);
+    b.dk = backward.take<bf16>(N * Hkv * D);
+    b.dv = backward.take<bf16>(N * Hkv * D);
+    b.dq_lin = backward.take<bf16>(N * H * D);
+    b.dk_lin = backward.take<bf16>(N * Hkv * D);
+    b.dvalue_embed = backward.take<bf16>(N * Hkv * D);
+    b.dfc_act = backward.take<bf16>(N * 4 * C);
+    RegionPieces logits(base, 0);
+    b.logits = logits.take<bf16>(N * vocab);
+    return std::max({forward.end(), backward.end(), logits.end()});
+  };
+  b.region_bytes = lay_out_region(nullptr);
+  b.region = ws.take<uint8_t>(b.region_bytes);
+  lay_out_region(b.region);
   if (fp8_attention) {
     b.fp8_attention_scratch = {ws.take<uint8_t>(N * H * D), ws.take<uint8_t>(N * H * D),
                                ws.take<uint8_t>(N * Hkv * D), ws.take<uint8_t>(N * Hkv * D)};
@@ -321,6 +361,10 @@ void CudaGptModel::lay_out() {
 
 gemm::CublasLtGemm& CudaGptModel::gemm() {
   return buffers_->gemm;
+}
+
+std::span<uint8_t> CudaGptModel::scratch_between_steps() const {
+  return {buffers_->region, buffers_->region_bytes};
 }
 
 float* CudaGptModel::parameter(const std::string& name) const {

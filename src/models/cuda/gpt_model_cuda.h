@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -61,6 +62,10 @@ class CudaGptModel {
   // The model's GEMM runner (its workspace and algorithm cache), for the optimizer's GEMMs on
   // the same stream.
   gemm::CublasLtGemm& gemm();
+  // Device memory the model uses only inside forward() and backward() (the logits and their
+  // gradient), 256-byte aligned: free for other work on the model's stream between a step's
+  // last backward and the next forward. The GPU optimizer keeps its workspace there.
+  std::span<uint8_t> scratch_between_steps() const;
 
   // Parameters and gradients, fp32 on the device, laid out by optim::device_parameter_layout
   // (the gaps between tensors stay zero).

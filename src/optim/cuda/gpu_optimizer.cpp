@@ -84,8 +84,8 @@ struct CudaGptOptimizer::State {
   // [count, rows·cols] and second moment [count, max(rows, cols)].
   std::unique_ptr<DeviceBuffer<float>> state;
   std::unique_ptr<DeviceBuffer<cuda::AdamWChunk>> chunks;
-  std::unique_ptr<DeviceBuffer<int64_t>> offsets;  // the Muon matrices' offsets in the layout
-  std::unique_ptr<DeviceBuffer<uint8_t>> workspace;
+  std::unique_ptr<DeviceBuffer<int64_t>> offsets;    // the Muon matrices' offsets in the layout
+  std::unique_ptr<DeviceBuffer<uint8_t>> workspace;  // null when borrowed
   // Pieces of the workspace, sized for the largest Muon group (groups take turns).
   bf16* update = nullptr;      // the stacked update X
   bf16* product = nullptr;     // Polar Express's next X, a·X + B·X (the two take turns)
@@ -105,7 +105,7 @@ struct CudaGptOptimizer::State {
   float* exp_avg_sq() const { return state->get() + adamw_floats; }
 
   void plan(std::vector<cuda::AdamWChunk>& chunk_table, std::vector<int64_t>& offset_table);
-  void allocate_workspace();
+  void allocate_workspace(uint8_t* borrowed, size_t borrowed_bytes);
   void muon_step(const MuonPlan& plan, float* params, const float* grads,
                  const StepSchedule& schedule, cudaStream_t stream);
   bf16* polar_express(const MuonPlan& plan, cudaStream_t stream);
@@ -192,7 +192,7 @@ void CudaGptOptimizer::State::plan(std::vector<cuda::AdamWChunk>& chunk_table,
   state->zero();
 }
 
-void CudaGptOptimizer::State::allocate_workspace() {
+void CudaGptOptimizer::State::allocate_workspace(uint8_t* borrowed, size_t borrowed_bytes) {
   int64_t stack = 0, grams = 0, lines_count = 0, matrices = 0;
   for (const MuonPlan& plan : muon) {
     stack = std::max(stack, plan.stack.count * plan.stack.stride);
@@ -213,8 +213,15 @@ void CudaGptOptimizer::State::allocate_workspace() {
   const int64_t lines_at = take(lines_count * 8), scales_at = take(lines_count * 4);
   const int64_t scalars_at = take(matrices * 4), factors_at = take(matrices * 4);
   const int64_t partials_at = take(int64_t{cuda::kNormPartials} * 8);
-  workspace = std::make_unique<DeviceBuffer<uint8_t>>(static_cast<size_t>(bytes));
-  uint8_t* base = workspace->get();
+  uint8_t* base = borrowed;
+  if (borrowed == nullptr || borrowed_bytes < static_cast<size_t>(bytes)) {
+    workspace = std::make_unique<DeviceBuffer<uint8_t>>(static_cast<size_t>(bytes));
+    base = workspace->get();
+  } else {
+    FP8T_CHECK(reinterpret_cast<uintptr_t>(base) % kAlignmentBytes == 0,
+               "expected the borrowed optimizer workspace {}-byte aligned, found {}",
+               kAlignmentBytes, static_cast<const void*>(base));
+  }
   update = reinterpret_cast<bf16*>(base + update_at);
   product = reinterpret_cast<bf16*>(base + product_at);
   gram = reinterpret_cast<bf16*>(base + gram_at);
@@ -350,7 +357,8 @@ AdamWScalars adamw_step_scalars(double lr, double beta1, double beta2, double ep
 }  // namespace cuda
 
 CudaGptOptimizer::CudaGptOptimizer(const GptOptimizer& host, const DeviceParameterLayout& layout,
-                                   gemm::CublasLtGemm& gemm)
+                                   gemm::CublasLtGemm& gemm, uint8_t* borrowed,
+                                   size_t borrowed_bytes)
     : state_(std::make_unique<State>(gemm, layout, host.groups())) {
   FP8T_CHECK(layout.element_bytes == sizeof(float),
              "expected a layout of fp32 parameters, found {}-byte elements", layout.element_bytes);
@@ -359,7 +367,7 @@ CudaGptOptimizer::CudaGptOptimizer(const GptOptimizer& host, const DeviceParamet
   state_->plan(chunk_table, offset_table);
   state_->chunks = upload_table(chunk_table);
   state_->offsets = upload_table(offset_table);
-  state_->allocate_workspace();
+  state_->allocate_workspace(borrowed, borrowed_bytes);
 }
 
 CudaGptOptimizer::~CudaGptOptimizer() = default;
@@ -436,7 +444,12 @@ size_t CudaGptOptimizer::device_state_bytes() const {
 }
 
 size_t CudaGptOptimizer::device_workspace_bytes() const {
-  return state_->workspace->bytes() + state_->chunks->bytes() + state_->offsets->bytes();
+  const size_t own = state_->workspace ? state_->workspace->bytes() : 0;
+  return own + state_->chunks->bytes() + state_->offsets->bytes();
+}
+
+bool CudaGptOptimizer::workspace_borrowed() const {
+  return state_->workspace == nullptr;
 }
 
 int64_t CudaGptOptimizer::steps_taken() const {

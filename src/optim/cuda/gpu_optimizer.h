@@ -13,7 +13,8 @@
 //     Sums of squares accumulate in double in a fixed order, so a step is deterministic; it differs
 //     from the CPU's only where the GEMMs' fp32 sums round a bf16 result the other way.
 //
-// All device memory (state, tables, workspace) is taken at construction. The state is zero and
+// All device memory (state, tables, workspace) is taken at construction; the workspace may be
+// borrowed from memory the model needs only during forward and backward. The state is zero and
 // the step counter 0 until upload_state. Calls of one instance must not overlap in time (one
 // stream, or ordered by events), and neither may other users of the CublasLtGemm's workspace.
 //
@@ -43,8 +44,12 @@ class CudaGptOptimizer {
   // The groups (parameters, rules, lrs, betas, eps, weight decays) are copied from `host`,
   // which must have been built for the model whose parameters `layout` lays out. The GEMMs run
   // on `gemm`, which must outlive this optimizer. Runs on the current CUDA device.
+  // `borrowed`, `borrowed_bytes`: device memory (256-byte aligned) that nothing else uses while
+  // step(), global_norm() or clip() run, such as CudaGptModel::scratch_between_steps(); the
+  // workspace lives there when it fits, else in memory of the optimizer's own.
   CudaGptOptimizer(const GptOptimizer& host, const DeviceParameterLayout& layout,
-                   gemm::CublasLtGemm& gemm);
+                   gemm::CublasLtGemm& gemm, uint8_t* borrowed = nullptr,
+                   size_t borrowed_bytes = 0);
   ~CudaGptOptimizer();
   CudaGptOptimizer(const CudaGptOptimizer&) = delete;
   CudaGptOptimizer& operator=(const CudaGptOptimizer&) = delete;
@@ -66,8 +71,11 @@ class CudaGptOptimizer {
   void download_state(GptOptimizer& host) const;
   void upload_state(GptOptimizer& host);
 
-  size_t device_state_bytes() const;      // moments and second moments
-  size_t device_workspace_bytes() const;  // bf16 stacks, Gram matrices, scales, tables
+  size_t device_state_bytes() const;  // moments and second moments
+  // Device memory of its own besides the state: tables, and the workspace (bf16 stacks, Gram
+  // matrices, scales) unless borrowed.
+  size_t device_workspace_bytes() const;
+  bool workspace_borrowed() const;
   int64_t steps_taken() const;
   // The host's groups, with lr updated by each step as GptOptimizer::step updates its own.
   const std::vector<OptimizerGroup>& groups() const;
