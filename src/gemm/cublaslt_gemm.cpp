@@ -456,6 +456,15 @@ std::pair<int64_t, int64_t> output_shape(const Problem& p) {
   return {0, 0};
 }
 
+void check_addend(const GemmOutput& out, const Problem& p) {
+  FP8T_CHECK(out.addend == nullptr || !out.accumulate,
+             "{}: expected an addend or accumulation, found both", describe(p));
+  FP8T_CHECK(out.addend != nullptr || (out.result_scale == 1.0f && out.addend_scale == 1.0f),
+             "{}: result and addend scales need an addend", describe(p));
+  FP8T_CHECK(out.addend == nullptr || out.bias == nullptr, "{}: expected an addend or a bias",
+             describe(p));
+}
+
 void check_output(const GemmOutput& out, const Problem& p) {
   const auto [rows, cols] = output_shape(p);
   FP8T_CHECK(out.data != nullptr, "{}: expected an output [{}, {}], found null", describe(p), rows,
@@ -662,12 +671,7 @@ void CublasLtGemm::bf16_gemm(Bf16Form form, int64_t m, int64_t n, int64_t k, con
   FP8T_CHECK(ldb >= k, "{}: expected the leading dimension of {} >= {}, found {}", describe(p),
              b_name, k, ldb);
   check_output(out, p);
-  FP8T_CHECK(out.addend == nullptr || !out.accumulate,
-             "{}: expected an addend or accumulation, found both", describe(p));
-  FP8T_CHECK(out.addend != nullptr || (out.result_scale == 1.0f && out.addend_scale == 1.0f),
-             "{}: result and addend scales need an addend", describe(p));
-  FP8T_CHECK(out.addend == nullptr || out.bias == nullptr, "{}: expected an addend or a bias",
-             describe(p));
+  check_addend(out, p);
   FP8T_CHECK(batch.count >= 1 && batch.count <= std::numeric_limits<int32_t>::max(),
              "{}: expected a batch of 1 to {} matrices, found {}", describe(p),
              std::numeric_limits<int32_t>::max(), batch.count);
@@ -707,6 +711,11 @@ void CublasLtGemm::fp8_gemm(int64_t m, int64_t n, int64_t k, const Fp8Operand& a
   p.k = k;
   p.out_type = out.type;
   p.beta = out.accumulate ? 1.0f : 0.0f;
+  if (out.addend != nullptr) {
+    p.addend = out.addend;
+    p.alpha = out.result_scale;
+    p.beta = out.addend_scale;
+  }
   p.a_format = a.format;
   p.b_format = b.format;
   p.a_scale_mode = a.scale_mode;
@@ -756,8 +765,10 @@ void CublasLtGemm::fp8_gemm(int64_t m, int64_t n, int64_t k, const Fp8Operand& a
              "{}: block scales need M and N multiples of 4, found M={}, N={}", describe(p), m, n);
 
   check_output(out, p);
-  FP8T_CHECK(out.addend == nullptr && out.result_scale == 1.0f && out.addend_scale == 1.0f,
-             "{}: FP8 GEMMs take no addend or result scale", describe(p));
+  check_addend(out, p);
+  FP8T_CHECK(out.addend == nullptr || !is_fp8(out.type),
+             "{}: an addend needs an f32 or bf16 output, found {}", describe(p),
+             gemm_type_name(out.type));
   FP8T_CHECK(!out.accumulate || !is_fp8(out.type),
              "{}: accumulation needs an f32 or bf16 output, found {}", describe(p),
              gemm_type_name(out.type));

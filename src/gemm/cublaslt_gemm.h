@@ -98,10 +98,10 @@ struct GemmOutput {
   // value and rounds once. Without it the output is only written and may hold anything, NaN
   // included.
   bool accumulate = false;
-  // BF16 GEMMs only: data = result_scale·result + addend_scale·addend, summed in fp32 and rounded
-  // once, addend another buffer laid out as the output (its type, ld and batch stride) that
-  // does not overlap it (Polar Express's b·A + c·A² and a·X + B·X in one pass). Not with
-  // accumulate.
+  // F32 or BF16 outputs: data = result_scale·result + addend_scale·addend, summed in fp32 and
+  // rounded once, addend another buffer laid out as the output (its type, ld and batch stride)
+  // that does not overlap it (Polar Express's b·A + c·A² and a·X + B·X, a residual added to a
+  // projection, in one pass). Not with accumulate or a bias.
   const void* addend = nullptr;
   float result_scale = 1.0f;
   float addend_scale = 1.0f;

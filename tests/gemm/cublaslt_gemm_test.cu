@@ -1193,9 +1193,10 @@ TEST_F(CublasLtGemmTest, RejectsBadArguments) {
   f32_bias.bias = scales.get();
   f32_bias.bias_type = GemmType::F32;
   expect_error(fp8(m, n, k, a, b, f32_bias), {"bf16 bias"});
-  GemmOutput fp8_addend = out.view();
-  fp8_addend.addend = scales.get();
-  expect_error(fp8(m, n, k, a, b, fp8_addend), {"no addend or result scale"});
+  GemmOutput fp8_out_addend = fp8_out.view();
+  fp8_out_addend.scale = scales.get();
+  fp8_out_addend.addend = scales.get();
+  expect_error(fp8(m, n, k, a, b, fp8_out_addend), {"an addend needs an f32 or bf16 output"});
   expect_error(fp8(0, n, k, a, b, out.view()), {"positive sizes", "M=0"});
 
   DeviceBuffer<bf16> matrix(static_cast<size_t>(m * k));

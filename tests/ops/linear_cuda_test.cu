@@ -1,7 +1,8 @@
 // The GPU linear's backward in chunks of rows (a scratch narrower than the layer) against the
 // same layer with a scratch that holds it whole: dx bit for bit (each row's dgrad is the same
 // GEMM row under the same scales), dW up to the order of its fp32 sums, for every recipe and for
-// the relu² input. The models' GPU tests compare the whole-layer path with the CPU.
+// the relu² input; and the forward's residual. The models' GPU tests compare the whole-layer
+// path with the CPU.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -31,7 +32,8 @@ constexpr int64_t kNarrowWidth = 64;
 // Weight gradients summed in another order: fp32 rounding only.
 constexpr Tolerance kReorderedSums{1e-5, 1e-4, 1e-6};
 
-// One FP8 linear with its own scratch and scaling floats (scales 1, amaxes 0).
+// One linear (FP8 unless told, then BF16) with its own scratch and scaling floats (scales 1,
+// amaxes 0).
 struct LinearUnderTest {
   DeviceArena arena{"FP8 scratch"};
   float* scaling = nullptr;
@@ -39,7 +41,7 @@ struct LinearUnderTest {
   std::unique_ptr<kernels::CudaLinear> layer;
 
   LinearUnderTest(ScalingRecipe recipe, bool relu2, int64_t backward_width,
-                  gemm::CublasLtGemm& gemm) {
+                  gemm::CublasLtGemm& gemm, bool fp8 = true) {
     for (bool planning : {true, false}) {
       scaling = arena.take<float>(kernels::kLinearScalingFloats);
       scratch = kernels::take_fp8_scratch(arena, recipe, kTokens, kIn, kOut, backward_width);
@@ -56,7 +58,7 @@ struct LinearUnderTest {
     setup.in_features = kIn;
     setup.out_features = kOut;
     setup.max_tokens = kTokens;
-    setup.fp8 = true;
+    setup.fp8 = fp8;
     setup.fp8_config.recipe = recipe;
     setup.scaling = scaling;
     setup.input_relu2 = relu2;
@@ -99,6 +101,45 @@ TEST_F(LinearCuda, BackwardInChunksMatchesTheWholeBackward) {
     }
     expect_bitwise_equal(dx[1], dx[0], name + " dx");
     expect_close(widen(dweight[1]), widen(dweight[0]), kReorderedSums, name + " dW");
+  }
+}
+
+// forward(…, residual) = x·Wᵀ + residual, summed in the GEMM's epilogue and rounded once
+// (blockwise: added after the GEMM): within two bf16 roundings of the layer's own output plus
+// the residual, for BF16 and every FP8 recipe (the same scales in both calls); the residual is
+// left as it was.
+TEST_F(LinearCuda, ForwardAddsTheResidual) {
+  SCOPED_TRACE(rng_.trace());
+  gemm::CublasLtGemm gemm;
+  const Device<float> weight(random_floats(rng_, size_t(kIn * kOut), -0.1, 0.1));
+  const Device<bf16> x(random_bf16(rng_, size_t(kTokens * kIn)));
+  const std::vector<bf16> residual_values = random_bf16(rng_, size_t(kTokens * kOut));
+  const Device<bf16> residual(residual_values);
+  struct Case {
+    ScalingRecipe recipe;
+    bool fp8;
+  };
+  const Case cases[] = {{ScalingRecipe::Tensorwise, false},
+                        {ScalingRecipe::Tensorwise, true},
+                        {ScalingRecipe::Delayed, true},
+                        {ScalingRecipe::Blockwise, true},
+                        {ScalingRecipe::Mxfp8, true}};
+  for (const Case& c : cases) {
+    const std::string name = c.fp8 ? std::string(recipe_name(c.recipe)) : "bf16";
+    LinearUnderTest linear(c.recipe, false, kOut, gemm, c.fp8);
+    linear.layer->prepare_weight(weight.get(), /*record_amax=*/false, stream_);
+    Device<bf16> y(size_t(kTokens * kOut)), y_with_residual(size_t(kTokens * kOut));
+    y_with_residual.poison_nan();
+    linear.layer->forward(x.get(), kTokens, y.get(), /*record_amax=*/false, stream_);
+    linear.layer->forward(x.get(), kTokens, y_with_residual.get(), /*record_amax=*/false, stream_,
+                          residual.get());
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    std::vector<double> expected = widen(y.download());
+    for (size_t i = 0; i < expected.size(); ++i)
+      expected[i] += bf16_to_float(residual_values[i]);
+    expect_close(widen(y_with_residual.download()), expected, {0x1p-8, 0x1p-7, 0x1p-7},
+                 name + " y + residual");
+    expect_bitwise_equal(residual.download(), residual_values, name + " residual");
   }
 }
 

@@ -97,7 +97,7 @@ struct CudaGptModel::Buffers {
   float* final_rstd = nullptr;
 
   // Workspace: forward temporaries, then backward's.
-  bf16 *input = nullptr, *mid = nullptr, *branch = nullptr;
+  bf16 *input = nullptr, *mid = nullptr;
   bf16 *q_lin = nullptr, *k_lin = nullptr, *value_embed = nullptr, *fc_act = nullptr;
   bf16* logits = nullptr;
   float* row_losses = nullptr;
@@ -312,7 +312,6 @@ void CudaGptModel::lay_out() {
     RegionPieces forward(base, both.end());
     b.input = forward.take<bf16>(N * C);
     b.mid = forward.take<bf16>(N * C);
-    b.branch = forward.take<bf16>(N * C);
     b.q_lin = forward.take<bf16>(N * H * D);
     b.k_lin = forward.take<bf16>(N * Hkv * D);
     RegionPieces backward(base, both.end());
@@ -490,15 +489,14 @@ void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with
       b.attention.forward(layer.attn_out, layer.stats, layer.q, layer.k, layer.v, shape,
                           config_.attention_scale(), s);
     }
-    linear(prefix + "attn.c_proj").layer->forward(layer.attn_out, N, b.branch, record, s);
-    kernels::add_forward(b.mid, b.input, b.branch, N * C, s);
+    // The residual adds happen in the projections' GEMM epilogues.
+    linear(prefix + "attn.c_proj").layer->forward(layer.attn_out, N, b.mid, record, s, b.input);
     kernels::CudaLinear& c_fc = *linear(prefix + "mlp.c_fc").layer;
     kernels::rmsnorm_forward(layer.mlp_norm, layer.mlp_rstd, b.mid, N, C, kEps, s,
                              c_fc.fused_input_cast(record, s));
     c_fc.forward(layer.mlp_norm, N, layer.fc, record, s);
     kernels::CudaLinear& mlp_proj = *linear(prefix + "mlp.c_proj").layer;
-    mlp_proj.forward(mlp_activation(layer.fc, mlp_proj), N, b.branch, record, s);
-    kernels::add_forward(layer.output, b.mid, b.branch, N * C, s);
+    mlp_proj.forward(mlp_activation(layer.fc, mlp_proj), N, layer.output, record, s, b.mid);
     previous = layer.output;
   }
   const Layer& backout = b.layers[static_cast<size_t>(config_.backout_layer())];

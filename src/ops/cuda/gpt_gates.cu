@@ -409,23 +409,6 @@ struct BackoutBackward {
   }
 };
 
-struct AddForward : PlainOp {
-  bf16* out;
-  const bf16* a;  // either may be out
-  const bf16* b;
-
-  template <int kWidth>
-  __device__ void apply(int64_t i) {
-    float av[kWidth], bv[kWidth];
-    device::load_bf16(a + i, av);
-    device::load_bf16(b + i, bv);
-#pragma unroll
-    for (int k = 0; k < kWidth; ++k)
-      av[k] += bv[k];
-    device::store_bf16(out + i, av);
-  }
-};
-
 struct ScaleF32 : PlainOp {
   float* x;
   float factor;
@@ -568,16 +551,6 @@ void backout_backward(bf16* dx, bf16* dx_backout, float* dbackout_lambda, const 
   const unsigned grid = launch_pointwise_partials(
       op, n, all_aligned({dx, dx_backout, dout, x_backout}), kBackoutMaxBlocks, stream);
   add_block_partials(workspace, grid, 1, {nullptr, 0, dbackout_lambda}, stream);
-}
-
-void add_forward(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream) {
-  check_pointwise_args(n, {out, a, b});
-  if (n == 0) return;
-  AddForward op;
-  op.out = out;
-  op.a = a;
-  op.b = b;
-  launch_pointwise(op, n, all_aligned({out, a, b}), stream);
 }
 
 void scale_f32(float* x, float factor, int64_t n, cudaStream_t stream) {

@@ -1,6 +1,6 @@
 // The GPU counterparts of the GPT's gates and small pointwise ops (ops/elementwise.h): the
 // value-embedding gate, the smear of the previous token, the backout of the mid-layer residual,
-// plus a bf16 add and an in-place fp32 scale. Conventions as ops/cuda/ops_cuda.h: bf16
+// plus an in-place fp32 scale. Conventions as ops/cuda/ops_cuda.h: bf16
 // activations and activation gradients, fp32 parameters, parameter gradients and gates, fp32
 // math; the scalar parameters (smear_lambda, backout_lambda) are read on the device; host
 // launchers check their arguments (throwing fp8t::Error) and launch on the given stream.
@@ -84,9 +84,6 @@ void backout_backward(bf16* dx, bf16* dx_backout, float* dbackout_lambda, const 
                       const bf16* x_backout, const float* backout_lambda, int64_t n,
                       GradStore dx_store, GradStore dx_backout_store, float* workspace,
                       cudaStream_t stream);
-
-// out = a + b (writes); out may be a or b.
-void add_forward(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream);
 
 // x *= factor in place (e.g. fp32 gradients averaged over micro-batches).
 void scale_f32(float* x, float factor, int64_t n, cudaStream_t stream);

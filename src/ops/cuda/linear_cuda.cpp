@@ -9,7 +9,6 @@
 #include "core/error.h"
 #include "core/phase_timer.h"
 #include "numerics/quantize_cuda.h"
-#include "ops/cuda/gpt_gates.h"
 #include "ops/cuda/ops_cuda.h"
 
 namespace fp8t::ops::cuda {
@@ -289,12 +288,13 @@ void CudaLinear::prepare_weight(const float* weight, bool record_amax, cudaStrea
 }
 
 void CudaLinear::forward(const bf16* x, int64_t tokens, bf16* y, bool record_amax,
-                         cudaStream_t stream) {
+                         cudaStream_t stream, const bf16* residual) {
   const int64_t in = setup_.in_features, out = setup_.out_features;
   FP8T_CHECK(
       tokens > 0 && tokens <= setup_.max_tokens && (!setup_.fp8 || tokens % kFp8Multiple == 0),
       "expected 1 to {} tokens{}, found {}", setup_.max_tokens,
       setup_.fp8 ? ", a multiple of 16" : "", tokens);
+  FP8T_CHECK(residual == nullptr || !bias_bf16_, "a linear with a bias takes no residual");
   gemm::GemmOutput output;
   output.data = y;
   output.ld = out;
@@ -303,6 +303,9 @@ void CudaLinear::forward(const bf16* x, int64_t tokens, bf16* y, bool record_ama
     output.bias = bias_bf16_->get();
     output.bias_type = gemm::GemmType::BF16;
   }
+  // cuBLASLt's block-scaled GEMMs take no addend: the residual is added after them.
+  const bool residual_after = residual != nullptr && setup_.fp8 && blockwise();
+  if (!residual_after) output.addend = residual;
   if (!setup_.fp8) {
     gemm_.bf16_gemm(gemm::Bf16Form::XWt, tokens, out, in, x, in, weight_bf16_->get(), in, output,
                     stream);
@@ -328,6 +331,7 @@ void CudaLinear::forward(const bf16* x, int64_t tokens, bf16* y, bool record_ama
       operand(weight_fp8_->get(), in, TensorRole::Weight,
               weight_scales_ ? weight_scales_->get() : nullptr),
       output, /*fast_accumulation=*/!blockwise(), stream);
+  if (residual_after) add_forward(y, y, residual, tokens * out, stream);
 }
 
 void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* dx,

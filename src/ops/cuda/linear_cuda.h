@@ -132,7 +132,11 @@ class CudaLinear {
 
   // y [tokens, out] = x [tokens, in]·Wᵀ (+ b), bf16, written. FP8 layers take multiples of 16
   // tokens; BF16 ones any count (the modulation linears of the Flux read one row per sample).
-  void forward(const bf16* x, int64_t tokens, bf16* y, bool record_amax, cudaStream_t stream);
+  // With `residual` ([tokens, out], not overlapping y, no bias): y = x·Wᵀ + residual, the sum
+  // taken in the GEMM's epilogue from its fp32 result and rounded once (blockwise: a pass of
+  // its own after the GEMM, cuBLASLt's block-scaled GEMMs taking no addend).
+  void forward(const bf16* x, int64_t tokens, bf16* y, bool record_amax, cudaStream_t stream,
+               const bf16* residual = nullptr);
 
   // dx [tokens, in] (bf16; written, or added to when accumulate_dx; null: not needed) and
   // dweight [out, in] (fp32, added to). x is the forward's input (as it was then), which the

@@ -93,6 +93,9 @@ void relu2_forward(bf16* out, const bf16* inp, int64_t n, cudaStream_t stream);
 void relu2_backward(bf16* dinp, const bf16* dout, const bf16* inp, int64_t n, GradStore store,
                     cudaStream_t stream);
 
+// out = a + b (writes); out may be a or b.
+void add_forward(bf16* out, const bf16* a, const bf16* b, int64_t n, cudaStream_t stream);
+
 // out = bf16(inp), rounded to nearest even (weights cast for the BF16 GEMMs).
 void cast_to_bf16(bf16* out, const float* inp, int64_t n, cudaStream_t stream);
 
