@@ -24,6 +24,8 @@ using Choices = std::span<const std::pair<std::string_view, Enum>>;
 
 constexpr std::pair<std::string_view, DeviceChoice> kDevices[] = {
     {"auto", DeviceChoice::Auto}, {"cpu", DeviceChoice::Cpu}, {"cuda", DeviceChoice::Cuda}};
+constexpr std::pair<std::string_view, ResumeChoice> kResumeChoices[] = {
+    {"never", ResumeChoice::Never}, {"auto", ResumeChoice::Auto}};
 constexpr std::pair<std::string_view, OptimizerKind> kOptimizers[] = {
     {"muon", OptimizerKind::Muon}, {"adamw", OptimizerKind::AdamW}};
 constexpr std::pair<std::string_view, optim::LrDecayStyle> kDecayStyles[] = {
@@ -439,6 +441,12 @@ std::vector<ConfigKey> build_keys() {
   keys.push_back(integer_key(
       "resume_from_step", S::Run, [](auto& c) -> auto& { return c.run.resume_from_step; }, {-1},
       "Resume from the run folder's checkpoint of this step; -1: a fresh run."));
+  keys.push_back(choice_key(
+      "resume", S::Run, [](auto& c) -> auto& { return c.run.resume; },
+      Choices<ResumeChoice>(kResumeChoices),
+      "auto: continue from the run folder's newest checkpoint that loads (an older one when a "
+      "newer cannot be read), or start fresh when it holds none, so that the same command "
+      "continues a stopped, preempted or killed run; never: only resume_from_step resumes."));
   keys.push_back(boolean_key(
       "overwrite", S::Run, [](auto& c) -> auto& { return c.run.overwrite; },
       "A fresh run in a run folder that holds checkpoints deletes them; false: that is an "

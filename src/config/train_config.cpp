@@ -457,6 +457,12 @@ void check_whole(const TrainConfig& config, int world_size,
                     origin("global_batch_size"), training.micro_batch_size, world_size, per_step,
                     training.global_batch_size));
   }
+  if (config.run.resume_from_step >= 0 && config.run.resume == ResumeChoice::Auto) {
+    throw ConfigError(
+        fmt::format("{}: resume: auto picks the checkpoint itself; set one of the "
+                    "two, found resume_from_step {}",
+                    origin("resume_from_step"), config.run.resume_from_step));
+  }
   if (config.run.resume_from_step > training.train_iters) {
     throw ConfigError(fmt::format("{}: must be at most train_iters ({}), found {}",
                                   origin("resume_from_step"), training.train_iters,

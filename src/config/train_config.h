@@ -20,6 +20,8 @@
 namespace fp8t {
 
 enum class DeviceChoice : uint8_t { Auto, Cpu, Cuda };
+// The key `resume`: never (only resume_from_step resumes) or auto (the newest checkpoint).
+enum class ResumeChoice : uint8_t { Never, Auto };
 
 using optim::OptimizerKind;
 
@@ -33,8 +35,9 @@ struct RunSection {
   std::string name = "default";
   std::string output_dir = "runs";
   int64_t resume_from_step = -1;  // -1: a fresh run
-  bool overwrite = false;         // a fresh run may replace the run folder's checkpoints
-  int64_t save_every = -1;        // -1 or 0: a checkpoint only at the end
+  ResumeChoice resume = ResumeChoice::Never;
+  bool overwrite = false;   // a fresh run may replace the run folder's checkpoints
+  int64_t save_every = -1;  // -1 or 0: a checkpoint only at the end
   int64_t log_every = 1;
   int64_t sample_tokens = 0;  // 0: no sample at the end
   int64_t eval_every = 250;   // -1 or 0: no evaluation

@@ -93,9 +93,10 @@ int run_local_ranks(int processes, const std::vector<std::string>& arguments) {
   action.sa_handler = remember;
   sigemptyset(&action.sa_mask);
   struct sigaction previous_int {
-  }, previous_term{};
+  }, previous_term{}, previous_usr1{};
   sigaction(SIGINT, &action, &previous_int);
   sigaction(SIGTERM, &action, &previous_term);
+  sigaction(SIGUSR1, &action, &previous_usr1);
 
   std::vector<pid_t> ranks(static_cast<size_t>(processes), 0);
   for (int rank = 0; rank < processes; ++rank) {
@@ -143,6 +144,7 @@ int run_local_ranks(int processes, const std::vector<std::string>& arguments) {
   }
   sigaction(SIGINT, &previous_int, nullptr);
   sigaction(SIGTERM, &previous_term, nullptr);
+  sigaction(SIGUSR1, &previous_usr1, nullptr);
   return result;
 }
 

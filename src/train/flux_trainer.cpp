@@ -208,11 +208,10 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   // The data position is the step: every batch is a function of the seed and its step.
   int64_t step = 0;
   double seconds_before = 0.0;
-  if (config.run.resume_from_step >= 0) {
-    const nlohmann::json state =
-        resume_from_checkpoint(run_folder, config.run.resume_from_step, contents, scaling);
-    step = state.at("step").get<int64_t>();
-    seconds_before = state.value("train_seconds", 0.0);
+  if (const std::optional<nlohmann::json> state =
+          resume_run(config, run_folder, contents, scaling)) {
+    step = state->at("step").get<int64_t>();
+    seconds_before = state->value("train_seconds", 0.0);
   } else {
     init_flux_weights(engine->host_parameters(), model_config, seed);
   }

@@ -9,6 +9,7 @@ namespace {
 volatile std::sig_atomic_t g_received = 0;
 struct sigaction g_previous_int {};
 struct sigaction g_previous_term {};
+struct sigaction g_previous_usr1 {};
 
 void record(int signal) {
   g_received = signal;
@@ -23,11 +24,13 @@ StopSignal::StopSignal() {
   sigemptyset(&action.sa_mask);
   sigaction(SIGINT, &action, &g_previous_int);
   sigaction(SIGTERM, &action, &g_previous_term);
+  sigaction(SIGUSR1, &action, &g_previous_usr1);
 }
 
 StopSignal::~StopSignal() {
   sigaction(SIGINT, &g_previous_int, nullptr);
   sigaction(SIGTERM, &g_previous_term, nullptr);
+  sigaction(SIGUSR1, &g_previous_usr1, nullptr);
 }
 
 int StopSignal::received() {

@@ -1,5 +1,6 @@
-// SIGINT and SIGTERM during training: the handler only records the signal; the training loop
-// sees it after the current step, saves a checkpoint and returns.
+// SIGINT, SIGTERM and SIGUSR1 (what Slurm's --signal sends before a job's time runs out) during
+// training: the handler only records the signal; the training loop sees it after the current
+// step, saves a checkpoint and returns.
 #pragma once
 
 namespace fp8t::train {
@@ -12,7 +13,7 @@ class StopSignal {
   StopSignal(const StopSignal&) = delete;
   StopSignal& operator=(const StopSignal&) = delete;
 
-  // The signal received (SIGINT or SIGTERM), or 0.
+  // The signal received (SIGINT, SIGTERM or SIGUSR1), or 0.
   static int received();
 };
 

@@ -257,12 +257,11 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
 
   int64_t step = 0;
   double seconds_before = 0.0;  // training time of the steps before a resume
-  if (config.run.resume_from_step >= 0) {
-    const nlohmann::json state =
-        resume_from_checkpoint(run_folder, config.run.resume_from_step, contents, scaling);
-    step = state.at("step").get<int64_t>();
-    loader.seek(state.at("data_position").get<data::DataPosition>());
-    seconds_before = state.value("train_seconds", 0.0);
+  if (const std::optional<nlohmann::json> state =
+          resume_run(config, run_folder, contents, scaling)) {
+    step = state->at("step").get<int64_t>();
+    loader.seek(state->at("data_position").get<data::DataPosition>());
+    seconds_before = state->value("train_seconds", 0.0);
     engine->from_host();
   } else {
     init_gpt_weights(engine->host_parameters(), model_config, seed);

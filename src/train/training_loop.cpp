@@ -32,11 +32,13 @@ fs::path open_run_folder(const TrainConfig& config) {
         fmt::format("{}: cannot create the run folder: {}", run_folder.string(), error.message()));
   }
   const std::vector<int64_t> steps = saved_steps(run_folder);
-  if (config.run.resume_from_step < 0 && !steps.empty()) {
+  const bool resuming = config.run.resume_from_step >= 0 || config.run.resume == ResumeChoice::Auto;
+  if (!resuming && !steps.empty()) {
     if (!config.run.overwrite) {
       throw Error(
           fmt::format("{}: the run folder already holds checkpoints (last step {}); resume with "
-                      "--resume-from-step={}, pick another --run, or start over with --overwrite",
+                      "--resume-from-step={} or --resume=auto, pick another --run, or start over "
+                      "with --overwrite",
                       run_folder.string(), steps.back(), steps.back()));
     }
     fs::remove_all(run_folder / "checkpoints", error);
@@ -79,6 +81,30 @@ nlohmann::json resume_from_checkpoint(const fs::path& run_folder, int64_t step,
                  ? " (no FP8 scaling state in the checkpoint: delayed scaling starts afresh)"
                  : "");
   return loaded.trainer_state;
+}
+
+std::optional<nlohmann::json> resume_run(const TrainConfig& config, const fs::path& run_folder,
+                                         const CheckpointContents& contents,
+                                         ScalingStateBuffers& scaling) {
+  if (config.run.resume_from_step >= 0) {
+    return resume_from_checkpoint(run_folder, config.run.resume_from_step, contents, scaling);
+  }
+  if (config.run.resume != ResumeChoice::Auto) return std::nullopt;
+  const std::vector<int64_t> steps = saved_steps(run_folder);
+  if (steps.empty()) {
+    fmt::print("resume: auto: no checkpoint in {}, starting fresh\n", run_folder.string());
+    return std::nullopt;
+  }
+  for (auto step = steps.rbegin(); step != steps.rend(); ++step) {
+    try {
+      return resume_from_checkpoint(run_folder, *step, contents, scaling);
+    } catch (const Error& error) {
+      if (std::next(step) == steps.rend()) throw;
+      fmt::print("resume: auto: cannot resume from step {}: {}; trying step {}\n", *step,
+                 error.what(), *std::next(step));
+    }
+  }
+  return std::nullopt;  // not reached: the loop returns or throws
 }
 
 void save_run_checkpoint(const fs::path& run_folder, const TrainConfig& config, int64_t step,
@@ -151,10 +177,11 @@ LoopOutcome run_training_loop(const TrainingLoop& loop, int64_t steps_done, doub
     if (stop != 0) {
       if (!saved_on_schedule(step)) loop.save(step, train_seconds);
       outcome.stop_signal = stop;
-      log.event("interrupted", fmt::format("stopped by signal {} after step {}; checkpoint saved "
-                                           "in {}; continue with --resume-from-step={}",
-                                           outcome.stop_signal, step,
-                                           checkpoint_folder(run_folder, step).string(), step));
+      log.event("interrupted",
+                fmt::format("stopped by signal {} after step {}; checkpoint saved "
+                            "in {}; continue with --resume-from-step={} or --resume=auto",
+                            outcome.stop_signal, step, checkpoint_folder(run_folder, step).string(),
+                            step));
       break;
     }
   }

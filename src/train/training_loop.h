@@ -24,7 +24,7 @@ struct StepResult {
 
 // Prints the run's name, folder and resolved configuration, creates the folder and saves the
 // configuration in it. A fresh run refuses a folder with checkpoints unless run.overwrite, which
-// deletes them and the metrics.
+// deletes them and the metrics (resume: auto continues from them instead).
 std::filesystem::path open_run_folder(const TrainConfig& config);
 
 // The precision of the model's linears from the fp8 keys; the other linears run on bf16
@@ -41,6 +41,15 @@ void print_emulation_note(const ModelPrecision& precision, bool cuda);
 nlohmann::json resume_from_checkpoint(const std::filesystem::path& run_folder, int64_t step,
                                       const CheckpointContents& contents,
                                       ScalingStateBuffers& scaling);
+
+// What a run continues from: checkpoint resume_from_step, or with `resume: auto` the newest
+// checkpoint of the run folder that loads (each one that does not is named with the reason,
+// then the next older is tried), read as resume_from_checkpoint does; its trainer_state.json,
+// or nothing for a fresh run.
+std::optional<nlohmann::json> resume_run(const TrainConfig& config,
+                                         const std::filesystem::path& run_folder,
+                                         const CheckpointContents& contents,
+                                         ScalingStateBuffers& scaling);
 
 // Writes checkpoint `step` of the run folder: the contents' views as they are (the engine's
 // host copies brought up to date first), the delayed-scaling state, `trainer_state` and the

@@ -348,6 +348,10 @@ TEST(TrainConfig, CommandLineErrorsNameTheFlag) {
       {{"--min-lr=0.5"}, "--min-lr: must be at most lr (0.02), found 0.5"},
       {{"--num-iterations=10", "--resume-from-step=20"},
        "--resume-from-step: must be at most train_iters (10), found 20"},
+      {{"--resume=auto", "--resume-from-step=3"},
+       "--resume-from-step: resume: auto picks the checkpoint itself; set one of the two, found "
+       "resume_from_step 3"},
+      {{"--resume=latest"}, "--resume: unknown value 'latest'; allowed: never, auto"},
       {{"--head-dim=63"}, "--head-dim: must be even (rotary), found 63"},
       {{"--fp8_dot_product_attention=true"},
        "--fp8_dot_product_attention: true needs fp8 other than none"},
@@ -370,6 +374,7 @@ TEST(TrainConfig, EveryKeyRoundTripsThroughYaml) {
   config.run.output_dir = "/tmp/runs";
   config.run.save_every = 7;
   config.run.device = DeviceChoice::Cuda;
+  config.run.resume = ResumeChoice::Auto;
   config.model.depth = 6;
   config.model.window_pattern = "SL";
   config.data.data_path = "data/shards";
