@@ -6,7 +6,7 @@ set -euo pipefail
 packages=(
   build-essential cmake ninja-build clang-format
   libfmt-dev libyaml-cpp-dev libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev
-  libopenblas-dev libpcre2-dev libpng-dev pkg-config
+  libopenblas-dev libpcre2-dev libpng-dev zlib1g-dev pkg-config
   libopenmpi-dev openmpi-bin  # several processes: MPI collectives and mpirun
   fortunes  # the English text the default training job learns from
 )

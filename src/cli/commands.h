@@ -178,6 +178,15 @@ struct DataCheckOptions {
 // kExitProblemFound when any file fails.
 int run_data_check(const DataCheckOptions& options);
 
+struct CheckpointVerifyOptions {
+  std::vector<std::string> paths;  // checkpoint folders, or run folders (every checkpoint)
+};
+
+// Checks each checkpoint's files against its manifest.json (size and CRC-32). Prints a line per
+// checkpoint (and per damaged file) and a summary; kExitProblemFound when a checkpoint is
+// damaged or has no manifest.
+int run_checkpoint_verify(const CheckpointVerifyOptions& options);
+
 // Runs the training job configured by `args` (--config FILE and overrides, see
 // load_train_config), as one process or as one rank of a job a launcher started. kExitOk when
 // it ran to the end; 128 + the signal after SIGINT or SIGTERM (a checkpoint was saved).

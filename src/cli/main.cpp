@@ -347,6 +347,16 @@ int main(int argc, char** argv) {
   data_check->add_option("shards", data_check_options.paths, "Flux shard files (.safetensors)")
       ->required();
 
+  fp8t::cli::CheckpointVerifyOptions checkpoint_verify_options;
+  CLI::App* checkpoint = app.add_subcommand("checkpoint", "Checkpoint tools");
+  checkpoint->require_subcommand(1);
+  CLI::App* checkpoint_verify = checkpoint->add_subcommand(
+      "verify", "Check checkpoints' files against their manifests (size and CRC-32)");
+  checkpoint_verify
+      ->add_option("paths", checkpoint_verify_options.paths,
+                   "Checkpoint folders, or run folders (every checkpoint in them)")
+      ->required();
+
   try {
     app.parse(argc, argv);
     if (*doctor) return fp8t::cli::run_doctor(doctor_options);
@@ -362,6 +372,7 @@ int main(int argc, char** argv) {
     if (*bench_gpt) return fp8t::cli::run_bench_gpt(bench_options);
     if (*bench_flux) return fp8t::cli::run_bench_flux(bench_flux_options);
     if (*data_check) return fp8t::cli::run_data_check(data_check_options);
+    if (*checkpoint_verify) return fp8t::cli::run_checkpoint_verify(checkpoint_verify_options);
     if (*config) {
       config_options.overrides = config->remaining();
       return fp8t::cli::run_config(config_options);

@@ -456,6 +456,10 @@ std::vector<ConfigKey> build_keys() {
       "Save a checkpoint every N steps; -1 or 0: only at the end (the final checkpoint is always "
       "saved)."));
   keys.push_back(integer_key(
+      "keep_checkpoints", S::Run, [](auto& c) -> auto& { return c.run.keep_checkpoints; }, {0},
+      "Keep the run folder's newest N checkpoints, deleting older ones after each save; 0: keep "
+      "every one."));
+  keys.push_back(integer_key(
       "log_every", S::Run, [](auto& c) -> auto& { return c.run.log_every; }, {1},
       "Print the loss, throughput and MFU every N steps."));
   keys.push_back(gpt_only(integer_key(

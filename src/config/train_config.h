@@ -36,8 +36,9 @@ struct RunSection {
   std::string output_dir = "runs";
   int64_t resume_from_step = -1;  // -1: a fresh run
   ResumeChoice resume = ResumeChoice::Never;
-  bool overwrite = false;   // a fresh run may replace the run folder's checkpoints
-  int64_t save_every = -1;  // -1 or 0: a checkpoint only at the end
+  bool overwrite = false;        // a fresh run may replace the run folder's checkpoints
+  int64_t save_every = -1;       // -1 or 0: a checkpoint only at the end
+  int64_t keep_checkpoints = 0;  // 0: every checkpoint stays
   int64_t log_every = 1;
   int64_t sample_tokens = 0;  // 0: no sample at the end
   int64_t eval_every = 250;   // -1 or 0: no evaluation

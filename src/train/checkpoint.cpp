@@ -3,12 +3,14 @@
 #include <algorithm>
 #include <charconv>
 #include <cstring>
+#include <fstream>
 #include <set>
 #include <system_error>
 #include <utility>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
+#include <zlib.h>
 
 #include "core/error.h"
 #include "io/files.h"
@@ -22,6 +24,34 @@ namespace {
 
 constexpr std::string_view kStepPrefix = "step_";
 constexpr int kFormatVersion = 1;
+constexpr std::string_view kManifestName = "manifest.json";
+constexpr std::string_view kManifestFormat = "fp8train-checkpoint-manifest";
+
+uint32_t crc32_of(std::string_view bytes) {
+  return static_cast<uint32_t>(crc32_z(0, reinterpret_cast<const Bytef*>(bytes.data()),
+                                       static_cast<z_size_t>(bytes.size())));
+}
+
+// A file's size and CRC-32, read in pieces; nothing when it cannot be read.
+std::optional<std::pair<uint64_t, uint32_t>> size_and_crc32(const fs::path& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return std::nullopt;
+  std::vector<char> piece(size_t{4} << 20);
+  uLong crc = crc32_z(0, nullptr, 0);
+  uint64_t size = 0;
+  while (file) {
+    file.read(piece.data(), static_cast<std::streamsize>(piece.size()));
+    const auto count = static_cast<size_t>(file.gcount());
+    crc = crc32_z(crc, reinterpret_cast<const Bytef*>(piece.data()), count);
+    size += count;
+  }
+  if (file.bad()) return std::nullopt;
+  return std::pair{size, static_cast<uint32_t>(crc)};
+}
+
+nlohmann::json manifest_entry(std::string_view name, uint64_t bytes, uint32_t crc) {
+  return {{"name", name}, {"bytes", bytes}, {"crc32", fmt::format("{:08x}", crc)}};
+}
 
 std::vector<int64_t> shape_of(const TensorView& view) {
   std::vector<int64_t> shape(static_cast<size_t>(view.rank()));
@@ -165,17 +195,31 @@ void save_checkpoint(const fs::path& run_folder, const CheckpointContents& conte
                             error ? error.message() : "it exists"));
   }
   try {
-    write_tensors(partial / "model.safetensors", contents.model);
-    write_tensors(partial / "optimizer.safetensors", contents.optimizer);
+    std::vector<std::string> written = {"model.safetensors", "optimizer.safetensors"};
+    write_tensors(partial / written[0], contents.model);
+    write_tensors(partial / written[1], contents.optimizer);
     if (!contents.fp8_scaling.empty()) {
-      write_tensors(partial / "fp8_scaling.safetensors", contents.fp8_scaling);
+      written.emplace_back("fp8_scaling.safetensors");
+      write_tensors(partial / written.back(), contents.fp8_scaling);
     }
-    io::write_file_atomically(partial / "config.yaml", contents.config_yaml);
+    written.emplace_back("config.yaml");
+    io::write_file_atomically(partial / written.back(), contents.config_yaml);
     nlohmann::json state = contents.trainer_state;
     state["format_version"] = kFormatVersion;
     state["step"] = contents.step;
+    const std::string state_text = state.dump(2) + "\n";
+    // Each file as it reached the disk (read back), and trainer_state.json as it will.
+    nlohmann::json files = nlohmann::json::array();
+    for (const std::string& name : written) {
+      const auto checked = size_and_crc32(partial / name);
+      if (!checked) throw Error(fmt::format("{}: cannot read back", (partial / name).string()));
+      files.push_back(manifest_entry(name, checked->first, checked->second));
+    }
+    files.push_back(manifest_entry("trainer_state.json", state_text.size(), crc32_of(state_text)));
+    const nlohmann::json manifest = {{"format", kManifestFormat}, {"version", 1}, {"files", files}};
+    io::write_file_atomically(partial / kManifestName, manifest.dump(2) + "\n");
     // Written last: a folder without it is never taken for a checkpoint.
-    io::write_file_atomically(partial / "trainer_state.json", state.dump(2) + "\n");
+    io::write_file_atomically(partial / "trainer_state.json", state_text);
   } catch (const Error&) {
     fs::remove_all(partial, error);
     throw;
@@ -194,6 +238,68 @@ void save_checkpoint(const fs::path& run_folder, const CheckpointContents& conte
   fs::remove_all(replaced, error);
 }
 
+std::string CheckpointCheck::first_problem(const fs::path& folder) const {
+  for (const FileCheck& check : files) {
+    if (!check.problem.empty())
+      return fmt::format("{}: {}", (folder / check.file).string(), check.problem);
+  }
+  return "";
+}
+
+CheckpointCheck verify_checkpoint(const fs::path& folder) {
+  CheckpointCheck result;
+  const fs::path manifest_path = folder / kManifestName;
+  if (!fs::exists(manifest_path)) return result;
+  result.has_manifest = true;
+  nlohmann::json manifest;
+  try {
+    manifest = nlohmann::json::parse(io::read_file(manifest_path));
+    if (manifest.at("format") != kManifestFormat || !manifest.at("files").is_array()) {
+      throw Error("not a checkpoint manifest");
+    }
+  } catch (const std::exception& e) {
+    result.files.push_back({std::string(kManifestName), fmt::format("unreadable: {}", e.what())});
+    return result;
+  }
+  for (const nlohmann::json& entry : manifest.at("files")) {
+    FileCheck check;
+    try {
+      check.file = entry.at("name").get<std::string>();
+      const auto bytes = entry.at("bytes").get<uint64_t>();
+      const auto crc = entry.at("crc32").get<std::string>();
+      const auto found = size_and_crc32(folder / check.file);
+      if (!found) {
+        check.problem = "missing or unreadable";
+      } else if (found->first != bytes) {
+        check.problem = fmt::format("{} bytes, the manifest says {}: cut short or overwritten",
+                                    found->first, bytes);
+      } else if (fmt::format("{:08x}", found->second) != crc) {
+        check.problem = fmt::format("CRC-32 {:08x}, the manifest says {}: the contents changed",
+                                    found->second, crc);
+      }
+      result.bytes += found ? found->first : 0;
+    } catch (const nlohmann::json::exception& e) {
+      check.file = std::string(kManifestName);
+      check.problem = fmt::format("bad entry: {}", e.what());
+    }
+    result.files.push_back(std::move(check));
+  }
+  return result;
+}
+
+void prune_checkpoints(const fs::path& run_folder, int64_t keep) {
+  if (keep <= 0) return;
+  const std::vector<int64_t> steps = saved_steps(run_folder);
+  for (size_t i = 0; i + static_cast<size_t>(keep) < steps.size(); ++i) {
+    std::error_code error;
+    fs::remove_all(checkpoint_folder(run_folder, steps[i]), error);
+    if (error) {
+      throw Error(fmt::format("{}: cannot delete: {}",
+                              checkpoint_folder(run_folder, steps[i]).string(), error.message()));
+    }
+  }
+}
+
 LoadedCheckpoint load_checkpoint(const fs::path& run_folder, int64_t step,
                                  const CheckpointContents& contents) {
   const fs::path folder = checkpoint_folder(run_folder, step);
@@ -203,6 +309,14 @@ LoadedCheckpoint load_checkpoint(const fs::path& run_folder, int64_t step,
     throw Error(fmt::format("{}: no checkpoint of step {}; saved steps: {}", run_folder.string(),
                             step,
                             steps.empty() ? "none" : fmt::format("{}", fmt::join(steps, ", "))));
+  }
+  const std::string damaged = verify_checkpoint(folder).first_problem(folder);
+  if (!damaged.empty()) {
+    std::vector<int64_t> earlier = saved_steps(run_folder);
+    std::erase_if(earlier, [step](int64_t saved) { return saved >= step; });
+    throw Error(
+        fmt::format("{}; earlier checkpoints: {}", damaged,
+                    earlier.empty() ? "none" : fmt::format("{}", fmt::join(earlier, ", "))));
   }
   LoadedCheckpoint loaded;
   try {

@@ -6,9 +6,11 @@
 //     fp8_scaling.safetensors  delayed scaling's scales and amax histories (delayed recipe only)
 //     trainer_state.json       step, data position, RNG and run totals
 //     config.yaml              the resolved configuration the run was saved with
+//     manifest.json            every other file's size and CRC-32, checked before a load
 //
 // A checkpoint is written into a temporary folder and renamed into place only when every file
-// is on disk, so a crash or a full disk during a save never damages an earlier checkpoint.
+// is on disk, so a crash or a full disk during a save never damages an earlier checkpoint; the
+// manifest finds a file damaged afterwards (a bad disk, a copy cut short).
 #pragma once
 
 #include <cstdint>
@@ -74,8 +76,26 @@ struct LoadedCheckpoint {
   bool had_fp8_scaling = false;  // false: the run that saved it kept no FP8 scaling state
 };
 
+// A checkpoint folder's files against its manifest.
+struct FileCheck {
+  std::string file;     // its name in the folder
+  std::string problem;  // empty: as the manifest says
+};
+struct CheckpointCheck {
+  bool has_manifest = false;  // false: saved before manifests; its files cannot be checked
+  std::vector<FileCheck> files;
+  uint64_t bytes = 0;  // of the files checked
+  // The first damaged file as "folder/file: problem", or empty.
+  std::string first_problem(const std::filesystem::path& folder) const;
+};
+CheckpointCheck verify_checkpoint(const std::filesystem::path& folder);
+
+// Deletes the run folder's complete checkpoints older than its newest `keep` (0: keeps all).
+void prune_checkpoints(const std::filesystem::path& run_folder, int64_t keep);
+
 // Reads the checkpoint of `step` into the buffers of `contents` (names and shapes must match:
-// a missing, extra or misshapen tensor is an error naming the file and the tensor). The
+// a missing, extra or misshapen tensor is an error naming the file and the tensor), after
+// checking its files against the manifest (a damaged file is an error naming it). The
 // fp8_scaling buffers are filled when the checkpoint has them and left alone otherwise (a BF16
 // checkpoint resumed with FP8). Throws fp8t::Error listing the saved steps when there is no
 // checkpoint of `step`.

@@ -115,6 +115,7 @@ void save_run_checkpoint(const fs::path& run_folder, const TrainConfig& config, 
   contents.trainer_state = std::move(trainer_state);
   contents.config_yaml = to_yaml(config);
   save_checkpoint(run_folder, contents);
+  prune_checkpoints(run_folder, config.run.keep_checkpoints);
 }
 
 TrainingLoop training_loop_for(const TrainConfig& config) {

@@ -6,6 +6,8 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
+#include <string>
 
 #include <gmock/gmock.h>
 #include <gtest/gtest.h>
@@ -19,6 +21,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using test::error_message;
+using ::testing::AllOf;
 using ::testing::HasSubstr;
 
 class CheckpointTest : public ::testing::Test {
@@ -159,6 +162,76 @@ TEST_F(CheckpointTest, PartialFolderIsIgnored) {
   save_checkpoint(run_, contents(4));
   EXPECT_EQ(saved_steps(run_), std::vector<int64_t>{4});
   EXPECT_FALSE(fs::exists(run_ / "checkpoints" / "step_000004.partial"));
+}
+
+// Flips one byte of a file in place: its size stays, its contents change.
+void flip_byte(const fs::path& path, std::streamoff offset) {
+  std::fstream file(path, std::ios::in | std::ios::out | std::ios::binary);
+  file.seekg(offset);
+  const char byte = static_cast<char>(file.get() ^ 0x40);
+  file.seekp(offset);
+  file.put(byte);
+}
+
+TEST_F(CheckpointTest, ManifestHoldsEveryFileAndVerifies) {
+  save_checkpoint(run_, contents(9));
+  const fs::path folder = checkpoint_folder(run_, 9);
+  const CheckpointCheck check = verify_checkpoint(folder);
+  ASSERT_TRUE(check.has_manifest);
+  std::set<std::string> files;
+  uint64_t bytes = 0;
+  for (const FileCheck& file : check.files) {
+    EXPECT_EQ(file.problem, "") << file.file;
+    files.insert(file.file);
+    bytes += fs::file_size(folder / file.file);
+  }
+  EXPECT_EQ(files, (std::set<std::string>{"model.safetensors", "optimizer.safetensors",
+                                          "config.yaml", "trainer_state.json"}));
+  EXPECT_EQ(check.bytes, bytes);
+  EXPECT_EQ(check.first_problem(folder), "");
+}
+
+TEST_F(CheckpointTest, DamagedFileIsNamedOnLoadWithTheEarlierCheckpoints) {
+  save_checkpoint(run_, contents(4));
+  save_checkpoint(run_, contents(8));
+  const fs::path folder = checkpoint_folder(run_, 8);
+  flip_byte(folder / "optimizer.safetensors", 100);
+  const CheckpointCheck check = verify_checkpoint(folder);
+  EXPECT_THAT(check.first_problem(folder), HasSubstr("optimizer.safetensors: CRC-32 "));
+  EXPECT_THAT(error_message([&] { load_checkpoint(run_, 8, contents(8)); }),
+              AllOf(HasSubstr("step_000008/optimizer.safetensors: CRC-32"),
+                    HasSubstr("the contents changed; earlier checkpoints: 4")));
+  fs::resize_file(folder / "model.safetensors", 10);
+  EXPECT_THAT(verify_checkpoint(folder).first_problem(folder),
+              HasSubstr("model.safetensors: 10 bytes, the manifest says"));
+  fs::remove(folder / "config.yaml");
+  bool missing_named = false;
+  for (const FileCheck& file : verify_checkpoint(folder).files)
+    missing_named |= file.file == "config.yaml" && file.problem == "missing or unreadable";
+  EXPECT_TRUE(missing_named);
+  load_checkpoint(run_, 4, contents(4));  // the earlier one is intact
+}
+
+TEST_F(CheckpointTest, CheckpointWithoutManifestStillLoads) {
+  steps_ = 3;
+  save_checkpoint(run_, contents(3));
+  fs::remove(checkpoint_folder(run_, 3) / "manifest.json");
+  EXPECT_FALSE(verify_checkpoint(checkpoint_folder(run_, 3)).has_manifest);
+  steps_ = 0;
+  load_checkpoint(run_, 3, contents(3));
+  EXPECT_EQ(steps_, 3);
+}
+
+TEST_F(CheckpointTest, PruningKeepsTheNewest) {
+  for (int64_t step : {2, 4, 6, 8})
+    save_checkpoint(run_, contents(step));
+  prune_checkpoints(run_, 0);
+  EXPECT_EQ(saved_steps(run_), (std::vector<int64_t>{2, 4, 6, 8}));
+  prune_checkpoints(run_, 2);
+  EXPECT_EQ(saved_steps(run_), (std::vector<int64_t>{6, 8}));
+  EXPECT_FALSE(fs::exists(checkpoint_folder(run_, 2)));
+  prune_checkpoints(run_, 5);
+  EXPECT_EQ(saved_steps(run_), (std::vector<int64_t>{6, 8}));
 }
 
 }  // namespace

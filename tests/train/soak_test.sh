@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # A run killed with SIGKILL at random moments, and once stopped by SIGUSR1 (Slurm's warning before
 # a job's end), restarted each time with the same command (--resume=auto) until it finishes, ends
-# with the losses of an uninterrupted run, step for step, bit for bit; and with its newest
-# checkpoint damaged, the same command resumes from the one before.
+# with the losses of an uninterrupted run, step for step, bit for bit; with its newest checkpoint
+# damaged, `checkpoint verify` names the file and the same command resumes from the one before.
 # Usage: soak_test.sh FP8TRAIN OUTPUT_DIR [KILLS]. FP8T_TEST_SEED replays the kill times.
 set -euo pipefail
 fp8train="$1"
@@ -17,28 +17,34 @@ common=(--depth=2 --vocab-size=4096 --sequence-len=64 --micro-batch-size=2 --tra
 if ! "$fp8train" train "${common[@]}" --run=straight >"$output/straight.log" 2>&1; then
   cat "$output/straight.log"; echo "FAIL: the uninterrupted run failed"; exit 1
 fi
-# How long a run takes here, to spread the kills over it.
-seconds=$(python3 -c "import json; print(sum(json.loads(l).get('step_seconds', 0) for l in open('$output/straight/metrics.jsonl') if '\"step\"' in l))")
+
+# The last step an attempt's log shows (0: none yet).
+last_step() { grep -o "^step  *[0-9]*" "$1" | tail -1 | grep -o "[0-9]*$" || echo 0; }
 
 seed="${FP8T_TEST_SEED:-$$}"
 RANDOM=$seed
-echo "soak: $kills kills over a ${seconds} s run (replay with FP8T_TEST_SEED=$seed)"
+echo "soak: $kills interruptions over $steps steps (replay with FP8T_TEST_SEED=$seed)"
 soak=(train "${common[@]}" --run=soak --resume=auto)
-usr1_at=$((RANDOM % kills))
+# Early, so that SIGUSR1 finds the run training (after it, the handler is gone).
+usr1_at=$((RANDOM % 2))
 killed_mid_run=0
 for attempt in $(seq 0 $((kills - 1))); do
   log="$output/soak_$attempt.log"
   "$fp8train" "${soak[@]}" >"$log" 2>&1 &
   pid=$!
-  # At random, up to 1.5 × the run's length / kills: the kills spread over the whole run.
-  delay=$(python3 -c "import random; random.seed($RANDOM); print(round(0.2 + random.random() * 1.5 * $seconds / $kills, 2))")
-  sleep "$delay"
+  # Attempt a interrupts at a random step of the a-th of kills + 1 stretches of the run (or as
+  # soon as it is past it, having resumed there), plus up to 0.3 s: inside a step, a save or
+  # the start-up, wherever that falls.
+  stretch=$((steps / (kills + 1)))
+  target=$((attempt * stretch + 1 + RANDOM % stretch))
+  for _ in $(seq 1200); do
+    [[ $(last_step "$log") -ge $target ]] && break
+    grep -q "^done:" "$log" && break
+    kill -0 "$pid" 2>/dev/null || break
+    sleep 0.1
+  done
+  sleep "0.$((RANDOM % 3))$((RANDOM % 10))"
   if [[ $attempt -eq $usr1_at ]]; then
-    # Once a step has run: before the handlers are in place SIGUSR1 would just end the process.
-    for _ in $(seq 600); do
-      grep -q "^step  *[0-9]*/$steps\|^done:" "$log" && break
-      sleep 0.1
-    done
     kill -USR1 "$pid" 2>/dev/null || true
     status=0
     wait "$pid" || status=$?
@@ -48,12 +54,12 @@ for attempt in $(seq 0 $((kills - 1))); do
     if [[ $status -eq 138 ]] && ! grep -q "or --resume=auto" "$log"; then
       cat "$log"; echo "FAIL: SIGUSR1 stopped the run without a checkpoint"; exit 1
     fi
-    echo "attempt $attempt: SIGUSR1 after ${delay} s, status $status"
+    echo "attempt $attempt: SIGUSR1 at step $(last_step "$log"), status $status"
   else
     kill -KILL "$pid" 2>/dev/null || true
     wait "$pid" || true
     grep -q "^done:" "$log" || killed_mid_run=$((killed_mid_run + 1))
-    echo "attempt $attempt: SIGKILL after ${delay} s: $(grep -o 'resumed from step [0-9]*' "$log" || echo 'fresh start')"
+    echo "attempt $attempt: SIGKILL at step $(last_step "$log") ($(grep -o 'resumed from step [0-9]*' "$log" || echo 'fresh start'))"
   fi
 done
 if [[ $killed_mid_run -eq 0 ]]; then echo "FAIL: no SIGKILL landed before the run ended"; exit 1; fi
@@ -66,9 +72,15 @@ grep -o "resumed from step [0-9]*\|no checkpoint in .*, starting fresh" "$final"
 
 # The newest checkpoint damaged (its weights cut short): the same command names it, resumes from
 # the one before and runs the last steps again.
-newest=$(ls -d "$output"/soak/checkpoints/step_* | sort | tail -1)
+# (A kill during a save can leave step_N.partial or step_N.replaced folders: not checkpoints.)
+newest=$(ls -d "$output"/soak/checkpoints/step_* | grep -E '/step_[0-9]+$' | sort | tail -1)
 weights="$newest/model.safetensors"
 truncate -s $(( $(stat -c %s "$weights") / 2 )) "$weights"
+verify_status=0
+"$fp8train" checkpoint verify "$newest" >"$output/verify.log" 2>&1 || verify_status=$?
+if [[ $verify_status -ne 1 ]] || ! grep -q "^FAIL .*model.safetensors: .*cut short" "$output/verify.log"; then
+  cat "$output/verify.log"; echo "FAIL: checkpoint verify did not find the damage (status $verify_status)"; exit 1
+fi
 damaged="$output/soak_damaged.log"
 if ! "$fp8train" "${soak[@]}" >"$damaged" 2>&1; then
   cat "$damaged"; echo "FAIL: no fallback from a damaged checkpoint"; exit 1
