@@ -9,8 +9,10 @@
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <vector>
 
 #include <fmt/format.h>
+#include <zlib.h>
 
 #include "core/error.h"
 
@@ -31,7 +33,41 @@ bool write_all(int fd, const std::byte* data, size_t size) {
   return true;
 }
 
+// The CRC-32 continued over `size` more bytes.
+uint32_t crc32_update(uint32_t crc, const void* data, size_t size) {
+  return static_cast<uint32_t>(crc32_z(crc, static_cast<const Bytef*>(data), size));
+}
+
 }  // namespace
+
+FileDigest digest_of(std::span<const std::span<const std::byte>> pieces) {
+  FileDigest digest;
+  for (const std::span<const std::byte> piece : pieces) {
+    digest.crc32 = crc32_update(digest.crc32, piece.data(), piece.size());
+    digest.bytes += piece.size();
+  }
+  return digest;
+}
+
+FileDigest digest_of(std::string_view text) {
+  const std::span<const std::byte> piece = std::as_bytes(std::span(text.data(), text.size()));
+  return digest_of(std::span(&piece, 1));
+}
+
+std::optional<FileDigest> file_digest(const std::filesystem::path& path) {
+  std::ifstream file(path, std::ios::binary);
+  if (!file) return std::nullopt;
+  std::vector<char> piece(size_t{4} << 20);
+  FileDigest digest;
+  while (file) {
+    file.read(piece.data(), static_cast<std::streamsize>(piece.size()));
+    const auto count = static_cast<size_t>(file.gcount());
+    digest.crc32 = crc32_update(digest.crc32, piece.data(), count);
+    digest.bytes += count;
+  }
+  if (file.bad()) return std::nullopt;
+  return digest;
+}
 
 std::string read_file(const std::filesystem::path& path) {
   std::error_code error;
@@ -45,8 +81,8 @@ std::string read_file(const std::filesystem::path& path) {
   return std::move(contents).str();
 }
 
-void write_file_atomically(const std::filesystem::path& path,
-                           std::span<const std::span<const std::byte>> pieces) {
+FileDigest write_file_atomically(const std::filesystem::path& path,
+                                 std::span<const std::span<const std::byte>> pieces) {
   // The temporary file sits in the destination's folder so the rename cannot cross file
   // systems.
   const std::filesystem::path folder =
@@ -65,6 +101,7 @@ void write_file_atomically(const std::filesystem::path& path,
   for (const std::span<const std::byte> piece : pieces) {
     written = written && write_all(fd, piece.data(), piece.size());
   }
+  const FileDigest digest = digest_of(pieces);
   if (!written || ::fchmod(fd, 0644) != 0 || ::fsync(fd) != 0) error = errno;
   if (::close(fd) != 0 && error == 0) error = errno;
   if (error == 0 && std::rename(temporary.c_str(), path.c_str()) != 0) error = errno;
@@ -73,11 +110,12 @@ void write_file_atomically(const std::filesystem::path& path,
     throw Error(fmt::format("{}: cannot write: {}", path.string(), std::strerror(error)));
   }
   sync_folder(folder);
+  return digest;
 }
 
-void write_file_atomically(const std::filesystem::path& path, std::string_view text) {
+FileDigest write_file_atomically(const std::filesystem::path& path, std::string_view text) {
   const std::span<const std::byte> piece = std::as_bytes(std::span(text.data(), text.size()));
-  write_file_atomically(path, std::span(&piece, 1));
+  return write_file_atomically(path, std::span(&piece, 1));
 }
 
 void sync_folder(const std::filesystem::path& folder) {

@@ -3,7 +3,9 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -13,12 +15,24 @@ namespace fp8t::io {
 // The file's bytes. Throws fp8t::Error "PATH: no such file" or "PATH: cannot read".
 std::string read_file(const std::filesystem::path& path);
 
+// A file's length and CRC-32 (zlib's), as checkpoint manifests record them.
+struct FileDigest {
+  uint64_t bytes = 0;
+  uint32_t crc32 = 0;
+};
+// The digest of the pieces' bytes, in order.
+FileDigest digest_of(std::span<const std::span<const std::byte>> pieces);
+FileDigest digest_of(std::string_view text);
+// The digest of a file's contents, read in pieces; nothing when it cannot be read.
+std::optional<FileDigest> file_digest(const std::filesystem::path& path);
+
 // Writes the pieces, in order, to a temporary file beside `path`, flushes it to disk, renames
-// it over `path` and syncs the folder. Throws fp8t::Error naming `path` and the system's reason
-// (e.g. "No space left on device"); the temporary file is then removed and `path` untouched.
-void write_file_atomically(const std::filesystem::path& path,
-                           std::span<const std::span<const std::byte>> pieces);
-void write_file_atomically(const std::filesystem::path& path, std::string_view text);
+// it over `path` and syncs the folder; returns the digest of what it wrote. Throws
+// fp8t::Error naming `path` and the system's reason (e.g. "No space left on device"); the
+// temporary file is then removed and `path` untouched.
+FileDigest write_file_atomically(const std::filesystem::path& path,
+                                 std::span<const std::span<const std::byte>> pieces);
+FileDigest write_file_atomically(const std::filesystem::path& path, std::string_view text);
 
 // fsync of a folder, so that renames and creations inside it are durable. Best effort: a
 // folder that cannot be opened or synced is not an error.

@@ -291,8 +291,9 @@ void SafetensorsFile::read_bytes(const std::string& name, const TensorInfo& info
   }
 }
 
-void write_safetensors(const std::filesystem::path& path, std::span<const TensorToWrite> tensors,
-                       const std::map<std::string, std::string>& metadata) {
+FileDigest write_safetensors(const std::filesystem::path& path,
+                             std::span<const TensorToWrite> tensors,
+                             const std::map<std::string, std::string>& metadata) {
   const auto fail = [&path](const std::string& message) {
     throw Error(fmt::format("{}: {}", path.string(), message));
   };
@@ -347,7 +348,7 @@ void write_safetensors(const std::filesystem::path& path, std::span<const Tensor
       std::as_bytes(std::span(header_text.data(), header_text.size()))};
   for (const TensorToWrite& tensor : tensors)
     pieces.push_back(tensor.bytes);
-  write_file_atomically(path, pieces);
+  return write_file_atomically(path, pieces);
 }
 
 }  // namespace fp8t::io

@@ -17,6 +17,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "io/files.h"
 #include "numerics/float_bits.h"
 
 namespace fp8t::io {
@@ -179,10 +180,12 @@ struct TensorToWrite {
 };
 
 // Writes tensors (data in the given order) and metadata atomically: into a temporary file in
-// the same folder, flushed to disk, then renamed over `path`. Throws fp8t::Error naming the
+// the same folder, flushed to disk, then renamed over `path`; returns the digest of the file
+// written. Throws fp8t::Error naming the
 // path for a duplicate or reserved name, a size that does not match the shape, or an I/O
 // failure; the destination is then left as it was.
-void write_safetensors(const std::filesystem::path& path, std::span<const TensorToWrite> tensors,
-                       const std::map<std::string, std::string>& metadata = {});
+FileDigest write_safetensors(const std::filesystem::path& path,
+                             std::span<const TensorToWrite> tensors,
+                             const std::map<std::string, std::string>& metadata = {});
 
 }  // namespace fp8t::io

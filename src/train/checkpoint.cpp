@@ -3,14 +3,12 @@
 #include <algorithm>
 #include <charconv>
 #include <cstring>
-#include <fstream>
 #include <set>
 #include <system_error>
 #include <utility>
 
 #include <fmt/format.h>
 #include <fmt/ranges.h>
-#include <zlib.h>
 
 #include "core/error.h"
 #include "io/files.h"
@@ -27,30 +25,13 @@ constexpr int kFormatVersion = 1;
 constexpr std::string_view kManifestName = "manifest.json";
 constexpr std::string_view kManifestFormat = "fp8train-checkpoint-manifest";
 
-uint32_t crc32_of(std::string_view bytes) {
-  return static_cast<uint32_t>(crc32_z(0, reinterpret_cast<const Bytef*>(bytes.data()),
-                                       static_cast<z_size_t>(bytes.size())));
+std::string crc32_text(uint32_t crc) {
+  return fmt::format("{:08x}", crc);
 }
 
-// A file's size and CRC-32, read in pieces; nothing when it cannot be read.
-std::optional<std::pair<uint64_t, uint32_t>> size_and_crc32(const fs::path& path) {
-  std::ifstream file(path, std::ios::binary);
-  if (!file) return std::nullopt;
-  std::vector<char> piece(size_t{4} << 20);
-  uLong crc = crc32_z(0, nullptr, 0);
-  uint64_t size = 0;
-  while (file) {
-    file.read(piece.data(), static_cast<std::streamsize>(piece.size()));
-    const auto count = static_cast<size_t>(file.gcount());
-    crc = crc32_z(crc, reinterpret_cast<const Bytef*>(piece.data()), count);
-    size += count;
-  }
-  if (file.bad()) return std::nullopt;
-  return std::pair{size, static_cast<uint32_t>(crc)};
-}
-
-nlohmann::json manifest_entry(std::string_view name, uint64_t bytes, uint32_t crc) {
-  return {{"name", name}, {"bytes", bytes}, {"crc32", fmt::format("{:08x}", crc)}};
+// "100, 200", or "none".
+std::string steps_text(const std::vector<int64_t>& steps) {
+  return steps.empty() ? "none" : fmt::format("{}", fmt::join(steps, ", "));
 }
 
 std::vector<int64_t> shape_of(const TensorView& view) {
@@ -72,7 +53,7 @@ io::DType file_dtype(const NamedTensor& buffer) {
   }
 }
 
-void write_tensors(const fs::path& path, const std::vector<NamedTensor>& buffers) {
+io::FileDigest write_tensors(const fs::path& path, const std::vector<NamedTensor>& buffers) {
   std::vector<io::TensorToWrite> tensors;
   tensors.reserve(buffers.size());
   for (const NamedTensor& buffer : buffers) {
@@ -80,7 +61,7 @@ void write_tensors(const fs::path& path, const std::vector<NamedTensor>& buffers
     tensors.push_back({buffer.name, file_dtype(buffer), shape_of(buffer.view),
                        std::span<const std::byte>(bytes, buffer.view.bytes())});
   }
-  io::write_safetensors(path, tensors, {{"format", "pt"}});
+  return io::write_safetensors(path, tensors, {{"format", "pt"}});
 }
 
 }  // namespace
@@ -195,27 +176,25 @@ void save_checkpoint(const fs::path& run_folder, const CheckpointContents& conte
                             error ? error.message() : "it exists"));
   }
   try {
-    std::vector<std::string> written = {"model.safetensors", "optimizer.safetensors"};
-    write_tensors(partial / written[0], contents.model);
-    write_tensors(partial / written[1], contents.optimizer);
+    // Each file's digest, of the bytes written (trainer_state.json's, of the bytes to come).
+    nlohmann::json files = nlohmann::json::array();
+    const auto record = [&files](std::string_view name, const io::FileDigest& digest) {
+      files.push_back(
+          {{"name", name}, {"bytes", digest.bytes}, {"crc32", crc32_text(digest.crc32)}});
+    };
+    record("model.safetensors", write_tensors(partial / "model.safetensors", contents.model));
+    record("optimizer.safetensors",
+           write_tensors(partial / "optimizer.safetensors", contents.optimizer));
     if (!contents.fp8_scaling.empty()) {
-      written.emplace_back("fp8_scaling.safetensors");
-      write_tensors(partial / written.back(), contents.fp8_scaling);
+      record("fp8_scaling.safetensors",
+             write_tensors(partial / "fp8_scaling.safetensors", contents.fp8_scaling));
     }
-    written.emplace_back("config.yaml");
-    io::write_file_atomically(partial / written.back(), contents.config_yaml);
+    record("config.yaml", io::write_file_atomically(partial / "config.yaml", contents.config_yaml));
     nlohmann::json state = contents.trainer_state;
     state["format_version"] = kFormatVersion;
     state["step"] = contents.step;
     const std::string state_text = state.dump(2) + "\n";
-    // Each file as it reached the disk (read back), and trainer_state.json as it will.
-    nlohmann::json files = nlohmann::json::array();
-    for (const std::string& name : written) {
-      const auto checked = size_and_crc32(partial / name);
-      if (!checked) throw Error(fmt::format("{}: cannot read back", (partial / name).string()));
-      files.push_back(manifest_entry(name, checked->first, checked->second));
-    }
-    files.push_back(manifest_entry("trainer_state.json", state_text.size(), crc32_of(state_text)));
+    record("trainer_state.json", io::digest_of(state_text));
     const nlohmann::json manifest = {{"format", kManifestFormat}, {"version", 1}, {"files", files}};
     io::write_file_atomically(partial / kManifestName, manifest.dump(2) + "\n");
     // Written last: a folder without it is never taken for a checkpoint.
@@ -267,17 +246,17 @@ CheckpointCheck verify_checkpoint(const fs::path& folder) {
       check.file = entry.at("name").get<std::string>();
       const auto bytes = entry.at("bytes").get<uint64_t>();
       const auto crc = entry.at("crc32").get<std::string>();
-      const auto found = size_and_crc32(folder / check.file);
+      const std::optional<io::FileDigest> found = io::file_digest(folder / check.file);
       if (!found) {
         check.problem = "missing or unreadable";
-      } else if (found->first != bytes) {
+      } else if (found->bytes != bytes) {
         check.problem = fmt::format("{} bytes, the manifest says {}: cut short or overwritten",
-                                    found->first, bytes);
-      } else if (fmt::format("{:08x}", found->second) != crc) {
-        check.problem = fmt::format("CRC-32 {:08x}, the manifest says {}: the contents changed",
-                                    found->second, crc);
+                                    found->bytes, bytes);
+      } else if (crc32_text(found->crc32) != crc) {
+        check.problem = fmt::format("CRC-32 {}, the manifest says {}: the contents changed",
+                                    crc32_text(found->crc32), crc);
       }
-      result.bytes += found ? found->first : 0;
+      result.bytes += found ? found->bytes : 0;
     } catch (const nlohmann::json::exception& e) {
       check.file = std::string(kManifestName);
       check.problem = fmt::format("bad entry: {}", e.what());
@@ -307,16 +286,13 @@ LoadedCheckpoint load_checkpoint(const fs::path& run_folder, int64_t step,
   if (!fs::exists(state_path)) {
     const std::vector<int64_t> steps = saved_steps(run_folder);
     throw Error(fmt::format("{}: no checkpoint of step {}; saved steps: {}", run_folder.string(),
-                            step,
-                            steps.empty() ? "none" : fmt::format("{}", fmt::join(steps, ", "))));
+                            step, steps_text(steps)));
   }
   const std::string damaged = verify_checkpoint(folder).first_problem(folder);
   if (!damaged.empty()) {
     std::vector<int64_t> earlier = saved_steps(run_folder);
     std::erase_if(earlier, [step](int64_t saved) { return saved >= step; });
-    throw Error(
-        fmt::format("{}; earlier checkpoints: {}", damaged,
-                    earlier.empty() ? "none" : fmt::format("{}", fmt::join(earlier, ", "))));
+    throw Error(fmt::format("{}; earlier checkpoints: {}", damaged, steps_text(earlier)));
   }
   LoadedCheckpoint loaded;
   try {
