@@ -262,7 +262,8 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, con
                   [&] {
                     sum_over_ranks();
                     optimizer.global_norm(model.gradients(), count, norm, stream);
-                    optimizer.step(model.parameters(), model.gradients(), schedule, stream);
+                    optimizer.step(model.parameters(), model.bf16_parameters(), model.gradients(),
+                                   schedule, stream);
                     reduce_amaxes();
                     model.end_step();
                   }},

@@ -57,6 +57,11 @@ FP8T_HD inline bf16 float_to_bf16(float value) {
   return bf16{static_cast<uint16_t>((bits + rounding) >> 16)};
 }
 
+// The value a bf16 tensor would hold.
+FP8T_HD inline float round_to_bf16(float value) {
+  return bf16_to_float(float_to_bf16(value));
+}
+
 FP8T_HD inline float to_float(float value) {
   return value;
 }

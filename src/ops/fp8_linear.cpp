@@ -53,7 +53,7 @@ void* scale_storage(Fp8Tensor& tensor) {
 
 void round_to_bf16(float* values, int64_t count) {
   for (int64_t i = 0; i < count; ++i)
-    values[i] = bf16_to_float(float_to_bf16(values[i]));
+    values[i] = fp8t::round_to_bf16(values[i]);
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 #include <initializer_list>
 #include <map>
 #include <numbers>
+#include <span>
 #include <string_view>
 #include <utility>
 
@@ -13,6 +14,7 @@
 #include <fmt/ranges.h>
 
 #include "core/error.h"
+#include "numerics/float_bits.h"
 
 namespace fp8t::optim {
 
@@ -135,7 +137,9 @@ double nanochat_muon_weight_decay(const GptConfig& config, double weight_decay,
 
 GptOptimizer::GptOptimizer(const GptConfig& config, const OptimizerSettings& settings,
                            int64_t tokens_per_step)
-    : kind_(settings.kind), muon_precision_(settings.muon_precision) {
+    : kind_(settings.kind),
+      muon_precision_(settings.muon_precision),
+      bf16_embeddings_(settings.bf16_embeddings) {
   settings.validate();
   if (tokens_per_step <= 0) {
     throw ConfigError(
@@ -238,7 +242,8 @@ void GptOptimizer::add_group(OptimizerGroup group, const std::vector<ParamSpec>&
       const ParamSpec& spec = spec_of(name);
       const auto numel = static_cast<size_t>(spec.numel());
       adamw_.push_back({name, index, spec.shape, std::vector<float>(numel, 0.0f),
-                        std::vector<float>(numel, 0.0f)});
+                        std::vector<float>(numel, 0.0f),
+                        bf16_embeddings_ && spec.kind == ParamKind::Embedding});
     }
   } else {
     const ParamSpec& first = spec_of(group.parameters.front());
@@ -256,6 +261,11 @@ const OptimizerGroup& GptOptimizer::group_of(const std::string& parameter) const
     }
   }
   throw Error(fmt::format("no optimizer group holds a parameter named '{}'", parameter));
+}
+
+bool GptOptimizer::stored_in_bf16(const std::string& parameter) const {
+  const auto slot = std::ranges::find(adamw_, parameter, &AdamWSlot::parameter);
+  return slot != adamw_.end() && slot->bf16;
 }
 
 void GptOptimizer::step(ParameterSet& params, const ParameterSet& grads,
@@ -284,9 +294,20 @@ void GptOptimizer::step(ParameterSet& params, const ParameterSet& grads,
   for (size_t i = 0; i < adamw_.size(); ++i) {
     AdamWSlot& slot = adamw_[i];
     const OptimizerGroup& group = groups_[slot.group];
-    adamw_step(adamw_params[i], adamw_grads[i], slot.exp_avg.data(), slot.exp_avg_sq.data(),
+    const std::span<float> param(adamw_params[i], slot.exp_avg.size());
+    // bf16 storage: the step reads the values the bf16 tensors hold and stores its results
+    // rounded, as nanochat's fp32 math on bf16 tensors does.
+    if (slot.bf16) {
+      for (std::span<float> values : {param, std::span(slot.exp_avg), std::span(slot.exp_avg_sq)})
+        std::ranges::transform(values, values.begin(), round_to_bf16);
+    }
+    adamw_step(param.data(), adamw_grads[i], slot.exp_avg.data(), slot.exp_avg_sq.data(),
                std::ssize(slot.exp_avg), steps_,
                {group.lr, group.beta1, group.beta2, group.eps, group.weight_decay});
+    if (slot.bf16) {
+      for (std::span<float> values : {param, std::span(slot.exp_avg), std::span(slot.exp_avg_sq)})
+        std::ranges::transform(values, values.begin(), round_to_bf16);
+    }
   }
   size_t first = 0;
   for (MuonSlot& slot : muon_) {

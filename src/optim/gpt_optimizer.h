@@ -46,6 +46,10 @@ struct OptimizerSettings {
   double adam_eps = 1e-10;
   // Fp32: nanochat on a CPU. Bf16: nanochat on sm80+ GPUs, which orthogonalizes in bf16.
   MuonPrecision muon_precision = MuonPrecision::Fp32;
+  // wte and the value embeddings, and their AdamW moments, held in bf16 (nanochat on a GPU;
+  // the GPU path's choice): each update computed in fp32 from the bf16 values, then rounded.
+  // Off, they stay fp32 (nanochat on a CPU).
+  bool bf16_embeddings = false;
 
   // AdamW: one set for every parameter; 1-D parameters get no weight decay (Megatron's rule).
   // No dimension or batch scaling.
@@ -113,6 +117,8 @@ class GptOptimizer {
   OptimizerKind kind() const { return kind_; }
   const std::vector<OptimizerGroup>& groups() const { return groups_; }
   const OptimizerGroup& group_of(const std::string& parameter) const;
+  // Whether the parameter and its moments are held in bf16 (OptimizerSettings::bf16_embeddings).
+  bool stored_in_bf16(const std::string& parameter) const;
   int64_t steps_taken() const { return steps_; }
 
   // Every state buffer and the step counter, in a fixed order, as views of the optimizer's
@@ -130,6 +136,7 @@ class GptOptimizer {
     size_t group;
     std::vector<int64_t> shape;
     std::vector<float> exp_avg, exp_avg_sq;
+    bool bf16 = false;  // the parameter and the moments hold bf16 values
   };
   struct MuonSlot {
     size_t group;
@@ -143,6 +150,7 @@ class GptOptimizer {
 
   OptimizerKind kind_;
   MuonPrecision muon_precision_;
+  bool bf16_embeddings_;
   std::vector<OptimizerGroup> groups_;
   std::vector<AdamWSlot> adamw_;
   std::vector<MuonSlot> muon_;

@@ -11,10 +11,6 @@ namespace fp8t::optim {
 
 namespace {
 
-float round_to_bf16(float value) {
-  return bf16_to_float(float_to_bf16(value));
-}
-
 // Rounds as a tensor of the precision's dtype would hold the value.
 float stored(float value, MuonPrecision precision) {
   return precision == MuonPrecision::Bf16 ? round_to_bf16(value) : value;

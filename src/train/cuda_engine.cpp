@@ -141,7 +141,7 @@ class CudaEngine final : public TrainingEngine {
     result.loss /= double(micro_batches);
     result.grad_norm = norm_host_.data()[0];
     if (std::isfinite(result.grad_norm)) {
-      optimizer_.step(model_.parameters(), gradients, schedule, stream);
+      optimizer_.step(model_.parameters(), model_.bf16_parameters(), gradients, schedule, stream);
       if (ranks > 1) reduce_amaxes();
       model_.end_step();
     }

@@ -1,5 +1,6 @@
 // CudaGptOptimizer against GptOptimizer (MuonPrecision::Bf16) on the CPU, step for step, for a
-// small GPT whose Muon groups are square, tall, wide and a 1x12 gate; the gradient norm and the
+// small GPT whose Muon groups are square, tall, wide and a 1x12 gate, with the embedding tables
+// in fp32 and in bf16 (the GPU model's storage); the gradient norm and the
 // clipping against optim/clip.h; the state's download, upload and round trip; the device
 // parameter layout the model and the optimizer share. Inputs are fresh random draws (replay with
 // the FP8T_TEST_SEED a failure prints); the device parameters start poisoned, and the gaps between
@@ -57,6 +58,32 @@ TEST(DeviceParameterLayout, AlignsEveryTensorIn256BytesInModelOrder) {
   EXPECT_EQ(layout["smear_lambda"].numel, 1);
   EXPECT_EQ(device_parameter_layout(specs, 2)["smear_lambda"].offset % 128, 0);
   EXPECT_THROW(static_cast<void>(layout["no.such.weight"]), Error);
+  EXPECT_EQ(layout.bf16_offset, layout.total_elements);
+  EXPECT_EQ(layout.bf16_parameter_elements(), 0);
+}
+
+// With the embedding tables in bf16 they come last, in model order: every other tensor keeps
+// one offset for its fp32 value and its gradient, inside the first bf16_offset elements.
+TEST(DeviceParameterLayout, PutsBf16EmbeddingTablesLast) {
+  GptConfig config = GptConfig::from_depth(2);
+  config.vocab_size = 100;
+  const DeviceParameterLayout layout = device_parameter_layout(config, /*bf16_embeddings=*/true);
+  std::vector<std::string> order, expected_fp32, expected_bf16;
+  for (const ParamSpec& spec : gpt_parameters(config))
+    (spec.kind == ParamKind::Embedding ? expected_bf16 : expected_fp32).push_back(spec.name);
+  ASSERT_EQ(expected_bf16.size(), 2u);  // wte and layer 1's value embedding
+  int64_t next = 0;
+  for (const DeviceParameter& parameter : layout.parameters) {
+    order.push_back(parameter.name);
+    EXPECT_EQ(parameter.offset, next) << parameter.name;
+    EXPECT_EQ(parameter.bf16, parameter.offset >= layout.bf16_offset) << parameter.name;
+    next += (parameter.numel + 63) / 64 * 64;
+  }
+  expected_fp32.insert(expected_fp32.end(), expected_bf16.begin(), expected_bf16.end());
+  EXPECT_EQ(order, expected_fp32);
+  EXPECT_EQ(layout.total_elements, next);
+  EXPECT_EQ(layout.bf16_offset, layout["transformer.wte.weight"].offset);
+  EXPECT_EQ(layout.bf16_parameter_elements(), layout.total_elements - layout.bf16_offset);
 }
 
 using test::expect_close;
@@ -103,11 +130,12 @@ GptConfig test_config() {
   return config;
 }
 
-OptimizerSettings settings_of(OptimizerKind kind) {
+OptimizerSettings optimizer_settings(OptimizerKind kind, bool bf16_embeddings) {
   OptimizerSettings settings;
   settings.kind = kind;
   settings.muon_precision = MuonPrecision::Bf16;
   settings.weight_decay = kMuonWeightDecay;
+  settings.bf16_embeddings = bf16_embeddings;
   return settings;
 }
 
@@ -176,10 +204,21 @@ void fill_parameters(TestRng& rng, HostSet& params) {
   }
 }
 
-// Copies every tensor to its place in the device buffer; the gaps keep what they hold.
-void upload(const ParameterSet& set, const DeviceParameterLayout& layout, float* device) {
+// Copies every tensor to its place in the device buffer, the layout's bf16 tensors rounded into
+// `device_bf16` when given (parameters; gradients are all fp32); the gaps keep what they hold.
+void upload(const ParameterSet& set, const DeviceParameterLayout& layout, float* device,
+            bf16* device_bf16 = nullptr) {
   for (const DeviceParameter& parameter : layout.parameters) {
-    FP8T_CUDA_CHECK(cudaMemcpy(device + parameter.offset, set[parameter.name].data<float>(),
+    const float* values = set[parameter.name].data<float>();
+    if (device_bf16 != nullptr && parameter.bf16) {
+      std::vector<bf16> rounded(static_cast<size_t>(parameter.numel));
+      std::transform(values, values + parameter.numel, rounded.begin(), float_to_bf16);
+      FP8T_CUDA_CHECK(cudaMemcpy(device_bf16 + (parameter.offset - layout.bf16_offset),
+                                 rounded.data(), rounded.size() * sizeof(bf16),
+                                 cudaMemcpyHostToDevice));
+      continue;
+    }
+    FP8T_CUDA_CHECK(cudaMemcpy(device + parameter.offset, values,
                                static_cast<size_t>(parameter.numel) * sizeof(float),
                                cudaMemcpyHostToDevice));
   }
@@ -189,20 +228,23 @@ std::vector<double> values_of(const float* data, int64_t count) {
   return std::vector<double>(data, data + count);
 }
 
-// The device side of a run: parameters (the gaps between tensors poisoned) and gradients in the
-// layout, and the parameters' starting values, from which Muon's displacement is measured.
+// The device side of a run: parameters (the gaps between tensors poisoned; the bf16 ones in
+// their own buffer) and gradients in the layout, and the parameters' starting values, from which
+// Muon's displacement is measured.
 struct DeviceRun {
   std::map<std::string, std::vector<float>> start;
   DeviceBuffer<float> params, grads;
+  DeviceBuffer<bf16> bf16_params;
 
   DeviceRun(HostSet& host, const DeviceParameterLayout& layout)
       : params(static_cast<size_t>(layout.total_elements)),
-        grads(static_cast<size_t>(layout.total_elements)) {
+        grads(static_cast<size_t>(layout.total_elements)),
+        bf16_params(static_cast<size_t>(std::max<int64_t>(1, layout.bf16_parameter_elements()))) {
     for (const ParamSpec& spec : host.set.specs()) {
       const float* data = host[spec.name];
       start[spec.name].assign(data, data + spec.numel());
     }
-    upload(host.set, layout, params.get());
+    upload(host.set, layout, params.get(), bf16_params.get());
   }
 };
 
@@ -212,8 +254,13 @@ bool is_poison(float value) {
   return bits == 0xA5A5A5A5u;
 }
 
-class CudaGptOptimizerTest : public ::testing::Test {
+// The parameter: whether the embedding tables are stored in bf16.
+class CudaGptOptimizerTest : public ::testing::TestWithParam<bool> {
  protected:
+  OptimizerSettings settings_of(OptimizerKind kind) const {
+    return optimizer_settings(kind, GetParam());
+  }
+
   void SetUp() override { FP8T_CUDA_CHECK(cudaStreamCreate(&stream_)); }
   void TearDown() override { cudaStreamDestroy(stream_); }
 
@@ -223,6 +270,7 @@ class CudaGptOptimizerTest : public ::testing::Test {
   void compare_parameters(const GptOptimizer& reference, const HostSet& params,
                           const DeviceRun& run, const std::string& when) {
     const std::vector<float> gpu = run.params.download();
+    const std::vector<bf16> gpu_bf16 = run.bf16_params.download();
     for (const OptimizerGroup& group : reference.groups()) {
       const bool muon = group.rule == UpdateRule::Muon;
       std::vector<double> gpu_values, cpu_values;
@@ -231,7 +279,12 @@ class CudaGptOptimizerTest : public ::testing::Test {
         const float* cpu = params.set[name].data<float>();
         for (int64_t i = 0; i < parameter.numel; ++i) {
           const double origin = muon ? run.start.at(name)[static_cast<size_t>(i)] : 0.0;
-          gpu_values.push_back(gpu[static_cast<size_t>(parameter.offset + i)] - origin);
+          const float value =
+              parameter.bf16
+                  ? bf16_to_float(
+                        gpu_bf16[static_cast<size_t>(parameter.offset - layout_.bf16_offset + i)])
+                  : gpu[static_cast<size_t>(parameter.offset + i)];
+          gpu_values.push_back(value - origin);
           cpu_values.push_back(cpu[i] - origin);
         }
       }
@@ -286,7 +339,7 @@ class CudaGptOptimizerTest : public ::testing::Test {
       upload(grads.set, layout_, run.grads.get());
       const StepSchedule schedule = schedule_at(step);
       reference.step(params.set, grads.set, schedule);
-      gpu.step(run.params.get(), run.grads.get(), schedule, stream_);
+      gpu.step(run.params.get(), run.bf16_params.get(), run.grads.get(), schedule, stream_);
       const std::string when = "step " + std::to_string(step + 1);
       compare_parameters(reference, params, run, when);
       ASSERT_EQ(gpu.steps_taken(), reference.steps_taken());
@@ -298,23 +351,23 @@ class CudaGptOptimizerTest : public ::testing::Test {
 
   TestRng rng_;
   GptConfig config_ = test_config();
-  DeviceParameterLayout layout_ = device_parameter_layout(config_);
+  DeviceParameterLayout layout_ = device_parameter_layout(config_, GetParam());
   cudaStream_t stream_ = nullptr;
   gemm::CublasLtGemm gemm_;
 };
 
-TEST_F(CudaGptOptimizerTest, MuonStepsMatchCpuBf16) {
+TEST_P(CudaGptOptimizerTest, MuonStepsMatchCpuBf16) {
   run_side_by_side(OptimizerKind::Muon, 4);
 }
 
-TEST_F(CudaGptOptimizerTest, AdamWStepsMatchCpu) {
+TEST_P(CudaGptOptimizerTest, AdamWStepsMatchCpu) {
   run_side_by_side(OptimizerKind::AdamW, 4);
 }
 
 // A borrowed workspace (poisoned: DeviceBuffer starts so) gives the same steps and norms, bit
 // for bit, as one of the optimizer's own, which it then does not allocate; a span too small
 // for the workspace is not used.
-TEST_F(CudaGptOptimizerTest, BorrowedWorkspaceGivesTheSameSteps) {
+TEST_P(CudaGptOptimizerTest, BorrowedWorkspaceGivesTheSameSteps) {
   SCOPED_TRACE(rng_.trace());
   const OptimizerSettings settings = settings_of(OptimizerKind::Muon);
   GptOptimizer host(config_, settings, kReferenceBatchTokens);
@@ -339,13 +392,20 @@ TEST_F(CudaGptOptimizerTest, BorrowedWorkspaceGivesTheSameSteps) {
     own.global_norm(with_own.grads.get(), layout_.total_elements, norms.get(), stream_);
     borrowing.global_norm(with_borrowed.grads.get(), layout_.total_elements, norms.get() + 1,
                           stream_);
-    own.step(with_own.params.get(), with_own.grads.get(), schedule_at(step), stream_);
-    borrowing.step(with_borrowed.params.get(), with_borrowed.grads.get(), schedule_at(step),
-                   stream_);
+    own.step(with_own.params.get(), with_own.bf16_params.get(), with_own.grads.get(),
+             schedule_at(step), stream_);
+    borrowing.step(with_borrowed.params.get(), with_borrowed.bf16_params.get(),
+                   with_borrowed.grads.get(), schedule_at(step), stream_);
     const std::vector<float> expected = with_own.params.download();
     const std::vector<float> actual = with_borrowed.params.download();
     ASSERT_EQ(std::memcmp(actual.data(), expected.data(), expected.size() * sizeof(float)), 0)
         << "step " << step + 1 << ": the parameters differ";
+    const std::vector<bf16> expected_bf16 = with_own.bf16_params.download();
+    const std::vector<bf16> actual_bf16 = with_borrowed.bf16_params.download();
+    ASSERT_EQ(
+        std::memcmp(actual_bf16.data(), expected_bf16.data(), expected_bf16.size() * sizeof(bf16)),
+        0)
+        << "step " << step + 1 << ": the bf16 parameters differ";
     const std::vector<float> norm = norms.download();
     EXPECT_EQ(norm[0], norm[1]) << "step " << step + 1;
   }
@@ -354,7 +414,7 @@ TEST_F(CudaGptOptimizerTest, BorrowedWorkspaceGivesTheSameSteps) {
 // A checkpoint's state continues on the GPU as on the CPU: two CPU steps, the state uploaded
 // (after a round trip through the device that must give it back bit for bit), then one more
 // step on both.
-TEST_F(CudaGptOptimizerTest, UploadedStateContinuesLikeTheCpu) {
+TEST_P(CudaGptOptimizerTest, UploadedStateContinuesLikeTheCpu) {
   SCOPED_TRACE(rng_.trace());
   const OptimizerSettings settings = settings_of(OptimizerKind::Muon);
   GptOptimizer reference(config_, settings, kReferenceBatchTokens);
@@ -386,14 +446,14 @@ TEST_F(CudaGptOptimizerTest, UploadedStateContinuesLikeTheCpu) {
   fill_gradients(rng_, reference, grads);
   upload(grads.set, layout_, run.grads.get());
   reference.step(params.set, grads.set, schedule_at(2));
-  gpu.step(run.params.get(), run.grads.get(), schedule_at(2), stream_);
+  gpu.step(run.params.get(), run.bf16_params.get(), run.grads.get(), schedule_at(2), stream_);
   compare_parameters(reference, params, run, "step 3 from the uploaded state");
   compare_state(gpu, staging, reference, "step 3 from the uploaded state");
 }
 
 // The norm against clip.h's (double, then rounded to fp32 here), the same bits on a second
 // run, and clipping: scaled when above max_norm, untouched at or below it and for a NaN norm.
-TEST_F(CudaGptOptimizerTest, GlobalNormAndClipMatchCpu) {
+TEST_P(CudaGptOptimizerTest, GlobalNormAndClipMatchCpu) {
   SCOPED_TRACE(rng_.trace());
   const OptimizerSettings settings = settings_of(OptimizerKind::Muon);
   GptOptimizer host(config_, settings, kReferenceBatchTokens);
@@ -437,7 +497,7 @@ TEST_F(CudaGptOptimizerTest, GlobalNormAndClipMatchCpu) {
 }
 
 // A layout or a host optimizer of another model or kind is refused, naming what differs.
-TEST_F(CudaGptOptimizerTest, RejectsMismatchedLayoutAndHost) {
+TEST_P(CudaGptOptimizerTest, RejectsMismatchedLayoutAndHost) {
   GptOptimizer muon(config_, settings_of(OptimizerKind::Muon), kReferenceBatchTokens);
   GptOptimizer adamw(config_, settings_of(OptimizerKind::AdamW), kReferenceBatchTokens);
   const auto expect_error = [](const auto& call, const std::string& expected) {
@@ -459,6 +519,11 @@ TEST_F(CudaGptOptimizerTest, RejectsMismatchedLayoutAndHost) {
   CudaGptOptimizer gpu(muon, layout_, gemm_);
   expect_error([&] { gpu.download_state(adamw); }, "has no buffer 'transformer.h.0.attn.c_q");
 }
+
+INSTANTIATE_TEST_SUITE_P(EmbeddingStorage, CudaGptOptimizerTest, ::testing::Bool(),
+                         [](const ::testing::TestParamInfo<bool>& param) {
+                           return param.param ? "Bf16Embeddings" : "Fp32Embeddings";
+                         });
 
 }  // namespace
 }  // namespace fp8t::optim

@@ -135,7 +135,7 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
   buffers_ = std::make_unique<Buffers>(static_cast<size_t>(tokens_), precision_);
   linear_precision_ = decide_precision(config_, precision_.policy);
 
-  layout_ = optim::device_parameter_layout(config_);
+  layout_ = optim::device_parameter_layout(config_, /*bf16_embeddings=*/true);
   plan_gradient_ranges();
   lay_out();
   for (DeviceArena* arena : {&buffers_->parameters, &buffers_->gradients, &buffers_->activations,
@@ -207,7 +207,10 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
     buffers_->linears.emplace(decision.linear.name, std::move(linear));
   }
   FP8T_CUDA_CHECK(cudaMemsetAsync(gradients_, 0, layout_.total_bytes(), stream_));
-  FP8T_CUDA_CHECK(cudaMemsetAsync(parameters_, 0, layout_.total_bytes(), stream_));
+  FP8T_CUDA_CHECK(cudaMemsetAsync(
+      parameters_, 0, sizeof(float) * size_t(layout_.fp32_parameter_elements()), stream_));
+  FP8T_CUDA_CHECK(cudaMemsetAsync(
+      bf16_parameters_, 0, sizeof(bf16) * size_t(layout_.bf16_parameter_elements()), stream_));
 }
 
 CudaGptModel::~CudaGptModel() {
@@ -246,7 +249,9 @@ void CudaGptModel::lay_out() {
   const auto D = static_cast<size_t>(config_.head_dim());
   const auto vocab = static_cast<size_t>(config_.padded_vocab());
 
-  parameters_ = b.parameters.take<float>(static_cast<size_t>(layout_.total_elements));
+  parameters_ = b.parameters.take<float>(static_cast<size_t>(layout_.fp32_parameter_elements()));
+  bf16_parameters_ =
+      b.parameters.take<bf16>(static_cast<size_t>(layout_.bf16_parameter_elements()));
   gradients_ = b.gradients.take<float>(static_cast<size_t>(layout_.total_elements));
 
   DeviceArena& act = b.activations;
@@ -367,7 +372,14 @@ std::span<uint8_t> CudaGptModel::scratch_between_steps() const {
 }
 
 float* CudaGptModel::parameter(const std::string& name) const {
-  return parameters_ + layout_[name].offset;
+  const optim::DeviceParameter& tensor = layout_[name];
+  FP8T_CHECK(!tensor.bf16, "'{}' is stored in bf16", name);
+  return parameters_ + tensor.offset;
+}
+const bf16* CudaGptModel::embedding_table(const std::string& name) const {
+  const optim::DeviceParameter& tensor = layout_[name];
+  FP8T_CHECK(tensor.bf16, "'{}' is not an embedding table stored in bf16", name);
+  return bf16_parameters_ + (tensor.offset - layout_.bf16_offset);
 }
 float* CudaGptModel::gradient(const std::string& name) const {
   return gradients_ + layout_[name].offset;
@@ -387,12 +399,12 @@ CudaGptModel::Linear& CudaGptModel::linear(const std::string& name) {
 }
 
 void CudaGptModel::upload_parameters(const ParameterSet& host) {
-  upload_parameter_set(host, layout_, parameters_, stream_);
+  upload_parameter_set(host, layout_, parameters_, stream_, bf16_parameters_);
   weights_ready_ = false;
 }
 
 void CudaGptModel::download_parameters(ParameterSet& host) const {
-  download_parameter_set(layout_, parameters_, host, stream_);
+  download_parameter_set(layout_, parameters_, host, stream_, bf16_parameters_);
 }
 
 void CudaGptModel::download_gradients(ParameterSet& host) const {
@@ -452,7 +464,8 @@ void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with
 
   const bool record = training_;
   cudaStream_t s = stream_;
-  kernels::embedding_forward(b.input, b.idx, parameter("transformer.wte.weight"), N, vocab, C, s);
+  kernels::embedding_forward(b.input, b.idx, embedding_table("transformer.wte.weight"), N, vocab, C,
+                             s);
   kernels::rmsnorm_forward(b.embedding_norm, b.embedding_rstd, b.input, N, C, kEps, s);
   kernels::smear_forward(b.x0, b.smear_gate, b.embedding_norm, parameter("smear_gate.weight"),
                          parameter("smear_lambda"), {B, T, C, kSmearGateChannels}, s);
@@ -471,8 +484,8 @@ void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with
     linear(prefix + "attn.c_v").layer->forward(layer.attn_norm, N, layer.v, record, s);
     if (config_.has_value_embedding(index)) {
       kernels::embedding_forward(b.value_embed, b.idx,
-                                 parameter(fmt::format("value_embeds.{}.weight", index)), N, vocab,
-                                 Hkv * D, s);
+                                 embedding_table(fmt::format("value_embeds.{}.weight", index)), N,
+                                 vocab, Hkv * D, s);
       kernels::value_gate_forward(layer.v, layer.value_gate, layer.attn_norm, b.value_embed,
                                   parameter(prefix + "attn.ve_gate.weight"),
                                   {N, C, Hkv, D, kValueGateChannels}, s);
@@ -621,7 +634,8 @@ void CudaGptModel::backward() {
                          gradient(prefix + "attn.c_v.weight"), record, s);
     if (config_.has_value_embedding(index)) {
       const std::string table = fmt::format("value_embeds.{}.weight", index);
-      kernels::embedding_forward(b.value_embed, b.idx, parameter(table), N, vocab, Hkv * D, s);
+      kernels::embedding_forward(b.value_embed, b.idx, embedding_table(table), N, vocab, Hkv * D,
+                                 s);
       kernels::value_gate_backward(b.dnorm, gradient(prefix + "attn.ve_gate.weight"),
                                    b.dvalue_embed, b.dv, layer.attn_norm, b.value_embed,
                                    parameter(prefix + "attn.ve_gate.weight"), layer.value_gate,

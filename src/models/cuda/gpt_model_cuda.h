@@ -1,11 +1,12 @@
 // The nanochat GPT on the GPU path (CUDA builds only): the forward and backward of the CPU model
-// (models/gpt_model.h) with bf16 activations, fp32 master parameters and gradients, linears in
+// (models/gpt_model.h) with bf16 activations, fp32 master parameters except the embedding tables
+// (wte, value_embeds: bf16, as nanochat stores them on a GPU), fp32 gradients, linears in
 // BF16 or FP8 (ops/cuda/linear_cuda.h) per the precision policy, attention through cuDNN and the
 // soft-capped cross-entropy fused with its gradient. Everything runs asynchronously on one
 // stream; a step synchronizes only where the caller reads a result (loss_value()).
 //
 // Memory is planned from the configuration and taken at construction, one allocation per
-// category (core/device_arena.h): parameters and gradients (fp32, in gpt_parameters() order),
+// category (core/device_arena.h): parameters and gradients (optim::device_parameter_layout),
 // the activations saved for backward, the workspace of one step, and the weight copies and FP8
 // scratch of the linears.
 #pragma once
@@ -25,6 +26,7 @@
 #include "models/gpt_memory.h"
 #include "models/gpt_model.h"
 #include "models/precision_policy.h"
+#include "numerics/float_bits.h"
 #include "numerics/scaling.h"
 #include "optim/cuda/device_parameters.h"
 
@@ -39,7 +41,7 @@ class CudaLinear;
 
 // Device bytes per category, for the plan printed before step 1.
 struct CudaGptMemory {
-  size_t parameters = 0;     // fp32 master weights
+  size_t parameters = 0;     // fp32 master weights, bf16 embedding tables
   size_t gradients = 0;      // fp32
   size_t activations = 0;    // saved for backward (bf16, fp32 statistics)
   size_t workspace = 0;      // temporaries of one step, logits included
@@ -67,9 +69,11 @@ class CudaGptModel {
   // last backward and the next forward. The GPU optimizer keeps its workspace there.
   std::span<uint8_t> scratch_between_steps() const;
 
-  // Parameters and gradients, fp32 on the device, laid out by optim::device_parameter_layout
-  // (the gaps between tensors stay zero).
+  // Parameters and gradients on the device, laid out by optim::device_parameter_layout with the
+  // embedding tables in bf16 (the gaps between tensors stay zero): the fp32 parameters, the bf16
+  // ones, and every gradient in fp32.
   float* parameters() const { return parameters_; }
+  bf16* bf16_parameters() const { return bf16_parameters_; }
   float* gradients() const { return gradients_; }
   const optim::DeviceParameterLayout& layout() const { return layout_; }
   // Copies between a host ParameterSet (f32) and the device parameters (synchronizes); an upload
@@ -120,7 +124,8 @@ class CudaGptModel {
   // What mlp.c_proj reads: the hidden layer fc itself when it casts relu²(fc) on its own, else
   // relu²(fc) in the workspace.
   const bf16* mlp_activation(const bf16* fc, const ops::cuda::CudaLinear& mlp_proj);
-  float* parameter(const std::string& name) const;
+  float* parameter(const std::string& name) const;  // an fp32 parameter
+  const bf16* embedding_table(const std::string& name) const;
   float* gradient(const std::string& name) const;
   // Groups the layout into the ranges backward() reports, in its order.
   void plan_gradient_ranges();
@@ -139,6 +144,7 @@ class CudaGptModel {
   // {offset, count} of the layout, padding between tensors included.
   std::vector<std::vector<std::pair<int64_t, int64_t>>> gradient_ranges_;
   float* parameters_ = nullptr;
+  bf16* bf16_parameters_ = nullptr;
   float* gradients_ = nullptr;
   float* loss_ = nullptr;
   CudaGptMemory memory_;

@@ -1,7 +1,8 @@
-// Embedding lookup (fp32 table -> bf16 rows) and its gradient (bf16 rows summed into the fp32
-// table gradient): with atomics, or reproducibly after a stable sort of the tokens by id.
+// Embedding lookup (fp32 or bf16 table -> bf16 rows) and its gradient (bf16 rows summed into the
+// fp32 table gradient): with atomics, or reproducibly after a stable sort of the tokens by id.
 #include <algorithm>
 #include <cmath>
+#include <type_traits>
 
 #include <cub/device/device_radix_sort.cuh>
 
@@ -23,11 +24,12 @@ __device__ inline bool valid_id(int32_t id, int64_t vocab) {
   return id >= 0 && id < vocab;
 }
 
-// One thread per chunk of kWidth columns of one token (8: 32 bytes of table in, 16 bytes out).
-template <int kWidth>
+// One thread per chunk of kWidth columns of one token (8: 32 bytes of an fp32 table or 16 of a
+// bf16 one in, 16 bytes out).
+template <int kWidth, typename Table>
 __global__ void __launch_bounds__(kThreads)
     embedding_forward_kernel(bf16* __restrict__ out, const int32_t* __restrict__ ids,
-                             const float* __restrict__ table, int64_t num_tokens, int64_t vocab,
+                             const Table* __restrict__ table, int64_t num_tokens, int64_t vocab,
                              int64_t dim) {
   const int64_t chunks = dim / kWidth;
   const int64_t items = num_tokens * chunks;
@@ -38,11 +40,13 @@ __global__ void __launch_bounds__(kThreads)
     const int32_t id = ids[token];
     float values[kWidth];
     if (valid_id(id, vocab)) {
-      const float* row = table + id * dim + column;
-      if constexpr (kWidth == kBf16Vector) {
+      const Table* row = table + id * dim + column;
+      if constexpr (kWidth == kBf16Vector && std::is_same_v<Table, float>) {
         device::load_f32x8(row, values);
+      } else if constexpr (kWidth == kBf16Vector) {
+        device::load_bf16x8(row, values);
       } else {
-        values[0] = row[0];
+        values[0] = to_float(row[0]);
       }
     } else {
 #pragma unroll
@@ -203,10 +207,9 @@ void check_sortable(int64_t num_tokens, int64_t vocab) {
              "expected num_tokens and vocab below 2^31, found {} and {}", num_tokens, vocab);
 }
 
-}  // namespace
-
-void embedding_forward(bf16* out, const int32_t* ids, const float* table, int64_t num_tokens,
-                       int64_t vocab, int64_t dim, cudaStream_t stream) {
+template <typename Table>
+void launch_embedding_forward(bf16* out, const int32_t* ids, const Table* table, int64_t num_tokens,
+                              int64_t vocab, int64_t dim, cudaStream_t stream) {
   check_embedding_args(num_tokens, vocab, dim, out, ids, table);
   if (num_tokens == 0) return;
   if (dim % kBf16Vector == 0 && device::aligned16(out) && device::aligned16(table)) {
@@ -218,6 +221,18 @@ void embedding_forward(bf16* out, const int32_t* ids, const float* table, int64_
         out, ids, table, num_tokens, vocab, dim);
   }
   FP8T_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void embedding_forward(bf16* out, const int32_t* ids, const float* table, int64_t num_tokens,
+                       int64_t vocab, int64_t dim, cudaStream_t stream) {
+  launch_embedding_forward(out, ids, table, num_tokens, vocab, dim, stream);
+}
+
+void embedding_forward(bf16* out, const int32_t* ids, const bf16* table, int64_t num_tokens,
+                       int64_t vocab, int64_t dim, cudaStream_t stream) {
+  launch_embedding_forward(out, ids, table, num_tokens, vocab, dim, stream);
 }
 
 void embedding_backward(float* dtable, const bf16* dout, const int32_t* ids, int64_t num_tokens,

@@ -122,8 +122,11 @@ void residual_mix_backward(bf16* dx, bf16* dx0, float* dresid_lambda, float* dx0
 // (embedding.cu). Ids are not checked on the host (they live on the device): an id outside
 // [0, vocab) gives a row of NaN in the forward and is skipped by the backward. ---
 
-// out [num_tokens, dim] = bf16(table[ids[n]]) (writes).
+// out [num_tokens, dim] = bf16(table[ids[n]]) (writes); the table fp32 or bf16 (the GPT's
+// embedding tables on the GPU).
 void embedding_forward(bf16* out, const int32_t* ids, const float* table, int64_t num_tokens,
+                       int64_t vocab, int64_t dim, cudaStream_t stream);
+void embedding_forward(bf16* out, const int32_t* ids, const bf16* table, int64_t num_tokens,
                        int64_t vocab, int64_t dim, cudaStream_t stream);
 
 // dtable[ids[n]] += dout[n] with fp32 atomics: fast, but the order in which repeated ids sum

@@ -6,6 +6,11 @@
 // tensor: keep them zero (clear the whole buffer) so that a norm over the buffer sees only the
 // tensors.
 //
+// Parameters stored in bf16 (the GPT's embedding tables, as nanochat keeps them on a GPU) come
+// last, from bf16_offset on: the fp32 parameters fill the first bf16_offset elements of their
+// buffer, each at the same offset as its gradient, and a bf16 parameter's values sit in a bf16
+// buffer at offset − bf16_offset. Gradients stay fp32 for every tensor, at `offset`.
+//
 // Plain C++17, no CUDA: CPU builds and CUDA sources include it.
 #pragma once
 
@@ -25,6 +30,7 @@ struct DeviceParameter {
   std::vector<int64_t> shape;
   int64_t numel = 0;
   int64_t offset = 0;  // in elements from the buffer's base; offset · element size is aligned
+  bool bf16 = false;   // stored in bf16 (its gradient is still fp32)
 };
 
 struct DeviceParameterLayout {
@@ -33,8 +39,12 @@ struct DeviceParameterLayout {
   size_t element_bytes = sizeof(float);
   std::vector<DeviceParameter> parameters;  // gpt_parameters() or flux_parameters() order
   int64_t total_elements = 0;               // a multiple of the alignment, gaps included
+  int64_t bf16_offset = 0;  // where the bf16 parameters begin; total_elements when none
 
   size_t total_bytes() const { return static_cast<size_t>(total_elements) * element_bytes; }
+  // Elements of the fp32 parameter buffer and of the bf16 one.
+  int64_t fp32_parameter_elements() const { return bf16_offset; }
+  int64_t bf16_parameter_elements() const { return total_elements - bf16_offset; }
 
   // Throws fp8t::Error for a name the layout does not hold.
   const DeviceParameter& operator[](const std::string& name) const {
@@ -45,28 +55,44 @@ struct DeviceParameterLayout {
   }
 };
 
-// Lays the tensors out one after the other, each rounded up to the alignment. Spec: any
+// Lays the tensors out one after the other, each rounded up to the alignment, those for which
+// stored_in_bf16(spec) holds after all others (each group in the specs' order). Spec: any
 // parameter description with name, shape and numel() (the GPT's ParamSpec, the Flux's FluxParam).
-template <typename Spec>
-DeviceParameterLayout device_parameter_layout(const std::vector<Spec>& specs,
-                                              size_t element_bytes = sizeof(float)) {
+template <typename Spec, typename Bf16Predicate>
+DeviceParameterLayout device_parameter_layout(const std::vector<Spec>& specs, size_t element_bytes,
+                                              Bf16Predicate stored_in_bf16) {
   FP8T_CHECK(element_bytes > 0 && DeviceParameterLayout::kAlignmentBytes % element_bytes == 0,
              "expected an element size dividing {} bytes, found {}",
              DeviceParameterLayout::kAlignmentBytes, element_bytes);
   const auto granule = static_cast<int64_t>(DeviceParameterLayout::kAlignmentBytes / element_bytes);
   DeviceParameterLayout layout;
   layout.element_bytes = element_bytes;
-  for (const Spec& spec : specs) {
-    const int64_t numel = spec.numel();
-    layout.parameters.push_back({spec.name, spec.shape, numel, layout.total_elements});
-    layout.total_elements += (numel + granule - 1) / granule * granule;
+  for (const bool bf16 : {false, true}) {
+    if (bf16) layout.bf16_offset = layout.total_elements;
+    for (const Spec& spec : specs) {
+      if (static_cast<bool>(stored_in_bf16(spec)) != bf16) continue;
+      const int64_t numel = spec.numel();
+      layout.parameters.push_back({spec.name, spec.shape, numel, layout.total_elements, bf16});
+      layout.total_elements += (numel + granule - 1) / granule * granule;
+    }
   }
   return layout;
 }
 
+template <typename Spec>
+DeviceParameterLayout device_parameter_layout(const std::vector<Spec>& specs,
+                                              size_t element_bytes = sizeof(float)) {
+  return device_parameter_layout(specs, element_bytes, [](const Spec&) { return false; });
+}
+
+// bf16_embeddings: wte and the value embeddings in bf16, as GptOptimizer with
+// OptimizerSettings::bf16_embeddings updates them.
 inline DeviceParameterLayout device_parameter_layout(const GptConfig& config,
-                                                     size_t element_bytes = sizeof(float)) {
-  return device_parameter_layout(gpt_parameters(config), element_bytes);
+                                                     bool bf16_embeddings = false) {
+  return device_parameter_layout(gpt_parameters(config), sizeof(float),
+                                 [bf16_embeddings](const ParamSpec& spec) {
+                                   return bf16_embeddings && spec.kind == ParamKind::Embedding;
+                                 });
 }
 
 inline DeviceParameterLayout device_parameter_layout(const FluxConfig& config,

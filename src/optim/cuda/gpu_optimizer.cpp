@@ -41,10 +41,12 @@ cuda::AdamWScalars adamw_scalars(const OptimizerGroup& group, int64_t step) {
                                   step);
 }
 
-// Where a state buffer of GptOptimizer::state() lives in the device state, in floats.
+// Where a state buffer of GptOptimizer::state() lives: in the fp32 device state, or in the bf16
+// one (the moments of bf16 parameters); in elements.
 struct StateSlice {
   int64_t offset;
   int64_t count;
+  bool bf16 = false;
 };
 
 // One Muon group: its matrices stacked in the bf16 work buffers, their Gram matrices, and its
@@ -76,14 +78,17 @@ struct CudaGptOptimizer::State {
   std::vector<int> adamw_slot;  // per group: its index in AdamWStep::groups, -1 for Muon groups
   std::vector<MuonPlan> muon;
   std::map<std::string, StateSlice> slices;
-  int64_t adamw_floats = 0;  // of exp_avg, and again of exp_avg_sq
-  int64_t chunk_count = 0;
+  int64_t adamw_floats = 0;  // of exp_avg, and again of exp_avg_sq (fp32 parameters)
+  int64_t adamw_bf16 = 0;    // the same for bf16 parameters
+  int64_t chunk_count = 0, bf16_chunk_count = 0;
   int64_t steps = 0;
 
   // State: exp_avg, exp_avg_sq (AdamW tensors, each aligned), then per Muon group its momentum
-  // [count, rows·cols] and second moment [count, max(rows, cols)].
+  // [count, rows·cols] and second moment [count, max(rows, cols)]; the bf16 parameters'
+  // exp_avg and exp_avg_sq in bf16_state.
   std::unique_ptr<DeviceBuffer<float>> state;
-  std::unique_ptr<DeviceBuffer<cuda::AdamWChunk>> chunks;
+  std::unique_ptr<DeviceBuffer<bf16>> bf16_state;
+  std::unique_ptr<DeviceBuffer<cuda::AdamWChunk>> chunks, bf16_chunks;
   std::unique_ptr<DeviceBuffer<int64_t>> offsets;    // the Muon matrices' offsets in the layout
   std::unique_ptr<DeviceBuffer<uint8_t>> workspace;  // null when borrowed
   // Pieces of the workspace, sized for the largest Muon group (groups take turns).
@@ -104,7 +109,9 @@ struct CudaGptOptimizer::State {
   float* exp_avg() const { return state->get(); }
   float* exp_avg_sq() const { return state->get() + adamw_floats; }
 
-  void plan(std::vector<cuda::AdamWChunk>& chunk_table, std::vector<int64_t>& offset_table);
+  // The AdamW chunks of the fp32 parameters and of the bf16 ones, and the Muon matrices' offsets.
+  void plan(std::vector<cuda::AdamWChunk>& chunk_table, std::vector<cuda::AdamWChunk>& bf16_table,
+            std::vector<int64_t>& offset_table);
   void allocate_workspace(uint8_t* borrowed, size_t borrowed_bytes);
   void muon_step(const MuonPlan& plan, float* params, const float* grads,
                  const StepSchedule& schedule, cudaStream_t stream);
@@ -115,6 +122,7 @@ struct CudaGptOptimizer::State {
 };
 
 void CudaGptOptimizer::State::plan(std::vector<cuda::AdamWChunk>& chunk_table,
+                                   std::vector<cuda::AdamWChunk>& bf16_table,
                                    std::vector<int64_t>& offset_table) {
   std::map<std::string, int> uses;
   for (const OptimizerGroup& group : groups) {
@@ -139,22 +147,33 @@ void CudaGptOptimizer::State::plan(std::vector<cuda::AdamWChunk>& chunk_table,
     if (adamw_slot[index] < 0) continue;
     for (const std::string& name : groups[index].parameters) {
       const DeviceParameter& parameter = layout[name];
-      adamw_tensors.emplace_back(name, StateSlice{adamw_floats, parameter.numel});
+      // bf16 parameters: their values at offset − bf16_offset in the bf16 buffer.
+      int64_t& state_end = parameter.bf16 ? adamw_bf16 : adamw_floats;
+      const int64_t param =
+          parameter.bf16 ? parameter.offset - layout.bf16_offset : parameter.offset;
+      adamw_tensors.emplace_back(name, StateSlice{state_end, parameter.numel, parameter.bf16});
       for (int64_t begin = 0; begin < parameter.numel; begin += cuda::kAdamWChunkElements) {
-        chunk_table.push_back({.param = parameter.offset + begin,
-                               .state = adamw_floats + begin,
-                               .count = static_cast<int32_t>(
-                                   std::min(cuda::kAdamWChunkElements, parameter.numel - begin)),
-                               .group = adamw_slot[index]});
+        (parameter.bf16 ? bf16_table : chunk_table)
+            .push_back({.param = param + begin,
+                        .grad = parameter.offset + begin,
+                        .state = state_end + begin,
+                        .count = static_cast<int32_t>(
+                            std::min(cuda::kAdamWChunkElements, parameter.numel - begin)),
+                        .group = adamw_slot[index]});
       }
-      adamw_floats += round_up(parameter.numel, kFloatAlignment);
+      state_end += round_up(parameter.numel, parameter.bf16 ? kBf16Alignment : kFloatAlignment);
     }
   }
   for (const auto& [name, slice] : adamw_tensors) {
     slices[name + ".exp_avg"] = slice;
-    slices[name + ".exp_avg_sq"] = {adamw_floats + slice.offset, slice.count};
+    slices[name + ".exp_avg_sq"] = {(slice.bf16 ? adamw_bf16 : adamw_floats) + slice.offset,
+                                    slice.count, slice.bf16};
   }
   chunk_count = std::ssize(chunk_table);
+  bf16_chunk_count = std::ssize(bf16_table);
+  bf16_state = std::make_unique<DeviceBuffer<bf16>>(
+      static_cast<size_t>(std::max<int64_t>(1, 2 * adamw_bf16)));
+  bf16_state->zero();
 
   int64_t state_floats = 2 * adamw_floats;
   for (size_t index = 0; index < groups.size(); ++index) {
@@ -179,6 +198,8 @@ void CudaGptOptimizer::State::plan(std::vector<cuda::AdamWChunk>& chunk_table,
     for (int64_t matrix = 0; matrix < count; ++matrix) {
       const std::string& name = names[static_cast<size_t>(matrix)];
       const DeviceParameter& parameter = layout[name];
+      FP8T_CHECK(!parameter.bf16, "Muon group '{}': expected fp32 matrices, found '{}' in bf16",
+                 groups[index].name, name);
       FP8T_CHECK(parameter.shape == shape,
                  "Muon group '{}': expected every matrix [{}, {}], found '{}' [{}]",
                  groups[index].name, rows, cols, name, fmt::join(parameter.shape, ", "));
@@ -362,21 +383,24 @@ CudaGptOptimizer::CudaGptOptimizer(const GptOptimizer& host, const DeviceParamet
     : state_(std::make_unique<State>(gemm, layout, host.groups())) {
   FP8T_CHECK(layout.element_bytes == sizeof(float),
              "expected a layout of fp32 parameters, found {}-byte elements", layout.element_bytes);
-  std::vector<cuda::AdamWChunk> chunk_table;
+  std::vector<cuda::AdamWChunk> chunk_table, bf16_table;
   std::vector<int64_t> offset_table;
-  state_->plan(chunk_table, offset_table);
+  state_->plan(chunk_table, bf16_table, offset_table);
   state_->chunks = upload_table(chunk_table);
+  state_->bf16_chunks = upload_table(bf16_table);
   state_->offsets = upload_table(offset_table);
   state_->allocate_workspace(borrowed, borrowed_bytes);
 }
 
 CudaGptOptimizer::~CudaGptOptimizer() = default;
 
-void CudaGptOptimizer::step(float* params, const float* grads, const StepSchedule& schedule,
-                            cudaStream_t stream) {
+void CudaGptOptimizer::step(float* params, bf16* bf16_params, const float* grads,
+                            const StepSchedule& schedule, cudaStream_t stream) {
   State& s = *state_;
   FP8T_CHECK(params != nullptr && grads != nullptr,
              "expected device parameters and gradients, found null");
+  FP8T_CHECK(bf16_params != nullptr || s.bf16_chunk_count == 0,
+             "expected the bf16 parameters of the layout, found null");
   FP8T_CHECK(std::isfinite(schedule.lr_multiplier) && schedule.lr_multiplier >= 0,
              "expected a finite lr multiplier >= 0, found {}", schedule.lr_multiplier);
   FP8T_CHECK(s.muon.empty() || (schedule.muon_momentum >= 0 && schedule.muon_momentum <= 1),
@@ -393,6 +417,9 @@ void CudaGptOptimizer::step(float* params, const float* grads, const StepSchedul
   }
   cuda::adamw_multi_tensor(params, grads, s.exp_avg(), s.exp_avg_sq(), s.chunks->get(),
                            s.chunk_count, adamw, stream);
+  cuda::adamw_multi_tensor(bf16_params, grads, s.bf16_state->get(),
+                           s.bf16_state->get() + s.adamw_bf16, s.bf16_chunks->get(),
+                           s.bf16_chunk_count, adamw, stream);
   for (const MuonPlan& plan : s.muon) {
     s.muon_step(plan, params, grads, schedule, stream);
     s.groups[plan.group].lr *= muon_lr_scale(plan.stack.rows, plan.stack.cols);
@@ -417,8 +444,15 @@ void CudaGptOptimizer::download_state(GptOptimizer& host) const {
       *buffer.view.data<int64_t>() = state_->steps;
       continue;
     }
-    FP8T_CUDA_CHECK(cudaMemcpy(buffer.view.raw(), state_->state->get() + slice->offset,
-                               buffer.view.bytes(), cudaMemcpyDeviceToHost));
+    if (slice->bf16) {
+      std::vector<bf16> values(static_cast<size_t>(slice->count));
+      FP8T_CUDA_CHECK(cudaMemcpy(values.data(), state_->bf16_state->get() + slice->offset,
+                                 values.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+      std::ranges::transform(values, buffer.view.data<float>(), bf16_to_float);
+    } else {
+      FP8T_CUDA_CHECK(cudaMemcpy(buffer.view.raw(), state_->state->get() + slice->offset,
+                                 buffer.view.bytes(), cudaMemcpyDeviceToHost));
+    }
   }
 }
 
@@ -434,18 +468,26 @@ void CudaGptOptimizer::upload_state(GptOptimizer& host) {
   state_->steps = steps;
   for (const auto& [buffer, slice] : matched) {
     if (slice == nullptr) continue;
-    FP8T_CUDA_CHECK(cudaMemcpy(state_->state->get() + slice->offset, buffer.view.raw(),
-                               buffer.view.bytes(), cudaMemcpyHostToDevice));
+    if (slice->bf16) {  // rounded to the values the bf16 state holds
+      std::vector<bf16> values(static_cast<size_t>(slice->count));
+      const float* source = buffer.view.data<float>();
+      std::transform(source, source + slice->count, values.begin(), float_to_bf16);
+      FP8T_CUDA_CHECK(cudaMemcpy(state_->bf16_state->get() + slice->offset, values.data(),
+                                 values.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+    } else {
+      FP8T_CUDA_CHECK(cudaMemcpy(state_->state->get() + slice->offset, buffer.view.raw(),
+                                 buffer.view.bytes(), cudaMemcpyHostToDevice));
+    }
   }
 }
 
 size_t CudaGptOptimizer::device_state_bytes() const {
-  return state_->state->bytes();
+  return state_->state->bytes() + state_->bf16_state->bytes();
 }
 
 size_t CudaGptOptimizer::device_workspace_bytes() const {
   const size_t own = state_->workspace ? state_->workspace->bytes() : 0;
-  return own + state_->chunks->bytes() + state_->offsets->bytes();
+  return own + state_->chunks->bytes() + state_->bf16_chunks->bytes() + state_->offsets->bytes();
 }
 
 bool CudaGptOptimizer::workspace_borrowed() const {

@@ -35,12 +35,16 @@ __device__ inline float torch_lerp(float start, float end, float weight) {
                               : __fsub_rn(end, __fmul_rn(difference, __fsub_rn(1.0f, weight)));
 }
 
-// The value a bf16 tensor would hold.
-__device__ inline float round_bf16(float value) {
-  return device::to_f32(device::to_bf16(value));
-}
-
 // ---- AdamW ----
+
+// adamw_step's fp32 arithmetic on one element; returns the new parameter.
+__device__ inline float adamw_element(float param, float grad, float& m, float& v,
+                                      const AdamWScalars& h) {
+  m = __fadd_rn(m, __fmul_rn(h.weight1, __fsub_rn(grad, m)));
+  v = __fadd_rn(v, __fmul_rn(h.weight2, __fsub_rn(__fmul_rn(grad, grad), v)));
+  const float denominator = __fadd_rn(__fsqrt_rn(__fmul_rn(v, h.inv_bias2)), h.eps);
+  return __fsub_rn(__fmul_rn(param, h.decay), __fmul_rn(h.step_size, __fdiv_rn(m, denominator)));
+}
 
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(float* params, const float* grads, float* exp_avg, float* exp_avg_sq,
@@ -48,18 +52,50 @@ __global__ void __launch_bounds__(kThreads)
   const AdamWChunk chunk = chunks[blockIdx.x];
   const AdamWScalars h = step.groups[chunk.group];
   float* param = params + chunk.param;
-  const float* grad = grads + chunk.param;
+  const float* grad = grads + chunk.grad;
   float* m = exp_avg + chunk.state;
   float* v = exp_avg_sq + chunk.state;
-  for (int i = threadIdx.x; i < chunk.count; i += kThreads) {
-    const float g = grad[i];
-    const float m_new = __fadd_rn(m[i], __fmul_rn(h.weight1, __fsub_rn(g, m[i])));
-    const float v_new = __fadd_rn(v[i], __fmul_rn(h.weight2, __fsub_rn(__fmul_rn(g, g), v[i])));
-    m[i] = m_new;
-    v[i] = v_new;
-    const float denominator = __fadd_rn(__fsqrt_rn(__fmul_rn(v_new, h.inv_bias2)), h.eps);
-    param[i] = __fsub_rn(__fmul_rn(param[i], h.decay),
-                         __fmul_rn(h.step_size, __fdiv_rn(m_new, denominator)));
+  for (int i = threadIdx.x; i < chunk.count; i += kThreads)
+    param[i] = adamw_element(param[i], grad[i], m[i], v[i], h);
+}
+
+// Parameters and moments stored in bf16: the step in fp32 from the values they hold, each result
+// rounded once. Eight elements per thread and access where the chunk allows (the layouts align
+// every chunk to 16 bytes), the bytes being what limits this kernel.
+__global__ void __launch_bounds__(kThreads)
+    adamw_bf16_kernel(bf16* params, const float* grads, bf16* exp_avg, bf16* exp_avg_sq,
+                      const AdamWChunk* chunks, AdamWStep step) {
+  using device::kBf16Vector;
+  const AdamWChunk chunk = chunks[blockIdx.x];
+  const AdamWScalars h = step.groups[chunk.group];
+  bf16* param = params + chunk.param;
+  const float* grad = grads + chunk.grad;
+  bf16* m = exp_avg + chunk.state;
+  bf16* v = exp_avg_sq + chunk.state;
+  const auto address = [](const void* pointer) { return reinterpret_cast<uintptr_t>(pointer); };
+  const bool vectors = chunk.count % kBf16Vector == 0 &&
+                       ((address(param) | address(grad) | address(m) | address(v)) % 16) == 0;
+  if (!vectors) {
+    for (int i = threadIdx.x; i < chunk.count; i += kThreads) {
+      float m_i = to_float(m[i]), v_i = to_float(v[i]);
+      param[i] = float_to_bf16(adamw_element(to_float(param[i]), grad[i], m_i, v_i, h));
+      m[i] = float_to_bf16(m_i);
+      v[i] = float_to_bf16(v_i);
+    }
+    return;
+  }
+  for (int i = threadIdx.x * kBf16Vector; i < chunk.count; i += kThreads * kBf16Vector) {
+    float p8[kBf16Vector], g8[kBf16Vector], m8[kBf16Vector], v8[kBf16Vector];
+    device::load_bf16x8(param + i, p8);
+    device::load_f32x8(grad + i, g8);
+    device::load_bf16x8(m + i, m8);
+    device::load_bf16x8(v + i, v8);
+#pragma unroll
+    for (int k = 0; k < kBf16Vector; ++k)
+      p8[k] = adamw_element(p8[k], g8[k], m8[k], v8[k], h);
+    device::store_bf16x8(param + i, p8);
+    device::store_bf16x8(m + i, m8);
+    device::store_bf16x8(v + i, v8);
   }
 }
 
@@ -151,7 +187,7 @@ __global__ void __launch_bounds__(kThreads)
       break;
     case MatrixScalar::PolarExpressDivisor:
       scalars[matrix] =
-          round_bf16(__fadd_rn(round_bf16(__fmul_rn(round_bf16(norm), 1.01f)), 1e-6f));
+          round_to_bf16(__fadd_rn(round_to_bf16(__fmul_rn(round_to_bf16(norm), 1.01f)), 1e-6f));
       break;
     case MatrixScalar::MuonPlusFactor: {
       const auto target = static_cast<float>(sqrt(double(std::min(shape.rows, shape.cols))));
@@ -167,11 +203,11 @@ __global__ void __launch_bounds__(kLineThreads)
   const int64_t matrix = blockIdx.y, row = blockIdx.x;
   const int64_t index = matrix * shape.rows + row;
   const float row_norm = fmaxf(static_cast<float>(sqrt(row_squares[index])), 1e-6f);
-  const float scale = round_bf16(__fdiv_rn(targets[matrix], row_norm));
+  const float scale = round_to_bf16(__fdiv_rn(targets[matrix], row_norm));
   bf16* line = x + matrix * shape.stride + row * shape.cols;
   double sum = 0.0;
   for (int64_t c = threadIdx.x; c < shape.cols; c += kLineThreads) {
-    const float value = round_bf16(__fmul_rn(device::to_f32(line[c]), scale));
+    const float value = round_to_bf16(__fmul_rn(device::to_f32(line[c]), scale));
     line[c] = device::to_bf16(value);
     sum += double(value) * double(value);
   }
@@ -282,6 +318,15 @@ void check_pointers(std::initializer_list<const void*> pointers, const char* wha
     FP8T_CHECK(pointer != nullptr, "{}: expected device pointers, found null", what);
 }
 
+// AdamW's chunk count, and its pointers when there is work: false when there is none.
+bool check_chunks(int64_t chunk_count, std::initializer_list<const void*> pointers) {
+  FP8T_CHECK(chunk_count >= 0 && chunk_count <= INT32_MAX,
+             "adamw_multi_tensor: expected 0 to 2^31 - 1 chunks, found {}", chunk_count);
+  if (chunk_count == 0) return false;
+  check_pointers(pointers, "adamw_multi_tensor");
+  return true;
+}
+
 void check_shape(const MuonShape& shape, const char* what) {
   FP8T_CHECK(shape.count >= 1 && shape.count <= kMaxMatrices,
              "{}: expected 1 to {} matrices, found {}", what, kMaxMatrices, shape.count);
@@ -298,11 +343,17 @@ void check_shape(const MuonShape& shape, const char* what) {
 void adamw_multi_tensor(float* params, const float* grads, float* exp_avg, float* exp_avg_sq,
                         const AdamWChunk* chunks, int64_t chunk_count, const AdamWStep& step,
                         cudaStream_t stream) {
-  FP8T_CHECK(chunk_count >= 0 && chunk_count <= INT32_MAX,
-             "adamw_multi_tensor: expected 0 to 2^31 - 1 chunks, found {}", chunk_count);
-  if (chunk_count == 0) return;
-  check_pointers({params, grads, exp_avg, exp_avg_sq, chunks}, "adamw_multi_tensor");
+  if (!check_chunks(chunk_count, {params, grads, exp_avg, exp_avg_sq, chunks})) return;
   adamw_kernel<<<static_cast<unsigned>(chunk_count), kThreads, 0, stream>>>(
+      params, grads, exp_avg, exp_avg_sq, chunks, step);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void adamw_multi_tensor(bf16* params, const float* grads, bf16* exp_avg, bf16* exp_avg_sq,
+                        const AdamWChunk* chunks, int64_t chunk_count, const AdamWStep& step,
+                        cudaStream_t stream) {
+  if (!check_chunks(chunk_count, {params, grads, exp_avg, exp_avg_sq, chunks})) return;
+  adamw_bf16_kernel<<<static_cast<unsigned>(chunk_count), kThreads, 0, stream>>>(
       params, grads, exp_avg, exp_avg_sq, chunks, step);
   FP8T_CUDA_CHECK_LAUNCH();
 }

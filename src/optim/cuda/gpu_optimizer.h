@@ -1,5 +1,6 @@
 // The GPT's optimizer on the GPU (CUDA builds only): GptOptimizer::step (optim/gpt_optimizer.h)
-// for fp32 parameters and gradients that live on the device in a DeviceParameterLayout, plus
+// for parameters (fp32, or bf16 where the layout says so) and fp32 gradients that live on the
+// device in a DeviceParameterLayout, plus
 // the gradient norm and clipping of optim/clip.h. Everything is asynchronous on the stream a
 // call is given and nothing synchronizes inside a step: norms and scales stay on the device,
 // the step counter and the schedule reach the kernels as arguments.
@@ -54,8 +55,12 @@ class CudaGptOptimizer {
   CudaGptOptimizer(const CudaGptOptimizer&) = delete;
   CudaGptOptimizer& operator=(const CudaGptOptimizer&) = delete;
 
-  // One step over every parameter; params and grads are the base pointers of the layout.
-  void step(float* params, const float* grads, const StepSchedule& schedule, cudaStream_t stream);
+  // One step over every parameter; params, bf16_params and grads are the base pointers of the
+  // layout's fp32 parameters, bf16 parameters (null when it has none) and gradients. The moments
+  // of bf16 parameters are bf16 too, as GptOptimizer with OptimizerSettings::bf16_embeddings
+  // keeps them.
+  void step(float* params, bf16* bf16_params, const float* grads, const StepSchedule& schedule,
+            cudaStream_t stream);
 
   // *norm_out (device) = sqrt(Σ grads²) over count elements, summed in double in an order that
   // depends only on count: the same gradients give the same norm, bit for bit.
@@ -97,7 +102,8 @@ inline constexpr int kMaxAdamWGroups = 8;
 inline constexpr int64_t kAdamWChunkElements = 16384;
 
 struct AdamWChunk {
-  int64_t param;  // offset (elements) of the chunk in the parameters and the gradients
+  int64_t param;  // offset (elements) of the chunk in the parameters
+  int64_t grad;   // and in the gradients (the same for fp32 parameters)
   int64_t state;  // offset (elements) of the chunk in exp_avg and exp_avg_sq
   int32_t count;  // 1 to kAdamWChunkElements elements
   int32_t group;  // index into AdamWStep::groups
@@ -123,6 +129,11 @@ AdamWScalars adamw_step_scalars(double lr, double beta1, double beta2, double ep
                                 double weight_decay, int64_t step);
 
 void adamw_multi_tensor(float* params, const float* grads, float* exp_avg, float* exp_avg_sq,
+                        const AdamWChunk* chunks, int64_t chunk_count, const AdamWStep& step,
+                        cudaStream_t stream);
+// Parameters and moments stored in bf16: the step in fp32 from the values they hold, each result
+// rounded to bf16 once, as GptOptimizer's bf16 storage rounds.
+void adamw_multi_tensor(bf16* params, const float* grads, bf16* exp_avg, bf16* exp_avg_sq,
                         const AdamWChunk* chunks, int64_t chunk_count, const AdamWStep& step,
                         cudaStream_t stream);
 
