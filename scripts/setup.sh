@@ -8,6 +8,7 @@ packages=(
   libfmt-dev libyaml-cpp-dev libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev
   libopenblas-dev libpcre2-dev libpng-dev zlib1g-dev pkg-config
   libopenmpi-dev openmpi-bin  # several processes: MPI collectives and mpirun
+  clang-19 libclang-rt-19-dev  # scripts/fuzz.sh: libFuzzer and the sanitizers' runtimes
   fortunes  # the English text the default training job learns from
 )
 # Python runs the checkpoint-compatibility tests; any python3 with pip will do.

@@ -26,6 +26,10 @@ constexpr std::pair<std::string_view, DeviceChoice> kDevices[] = {
     {"auto", DeviceChoice::Auto}, {"cpu", DeviceChoice::Cpu}, {"cuda", DeviceChoice::Cuda}};
 constexpr std::pair<std::string_view, ResumeChoice> kResumeChoices[] = {
     {"never", ResumeChoice::Never}, {"auto", ResumeChoice::Auto}};
+constexpr std::pair<std::string_view, NanRemedy> kNanRemedies[] = {
+    {"lower_lr", NanRemedy::LowerLr},
+    {"fp8_margin", NanRemedy::Fp8Margin},
+    {"bf16_layer", NanRemedy::Bf16Layer}};
 constexpr std::pair<std::string_view, OptimizerKind> kOptimizers[] = {
     {"muon", OptimizerKind::Muon}, {"adamw", OptimizerKind::AdamW}};
 constexpr std::pair<std::string_view, optim::LrDecayStyle> kDecayStyles[] = {
@@ -94,9 +98,16 @@ std::optional<bool> parse_boolean(std::string_view text) {
   return std::nullopt;
 }
 
+// A double-quoted YAML scalar that reads back as `text`. Control characters are escaped: a line
+// break inside the quotes would read back as a space.
 std::string yaml_quoted(std::string_view text) {
   std::string quoted = "\"";
   for (char c : text) {
+    const auto byte = static_cast<unsigned char>(c);
+    if (byte < 0x20 || byte == 0x7f) {
+      quoted += fmt::format("\\x{:02x}", byte);
+      continue;
+    }
     if (c == '"' || c == '\\') quoted += '\\';
     quoted += c;
   }
@@ -261,6 +272,54 @@ ConfigKey choice_key(std::string_view name, ConfigSection section, Access access
   return key;
 }
 
+std::string_view trimmed(std::string_view text) {
+  const size_t first = text.find_first_not_of(" \t");
+  if (first == std::string_view::npos) return {};
+  return text.substr(first, text.find_last_not_of(" \t") - first + 1);
+}
+
+// The items of a list value: "[a, b]" or "a,b"; "[]" and "" hold none.
+std::vector<std::string_view> list_items(std::string_view text) {
+  text = trimmed(text);
+  if (text.starts_with('[') && text.ends_with(']')) text = trimmed(text.substr(1, text.size() - 2));
+  std::vector<std::string_view> items;
+  if (text.empty()) return items;
+  for (size_t start = 0;;) {
+    const size_t comma = text.find(',', start);
+    items.push_back(trimmed(text.substr(start, comma - start)));
+    if (comma == std::string_view::npos) return items;
+    start = comma + 1;
+  }
+}
+
+// A list of items: `parse` turns one into a value (nothing when it is not `item_expected`),
+// `format` writes one back.
+template <typename Access, typename Parse, typename Format>
+ConfigKey list_key(std::string_view name, ConfigSection section, Access access,
+                   std::string item_expected, Parse parse, Format format, std::string_view meaning,
+                   std::string_view details = {}) {
+  ConfigKey key = make_key(name, section, ValueType::List,
+                           fmt::format("a list of {}", item_expected), meaning, details);
+  key.set = [access, parse, item_expected](TrainConfig& config,
+                                           std::string_view text) -> std::optional<std::string> {
+    FieldOf<Access> values;
+    for (std::string_view item : list_items(text)) {
+      const auto value = parse(item);
+      if (!value) return fmt::format("expected {}, found '{}'", item_expected, item);
+      values.push_back(*value);
+    }
+    access(config) = std::move(values);
+    return std::nullopt;
+  };
+  key.get = [access, format](const TrainConfig& config) {
+    std::vector<std::string> items;
+    for (const auto& value : access(config))
+      items.push_back(format(value));
+    return fmt::format("[{}]", fmt::join(items, ", "));
+  };
+  return key;
+}
+
 std::optional<std::string> check_run_name(std::string_view name) {
   if (name.empty() || name == "." || name == ".." || name.find('/') != std::string_view::npos) {
     return fmt::format("must name a folder (not empty, '.', '..', no '/'), found '{}'", name);
@@ -294,6 +353,27 @@ constexpr ValueAdvice kDeviceAdvice[] = {{"mps", "Apple GPUs are not supported; 
 
 constexpr std::string_view kMultiHeadAttentionRefused =
     "true is not supported: FP8 between the attention block's operations is not implemented";
+
+constexpr std::string_view kNanRemedyDetails =
+    R"(What the NaN guard changes when, after `nan_restore_after` bad steps in a row, it restores
+the run's last good checkpoint (the newest saved after a step that was applied); a list of:
+
+- `lower_lr` (default): every learning rate times `nan_lr_factor` for the rest of the run;
+- `fp8_margin`: `fp8_margin` + 1, so that delayed scaling leaves twice the headroom (needs
+  `fp8_recipe: delayed`, the only recipe with a margin);
+- `bf16_layer`: the layers of the first non-finite gradients of those bad steps (a block, or
+  lm_head) keep their linears in BF16 (needs `fp8` other than `none`).
+
+`[]`: restore only. Each restore applies the remedies again (the factors compound, another layer
+may join BF16). The remedies in force are saved in each checkpoint's `trainer_state.json`, so a
+resumed run keeps them. [training.md](training.md#bad-steps) describes the guard.)";
+
+constexpr std::string_view kNanInjectDetails =
+    R"(A testing aid, not for training runs: at each listed step (counting from 1, as the step
+lines do) the engine writes a NaN into the gradient of `nan_inject_parameter` (a name of
+`model.safetensors`, e.g. `transformer.h.1.mlp.c_fc.weight`) after the backward and the sum
+over the ranks, so that the step is bad and the guard names that parameter. A step run again
+after a restore is not injected again.)";
 
 // Details of the fp8 keys, for the docs.
 
@@ -482,6 +562,45 @@ std::vector<ConfigKey> build_keys() {
       "Data parallelism on GPUs: sum each block's gradients over the ranks (NCCL) while the "
       "backward goes on; false: one sum after the backward (faster on one NVLink node, where "
       "the overlapped sums slow the backward's GEMMs more than they save)."));
+  keys.push_back(gpt_only(integer_key(
+      "nan_restore_after", S::Run, [](auto& c) -> auto& { return c.run.nan_restore_after; }, {0},
+      "After this many bad steps in a row (a non-finite loss or gradient norm: the update is "
+      "skipped), restore the last good checkpoint and apply nan_remedy; 0: only skip.")));
+  keys.push_back(gpt_only(integer_key(
+      "nan_max_restores", S::Run, [](auto& c) -> auto& { return c.run.nan_max_restores; }, {0},
+      "Restores per run; once they are spent, nan_restore_after bad steps in a row stop the run "
+      "with an error.")));
+  keys.push_back(gpt_only(list_key(
+      "nan_remedy", S::Run, [](auto& c) -> auto& { return c.run.nan_remedy; },
+      names_of(Choices<NanRemedy>(kNanRemedies)),
+      [](std::string_view item) -> std::optional<NanRemedy> {
+        for (const auto& [name, remedy] : kNanRemedies) {
+          if (name == item) return remedy;
+        }
+        return std::nullopt;
+      },
+      [](NanRemedy remedy) {
+        return std::string(name_in(Choices<NanRemedy>(kNanRemedies), remedy));
+      },
+      "What a restore changes besides going back: lower_lr, fp8_margin, bf16_layer; []: "
+      "nothing.",
+      kNanRemedyDetails)));
+  keys.push_back(gpt_only(number_key(
+      "nan_lr_factor", S::Run, [](auto& c) -> auto& { return c.run.nan_lr_factor; },
+      {0, true, 1, true}, "lower_lr: what each restore multiplies every learning rate by.")));
+  keys.push_back(gpt_only(list_key(
+      "nan_inject_steps", S::Run, [](auto& c) -> auto& { return c.run.nan_inject_steps; },
+      "integers >= 1",
+      [](std::string_view item) -> std::optional<int64_t> {
+        const std::optional<int64_t> step = parse_integer(item);
+        return step && *step >= 1 ? step : std::nullopt;
+      },
+      [](int64_t step) { return fmt::format("{}", step); },
+      "Testing aid: steps whose gradient of nan_inject_parameter gets a NaN; []: none.",
+      kNanInjectDetails)));
+  keys.push_back(gpt_only(string_key(
+      "nan_inject_parameter", S::Run, [](auto& c) -> auto& { return c.run.nan_inject_parameter; },
+      "Testing aid: the parameter whose gradient nan_inject_steps poison.")));
   keys.push_back(flux_only(integer_key(
       "sample_every", S::Run, [](auto& c) -> auto& { return c.run.sample_every; }, {0},
       "Write a grid of samples (run folder, samples/step_NNNNNN.png) every N steps; 0: only the "
@@ -862,6 +981,8 @@ std::string_view value_type_name(ValueType type) {
       return "string";
     case ValueType::Choice:
       return "choice";
+    case ValueType::List:
+      return "list";
   }
   return "?";
 }

@@ -24,7 +24,8 @@ std::string_view section_name(ConfigSection section);
 // One line for the docs: what the section is about.
 std::string_view section_summary(ConfigSection section);
 
-enum class ValueType : uint8_t { Integer, Number, Boolean, String, Choice };
+// List: YAML's flow form ("[a, b]", as the writer writes it) or "a,b"; "[]" is empty.
+enum class ValueType : uint8_t { Integer, Number, Boolean, String, Choice, List };
 
 std::string_view value_type_name(ValueType type);
 

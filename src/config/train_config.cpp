@@ -137,8 +137,15 @@ std::string_view node_kind(const YAML::Node& node) {
 void set_from_yaml(TrainConfig& config, const ConfigKey& key, const YAML::Node& value,
                    const std::string& where) {
   std::string text;
+  const auto scalars = [](const YAML::Node& list) {
+    return std::all_of(list.begin(), list.end(),
+                       [](const YAML::Node& item) { return item.IsScalar(); });
+  };
   if (value.IsScalar()) {
     text = value.Scalar();
+  } else if (value.IsSequence() && key.type == ValueType::List && scalars(value)) {
+    for (const YAML::Node& item : value)
+      text += (text.empty() ? "" : ",") + item.Scalar();
   } else if (!(value.IsNull() && key.type == ValueType::String)) {  // `data_path:` is empty
     throw ConfigError(
         fmt::format("{}: expected {}, found {}", where, key.expected, node_kind(value)));
@@ -218,13 +225,18 @@ YAML::Node read_yaml_file(const std::string& path, std::string_view included_by)
     }
     return ConfigError(fmt::format("{}: cannot read '{}': {}", included_by, path, reason));
   };
+  // A folder opens, and yaml-cpp leaks its read buffer when reading it then fails.
+  std::error_code ignored;  // a path that cannot be examined fails below, with the reason
+  if (std::filesystem::is_directory(path, ignored)) {
+    throw cannot_read("expected a file, found a folder");
+  }
   try {
     return YAML::LoadFile(path);
   } catch (const YAML::BadFile&) {
     // yaml-cpp does not say why the file could not be opened; access() does.
     throw cannot_read(::access(path.c_str(), R_OK) != 0 ? std::strerror(errno)
                                                         : "cannot be opened");
-  } catch (const std::ios_base::failure& error) {  // opened, but reading failed (a directory)
+  } catch (const std::ios_base::failure& error) {  // opened, but reading failed
     throw cannot_read(error.what());
   } catch (const YAML::Exception& error) {
     if (error.mark.is_null()) throw ConfigError(fmt::format("{}: {}", path, error.msg));
@@ -443,6 +455,39 @@ void check_flux(const TrainConfig& config,
   }
 }
 
+// The NaN guard's remedies against the precision, and the injection's parameter.
+void check_nan_guard(const TrainConfig& config,
+                     const std::function<std::string(std::string_view)>& origin) {
+  const std::vector<NanRemedy>& remedies = config.run.nan_remedy;
+  const Fp8Config& fp8 = config.fp8.scaling;
+  const auto has = [&](NanRemedy remedy) {
+    return std::find(remedies.begin(), remedies.end(), remedy) != remedies.end();
+  };
+  if (has(NanRemedy::Fp8Margin) &&
+      (fp8.mode == Fp8Mode::None || fp8.recipe != ScalingRecipe::Delayed)) {
+    throw ConfigError(fmt::format(
+        "{}: fp8_margin needs fp8_recipe: delayed (the only recipe with a margin), found {}",
+        origin("nan_remedy"),
+        fp8.mode == Fp8Mode::None ? std::string("fp8: none")
+                                  : fmt::format("fp8_recipe: {}", recipe_name(fp8.recipe))));
+  }
+  if (has(NanRemedy::Bf16Layer) && fp8.mode == Fp8Mode::None) {
+    throw ConfigError(fmt::format(
+        "{}: bf16_layer needs fp8 other than none (with fp8: none every linear is BF16 already)",
+        origin("nan_remedy")));
+  }
+  if (config.run.nan_inject_steps.empty()) return;
+  const std::string& name = config.run.nan_inject_parameter;
+  const std::vector<ParamSpec> parameters = gpt_parameters(config.gpt_config());
+  if (std::none_of(parameters.begin(), parameters.end(),
+                   [&](const ParamSpec& spec) { return spec.name == name; })) {
+    throw ConfigError(
+        fmt::format("{}: nan_inject_steps need a parameter of this model (e.g. "
+                    "transformer.h.0.mlp.c_fc.weight), found '{}'",
+                    origin("nan_inject_parameter"), name));
+  }
+}
+
 // The checks of validate(); `origin(key)` prefixes a message about that key, `source` one about
 // several.
 void check_whole(const TrainConfig& config, int world_size,
@@ -486,6 +531,7 @@ void check_whole(const TrainConfig& config, int world_size,
     throw ConfigError(fmt::format("{}: {}", source, error.what()));
   }
   validate(config.fp8.scaling, source);
+  if (!config.is_flux()) check_nan_guard(config, origin);
   if (config.fp8.dot_product_attention && config.fp8.scaling.mode == Fp8Mode::None) {
     throw ConfigError(
         fmt::format("{}: true needs fp8 other than none", origin("fp8_dot_product_attention")));

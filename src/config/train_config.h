@@ -22,6 +22,13 @@ namespace fp8t {
 enum class DeviceChoice : uint8_t { Auto, Cpu, Cuda };
 // The key `resume`: never (only resume_from_step resumes) or auto (the newest checkpoint).
 enum class ResumeChoice : uint8_t { Never, Auto };
+// The key `nan_remedy`: what the NaN guard changes when it restores a checkpoint after
+// nan_restore_after bad steps in a row (train/nan_guard.h).
+enum class NanRemedy : uint8_t {
+  LowerLr,    // every lr times nan_lr_factor for the rest of the run
+  Fp8Margin,  // fp8_margin + 1 (delayed scaling)
+  Bf16Layer,  // the layer of the first non-finite gradient keeps its linears in BF16
+};
 
 using optim::OptimizerKind;
 
@@ -54,6 +61,15 @@ struct RunSection {
       "a red circle on the left; a blue square on the right; a green triangle at the top and a "
       "yellow circle at the bottom; a yellow square in the centre";
   int64_t sample_images_per_prompt = 4;
+  // The GPT's NaN guard: a step with a non-finite loss or gradient norm is skipped; after
+  // nan_restore_after of them in a row the last good checkpoint is restored with the remedies.
+  int64_t nan_restore_after = 5;  // 0: only skip
+  int64_t nan_max_restores = 3;
+  std::vector<NanRemedy> nan_remedy = {NanRemedy::LowerLr};
+  double nan_lr_factor = 0.5;
+  // A testing aid: a NaN in this parameter's gradient at these steps (counting from 1).
+  std::vector<int64_t> nan_inject_steps;
+  std::string nan_inject_parameter;
 };
 
 struct ModelSection {

@@ -25,6 +25,10 @@ static_assert(std::endian::native == std::endian::little);
 
 namespace {
 
+// A header nests 3 levels (the header, a tensor, its shape). The messages below print parts of
+// it with dump(), which recurses once per level: a deeply nested header would overflow the stack.
+constexpr int kMaxHeaderDepth = 16;
+
 struct DTypeEntry {
   DType dtype;
   std::string_view name;
@@ -138,7 +142,14 @@ SafetensorsFile::SafetensorsFile(std::filesystem::path path) : path_(std::move(p
 
   nlohmann::json header;
   try {
-    header = nlohmann::json::parse(header_text);
+    header = nlohmann::json::parse(
+        header_text, [&](int depth, nlohmann::json::parse_event_t, const nlohmann::json&) {
+          if (depth > kMaxHeaderDepth) {
+            fail(fmt::format("header: expected JSON nested at most {} levels deep, found deeper",
+                             kMaxHeaderDepth));
+          }
+          return true;
+        });
   } catch (const nlohmann::json::exception& e) {
     fail(fmt::format("header is not valid JSON: {}", e.what()));
   }

@@ -52,6 +52,10 @@ std::optional<std::string> bf16_reason(const LinearSpec& linear, int n_layer,
   }
   if (linear.kind == ParamKind::LmHead && !options.lm_head_fp8) return "lm_head_fp8: false";
   if (in_edge_layers(linear.layer, n_layer, options)) return "first/last layers in BF16";
+  if (std::find(options.bf16_linears.begin(), options.bf16_linears.end(), linear.name) !=
+      options.bf16_linears.end()) {
+    return "non-finite gradients (nan_remedy: bf16_layer)";
+  }
   if (options.recipe == ScalingRecipe::Blockwise && (in % 128 != 0 || out % 128 != 0)) {
     return "blockwise needs dims divisible by 128";
   }

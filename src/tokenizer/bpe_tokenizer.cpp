@@ -26,6 +26,9 @@ namespace {
 constexpr int kByteTokens = 256;
 constexpr std::string_view kSidecarFormat = "fp8train-bpe-special-tokens";
 constexpr int kSidecarVersion = 1;
+// The sidecar nests 3 levels (the object, special_tokens, an entry). Its messages print values
+// with dump(), which recurses once per level: a deeply nested file would overflow the stack.
+constexpr int kMaxSidecarDepth = 16;
 
 std::string pcre2_message(int code) {
   std::array<PCRE2_UCHAR, 256> buffer{};
@@ -533,21 +536,34 @@ BpeTokenizer BpeTokenizer::load(const std::filesystem::path& path) {
   };
   nlohmann::json sidecar;
   try {
-    sidecar = nlohmann::json::parse(io::read_file(sidecar_path));
+    sidecar = nlohmann::json::parse(
+        io::read_file(sidecar_path),
+        [&](int depth, nlohmann::json::parse_event_t, const nlohmann::json&) {
+          if (depth > kMaxSidecarDepth) {
+            fail_sidecar(fmt::format("expected JSON nested at most {} levels deep, found deeper",
+                                     kMaxSidecarDepth));
+          }
+          return true;
+        });
   } catch (const nlohmann::json::exception& e) {
     fail_sidecar(fmt::format("not valid JSON: {}", e.what()));
   }
-  if (!sidecar.is_object() || sidecar.value("format", "") != kSidecarFormat) {
+  // find(), not value(): value() throws nlohmann's type_error for a member of another type.
+  const auto member = [&sidecar](const char* key) {
+    const auto found = sidecar.find(key);
+    return found != sidecar.end() ? *found : nlohmann::json();
+  };
+  if (!sidecar.is_object() || member("format") != kSidecarFormat) {
     fail_sidecar(fmt::format("expected a JSON object with \"format\": \"{}\"", kSidecarFormat));
   }
-  if (sidecar.value("version", -1) != kSidecarVersion) {
+  if (member("version") != kSidecarVersion) {
     fail_sidecar(fmt::format("unsupported version {}; this build reads version {}",
-                             sidecar.value("version", nlohmann::json()).dump(), kSidecarVersion));
+                             member("version").dump(), kSidecarVersion));
   }
-  if (sidecar.value("pattern", "") != kSplitPattern) {
+  if (member("pattern") != kSplitPattern) {
     fail_sidecar("its split pattern differs from the one this build uses (nanochat's)");
   }
-  const nlohmann::json& entries = sidecar.value("special_tokens", nlohmann::json());
+  const nlohmann::json entries = member("special_tokens");
   if (!entries.is_array()) fail_sidecar("\"special_tokens\" is not an array");
   std::vector<std::string> special_tokens;
   for (const nlohmann::json& entry : entries) {

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstring>
+#include <functional>
 #include <set>
 #include <system_error>
 #include <utility>
@@ -64,9 +65,48 @@ io::FileDigest write_tensors(const fs::path& path, const std::vector<NamedTensor
   return io::write_safetensors(path, tensors, {{"format", "pt"}});
 }
 
+// F32 buffers also read BF16 tensors: nanochat stores its embeddings in bf16.
+void read_tensor(const io::SafetensorsFile& file, const fs::path& path, const NamedTensor& buffer) {
+  const io::TensorInfo& info = file.info(buffer.name);
+  const std::vector<int64_t> shape = shape_of(buffer.view);
+  if (info.shape != shape) {
+    throw Error(fmt::format("{}: tensor '{}' has shape [{}], expected [{}]", path.string(),
+                            buffer.name, fmt::join(info.shape, ", "), fmt::join(shape, ", ")));
+  }
+  const io::DType wanted = file_dtype(buffer);
+  if (info.dtype == wanted) {
+    const io::RawTensor raw = file.raw(buffer.name);
+    std::memcpy(buffer.view.raw(), raw.bytes.data(), raw.bytes.size());
+  } else if (wanted == io::DType::F32 && info.dtype == io::DType::BF16) {
+    const std::vector<bf16> values = file.tensor<bf16>(buffer.name).data;
+    std::transform(values.begin(), values.end(), buffer.view.data<float>(),
+                   [](bf16 value) { return bf16_to_float(value); });
+  } else {
+    throw Error(fmt::format("{}: tensor '{}' has dtype {}, expected {}", path.string(), buffer.name,
+                            io::dtype_name(info.dtype), io::dtype_name(wanted)));
+  }
+}
+
+// The delayed-scaling state by name: the FP8 linears may differ from the saving run's.
+void read_fp8_scaling(const fs::path& path, const std::vector<NamedTensor>& buffers,
+                      LoadedCheckpoint& loaded) {
+  const io::SafetensorsFile file(path);
+  std::set<std::string> expected;
+  for (const NamedTensor& buffer : buffers) {
+    expected.insert(buffer.name);
+    if (file.contains(buffer.name)) {
+      read_tensor(file, path, buffer);
+    } else {
+      loaded.fp8_scaling_missing.push_back(buffer.name);
+    }
+  }
+  for (const std::string& name : file.names()) {
+    if (!expected.contains(name)) loaded.fp8_scaling_ignored.push_back(name);
+  }
+}
+
 }  // namespace
 
-// F32 buffers also read BF16 tensors: nanochat stores its embeddings in bf16.
 void read_checkpoint_tensors(const fs::path& path, const std::vector<NamedTensor>& buffers) {
   const io::SafetensorsFile file(path);
   std::set<std::string> expected;
@@ -75,24 +115,7 @@ void read_checkpoint_tensors(const fs::path& path, const std::vector<NamedTensor
     if (!file.contains(buffer.name)) {
       throw Error(fmt::format("{}: tensor '{}' is missing", path.string(), buffer.name));
     }
-    const io::TensorInfo& info = file.info(buffer.name);
-    const std::vector<int64_t> shape = shape_of(buffer.view);
-    if (info.shape != shape) {
-      throw Error(fmt::format("{}: tensor '{}' has shape [{}], expected [{}]", path.string(),
-                              buffer.name, fmt::join(info.shape, ", "), fmt::join(shape, ", ")));
-    }
-    const io::DType wanted = file_dtype(buffer);
-    if (info.dtype == wanted) {
-      const io::RawTensor raw = file.raw(buffer.name);
-      std::memcpy(buffer.view.raw(), raw.bytes.data(), raw.bytes.size());
-    } else if (wanted == io::DType::F32 && info.dtype == io::DType::BF16) {
-      const std::vector<bf16> values = file.tensor<bf16>(buffer.name).data;
-      std::transform(values.begin(), values.end(), buffer.view.data<float>(),
-                     [](bf16 value) { return bf16_to_float(value); });
-    } else {
-      throw Error(fmt::format("{}: tensor '{}' has dtype {}, expected {}", path.string(),
-                              buffer.name, io::dtype_name(info.dtype), io::dtype_name(wanted)));
-    }
+    read_tensor(file, path, buffer);
   }
   for (const std::string& name : file.names()) {
     if (!expected.contains(name)) {
@@ -266,17 +289,41 @@ CheckpointCheck verify_checkpoint(const fs::path& folder) {
   return result;
 }
 
+namespace {
+
+// Deletes the step folders of the steps `doomed` picks, complete or left half deleted by a crash
+// during an earlier deletion.
+void delete_step_folders(const fs::path& run_folder, const std::function<bool(int64_t)>& doomed) {
+  std::vector<fs::path> folders;
+  std::error_code error;
+  for (const fs::directory_entry& entry :
+       fs::directory_iterator(run_folder / "checkpoints", error)) {
+    const std::optional<int64_t> step = step_of(entry.path().filename().string());
+    if (step && doomed(*step)) folders.push_back(entry.path());
+  }
+  for (const fs::path& folder : folders) {
+    // trainer_state.json first: a crash during the deletion then leaves a folder that is no
+    // longer taken for a checkpoint, not one that looks complete and fails its manifest check.
+    fs::remove(folder / "trainer_state.json", error);
+    if (!error) fs::remove_all(folder, error);
+    if (error) {
+      throw Error(fmt::format("{}: cannot delete: {}", folder.string(), error.message()));
+    }
+  }
+}
+
+}  // namespace
+
 void prune_checkpoints(const fs::path& run_folder, int64_t keep) {
   if (keep <= 0) return;
   const std::vector<int64_t> steps = saved_steps(run_folder);
-  for (size_t i = 0; i + static_cast<size_t>(keep) < steps.size(); ++i) {
-    std::error_code error;
-    fs::remove_all(checkpoint_folder(run_folder, steps[i]), error);
-    if (error) {
-      throw Error(fmt::format("{}: cannot delete: {}",
-                              checkpoint_folder(run_folder, steps[i]).string(), error.message()));
-    }
-  }
+  if (steps.size() <= static_cast<size_t>(keep)) return;
+  const int64_t oldest_kept = steps[steps.size() - static_cast<size_t>(keep)];
+  delete_step_folders(run_folder, [oldest_kept](int64_t step) { return step < oldest_kept; });
+}
+
+void discard_checkpoints_after(const fs::path& run_folder, int64_t step) {
+  delete_step_folders(run_folder, [step](int64_t saved) { return saved > step; });
 }
 
 LoadedCheckpoint load_checkpoint(const fs::path& run_folder, int64_t step,
@@ -310,7 +357,7 @@ LoadedCheckpoint load_checkpoint(const fs::path& run_folder, int64_t step,
   const fs::path fp8_path = folder / "fp8_scaling.safetensors";
   loaded.had_fp8_scaling = fs::exists(fp8_path);
   if (loaded.had_fp8_scaling && !contents.fp8_scaling.empty()) {
-    read_checkpoint_tensors(fp8_path, contents.fp8_scaling);
+    read_fp8_scaling(fp8_path, contents.fp8_scaling, loaded);
   }
   loaded.config_yaml = io::read_file(folder / "config.yaml");
   return loaded;

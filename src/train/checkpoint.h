@@ -74,6 +74,11 @@ struct LoadedCheckpoint {
   nlohmann::json trainer_state;
   std::string config_yaml;
   bool had_fp8_scaling = false;  // false: the run that saved it kept no FP8 scaling state
+  // When the FP8 linears differ from the saving run's: the delayed-scaling states the
+  // checkpoint lacks (their buffers are left as they are) and those it has for linears no
+  // longer in FP8 (not read).
+  std::vector<std::string> fp8_scaling_missing;
+  std::vector<std::string> fp8_scaling_ignored;
 };
 
 // A checkpoint folder's files against its manifest.
@@ -90,15 +95,19 @@ struct CheckpointCheck {
 };
 CheckpointCheck verify_checkpoint(const std::filesystem::path& folder);
 
-// Deletes the run folder's complete checkpoints older than its newest `keep` (0: keeps all).
+// Deletes the run folder's checkpoints older than its newest complete `keep` (0: keeps all),
+// and any older folder a crash left half deleted.
 void prune_checkpoints(const std::filesystem::path& run_folder, int64_t keep);
+
+// Deletes the run folder's checkpoints after `step`: a run restored to `step` abandons them.
+void discard_checkpoints_after(const std::filesystem::path& run_folder, int64_t step);
 
 // Reads the checkpoint of `step` into the buffers of `contents` (names and shapes must match:
 // a missing, extra or misshapen tensor is an error naming the file and the tensor), after
 // checking its files against the manifest (a damaged file is an error naming it). The
-// fp8_scaling buffers are filled when the checkpoint has them and left alone otherwise (a BF16
-// checkpoint resumed with FP8). Throws fp8t::Error listing the saved steps when there is no
-// checkpoint of `step`.
+// fp8_scaling buffers are filled by name from what the checkpoint has and left alone otherwise
+// (a BF16 checkpoint resumed with FP8, a linear that was not FP8 when it was saved). Throws
+// fp8t::Error listing the saved steps when there is no checkpoint of `step`.
 LoadedCheckpoint load_checkpoint(const std::filesystem::path& run_folder, int64_t step,
                                  const CheckpointContents& contents);
 

@@ -1,6 +1,8 @@
 // The CPU path of the training loop: GptModel and GptOptimizer in host memory.
-#include <cmath>
+#include <limits>
 #include <memory>
+#include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -8,6 +10,7 @@
 
 #include "core/error.h"
 #include "optim/clip.h"
+#include "train/nan_guard.h"
 #include "train/run_log.h"
 #include "train/training_engine.h"
 
@@ -21,7 +24,8 @@ class CpuEngine final : public TrainingEngine {
       : communicator_(setup.communicator),
         plan_(plan_gpt_memory(setup.model, setup.batch, setup.seq)),
         model_((check_memory_fits(plan_), setup.model), setup.batch, setup.seq, setup.precision),
-        optimizer_(setup.model, setup.optimizer, setup.tokens_per_step) {
+        optimizer_(setup.model, setup.optimizer, setup.tokens_per_step),
+        scan_order_(gradient_scan_order(setup.model)) {
     for (const ParamSpec& spec : model_.gradients().specs()) {
       TensorView& view = model_.gradients()[spec.name];
       gradient_spans_.push_back({view.data<float>(), view.numel()});
@@ -57,6 +61,9 @@ class CpuEngine final : public TrainingEngine {
         communicator_->sum(span.data, static_cast<size_t>(span.count));
       communicator_->sum(&result.loss, 1);
     }
+    for (float* gradient : nan_injections_)
+      *gradient = std::numeric_limits<float>::quiet_NaN();
+    nan_injections_.clear();
     const int64_t micro_batches = accumulation * ranks;
     result.loss /= double(micro_batches);
     if (micro_batches > 1) {  // the gradient of the mean over micro-batches
@@ -67,12 +74,26 @@ class CpuEngine final : public TrainingEngine {
     }
     result.grad_norm = clip_grad > 0.0 ? optim::clip_gradients(gradient_spans_, clip_grad)
                                        : optim::global_norm(gradient_spans_);
-    if (std::isfinite(result.grad_norm)) {
+    if (result.finite()) {
       optimizer_.step(model_.parameters(), model_.gradients(), schedule);
       if (ranks > 1) reduce_delayed_amaxes(model_.delayed_scalings(), *communicator_);
       model_.end_step();
     }
     return result;
+  }
+
+  std::optional<std::string> first_non_finite_gradient() override {
+    for (const std::string& parameter : scan_order_) {
+      const TensorView& gradient = model_.gradients()[parameter];
+      if (!all_finite({gradient.data<float>(), static_cast<size_t>(gradient.numel())})) {
+        return parameter;
+      }
+    }
+    return std::nullopt;
+  }
+
+  void inject_nan(const std::string& parameter) override {
+    nan_injections_.push_back(model_.gradients()[parameter].data<float>());
   }
 
   double evaluation_loss(const data::TokenBatch& batch) override {
@@ -113,6 +134,8 @@ class CpuEngine final : public TrainingEngine {
   GptModel model_;
   optim::GptOptimizer optimizer_;
   std::vector<optim::GradientSpan> gradient_spans_;
+  std::vector<std::string> scan_order_;
+  std::vector<float*> nan_injections_;  // gradients the next step poisons
 };
 
 }  // namespace

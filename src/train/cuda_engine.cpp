@@ -1,8 +1,9 @@
 // The GPU path of the training loop: CudaGptModel and CudaGptOptimizer on one stream, with host
 // mirrors of the parameters and the optimizer state for checkpoints and sampling. With several
 // ranks (one GPU each) the gradients and the delayed-scaling amaxes are reduced through NCCL.
-#include <cmath>
 #include <memory>
+#include <optional>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -10,6 +11,7 @@
 
 #include "core/error.h"
 #include "platform/device_info.h"
+#include "train/nan_guard.h"
 #include "train/run_log.h"
 #include "train/training_engine.h"
 
@@ -66,7 +68,8 @@ class CudaEngine final : public TrainingEngine {
         optimizer_(host_optimizer_, model_.layout(), model_.gemm(),
                    model_.scratch_between_steps().data(), model_.scratch_between_steps().size()),
         norm_host_(1),
-        losses_host_(kMaxLossesPerRead) {
+        losses_host_(kMaxLossesPerRead),
+        scan_order_(gradient_scan_order(setup.model)) {
     FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));
 #if FP8TRAIN_WITH_NCCL
     if (communicator_ != nullptr) {
@@ -128,6 +131,11 @@ class CudaEngine final : public TrainingEngine {
     float* gradients = model_.gradients();
     const int64_t count = model_.layout().total_elements;
     if (ranks > 1) sum_gradients();
+    for (const int64_t offset : nan_injections_) {
+      // Bytes 0xFF make a float NaN.
+      FP8T_CUDA_CHECK(cudaMemsetAsync(gradients + offset, 0xFF, sizeof(float), stream));
+    }
+    nan_injections_.clear();
     const int64_t micro_batches = accumulation * ranks;
     if (micro_batches > 1) {  // the gradient of the mean over micro-batches
       ops::cuda::scale_f32(gradients, 1.0f / float(micro_batches), count, stream);
@@ -140,13 +148,33 @@ class CudaEngine final : public TrainingEngine {
     if (ranks > 1) communicator_->sum(&result.loss, 1);
     result.loss /= double(micro_batches);
     result.grad_norm = norm_host_.data()[0];
-    if (std::isfinite(result.grad_norm)) {
+    if (result.finite()) {
       optimizer_.step(model_.parameters(), model_.bf16_parameters(), gradients, schedule, stream);
       if (ranks > 1) reduce_amaxes();
       model_.end_step();
     }
     peak_memory_ = std::max(peak_memory_, device_memory_in_use());
     return result;
+  }
+
+  // Copies the gradients to the host one tensor at a time: slow, and only for bad steps.
+  std::optional<std::string> first_non_finite_gradient() override {
+    cudaStream_t stream = stream_.get();
+    std::vector<float> values;
+    for (const std::string& parameter : scan_order_) {
+      const optim::DeviceParameter& tensor = model_.layout()[parameter];
+      values.resize(static_cast<size_t>(tensor.numel));
+      FP8T_CUDA_CHECK(cudaMemcpyAsync(values.data(), model_.gradients() + tensor.offset,
+                                      values.size() * sizeof(float), cudaMemcpyDeviceToHost,
+                                      stream));
+      FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+      if (!all_finite(values)) return parameter;
+    }
+    return std::nullopt;
+  }
+
+  void inject_nan(const std::string& parameter) override {
+    nan_injections_.push_back(model_.layout()[parameter].offset);
   }
 
   double evaluation_loss(const data::TokenBatch& batch) override {
@@ -218,6 +246,8 @@ class CudaEngine final : public TrainingEngine {
   float* norm_ = nullptr;
   PinnedFloats norm_host_;
   PinnedFloats losses_host_;
+  std::vector<std::string> scan_order_;
+  std::vector<int64_t> nan_injections_;  // gradient offsets the next step poisons
   double peak_memory_ = 0.0;
 #if FP8TRAIN_WITH_NCCL
   std::unique_ptr<GptRankSums> rank_sums_;  // with several ranks

@@ -1,5 +1,4 @@
 // The CPU path of Flux training: FluxModel and AdamW in host memory.
-#include <cmath>
 #include <memory>
 
 #include <fmt/format.h>
@@ -79,7 +78,7 @@ class FluxCpuEngine final : public FluxEngine {
     result.loss /= total;
     result.grad_norm = clip_grad > 0.0 ? optim::clip_gradients(gradient_spans_, clip_grad)
                                        : optim::global_norm(gradient_spans_);
-    if (std::isfinite(result.grad_norm)) {
+    if (result.finite()) {
       optimizer_.step(parameter_data_, gradient_data_, lr_multiplier);
       if (ranks > 1) reduce_delayed_amaxes(model_.delayed_scalings(), *communicator_);
       model_.end_step();

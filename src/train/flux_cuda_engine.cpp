@@ -1,7 +1,6 @@
 // The GPU path of Flux training: CudaFluxModel and CudaAdamW on the device, the parameters and
 // optimizer state mirrored on the host for checkpoints and sample grids only.
 #include <algorithm>
-#include <cmath>
 #include <memory>
 #include <vector>
 
@@ -113,7 +112,7 @@ class FluxCudaEngine final : public FluxEngine {
                                     stream_.get()));
     FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_.get()));
     result.grad_norm = norm_host_.data()[0];
-    if (std::isfinite(result.grad_norm)) {
+    if (result.finite()) {
       optimizer_.step(model_.parameters(), model_.gradients(), lr_multiplier, stream_.get());
       if (ranks > 1) reduce_amaxes();
       model_.end_step();

@@ -32,8 +32,9 @@ class FluxEngine {
   virtual const std::vector<FluxLinearPrecision>& linear_precision() const = 0;
 
   // One optimizer step: the mean loss and gradient over the micro-batches (with R ranks, over
-  // every rank's: R times as many), the global norm (clipped to clip_grad when > 0) and, when it
-  // is finite, AdamW at lr · lr_multiplier and the model's end_step.
+  // every rank's: R times as many), the global norm (clipped to clip_grad when > 0) and, unless
+  // the loss or the norm is not finite (StepResult::finite), AdamW at lr · lr_multiplier and the
+  // model's end_step.
   virtual StepResult train_step(std::span<const FluxBatch> micro_batches, double clip_grad,
                                 double lr_multiplier) = 0;
   // The loss of one batch, without gradients and without touching the FP8 scaling state.

@@ -21,6 +21,7 @@
 #include "tokenizer/bpe_tokenizer.h"
 #include "train/checkpoint.h"
 #include "train/flux_trainer.h"
+#include "train/nan_guard.h"
 #include "train/run_log.h"
 #include "train/stop_signal.h"
 #include "train/training_engine.h"
@@ -218,15 +219,29 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   const int64_t tokens_per_step = config.global_batch_size(ranks) * seq;
   EngineSetup setup;
   setup.model = model_config;
-  setup.precision = model_precision(config, cuda);
   setup.batch = batch;
   setup.seq = seq;
   setup.optimizer = config.optimizer_settings();
   setup.tokens_per_step = tokens_per_step;
   if (several) setup.communicator = &communicator;
   setup.overlap_grad_reduce = config.run.overlap_grad_reduce;
-  const std::unique_ptr<TrainingEngine> engine =
-      cuda ? make_cuda_engine(setup) : make_cpu_engine(setup);
+  const ModelPrecision configured_precision = model_precision(config, cuda);
+  NanGuard guard(config.run, model_config);
+  // The engine, with the guard's remedies in force, and the checkpoints' views of its model,
+  // optimizer and FP8 state; built again when a restore changes the precision.
+  std::unique_ptr<TrainingEngine> engine;
+  ScalingStateBuffers scaling({});
+  CheckpointContents contents;
+  const auto build_engine = [&] {
+    engine.reset();  // its memory goes before the new one takes any
+    setup.precision = guard.precision(configured_precision);
+    engine = cuda ? make_cuda_engine(setup) : make_cpu_engine(setup);
+    scaling = ScalingStateBuffers(engine->delayed_scalings());
+    contents.model = model_buffers(engine->host_parameters());
+    contents.optimizer = engine->host_optimizer().state();
+    contents.fp8_scaling = scaling.tensors();
+  };
+  build_engine();
   const optim::LrSchedule schedule = config.lr_schedule();
   const int64_t total_steps = config.training.train_iters;
   const double flops_per_token = gpt_flops_per_token(model_config);
@@ -248,17 +263,19 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
     fmt::print("data: {}\ndevice: {}\n", describe_data(loader, sources), engine->device_name());
   }
 
-  // Checkpoint contents: views of the model's, the optimizer's and the FP8 state.
-  ScalingStateBuffers scaling(engine->delayed_scalings());
-  CheckpointContents contents;
-  contents.model = model_buffers(engine->host_parameters());
-  contents.optimizer = engine->host_optimizer().state();
-  contents.fp8_scaling = scaling.tensors();
-
   int64_t step = 0;
   double seconds_before = 0.0;  // training time of the steps before a resume
-  if (const std::optional<nlohmann::json> state =
-          resume_run(config, run_folder, contents, scaling)) {
+  if (std::optional<nlohmann::json> state = resume_run(config, run_folder, contents, scaling)) {
+    guard.resume(state->value("nan_guard", nlohmann::json::object()).get<NanGuardState>());
+    if (guard.state().restores > 0) {
+      fmt::print("NaN guard: {} restore(s) so far; remedies in force: {}\n", guard.state().restores,
+                 guard.describe_remedies());
+    }
+    if (guard.changes_precision()) {  // the checkpoint again, into an engine built with them
+      build_engine();
+      state =
+          resume_from_checkpoint(run_folder, state->at("step").get<int64_t>(), contents, scaling);
+    }
     step = state->at("step").get<int64_t>();
     loader.seek(state->at("data_position").get<data::DataPosition>());
     seconds_before = state->value("train_seconds", 0.0);
@@ -279,7 +296,8 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
     save_run_checkpoint(run_folder, config, at_step,
                         {{"data_position", loader.position()},
                          {"train_seconds", train_seconds},
-                         {"tokens_seen", at_step * tokens_per_step}},
+                         {"tokens_seen", at_step * tokens_per_step},
+                         {"nan_guard", guard.state()}},
                         scaling, contents);
   };
 
@@ -295,6 +313,43 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   };
 
   RunLog log(run_folder, ::isatty(STDERR_FILENO) != 0, /*writes=*/leader);
+
+  // After nan_restore_after bad steps in a row: the last good checkpoint, with the remedies.
+  const auto restore_last_good = [&](int64_t steps_done) -> std::optional<int64_t> {
+    if (!guard.restore_due()) return std::nullopt;
+    const std::string streak = guard.describe_streak();
+    const std::vector<int64_t> good = good_checkpoint_steps(run_folder);
+    if (good.empty()) {
+      throw Error(fmt::format(
+          "NaN guard: {} up to step {}, and no checkpoint saved after a good step in {} to "
+          "restore; save checkpoints (save_every), or only skip bad steps (nan_restore_after: 0)",
+          streak, steps_done, (run_folder / "checkpoints").string()));
+    }
+    const RemedyChange change = guard.begin_restore();
+    // A fresh engine, as a resume has: nothing of the bad steps (pending amaxes, FP8 attention's
+    // remembered gradient amaxes) outlives them.
+    build_engine();
+    const nlohmann::json state =
+        *load_newest_checkpoint(run_folder, good, contents, scaling, "NaN guard");
+    const auto restored = state.at("step").get<int64_t>();
+    loader.seek(state.at("data_position").get<data::DataPosition>());
+    engine->from_host();
+    // The checkpoints after it belong to the steps given up. It is saved again with the guard's
+    // state, so that a run resumed from it keeps the remedies.
+    communicator.barrier();  // every rank has read it
+    if (leader) discard_checkpoints_after(run_folder, restored);
+    save(restored, state.value("train_seconds", 0.0));
+    log.event("restored",
+              fmt::format("NaN guard: {} up to step {}; restored the last good checkpoint, step "
+                          "{} (restore {} of {}); remedies: {}{}",
+                          streak, steps_done, restored, guard.state().restores,
+                          config.run.nan_max_restores, change.description,
+                          change.precision_changed
+                              ? "; precision: " + precision_summary(engine->linear_precision())
+                              : ""));
+    return restored;
+  };
+
   TrainingLoop loop = training_loop_for(config);
   if (several) loop.stop_signal = [&] { return communicator.max(StopSignal::received()); };
   loop.tokens_per_step = double(tokens_per_step);
@@ -302,15 +357,27 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   if (cuda) loop.peak_flops = kGpuPeakFlops;
   loop.memory_bytes = [&] { return cuda ? engine->peak_memory_bytes() : resident_memory_bytes(); };
   loop.peak_memory_bytes = [&] { return engine->peak_memory_bytes(); };
+  std::vector<int64_t> nan_inject_steps = config.run.nan_inject_steps;  // each one once
   loop.train_step = [&](int64_t at_step) {
+    if (std::erase(nan_inject_steps, at_step + 1) > 0) {
+      engine->inject_nan(config.run.nan_inject_parameter);
+    }
     optim::StepSchedule step_schedule = optim::nanochat_step_schedule(schedule, at_step);
     if (adamw) step_schedule = {.lr_multiplier = optim::lr_multiplier(schedule, at_step)};
+    step_schedule.lr_multiplier *= guard.lr_scale();
     const StepResult result =
         engine->train_step(loader, accumulation, config.optimizer.clip_grad, step_schedule);
-    return StepReport{result, main_lr(engine->optimizer_groups()), step_schedule.lr_multiplier};
+    StepReport report{result, main_lr(engine->optimizer_groups()), step_schedule.lr_multiplier};
+    if (result.finite()) {
+      guard.good_step();
+    } else {
+      report.bad_step_note = guard.bad_step(engine->first_non_finite_gradient());
+    }
+    return report;
   };
   loop.validation_loss = validation_loss;
   loop.save = save;
+  loop.after_bad_step = restore_last_good;
   const LoopOutcome done = run_training_loop(loop, step, seconds_before, log, run_folder);
   TrainOutcome outcome;
   outcome.steps_done = done.steps_done;

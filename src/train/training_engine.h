@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
@@ -36,10 +37,18 @@ class TrainingEngine {
 
   // One optimizer step: `accumulation` micro-batches from the loader (with R ranks, micro-batch
   // m of this rank is the loader's m·R + rank: R times as many are read), their mean gradient
-  // over all ranks, the global norm (clipped to clip_grad when > 0) and, when it is finite, the
-  // update.
+  // over all ranks, the global norm (clipped to clip_grad when > 0) and, unless the loss or the
+  // norm is not finite (StepResult::finite), the update.
   virtual StepResult train_step(data::TokenLoader& loader, int64_t accumulation, double clip_grad,
                                 const optim::StepSchedule& schedule) = 0;
+  // After a step that was not applied, whose gradients are still in place: the first parameter
+  // in gradient_scan_order (train/nan_guard.h) whose gradient holds a non-finite value, or
+  // nothing. Reads every gradient: for bad steps only.
+  virtual std::optional<std::string> first_non_finite_gradient() = 0;
+  // Fault injection (nan_inject_steps): the next train_step writes a NaN into the gradient of
+  // each parameter named here, once the backward and the sum over the ranks are done. Throws
+  // fp8t::Error for a name the model does not have.
+  virtual void inject_nan(const std::string& parameter) = 0;
   // The loss of one batch, without gradients and without touching the FP8 scaling state.
   virtual double evaluation_loss(const data::TokenBatch& batch) = 0;
 

@@ -1,7 +1,6 @@
 #include "train/training_loop.h"
 
 #include <chrono>
-#include <cmath>
 #include <system_error>
 #include <utility>
 #include <vector>
@@ -73,14 +72,39 @@ void print_emulation_note(const ModelPrecision& precision, bool cuda) {
 nlohmann::json resume_from_checkpoint(const fs::path& run_folder, int64_t step,
                                       const CheckpointContents& contents,
                                       ScalingStateBuffers& scaling) {
+  // A tensor whose state the checkpoint lacks then keeps its own.
+  scaling.copy_from_scalings();
   const LoadedCheckpoint loaded = load_checkpoint(run_folder, step, contents);
   if (!scaling.empty() && loaded.had_fp8_scaling) scaling.copy_to_scalings();
+  std::string note;
+  if (!scaling.empty() && !loaded.had_fp8_scaling) {
+    note = " (no FP8 scaling state in the checkpoint: delayed scaling starts afresh)";
+  } else if (!loaded.fp8_scaling_missing.empty() || !loaded.fp8_scaling_ignored.empty()) {
+    note = fmt::format(
+        " (the FP8 linears changed: {} delayed-scaling state(s) start afresh, {} of linears no "
+        "longer in FP8 are dropped)",
+        loaded.fp8_scaling_missing.size(), loaded.fp8_scaling_ignored.size());
+  }
   fmt::print("resumed from step {} of {}{}\n", loaded.trainer_state.at("step").get<int64_t>(),
-             run_folder.string(),
-             !scaling.empty() && !loaded.had_fp8_scaling
-                 ? " (no FP8 scaling state in the checkpoint: delayed scaling starts afresh)"
-                 : "");
+             run_folder.string(), note);
   return loaded.trainer_state;
+}
+
+std::optional<nlohmann::json> load_newest_checkpoint(const fs::path& run_folder,
+                                                     const std::vector<int64_t>& steps,
+                                                     const CheckpointContents& contents,
+                                                     ScalingStateBuffers& scaling,
+                                                     std::string_view who) {
+  for (auto step = steps.rbegin(); step != steps.rend(); ++step) {
+    try {
+      return resume_from_checkpoint(run_folder, *step, contents, scaling);
+    } catch (const Error& error) {
+      if (std::next(step) == steps.rend()) throw;
+      fmt::print("{}: cannot resume from step {}: {}; trying step {}\n", who, *step, error.what(),
+                 *std::next(step));
+    }
+  }
+  return std::nullopt;
 }
 
 std::optional<nlohmann::json> resume_run(const TrainConfig& config, const fs::path& run_folder,
@@ -95,16 +119,7 @@ std::optional<nlohmann::json> resume_run(const TrainConfig& config, const fs::pa
     fmt::print("resume: auto: no checkpoint in {}, starting fresh\n", run_folder.string());
     return std::nullopt;
   }
-  for (auto step = steps.rbegin(); step != steps.rend(); ++step) {
-    try {
-      return resume_from_checkpoint(run_folder, *step, contents, scaling);
-    } catch (const Error& error) {
-      if (std::next(step) == steps.rend()) throw;
-      fmt::print("resume: auto: cannot resume from step {}: {}; trying step {}\n", *step,
-                 error.what(), *std::next(step));
-    }
-  }
-  return std::nullopt;  // not reached: the loop returns or throws
+  return load_newest_checkpoint(run_folder, steps, contents, scaling, "resume: auto");
 }
 
 void save_run_checkpoint(const fs::path& run_folder, const TrainConfig& config, int64_t step,
@@ -141,9 +156,12 @@ LoopOutcome run_training_loop(const TrainingLoop& loop, int64_t steps_done, doub
   while (step < loop.total_steps) {
     const Clock::time_point start = Clock::now();
     const StepReport report = loop.train_step(step);
-    if (!std::isfinite(report.result.grad_norm)) {
-      log.event("skipped_step", fmt::format("step {}: gradient norm {}; the update is skipped",
-                                            step + 1, report.result.grad_norm));
+    const bool bad = !report.result.finite();
+    if (bad) {
+      log.event(
+          "skipped_step",
+          fmt::format("step {}: loss {:.4f}, gradient norm {:.4g}; the update is skipped{}",
+                      step + 1, report.result.loss, report.result.grad_norm, report.bad_step_note));
     }
     ++step;
     const double seconds = std::chrono::duration<double>(Clock::now() - start).count();
@@ -174,6 +192,7 @@ LoopOutcome run_training_loop(const TrainingLoop& loop, int64_t steps_done, doub
 
     if (saved_on_schedule(step)) loop.save(step, train_seconds);
     if (loop.after_step) loop.after_step(step);
+    if (bad && loop.after_bad_step) step = loop.after_bad_step(step).value_or(step);
     const int stop = loop.stop_signal ? loop.stop_signal() : StopSignal::received();
     if (stop != 0) {
       if (!saved_on_schedule(step)) loop.save(step, train_seconds);

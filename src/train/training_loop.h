@@ -3,10 +3,14 @@
 // metrics.jsonl, validation, checkpoints on schedule and on SIGINT / SIGTERM, the summary.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <filesystem>
 #include <functional>
 #include <optional>
+#include <string>
+#include <string_view>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -18,8 +22,12 @@
 namespace fp8t::train {
 
 struct StepResult {
-  double loss = 0.0;       // mean over the micro-batches
-  double grad_norm = 0.0;  // before clipping; not finite: the update was skipped
+  double loss = 0.0;       // mean over the micro-batches (and the ranks)
+  double grad_norm = 0.0;  // before clipping
+
+  // A bad step (a non-finite loss or gradient norm) is not applied. Both are reduced over the
+  // ranks before the check, so every rank skips the same steps.
+  bool finite() const { return std::isfinite(loss) && std::isfinite(grad_norm); }
 };
 
 // Prints the run's name, folder and resolved configuration, creates the folder and saves the
@@ -42,6 +50,15 @@ nlohmann::json resume_from_checkpoint(const std::filesystem::path& run_folder, i
                                       const CheckpointContents& contents,
                                       ScalingStateBuffers& scaling);
 
+// Reads the newest of `steps` (ascending, as saved_steps lists them) that loads, as
+// resume_from_checkpoint does; each one that does not is named with the reason after `who`, then
+// the next older is tried, and the oldest's error is thrown. Nothing when `steps` is empty.
+std::optional<nlohmann::json> load_newest_checkpoint(const std::filesystem::path& run_folder,
+                                                     const std::vector<int64_t>& steps,
+                                                     const CheckpointContents& contents,
+                                                     ScalingStateBuffers& scaling,
+                                                     std::string_view who);
+
 // What a run continues from: checkpoint resume_from_step, or with `resume: auto` the newest
 // checkpoint of the run folder that loads (each one that does not is named with the reason,
 // then the next older is tried), read as resume_from_checkpoint does; its trainer_state.json,
@@ -63,6 +80,7 @@ struct StepReport {
   StepResult result;
   double lr = 0.0;  // the main group's, after the schedule
   double lr_multiplier = 0.0;
+  std::string bad_step_note = {};  // a bad step: appended to the log's line about it
 };
 
 struct TrainingLoop {
@@ -82,6 +100,9 @@ struct TrainingLoop {
   std::function<void(int64_t steps_done, double train_seconds)> save;
   // After each step's log line and checkpoint; may be empty.
   std::function<void(int64_t steps_done)> after_step;
+  // After a bad step's log line and checkpoint: the steps done to go on from (a restored
+  // checkpoint's), or nothing to go on as before. May be empty.
+  std::function<std::optional<int64_t>(int64_t steps_done)> after_bad_step;
   // The stop signal received so far (0: none); empty: this process's. Several ranks must agree
   // on it, so that all stop after the same step.
   std::function<int()> stop_signal;

@@ -1,11 +1,13 @@
 #include "config/train_config.h"
 
+#include <gmock/gmock.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
 #include <sstream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -243,6 +245,20 @@ TEST(TrainConfig, MissingFileAndCyclesAreErrors) {
                        "' is already being loaded: the bases form a cycle");
 }
 
+// A folder, as the config file or as a base, is refused before yaml-cpp reads it (which leaked
+// its read buffer when reading the folder failed).
+TEST(TrainConfig, FolderIsNotAConfigFile) {
+  const test::TempFolder folder;
+  fs::create_directory(folder / "sub");
+  std::ofstream(folder / "child.yaml") << "base: sub\ndepth: 4\n";
+  EXPECT_EQ(
+      load_error({"--config", folder.path().string()}),
+      folder.path().string() + ": cannot read the config file: expected a file, found a folder");
+  EXPECT_EQ(load_error({"--config", (folder / "child.yaml").string()}),
+            (folder / "child.yaml").string() + ":1: base: cannot read '" +
+                (folder / "sub").string() + "': expected a file, found a folder");
+}
+
 TEST(TrainConfig, OverridesInEveryForm) {
   const TrainConfig config =
       load({"--micro-batch-size=4", "--global_batch_size", "8", "--lr=0.01",
@@ -260,6 +276,67 @@ TEST(TrainConfig, OverridesInEveryForm) {
   EXPECT_EQ(load({"--fp8=e4m3"}).fp8.scaling.mode, Fp8Mode::E4M3);
   EXPECT_EQ(load({"--fp8=none"}).fp8.scaling.mode, Fp8Mode::None);
   EXPECT_EQ(load({"--resume-from-step", "-1"}).run.resume_from_step, -1);  // a negative value
+}
+
+TEST(TrainConfig, NanGuardListsInEveryForm) {
+  const TrainConfig defaults;
+  EXPECT_EQ(defaults.run.nan_restore_after, 5);
+  EXPECT_EQ(defaults.run.nan_remedy, std::vector<NanRemedy>{NanRemedy::LowerLr});
+  EXPECT_TRUE(defaults.run.nan_inject_steps.empty());
+  const TrainConfig listed =
+      load({"--fp8", "--nan-remedy=[lower_lr, bf16_layer]", "--nan-inject-steps=5,6, 7",
+            "--nan-inject-parameter=transformer.h.1.mlp.c_fc.weight"});
+  EXPECT_EQ(listed.run.nan_remedy,
+            (std::vector<NanRemedy>{NanRemedy::LowerLr, NanRemedy::Bf16Layer}));
+  EXPECT_EQ(listed.run.nan_inject_steps, (std::vector<int64_t>{5, 6, 7}));
+  EXPECT_TRUE(load({"--nan-remedy=[]"}).run.nan_remedy.empty());
+  EXPECT_EQ(load({"--nan-remedy", "lower_lr"}).run.nan_remedy, defaults.run.nan_remedy);
+  const YAML::Node written = YAML::Load(to_yaml(listed));
+  EXPECT_EQ(written["run"]["nan_inject_steps"].as<std::vector<int64_t>>(),
+            (std::vector<int64_t>{5, 6, 7}));
+  EXPECT_EQ(written["run"]["nan_remedy"].as<std::vector<std::string>>(),
+            (std::vector<std::string>{"lower_lr", "bf16_layer"}));
+
+  const test::TempFolder folder;
+  std::ofstream(folder / "guard.yaml") << "fp8: hybrid\nfp8_recipe: delayed\nrun:\n"
+                                          "  nan_remedy: [fp8_margin, lower_lr]\n"
+                                          "  nan_inject_steps: [3]\n"
+                                          "  nan_inject_parameter: lm_head.weight\n";
+  const TrainConfig file = load({"--config", (folder / "guard.yaml").string()});
+  EXPECT_EQ(file.run.nan_remedy,
+            (std::vector<NanRemedy>{NanRemedy::Fp8Margin, NanRemedy::LowerLr}));
+  EXPECT_EQ(file.run.nan_inject_steps, std::vector<int64_t>{3});
+  std::ofstream(folder / "nested.yaml") << "nan_inject_steps: [[3]]\n";
+  EXPECT_EQ(load_error({"--config", (folder / "nested.yaml").string()}),
+            (folder / "nested.yaml").string() +
+                ":1: nan_inject_steps: expected a list of integers >= 1, found a list");
+}
+
+TEST(TrainConfig, NanGuardErrorsNameTheKey) {
+  const std::pair<std::vector<std::string>, std::string> cases[] = {
+      {{"--nan-remedy=[lower_lr, smaller_batch]"},
+       "--nan-remedy: expected lower_lr, fp8_margin, bf16_layer, found 'smaller_batch'"},
+      {{"--nan-inject-steps=[0]"}, "--nan-inject-steps: expected integers >= 1, found '0'"},
+      {{"--nan-lr-factor=1"}, "--nan-lr-factor: must be a number in (0, 1), found 1"},
+      {{"--nan-remedy=fp8_margin"},
+       "--nan-remedy: fp8_margin needs fp8_recipe: delayed (the only recipe with a margin), "
+       "found fp8: none"},
+      {{"--fp8", "--nan-remedy=fp8_margin"},
+       "--nan-remedy: fp8_margin needs fp8_recipe: delayed (the only recipe with a margin), "
+       "found fp8_recipe: tensorwise"},
+      {{"--nan-remedy=bf16_layer"},
+       "--nan-remedy: bf16_layer needs fp8 other than none (with fp8: none every linear is "
+       "BF16 already)"},
+      {{"--depth=2", "--nan-inject-steps=3", "--nan-inject-parameter=transformer.h.2.mlp.c_fc"},
+       "--nan-inject-parameter: nan_inject_steps need a parameter of this model (e.g. "
+       "transformer.h.0.mlp.c_fc.weight), found 'transformer.h.2.mlp.c_fc'"},
+  };
+  for (const auto& [args, expected] : cases) {
+    EXPECT_EQ(load_error(args), "command line: " + expected);
+  }
+  // A Flux model has no guard keys.
+  EXPECT_THAT(load_error({"--model=flux_tiny", "--nan-restore-after=2"}),
+              ::testing::HasSubstr("--nan-restore-after: applies to the GPT only"));
 }
 
 TEST(TrainConfig, NanochatFlags) {
@@ -394,6 +471,10 @@ TEST(TrainConfig, EveryKeyRoundTripsThroughYaml) {
   config.fp8.wgrad = false;
   config.fp8.dot_product_attention = true;
   config.fp8.num_layers_at_end_in_bf16 = 2;
+  config.run.nan_restore_after = 2;
+  config.run.nan_remedy = {NanRemedy::Bf16Layer, NanRemedy::LowerLr};
+  config.run.nan_inject_steps = {3, 5};
+  config.run.nan_inject_parameter = "transformer.h.1.mlp.c_fc.weight";
 
   const test::TempFolder folder;
   const fs::path file = folder / "round_trip.yaml";
@@ -405,6 +486,8 @@ TEST(TrainConfig, EveryKeyRoundTripsThroughYaml) {
   EXPECT_EQ(loaded.optimizer.lr, config.optimizer.lr);
   EXPECT_EQ(loaded.fp8.scaling.amax_epsilon, config.fp8.scaling.amax_epsilon);
   EXPECT_EQ(loaded.fp8.scaling.power_of_2_scales, false);
+  EXPECT_EQ(loaded.run.nan_remedy, config.run.nan_remedy);
+  EXPECT_EQ(loaded.run.nan_inject_steps, config.run.nan_inject_steps);
 
   // Every key of the model is written, in its section; the other model's keys are not (nor a
   // section without any).
@@ -414,6 +497,21 @@ TEST(TrainConfig, EveryKeyRoundTripsThroughYaml) {
     EXPECT_EQ(section && section[std::string(key.name)], key.models != ModelScope::Flux)
         << key.name;
   }
+}
+
+// Control characters in strings survive the resolved config.yaml (a line break inside the
+// quotes read back as a space).
+TEST(TrainConfig, ControlCharactersRoundTripThroughYaml) {
+  TrainConfig config;
+  config.run.name = "two\nlines";
+  config.data.data_path = "tab\t, return\r, bell\x07, delete\x7f";
+  const test::TempFolder folder;
+  const fs::path file = folder / "control.yaml";
+  save_train_config(config, file);
+  const TrainConfig loaded = load({"--config", file.string()});
+  EXPECT_EQ(loaded.run.name, config.run.name);
+  EXPECT_EQ(loaded.data.data_path, config.data.data_path);
+  EXPECT_EQ(to_yaml(loaded), to_yaml(config));
 }
 
 TEST(TrainConfig, FluxRoundTripsThroughYaml) {
@@ -490,7 +588,10 @@ TEST(TrainConfig, EveryKeyParsesItsOwnDefault) {
   const TrainConfig defaults;
   for (const ConfigKey& key : config_keys()) {
     TrainConfig config;
-    const std::string text = YAML::Load(key.get(defaults)).as<std::string>();
+    // A list's setter reads the written flow form ("[a, b]") itself.
+    const std::string text = key.type == ValueType::List
+                                 ? key.get(defaults)
+                                 : YAML::Load(key.get(defaults)).as<std::string>();
     EXPECT_EQ(key.set(config, text), std::nullopt) << key.name;
     EXPECT_EQ(key.get(config), key.get(defaults)) << key.name;
   }

@@ -209,6 +209,17 @@ TEST_F(Safetensors, BadJson) {
   EXPECT_TRUE(Contains(open_error(metadata), "__metadata__ value of 'seed' is not a string"));
 }
 
+// A header nested 100 000 levels deep is refused when parsed: printing part of it in a message
+// (dump() recurses once per level) overflowed the stack.
+TEST_F(Safetensors, DeeplyNestedHeader) {
+  const std::string nested = std::string(100000, '[') + std::string(100000, ']');
+  const fs::path path = write_raw(R"({"a":)" + nested + "}");
+  const std::string message = open_error(path);
+  EXPECT_TRUE(Contains(message, path.string()));
+  EXPECT_TRUE(
+      Contains(message, "header: expected JSON nested at most 16 levels deep, found deeper"));
+}
+
 TEST_F(Safetensors, OffsetsOutsideTheFile) {
   const fs::path path =
       write_raw(R"({"w":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}})", std::string(8, 'x'));

@@ -95,6 +95,20 @@ TEST(PrecisionPolicy, LmHeadFollowsItsOption) {
             "lm_head_fp8: false; smear_gate: dims < 128)");
 }
 
+TEST(PrecisionPolicy, Bf16LinearsAreKeptByName) {
+  const GptConfig config = GptConfig::from_depth(24);
+  PrecisionOptions options;
+  options.bf16_linears = {"transformer.h.7.mlp.c_fc", "lm_head"};
+  const std::vector<LinearPrecision> decisions = decide_precision(config, options);
+  for (const LinearPrecision& decision : decisions) {
+    if (decision.linear.name == "transformer.h.7.mlp.c_fc" || decision.linear.name == "lm_head") {
+      EXPECT_FALSE(decision.fp8) << decision.linear.name;
+      EXPECT_EQ(decision.reason, "non-finite gradients (nan_remedy: bf16_layer)");
+    }
+  }
+  EXPECT_EQ(fp8_count(decisions), 143);
+}
+
 TEST(PrecisionPolicy, Fp8NoneKeepsEverythingInBf16) {
   PrecisionOptions options;
   options.mode = Fp8Mode::None;

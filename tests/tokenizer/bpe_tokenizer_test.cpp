@@ -300,5 +300,36 @@ TEST_F(BpeTokenizerTest, ReportsBadTokenizerFiles) {
   EXPECT_TRUE(Contains(load_error(path), "nobyte.tiktoken: byte 0x41 has no token"));
 }
 
+// Members of another type escaped as nlohmann's type_error, and printing a deeply nested entry
+// (dump() recurses once per level) overflowed the stack.
+TEST_F(BpeTokenizerTest, ReportsMalformedSidecars) {
+  const BpeTokenizer bpe = BpeTokenizer::train(english_documents(rng_, 50), 300);
+  const fs::path path = folder_ / "sidecar.tiktoken";
+  bpe.save(path);
+  const nlohmann::json valid = {{"format", "fp8train-bpe-special-tokens"},
+                                {"version", 1},
+                                {"pattern", kSplitPattern},
+                                {"special_tokens", nlohmann::json::array()}};
+  const auto error_with = [&](const std::string& key, const std::string& value) {
+    nlohmann::json sidecar = valid;
+    sidecar[key] = nlohmann::json::parse(value);
+    std::ofstream(special_tokens_path(path), std::ios::trunc) << sidecar.dump();
+    return load_error(path);
+  };
+  EXPECT_TRUE(Contains(error_with("format", "5"),
+                       "expected a JSON object with \"format\": \"fp8train-bpe-special-tokens\""));
+  EXPECT_TRUE(Contains(error_with("version", "\"1\""),
+                       "unsupported version \"1\"; this build reads version 1"));
+  EXPECT_TRUE(Contains(error_with("pattern", "[1]"), "its split pattern differs"));
+  EXPECT_TRUE(Contains(error_with("special_tokens", "{}"), "\"special_tokens\" is not an array"));
+
+  const std::string nested = std::string(100000, '[') + std::string(100000, ']');
+  std::ofstream(special_tokens_path(path), std::ios::trunc)
+      << R"({"format": "fp8train-bpe-special-tokens", "special_tokens": )" << nested << "}";
+  EXPECT_TRUE(Contains(load_error(path),
+                       "sidecar.tiktoken.special_tokens.json: expected JSON nested at most 16 "
+                       "levels deep, found deeper"));
+}
+
 }  // namespace
 }  // namespace fp8t::tokenizer

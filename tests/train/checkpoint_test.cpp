@@ -107,6 +107,33 @@ TEST_F(CheckpointTest, UnexpectedTensorIsAnError) {
   EXPECT_THROW(load_checkpoint(run_, 3, wanted), Error);
 }
 
+// The FP8 linears may change between a save and a load (the NaN guard's bf16_layer): the
+// delayed-scaling state is read by name, and what does not match is listed.
+TEST_F(CheckpointTest, Fp8ScalingStateIsReadByName) {
+  std::vector<float> first = {1, 2}, second = {3, 4};
+  CheckpointContents saved = contents(3);
+  saved.fp8_scaling = {{"a.input.state", TensorView(first.data(), DType::F32, {2})},
+                       {"b.input.state", TensorView(second.data(), DType::F32, {2})}};
+  save_checkpoint(run_, saved);
+  std::vector<float> a(2), c = {7, 8};
+  CheckpointContents wanted = contents(3);
+  wanted.fp8_scaling = {{"a.input.state", TensorView(a.data(), DType::F32, {2})},
+                        {"c.input.state", TensorView(c.data(), DType::F32, {2})}};
+  const LoadedCheckpoint loaded = load_checkpoint(run_, 3, wanted);
+  EXPECT_EQ(a, first);
+  EXPECT_EQ(c, (std::vector<float>{7, 8}));  // left as it was
+  EXPECT_EQ(loaded.fp8_scaling_missing, std::vector<std::string>{"c.input.state"});
+  EXPECT_EQ(loaded.fp8_scaling_ignored, std::vector<std::string>{"b.input.state"});
+}
+
+TEST_F(CheckpointTest, DiscardingAfterAStepKeepsTheEarlierOnes) {
+  for (int64_t step : {2, 4, 6})
+    save_checkpoint(run_, contents(step));
+  discard_checkpoints_after(run_, 2);
+  EXPECT_EQ(saved_steps(run_), std::vector<int64_t>{2});
+  EXPECT_FALSE(fs::exists(checkpoint_folder(run_, 4)));
+}
+
 TEST_F(CheckpointTest, ReSavingAStepReplacesIt) {
   save_checkpoint(run_, contents(5));
   weight_[0] = 42.0f;

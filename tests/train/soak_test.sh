@@ -91,22 +91,6 @@ if ! grep -q "cannot resume from step $((10#${newest##*_})): .*model.safetensors
 fi
 grep -o "resume: auto: cannot resume from step [0-9]*\|resumed from step [0-9]*" "$damaged"
 
-# Each step's loss as the soak last logged it (a restart repeats the steps after its checkpoint)
-# against the uninterrupted run's.
-python3 - "$output/straight/metrics.jsonl" "$output/soak/metrics.jsonl" "$steps" <<'PY'
-import json, sys
-def losses(path):
-    found = {}
-    for line in open(path):
-        record = json.loads(line)
-        if "step" in record and "loss" in record:
-            found[record["step"]] = record["loss"]
-    return found
-straight, soak, steps = losses(sys.argv[1]), losses(sys.argv[2]), int(sys.argv[3])
-missing = [s for s in range(1, steps + 1) if s not in soak]
-differ = [(s, straight[s], soak[s]) for s in range(1, steps + 1) if s in soak and soak[s] != straight[s]]
-if missing or differ:
-    print(f"FAIL: steps missing {missing[:5]}, losses differing (step, straight, soak) {differ[:5]}")
-    sys.exit(1)
-print(f"PASS: {steps} steps through the kills, every loss equal to the uninterrupted run's")
-PY
+# Each step's loss against the uninterrupted run's.
+python3 "$(dirname "$0")/compare_losses.py" "$output/straight/metrics.jsonl" \
+  "$output/soak/metrics.jsonl" "$steps"
