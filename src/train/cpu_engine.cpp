@@ -10,6 +10,7 @@
 
 #include "core/error.h"
 #include "optim/clip.h"
+#include "train/memory_fit.h"
 #include "train/nan_guard.h"
 #include "train/run_log.h"
 #include "train/training_engine.h"
@@ -117,16 +118,13 @@ class CpuEngine final : public TrainingEngine {
  private:
   // Fails before allocating when the plan cannot fit in the memory the system has available.
   static void check_memory_fits(const GptMemoryPlan& plan) {
-    const double available = available_memory_bytes();
-    if (available > 0.0 && double(plan.total()) > available) {
-      throw ConfigError(fmt::format(
-          "the CPU path needs {} for this model and batch (parameters {}, gradients {}, "
-          "optimizer {}, activations {}) but {} is available; lower micro_batch_size, "
-          "sequence_len or depth",
-          format_bytes(double(plan.total())), format_bytes(double(plan.parameters)),
-          format_bytes(double(plan.gradients)), format_bytes(double(plan.optimizer_state)),
-          format_bytes(double(plan.activations)), format_bytes(available)));
-    }
+    check_memory_plan("the CPU path, for this model and batch,",
+                      {{"parameters", double(plan.parameters)},
+                       {"gradients", double(plan.gradients)},
+                       {"optimizer", double(plan.optimizer_state)},
+                       {"activations", double(plan.activations)}},
+                      available_memory_bytes(), "is available",
+                      "lower micro_batch_size, sequence_len or depth");
   }
 
   distributed::Communicator* communicator_;

@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "platform/device_info.h"
+#include "train/memory_fit.h"
 #include "train/nan_guard.h"
 #include "train/run_log.h"
 #include "train/training_engine.h"
@@ -60,11 +61,13 @@ class CudaEngine final : public TrainingEngine {
   CudaEngine(const EngineSetup& setup, GpuInfo gpu)
       : gpu_(std::move(gpu)),
         communicator_(setup.communicator),
-        model_(setup.model, setup.batch, setup.seq, setup.precision, stream_.get()),
         host_arena_("parameters (host mirror)",
                     ParameterSet::planned_bytes(setup.model, DType::F32)),
         host_parameters_(host_arena_, setup.model, DType::F32),
         host_optimizer_(setup.model, setup.optimizer, setup.tokens_per_step),
+        model_(setup.model, setup.batch, setup.seq, setup.precision, stream_.get(),
+               [&](const CudaGptMemory& planned, const optim::DeviceParameterLayout& layout,
+                   size_t lendable) { check_fits(setup, planned, layout, lendable); }),
         optimizer_(host_optimizer_, model_.layout(), model_.gemm(),
                    model_.scratch_between_steps().data(), model_.scratch_between_steps().size()),
         norm_host_(1),
@@ -235,13 +238,46 @@ class CudaEngine final : public TrainingEngine {
     return sum;
   }
 
+  // The plan of the model and the optimizer against the GPU's free memory, before either
+  // allocates: an error naming the plan and the micro-batch that would fit.
+  void check_fits(const EngineSetup& setup, const CudaGptMemory& planned,
+                  const optim::DeviceParameterLayout& layout, size_t lendable) const {
+    // The CUDA context, cuBLASLt's and cuDNN's workspaces and, with several GPUs, NCCL's buffers.
+    constexpr double kRuntimeReserve = double(size_t{1} << 30);
+    const double optimizer =
+        double(optim::CudaGptOptimizer::planned_device_bytes(host_optimizer_, layout, lendable));
+    size_t free = 0, total = 0;
+    FP8T_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+    // Activations and the step's workspace grow with the micro-batch; the rest does not.
+    const double per_sample = double(planned.activations + planned.workspace) / double(setup.batch);
+    const double fixed =
+        double(planned.total()) + optimizer + kRuntimeReserve - per_sample * double(setup.batch);
+    const int64_t fits = largest_fitting_batch(fixed, per_sample, double(free));
+    const std::string advice =
+        fits > 0 ? fmt::format(
+                       "micro_batch_size {} would fit (gradient accumulation keeps the "
+                       "tokens per step); more GPUs do not help, each holds the whole model",
+                       fits)
+                 : "the parameters, gradients and optimizer state alone do not fit: a smaller "
+                   "model (depth)";
+    check_memory_plan(fmt::format("the GPU path, with micro_batch_size {},", setup.batch),
+                      {{"parameters", double(planned.parameters)},
+                       {"gradients", double(planned.gradients)},
+                       {"optimizer", optimizer},
+                       {"activations", double(planned.activations)},
+                       {"workspace", double(planned.workspace)},
+                       {"linear copies", double(planned.linear_copies)},
+                       {"CUDA, cuBLASLt and cuDNN", kRuntimeReserve}},
+                      double(free), fmt::format("is free on {}", gpu_.name), advice);
+  }
+
   GpuInfo gpu_;
   distributed::Communicator* communicator_;
   CudaStream stream_;
-  CudaGptModel model_;
   Arena host_arena_;
   ParameterSet host_parameters_;
   optim::GptOptimizer host_optimizer_;
+  CudaGptModel model_;
   optim::CudaGptOptimizer optimizer_;
   float* norm_ = nullptr;
   PinnedFloats norm_host_;

@@ -2,6 +2,8 @@
 // optimizer state mirrored on the host for checkpoints and sample grids only.
 #include <algorithm>
 #include <memory>
+#include <string>
+#include <utility>
 #include <vector>
 
 #include <fmt/format.h>
@@ -9,6 +11,7 @@
 #include "core/error.h"
 #include "platform/device_info.h"
 #include "train/flux_engine.h"
+#include "train/memory_fit.h"
 #include "train/run_log.h"
 #include "train/training_engine.h"
 
@@ -16,6 +19,7 @@
 #include "core/cuda_check.h"
 #include "core/cuda_resources.h"
 #include "models/cuda/flux_model_cuda.h"
+#include "models/flux_memory.h"
 #include "optim/cuda/adamw_cuda.h"
 #endif
 #if FP8TRAIN_WITH_NCCL
@@ -189,11 +193,46 @@ class FluxCudaEngine final : public FluxEngine {
 #endif
 };
 
+// The host plan (models/flux_memory.h) against the GPU's free memory, before anything is
+// allocated: an error naming the plan and the micro-batch that would fit.
+void check_flux_fits(const FluxEngineSetup& setup, const GpuInfo& gpu) {
+  const auto plan_for = [&](int64_t batch) {
+    const FluxMicroBatch micro_batch{batch, setup.img_tokens, setup.txt_tokens};
+    return std::pair(plan_flux_memory(setup.model, micro_batch, setup.precision),
+                     double(flux_runtime_reserve_bytes(setup.model, micro_batch)));
+  };
+  size_t free = 0, total = 0;
+  FP8T_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  const auto [plan, reserve] = plan_for(setup.batch);
+  int64_t fits = 0;  // plans grow with the batch: the largest below the asked one that fits
+  for (int64_t batch = setup.batch - 1; batch >= 1 && fits == 0; --batch) {
+    const auto [smaller, smaller_reserve] = plan_for(batch);
+    if (double(smaller.total()) + smaller_reserve <= double(free)) fits = batch;
+  }
+  const std::string advice =
+      fits > 0 ? fmt::format(
+                     "micro_batch_size {} would fit (gradient accumulation keeps the "
+                     "samples per step); more GPUs do not help, each holds the whole model",
+                     fits)
+               : "not even one sample per micro-batch fits: fewer blocks or smaller images";
+  check_memory_plan(fmt::format("the GPU path, with micro_batch_size {},", setup.batch),
+                    {{"parameters", double(plan.parameters)},
+                     {"gradients", double(plan.gradients)},
+                     {"optimizer", double(plan.optimizer_state)},
+                     {"activations", double(plan.activations)},
+                     {"workspace", double(plan.workspace)},
+                     {"linear copies", double(plan.linear_copies)},
+                     {"CUDA, cuBLASLt and cuDNN", reserve}},
+                    double(free), fmt::format("is free on {}", gpu.name), advice);
+}
+
 }  // namespace
 
 std::unique_ptr<FluxEngine> make_flux_cuda_engine(const FluxEngineSetup& setup) {
   check_gpu_precision(setup.precision);
-  return std::make_unique<FluxCudaEngine>(setup, training_gpu(setup.communicator));
+  GpuInfo gpu = training_gpu(setup.communicator);
+  check_flux_fits(setup, gpu);
+  return std::make_unique<FluxCudaEngine>(setup, std::move(gpu));
 }
 
 #else

@@ -9,6 +9,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -246,6 +247,40 @@ TEST_P(GptGoldenGpu, MatchesThePytorchReferenceInBf16) {
 
 INSTANTIATE_TEST_SUITE_P(GptModelGpu, GptGoldenGpu,
                          ::testing::Values("gpt_tiny_golden", "gpt_tiny_golden_full"));
+
+// The plan handed to the engine before anything is allocated is what the model then takes,
+// category by category, for BF16 and every recipe.
+TEST(GptModelGpu, PlanBeforeAllocatingIsWhatTheModelTakes) {
+  const GptConfig config = small_config();
+  cudaStream_t stream = nullptr;
+  FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
+  for (const auto& [mode, recipe] : {std::pair{Fp8Mode::None, ScalingRecipe::Tensorwise},
+                                     std::pair{Fp8Mode::Hybrid, ScalingRecipe::Tensorwise},
+                                     std::pair{Fp8Mode::Hybrid, ScalingRecipe::Delayed},
+                                     std::pair{Fp8Mode::Hybrid, ScalingRecipe::Blockwise},
+                                     std::pair{Fp8Mode::Hybrid, ScalingRecipe::Mxfp8}}) {
+    SCOPED_TRACE(std::string(recipe_name(recipe)) + (mode == Fp8Mode::None ? " (BF16)" : ""));
+    int checks = 0;
+    CudaGptMemory planned;
+    size_t lendable = 0;
+    const CudaGptModel gpu(
+        config, kBatch, kSeq, precision_for(mode, recipe), stream,
+        [&](const CudaGptMemory& plan, const optim::DeviceParameterLayout&, size_t scratch) {
+          ++checks;
+          planned = plan;
+          lendable = scratch;
+        });
+    EXPECT_EQ(checks, 1);
+    const CudaGptMemory& taken = gpu.memory();
+    EXPECT_EQ(planned.parameters, taken.parameters);
+    EXPECT_EQ(planned.gradients, taken.gradients);
+    EXPECT_EQ(planned.activations, taken.activations);
+    EXPECT_EQ(planned.workspace, taken.workspace);
+    EXPECT_EQ(planned.linear_copies, taken.linear_copies);
+    EXPECT_EQ(lendable, gpu.scratch_between_steps().size());
+  }
+  FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
+}
 
 // Evaluation passes leave the FP8 state alone and compute the same loss as a training forward.
 TEST(GptModelGpu, EvaluationForwardMatchesTrainingForward) {

@@ -380,6 +380,14 @@ TEST_P(CudaGptOptimizerTest, BorrowedWorkspaceGivesTheSameSteps) {
   DeviceBuffer<uint8_t> small(lent.count() / 2);
   const CudaGptOptimizer refused(host, layout_, gemm_, small.get(), small.count());
   EXPECT_FALSE(refused.workspace_borrowed());
+  // The plan an engine checks before allocating is what each one took.
+  for (const auto& [optimizer, lendable] : {std::pair<const CudaGptOptimizer*, size_t>{&own, 0},
+                                            {&borrowing, lent.count()},
+                                            {&refused, small.count()}}) {
+    EXPECT_EQ(CudaGptOptimizer::planned_device_bytes(host, layout_, lendable),
+              optimizer->device_state_bytes() + optimizer->device_workspace_bytes())
+        << "lending " << lendable << " bytes";
+  }
 
   HostSet params(config_), grads(config_);
   fill_parameters(rng_, params);

@@ -9,6 +9,8 @@
 #include <vector>
 
 #include "config/train_config.h"
+#include "core/error.h"
+#include "test_files.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 #include "train/trainer_fixture.h"
@@ -67,6 +69,19 @@ TEST_F(TrainerGpuTest, CpuCheckpointResumesOnTheGpu) {
   EXPECT_EQ(outcome.steps_done, 6);
   const std::map<int64_t, double> resumed = losses(root_ / "runs" / "cpu");
   EXPECT_NEAR(resumed.at(4), cpu.at(4), 0.02 * cpu.at(4));
+}
+
+// A plan larger than the GPU's free memory fails before anything is allocated, naming the
+// micro-batch that would fit.
+TEST_F(TrainerGpuTest, ModelThatDoesNotFitOnTheGpuIsRefused) {
+  const std::string message = test::error_message<ConfigError>([&] {
+    run_training(load_train_config(
+        args("huge", {"--micro-batch-size=1000000", "--global-batch-size=1000000"})));
+  });
+  EXPECT_TRUE(test::Contains(message, "the GPU path, with micro_batch_size 1000000, needs"))
+      << message;
+  EXPECT_TRUE(test::Contains(message, "is free on")) << message;
+  EXPECT_TRUE(test::Contains(message, "would fit")) << message;
 }
 
 }  // namespace

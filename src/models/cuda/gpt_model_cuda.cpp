@@ -20,6 +20,7 @@
 #include "ops/cuda/gpt_gates.h"
 #include "ops/cuda/linear_cuda.h"
 #include "ops/cuda/ops_cuda.h"
+#include "ops/fp8_linear_layout.h"
 #include "ops/rmsnorm.h"
 #include "ops/rotary.h"
 
@@ -118,7 +119,8 @@ struct CudaGptModel::Buffers {
 };
 
 CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
-                           const GptPrecision& precision, cudaStream_t stream)
+                           const GptPrecision& precision, cudaStream_t stream,
+                           const PlanCheck& check_plan)
     : config_(config),
       batch_(batch),
       seq_(seq),
@@ -138,16 +140,26 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
   layout_ = optim::device_parameter_layout(config_, /*bf16_embeddings=*/true);
   plan_gradient_ranges();
   lay_out();
-  for (DeviceArena* arena : {&buffers_->parameters, &buffers_->gradients, &buffers_->activations,
-                             &buffers_->workspace, &buffers_->linear_scratch}) {
-    arena->allocate_planned();
-  }
-  lay_out();
   memory_.parameters = buffers_->parameters.bytes();
   memory_.gradients = buffers_->gradients.bytes();
   memory_.activations = buffers_->activations.bytes();
   memory_.workspace = buffers_->workspace.bytes();
   memory_.linear_copies = buffers_->linear_scratch.bytes();
+  if (check_plan) {
+    CudaGptMemory planned = memory_;
+    for (const LinearPrecision& decision : linear_precision_) {
+      if (decision.linear.kind == ParamKind::Gate) continue;  // kernels of their own
+      planned.linear_copies +=
+          ops::linear_weight_bytes(decision.linear.in_features, decision.linear.out_features,
+                                   /*bias=*/false, decision.fp8, precision_.fp8.recipe);
+    }
+    check_plan(planned, layout_, buffers_->region_bytes);
+  }
+  for (DeviceArena* arena : {&buffers_->parameters, &buffers_->gradients, &buffers_->activations,
+                             &buffers_->workspace, &buffers_->linear_scratch}) {
+    arena->allocate_planned();
+  }
+  lay_out();
 
   // Rotary tables, and the linears.
   const int64_t half = config_.head_dim() / 2;

@@ -51,9 +51,16 @@ struct CudaGptMemory {
 
 class CudaGptModel {
  public:
+  // Called once the device memory is planned and before any of it is allocated, with the plan
+  // (linear_copies as the linears will allocate them), the parameter layout and the bytes of
+  // scratch_between_steps(): the engine checks what it will need against the free memory.
+  using PlanCheck =
+      std::function<void(const CudaGptMemory& planned, const optim::DeviceParameterLayout& layout,
+                         size_t scratch_between_steps)>;
+
   // Runs on the current CUDA device. fp8 recipes: delayed and tensorwise (OCP formats).
   CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq, const GptPrecision& precision,
-               cudaStream_t stream);
+               cudaStream_t stream, const PlanCheck& check_plan = {});
   ~CudaGptModel();
   CudaGptModel(const CudaGptModel&) = delete;
   CudaGptModel& operator=(const CudaGptModel&) = delete;

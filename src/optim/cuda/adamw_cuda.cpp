@@ -15,6 +15,14 @@
 
 namespace fp8t::optim {
 
+namespace {
+
+// AdamWStep's groups: the matrices decay, 1-D tensors (biases, norm scales) do not.
+constexpr int32_t kDecayGroup = 0;
+constexpr int32_t kNoDecayGroup = 1;
+
+}  // namespace
+
 struct CudaAdamW::State {
   DeviceParameterLayout layout;
   AdamWHyperparameters hyperparameters;
@@ -42,9 +50,10 @@ CudaAdamW::CudaAdamW(const DeviceParameterLayout& layout,
       const auto count =
           static_cast<int32_t>(std::min<int64_t>(cuda::kAdamWChunkElements, tensor.numel - begin));
       chunks.push_back({.param = tensor.offset + begin,
+                        .grad = tensor.offset + begin,
                         .state = tensor.offset + begin,
                         .count = count,
-                        .group = 0});
+                        .group = tensor.shape.size() < 2 ? kNoDecayGroup : kDecayGroup});
     }
   }
   state_->chunk_count = std::ssize(chunks);
@@ -68,8 +77,11 @@ void CudaAdamW::step(float* params, const float* grads, double lr_multiplier, cu
   ++steps_;
   const AdamWHyperparameters& h = state_->hyperparameters;
   cuda::AdamWStep adamw{};
-  adamw.groups[0] = cuda::adamw_step_scalars(h.lr * lr_multiplier, h.beta1, h.beta2, h.eps,
-                                             h.weight_decay, steps_);
+  for (const int32_t group : {kDecayGroup, kNoDecayGroup}) {
+    adamw.groups[group] = cuda::adamw_step_scalars(h.lr * lr_multiplier, h.beta1, h.beta2, h.eps,
+                                                   group == kDecayGroup ? h.weight_decay : 0.0,
+                                                   steps_);
+  }
   cuda::adamw_multi_tensor(params, grads, state_->exp_avg.get(), state_->exp_avg_sq.get(),
                            state_->chunks->get(), state_->chunk_count, adamw, stream);
 }

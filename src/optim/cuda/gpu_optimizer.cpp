@@ -72,7 +72,7 @@ std::unique_ptr<DeviceBuffer<T>> upload_table(const std::vector<T>& table) {
 }  // namespace
 
 struct CudaGptOptimizer::State {
-  gemm::CublasLtGemm& gemm;
+  gemm::CublasLtGemm* gemm;  // null for a plan only (planned_device_bytes)
   DeviceParameterLayout layout;
   std::vector<OptimizerGroup> groups;
   std::vector<int> adamw_slot;  // per group: its index in AdamWStep::groups, -1 for Muon groups
@@ -81,6 +81,7 @@ struct CudaGptOptimizer::State {
   int64_t adamw_floats = 0;  // of exp_avg, and again of exp_avg_sq (fp32 parameters)
   int64_t adamw_bf16 = 0;    // the same for bf16 parameters
   int64_t chunk_count = 0, bf16_chunk_count = 0;
+  int64_t state_floats = 0;  // the fp32 state: AdamW's moments, then the Muon groups'
   int64_t steps = 0;
 
   // State: exp_avg, exp_avg_sq (AdamW tensors, each aligned), then per Muon group its momentum
@@ -102,16 +103,27 @@ struct CudaGptOptimizer::State {
   float* scales = nullptr;     // NorMuon's, per row or column
   double* partials = nullptr;  // the gradient norm's block sums
 
-  State(gemm::CublasLtGemm& gemm_, const DeviceParameterLayout& layout_,
+  State(gemm::CublasLtGemm* gemm_, const DeviceParameterLayout& layout_,
         const std::vector<OptimizerGroup>& groups_)
       : gemm(gemm_), layout(layout_), groups(groups_) {}
 
   float* exp_avg() const { return state->get(); }
   float* exp_avg_sq() const { return state->get() + adamw_floats; }
 
-  // The AdamW chunks of the fp32 parameters and of the bf16 ones, and the Muon matrices' offsets.
+  // The AdamW chunks of the fp32 parameters and of the bf16 ones, the Muon matrices' offsets,
+  // and the state's slices and sizes; allocates nothing.
   void plan(std::vector<cuda::AdamWChunk>& chunk_table, std::vector<cuda::AdamWChunk>& bf16_table,
             std::vector<int64_t>& offset_table);
+  // Elements of the fp32 and of the bf16 state, as allocated.
+  size_t state_count() const { return static_cast<size_t>(std::max<int64_t>(1, state_floats)); }
+  size_t bf16_state_count() const {
+    return static_cast<size_t>(std::max<int64_t>(1, 2 * adamw_bf16));
+  }
+  // Byte offsets of the workspace's pieces, each aligned, and its size.
+  struct WorkspaceLayout {
+    int64_t update, product, gram, combined, lines, scales, scalars, factors, partials, bytes;
+  };
+  WorkspaceLayout workspace_layout() const;
   void allocate_workspace(uint8_t* borrowed, size_t borrowed_bytes);
   void muon_step(const MuonPlan& plan, float* params, const float* grads,
                  const StepSchedule& schedule, cudaStream_t stream);
@@ -171,11 +183,8 @@ void CudaGptOptimizer::State::plan(std::vector<cuda::AdamWChunk>& chunk_table,
   }
   chunk_count = std::ssize(chunk_table);
   bf16_chunk_count = std::ssize(bf16_table);
-  bf16_state = std::make_unique<DeviceBuffer<bf16>>(
-      static_cast<size_t>(std::max<int64_t>(1, 2 * adamw_bf16)));
-  bf16_state->zero();
 
-  int64_t state_floats = 2 * adamw_floats;
+  state_floats = 2 * adamw_floats;
   for (size_t index = 0; index < groups.size(); ++index) {
     if (adamw_slot[index] >= 0) continue;
     const std::vector<std::string>& names = groups[index].parameters;
@@ -209,11 +218,9 @@ void CudaGptOptimizer::State::plan(std::vector<cuda::AdamWChunk>& chunk_table,
     }
     muon.push_back(muon_plan);
   }
-  state = std::make_unique<DeviceBuffer<float>>(static_cast<size_t>(state_floats));
-  state->zero();
 }
 
-void CudaGptOptimizer::State::allocate_workspace(uint8_t* borrowed, size_t borrowed_bytes) {
+CudaGptOptimizer::State::WorkspaceLayout CudaGptOptimizer::State::workspace_layout() const {
   int64_t stack = 0, grams = 0, lines_count = 0, matrices = 0;
   for (const MuonPlan& plan : muon) {
     stack = std::max(stack, plan.stack.count * plan.stack.stride);
@@ -222,36 +229,47 @@ void CudaGptOptimizer::State::allocate_workspace(uint8_t* borrowed, size_t borro
         std::max(lines_count, plan.stack.count * std::max(plan.stack.rows, plan.stack.cols));
     matrices = std::max(matrices, plan.stack.count);
   }
-  // Byte offsets of the pieces, each aligned, then one allocation.
   int64_t bytes = 0;
   const auto take = [&bytes](int64_t size) {
     const int64_t offset = bytes;
     bytes += round_up(size, kAlignmentBytes);
     return offset;
   };
-  const int64_t update_at = take(stack * 2), product_at = take(stack * 2);
-  const int64_t gram_at = take(grams * 2), combined_at = take(grams * 2);
-  const int64_t lines_at = take(lines_count * 8), scales_at = take(lines_count * 4);
-  const int64_t scalars_at = take(matrices * 4), factors_at = take(matrices * 4);
-  const int64_t partials_at = take(int64_t{cuda::kNormPartials} * 8);
+  WorkspaceLayout pieces{};
+  pieces.update = take(stack * 2);
+  pieces.product = take(stack * 2);
+  pieces.gram = take(grams * 2);
+  pieces.combined = take(grams * 2);
+  pieces.lines = take(lines_count * 8);
+  pieces.scales = take(lines_count * 4);
+  pieces.scalars = take(matrices * 4);
+  pieces.factors = take(matrices * 4);
+  pieces.partials = take(int64_t{cuda::kNormPartials} * 8);
+  pieces.bytes = bytes;
+  return pieces;
+}
+
+void CudaGptOptimizer::State::allocate_workspace(uint8_t* borrowed, size_t borrowed_bytes) {
+  const WorkspaceLayout pieces = workspace_layout();
+  const auto bytes = static_cast<size_t>(pieces.bytes);
   uint8_t* base = borrowed;
-  if (borrowed == nullptr || borrowed_bytes < static_cast<size_t>(bytes)) {
-    workspace = std::make_unique<DeviceBuffer<uint8_t>>(static_cast<size_t>(bytes));
+  if (borrowed == nullptr || borrowed_bytes < bytes) {
+    workspace = std::make_unique<DeviceBuffer<uint8_t>>(bytes);
     base = workspace->get();
   } else {
     FP8T_CHECK(reinterpret_cast<uintptr_t>(base) % kAlignmentBytes == 0,
                "expected the borrowed optimizer workspace {}-byte aligned, found {}",
                kAlignmentBytes, static_cast<const void*>(base));
   }
-  update = reinterpret_cast<bf16*>(base + update_at);
-  product = reinterpret_cast<bf16*>(base + product_at);
-  gram = reinterpret_cast<bf16*>(base + gram_at);
-  combined = reinterpret_cast<bf16*>(base + combined_at);
-  lines = reinterpret_cast<double*>(base + lines_at);
-  scales = reinterpret_cast<float*>(base + scales_at);
-  scalars = reinterpret_cast<float*>(base + scalars_at);
-  factors = reinterpret_cast<float*>(base + factors_at);
-  partials = reinterpret_cast<double*>(base + partials_at);
+  update = reinterpret_cast<bf16*>(base + pieces.update);
+  product = reinterpret_cast<bf16*>(base + pieces.product);
+  gram = reinterpret_cast<bf16*>(base + pieces.gram);
+  combined = reinterpret_cast<bf16*>(base + pieces.combined);
+  lines = reinterpret_cast<double*>(base + pieces.lines);
+  scales = reinterpret_cast<float*>(base + pieces.scales);
+  scalars = reinterpret_cast<float*>(base + pieces.scalars);
+  factors = reinterpret_cast<float*>(base + pieces.factors);
+  partials = reinterpret_cast<double*>(base + pieces.partials);
 }
 
 // muon.h's steps 1 to 6 for every matrix of the group, with its scalars rounded as
@@ -306,10 +324,11 @@ bf16* CudaGptOptimizer::State::polar_express(const MuonPlan& plan, cudaStream_t 
     const auto c = static_cast<float>(coefficients[2]);
     const gemm::GemmOutput gram_out{.data = gram, .ld = side, .type = gemm::GemmType::BF16};
     if (plan.tall) {  // A = XᵀX [cols, cols]
-      gemm.bf16_gemm(Bf16Form::DytX, rows, cols, cols, x, cols, x, cols, gram_out, of_stack,
-                     stream);
+      gemm->bf16_gemm(Bf16Form::DytX, rows, cols, cols, x, cols, x, cols, gram_out, of_stack,
+                      stream);
     } else {  // A = X·Xᵀ [rows, rows]
-      gemm.bf16_gemm(Bf16Form::XWt, rows, rows, cols, x, cols, x, cols, gram_out, of_stack, stream);
+      gemm->bf16_gemm(Bf16Form::XWt, rows, rows, cols, x, cols, x, cols, gram_out, of_stack,
+                      stream);
     }
     const gemm::GemmOutput combined_out{.data = combined,
                                         .ld = side,
@@ -317,8 +336,8 @@ bf16* CudaGptOptimizer::State::polar_express(const MuonPlan& plan, cudaStream_t 
                                         .addend = gram,
                                         .result_scale = c,
                                         .addend_scale = b};
-    gemm.bf16_gemm(Bf16Form::DyW, side, side, side, gram, side, gram, side, combined_out, grams,
-                   stream);
+    gemm->bf16_gemm(Bf16Form::DyW, side, side, side, gram, side, gram, side, combined_out, grams,
+                    stream);
     const gemm::GemmOutput next_out{.data = next,
                                     .ld = cols,
                                     .type = gemm::GemmType::BF16,
@@ -326,11 +345,11 @@ bf16* CudaGptOptimizer::State::polar_express(const MuonPlan& plan, cudaStream_t 
                                     .result_scale = 1.0f,
                                     .addend_scale = a};
     if (plan.tall) {  // X·B
-      gemm.bf16_gemm(Bf16Form::DyW, rows, cols, cols, x, cols, combined, cols, next_out,
-                     {.count = count, .stride_a = xs, .stride_b = gs, .stride_out = xs}, stream);
+      gemm->bf16_gemm(Bf16Form::DyW, rows, cols, cols, x, cols, combined, cols, next_out,
+                      {.count = count, .stride_a = xs, .stride_b = gs, .stride_out = xs}, stream);
     } else {  // B·X
-      gemm.bf16_gemm(Bf16Form::DyW, rows, rows, cols, combined, rows, x, cols, next_out,
-                     {.count = count, .stride_a = gs, .stride_b = xs, .stride_out = xs}, stream);
+      gemm->bf16_gemm(Bf16Form::DyW, rows, rows, cols, combined, rows, x, cols, next_out,
+                      {.count = count, .stride_a = gs, .stride_b = xs, .stride_out = xs}, stream);
     }
     std::swap(x, next);
   }
@@ -380,12 +399,16 @@ AdamWScalars adamw_step_scalars(double lr, double beta1, double beta2, double ep
 CudaGptOptimizer::CudaGptOptimizer(const GptOptimizer& host, const DeviceParameterLayout& layout,
                                    gemm::CublasLtGemm& gemm, uint8_t* borrowed,
                                    size_t borrowed_bytes)
-    : state_(std::make_unique<State>(gemm, layout, host.groups())) {
+    : state_(std::make_unique<State>(&gemm, layout, host.groups())) {
   FP8T_CHECK(layout.element_bytes == sizeof(float),
              "expected a layout of fp32 parameters, found {}-byte elements", layout.element_bytes);
   std::vector<cuda::AdamWChunk> chunk_table, bf16_table;
   std::vector<int64_t> offset_table;
   state_->plan(chunk_table, bf16_table, offset_table);
+  state_->state = std::make_unique<DeviceBuffer<float>>(state_->state_count());
+  state_->state->zero();
+  state_->bf16_state = std::make_unique<DeviceBuffer<bf16>>(state_->bf16_state_count());
+  state_->bf16_state->zero();
   state_->chunks = upload_table(chunk_table);
   state_->bf16_chunks = upload_table(bf16_table);
   state_->offsets = upload_table(offset_table);
@@ -393,6 +416,22 @@ CudaGptOptimizer::CudaGptOptimizer(const GptOptimizer& host, const DeviceParamet
 }
 
 CudaGptOptimizer::~CudaGptOptimizer() = default;
+
+size_t CudaGptOptimizer::planned_device_bytes(const GptOptimizer& host,
+                                              const DeviceParameterLayout& layout,
+                                              size_t borrowed_bytes) {
+  State plan(nullptr, layout, host.groups());
+  std::vector<cuda::AdamWChunk> chunk_table, bf16_table;
+  std::vector<int64_t> offset_table;
+  plan.plan(chunk_table, bf16_table, offset_table);
+  const auto table_bytes = [](const auto& table) {
+    return std::max<size_t>(1, table.size()) * sizeof(table.front());
+  };
+  const auto workspace = static_cast<size_t>(plan.workspace_layout().bytes);
+  return plan.state_count() * sizeof(float) + plan.bf16_state_count() * sizeof(bf16) +
+         table_bytes(chunk_table) + table_bytes(bf16_table) + table_bytes(offset_table) +
+         (borrowed_bytes < workspace ? workspace : 0);
+}
 
 void CudaGptOptimizer::step(float* params, bf16* bf16_params, const float* grads,
                             const StepSchedule& schedule, cudaStream_t stream) {

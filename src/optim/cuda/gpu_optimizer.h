@@ -53,6 +53,12 @@ class CudaGptOptimizer {
                    size_t borrowed_bytes = 0);
   ~CudaGptOptimizer();
   CudaGptOptimizer(const CudaGptOptimizer&) = delete;
+
+  // The device bytes an optimizer built from these arguments takes (its state, tables and,
+  // unless borrowed_bytes hold it, its workspace): device_state_bytes() +
+  // device_workspace_bytes(), before anything is allocated.
+  static size_t planned_device_bytes(const GptOptimizer& host, const DeviceParameterLayout& layout,
+                                     size_t borrowed_bytes);
   CudaGptOptimizer& operator=(const CudaGptOptimizer&) = delete;
 
   // One step over every parameter; params, bf16_params and grads are the base pointers of the

@@ -1,0 +1,112 @@
+// CudaAdamW against the CPU's AdamWOptimizer, step for step: tensors of several chunks, a
+// matrix that fits one, and a 1-D tensor (no weight decay), at their places in a device
+// parameter layout whose gaps must keep their poison. Fresh random draws each run.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <cstring>
+#include <random>
+#include <span>
+#include <string>
+#include <vector>
+
+#include <cuda_runtime_api.h>
+
+#include "core/cuda_check.h"
+#include "core/device_buffer.h"
+#include "numerics/test_util.h"
+#include "ops/gpu_compare.h"
+#include "optim/adamw.h"
+#include "optim/cuda/adamw_cuda.h"
+#include "optim/cuda/device_parameters.h"
+#include "optim/cuda/gpu_optimizer.h"
+
+namespace fp8t::optim {
+namespace {
+
+struct Spec {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t numel() const {
+    int64_t count = 1;
+    for (const int64_t extent : shape)
+      count *= extent;
+    return count;
+  }
+};
+
+// The CPU's fp32 operations in the CPU's order: any bound above fp32 rounding catches a wrong
+// formula, a wrong gradient or a decay where there is none.
+constexpr test::Tolerance kExact{1e-6, 1e-6, 0.0};
+
+TEST(CudaAdamW, StepsMatchTheCpuOptimizer) {
+  test::TestRng rng;
+  SCOPED_TRACE(rng.trace());
+  // 3 chunks and a part, one chunk, and a bias.
+  const std::vector<Spec> specs = {
+      {"w1", {3, cuda::kAdamWChunkElements + 100}}, {"w2", {64, 96}}, {"b", {17}}};
+  const DeviceParameterLayout layout = device_parameter_layout(specs);
+  const AdamWHyperparameters hyper{
+      .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
+  std::vector<AdamWOptimizer::Parameter> parameters;
+  for (const Spec& spec : specs)
+    parameters.push_back({spec.name, spec.shape});
+  AdamWOptimizer cpu(parameters, hyper);
+  CudaAdamW gpu(layout, hyper);
+
+  std::normal_distribution<float> normal;
+  std::vector<std::vector<float>> params, grads;
+  for (const Spec& spec : specs) {
+    params.emplace_back(static_cast<size_t>(spec.numel()));
+    grads.emplace_back(static_cast<size_t>(spec.numel()));
+    for (float& value : params.back())
+      value = normal(rng.engine());
+  }
+  DeviceBuffer<float> device_params(static_cast<size_t>(layout.total_elements));  // poisoned
+  DeviceBuffer<float> device_grads(static_cast<size_t>(layout.total_elements));
+  const auto upload = [&](const std::vector<std::vector<float>>& values, float* device) {
+    for (size_t i = 0; i < specs.size(); ++i) {
+      FP8T_CUDA_CHECK(cudaMemcpy(device + layout.parameters[i].offset, values[i].data(),
+                                 values[i].size() * sizeof(float), cudaMemcpyHostToDevice));
+    }
+  };
+  upload(params, device_params.get());
+  const std::vector<float> poison = device_params.download();
+
+  cudaStream_t stream = nullptr;
+  FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
+  for (int step = 0; step < 3; ++step) {
+    for (std::vector<float>& grad : grads)
+      for (float& value : grad)
+        value = normal(rng.engine());
+    upload(grads, device_grads.get());
+    const double lr_multiplier = 1.0 - 0.2 * step;
+    std::vector<float*> param_data;
+    std::vector<const float*> grad_data;
+    for (size_t i = 0; i < specs.size(); ++i) {
+      param_data.push_back(params[i].data());
+      grad_data.push_back(grads[i].data());
+    }
+    cpu.step(param_data, grad_data, lr_multiplier);
+    gpu.step(device_params.get(), device_grads.get(), lr_multiplier, stream);
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<float> result = device_params.download();
+    for (size_t i = 0; i < specs.size(); ++i) {
+      const float* actual = result.data() + layout.parameters[i].offset;
+      test::expect_close(std::vector<double>(actual, actual + params[i].size()),
+                         std::vector<double>(params[i].begin(), params[i].end()), kExact,
+                         "step " + std::to_string(step + 1) + ", " + specs[i].name);
+    }
+    int64_t end = 0, overwritten = 0;
+    for (const DeviceParameter& tensor : layout.parameters) {
+      for (int64_t j = end; j < tensor.offset; ++j)
+        overwritten += std::memcmp(&result[size_t(j)], &poison[size_t(j)], sizeof(float)) != 0;
+      end = tensor.offset + tensor.numel;
+    }
+    EXPECT_EQ(overwritten, 0) << "step " << step + 1 << ": the step wrote between tensors";
+  }
+  FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+}  // namespace
+}  // namespace fp8t::optim
