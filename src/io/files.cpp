@@ -1,6 +1,7 @@
 #include "io/files.h"
 
 #include <fcntl.h>
+#include <stdio.h>  // renameat2
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -124,6 +125,16 @@ void sync_folder(const std::filesystem::path& folder) {
     ::fsync(folder_fd);
     ::close(folder_fd);
   }
+}
+
+bool exchange_paths(const std::filesystem::path& first, const std::filesystem::path& second) {
+  if (::renameat2(AT_FDCWD, first.c_str(), AT_FDCWD, second.c_str(), RENAME_EXCHANGE) == 0) {
+    return true;
+  }
+  const int error = errno;
+  if (error == EINVAL || error == ENOSYS || error == EOPNOTSUPP) return false;
+  throw Error(fmt::format("cannot exchange {} and {}: {}", first.string(), second.string(),
+                          std::strerror(error)));
 }
 
 }  // namespace fp8t::io

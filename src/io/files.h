@@ -38,4 +38,9 @@ FileDigest write_file_atomically(const std::filesystem::path& path, std::string_
 // folder that cannot be opened or synced is not an error.
 void sync_folder(const std::filesystem::path& folder);
 
+// Swaps two existing paths (files or folders) in one atomic step (Linux's renameat2 with
+// RENAME_EXCHANGE): at every moment each name holds one of the two. False when the file system
+// cannot (nothing changed then); throws fp8t::Error naming both paths for any other failure.
+bool exchange_paths(const std::filesystem::path& first, const std::filesystem::path& second);
+
 }  // namespace fp8t::io

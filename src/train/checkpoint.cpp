@@ -227,11 +227,16 @@ void save_checkpoint(const fs::path& run_folder, const CheckpointContents& conte
     throw;
   }
   // Swap in: the old checkpoint of this step (a re-save after resuming) goes only once the new
-  // one is complete.
+  // one is complete. Exchanged in one step where the file system can, so that a crash never
+  // leaves the step without a checkpoint; else moved aside first.
   const fs::path replaced = checkpoints / (final_folder.filename().string() + ".replaced");
   fs::remove_all(replaced, error);
-  if (fs::exists(final_folder)) fs::rename(final_folder, replaced, error);
-  if (!error) fs::rename(partial, final_folder, error);
+  if (fs::exists(final_folder) && io::exchange_paths(partial, final_folder)) {
+    fs::rename(partial, replaced, error);
+  } else {
+    if (fs::exists(final_folder)) fs::rename(final_folder, replaced, error);
+    if (!error) fs::rename(partial, final_folder, error);
+  }
   if (error) {
     throw Error(fmt::format("{}: cannot move the new checkpoint into place: {}",
                             final_folder.string(), error.message()));

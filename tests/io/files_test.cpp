@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/error.h"
 #include "test_files.h"
 
 namespace fp8t::io {
@@ -41,6 +42,23 @@ TEST(FileDigest, AWriteReturnsTheDigestOfTheFileItLeaves) {
   const FileDigest text = write_file_atomically(folder / "text.txt", "123456789");
   EXPECT_EQ(text.crc32, 0xCBF43926u);
   EXPECT_FALSE(file_digest(folder / "absent.bin").has_value());
+}
+
+// Two folders swap names in one step (where the file system cannot, nothing changes); a path
+// that does not exist is an error naming both.
+TEST(ExchangePaths, SwapsTwoFolders) {
+  const test::TempFolder folder;
+  std::filesystem::create_directories(folder / "old");
+  std::filesystem::create_directories(folder / "new");
+  write_file_atomically(folder / "old" / "which", std::string_view("old"));
+  write_file_atomically(folder / "new" / "which", std::string_view("new"));
+  if (exchange_paths(folder / "new", folder / "old")) {
+    EXPECT_EQ(read_file(folder / "old" / "which"), "new");
+    EXPECT_EQ(read_file(folder / "new" / "which"), "old");
+  } else {
+    EXPECT_EQ(read_file(folder / "old" / "which"), "old");
+  }
+  EXPECT_THROW(exchange_paths(folder / "none", folder / "old"), Error);
 }
 
 }  // namespace

@@ -142,6 +142,12 @@ TEST_F(CheckpointTest, ReSavingAStepReplacesIt) {
   load_checkpoint(run_, 5, contents(5));
   EXPECT_EQ(weight_[0], 42.0f);
   EXPECT_EQ(saved_steps(run_), std::vector<int64_t>{5});
+  // Nothing of the old one or of the save is left beside it.
+  size_t folders = 0;
+  for ([[maybe_unused]] const auto& entry :
+       std::filesystem::directory_iterator(run_ / "checkpoints"))
+    ++folders;
+  EXPECT_EQ(folders, 1u);
 }
 
 TEST_F(CheckpointTest, RunFolderThatIsAFileIsAnError) {
