@@ -287,8 +287,7 @@ void CudaGptOptimizer::State::muon_step(const MuonPlan& plan, float* params, con
   float* second_moment = state->get() + plan.second_moment;
   const int64_t* matrix_offsets = offsets->get() + plan.first_offset;
 
-  cuda::muon_nesterov(update, momentum, grads, matrix_offsets, x, mu, stream);
-  cuda::muon_row_squares(lines, update, nullptr, x, stream);
+  cuda::muon_nesterov(update, lines, momentum, grads, matrix_offsets, x, mu, stream);
   cuda::muon_matrix_scalars(scalars, lines, x, cuda::MatrixScalar::MuonEqTarget, stream);
   cuda::muon_equilibrate_rows(update, lines, scalars, x, stream);
   cuda::muon_matrix_scalars(scalars, lines, x, cuda::MatrixScalar::PolarExpressDivisor, stream);

@@ -101,10 +101,34 @@ __global__ void __launch_bounds__(kThreads)
 
 // ---- Muon ----
 
-// Elementwise passes over `elements` of each matrix: blockIdx.y is the matrix, the x blocks
-// stride over its elements.
-dim3 matrix_grid(int64_t elements, int64_t count) {
-  const int64_t blocks = (elements + kThreads - 1) / kThreads;
+// The Muon passes take vectors of kWidth elements: 8 (one 16-byte access of bf16, two of fp32)
+// where every row is whole vectors and every pointer 16-byte aligned, else 1. The bytes limit
+// these passes; single bf16 accesses reached about half the copy rate.
+template <int kWidth>
+__device__ inline void load_floats(const float* source, float (&values)[kWidth]) {
+  if constexpr (kWidth == device::kBf16Vector) {
+    device::load_f32x8(source, values);
+  } else {
+    values[0] = *source;
+  }
+}
+
+template <int kWidth>
+__device__ inline void store_floats(float* destination, const float (&values)[kWidth]) {
+  if constexpr (kWidth == device::kBf16Vector) {
+    *reinterpret_cast<float4*>(destination) =
+        make_float4(values[0], values[1], values[2], values[3]);
+    *reinterpret_cast<float4*>(destination + 4) =
+        make_float4(values[4], values[5], values[6], values[7]);
+  } else {
+    *destination = values[0];
+  }
+}
+
+// Elementwise passes over `vectors` vectors of each matrix: blockIdx.y is the matrix, the x
+// blocks stride over its vectors.
+dim3 matrix_grid(int64_t vectors, int64_t count) {
+  const int64_t blocks = (vectors + kThreads - 1) / kThreads;
   const int64_t total = device::grid_size(blocks * count, kBlocksPerSm);
   const int64_t per_matrix = std::max<int64_t>(1, std::min(blocks, total / count));
   return dim3(static_cast<unsigned>(per_matrix), static_cast<unsigned>(count));
@@ -117,27 +141,41 @@ __device__ inline int64_t element_stride() {
   return int64_t(gridDim.x) * kThreads;
 }
 
-__global__ void __launch_bounds__(kThreads)
-    nesterov_kernel(bf16* update, float* momentum, const float* grads, const int64_t* offsets,
-                    MuonShape shape, float mu, float momentum_weight) {
-  const int64_t matrix = blockIdx.y;
-  const int64_t elements = shape.rows * shape.cols;
-  const float* grad = grads + offsets[matrix];
-  float* buffer = momentum + matrix * elements;
-  bf16* out = update + matrix * shape.stride;
-  for (int64_t i = first_element(); i < elements; i += element_stride()) {
-    const float g = grad[i];
-    const float m = torch_lerp(buffer[i], g, momentum_weight);
-    buffer[i] = m;
-    out[i] = device::to_bf16(torch_lerp(g, m, mu));
-  }
-}
-
 __device__ inline float factor_of(const float* matrix_factors, int64_t matrix) {
   return matrix_factors != nullptr ? matrix_factors[matrix] : 1.0f;
 }
 
+// Grid (rows, count): one block per row. Step 1 and the new rows' sums of squares in one pass.
+template <int kWidth>
+__global__ void __launch_bounds__(kLineThreads)
+    nesterov_kernel(bf16* update, double* row_squares, float* momentum, const float* grads,
+                    const int64_t* offsets, MuonShape shape, float mu, float momentum_weight) {
+  const int64_t matrix = blockIdx.y, row = blockIdx.x;
+  const int64_t first = row * shape.cols;
+  const float* grad = grads + offsets[matrix] + first;
+  float* buffer = momentum + matrix * shape.rows * shape.cols + first;
+  bf16* out = update + matrix * shape.stride + first;
+  double sum = 0.0;
+  for (int64_t c = threadIdx.x * kWidth; c < shape.cols; c += kLineThreads * kWidth) {
+    float g[kWidth], m[kWidth], u[kWidth];
+    load_floats<kWidth>(grad + c, g);
+    load_floats<kWidth>(buffer + c, m);
+#pragma unroll
+    for (int k = 0; k < kWidth; ++k) {
+      m[k] = torch_lerp(m[k], g[k], momentum_weight);
+      u[k] = torch_lerp(g[k], m[k], mu);
+      const float stored = round_to_bf16(u[k]);
+      sum += double(stored) * double(stored);
+    }
+    store_floats<kWidth>(buffer + c, m);
+    device::store_bf16<kWidth>(out + c, u);
+  }
+  sum = device::block_sum<kLineThreads>(sum);
+  if (threadIdx.x == 0) row_squares[matrix * shape.rows + row] = sum;
+}
+
 // Grid (rows, count): one block per row.
+template <int kWidth>
 __global__ void __launch_bounds__(kLineThreads)
     row_squares_kernel(double* row_squares, const bf16* x, const float* matrix_factors,
                        MuonShape shape) {
@@ -145,29 +183,58 @@ __global__ void __launch_bounds__(kLineThreads)
   const bf16* line = x + matrix * shape.stride + row * shape.cols;
   const float factor = factor_of(matrix_factors, matrix);
   double sum = 0.0;
-  for (int64_t c = threadIdx.x; c < shape.cols; c += kLineThreads) {
-    const float value = __fmul_rn(device::to_f32(line[c]), factor);
-    sum += double(value) * double(value);
+  for (int64_t c = threadIdx.x * kWidth; c < shape.cols; c += kLineThreads * kWidth) {
+    float values[kWidth];
+    device::load_bf16<kWidth>(line + c, values);
+#pragma unroll
+    for (int k = 0; k < kWidth; ++k) {
+      const float value = __fmul_rn(values[k], factor);
+      sum += double(value) * double(value);
+    }
   }
   sum = device::block_sum<kLineThreads>(sum);
   if (threadIdx.x == 0) row_squares[matrix * shape.rows + row] = sum;
 }
 
-// Grid (column blocks, count): one thread per column, reading whole rows at a time.
-__global__ void __launch_bounds__(kLineThreads)
+// Grid (column tiles, count), blocks of kThreads: lane l of every warp takes the kWidth columns
+// at tile + l·kWidth, warp w the rows w, w + warps, ...; the warps' sums then add up in warp
+// order, so the result does not depend on timing.
+template <int kWidth>
+__global__ void __launch_bounds__(kThreads)
     column_squares_kernel(double* column_squares, const bf16* x, const float* matrix_factors,
                           MuonShape shape) {
+  constexpr int kWarps = kThreads / device::kWarpSize;
+  constexpr int kTile = device::kWarpSize * kWidth;
+  __shared__ double warp_sums[kWarps][kTile];
   const int64_t matrix = blockIdx.y;
-  const int64_t column = int64_t(blockIdx.x) * kLineThreads + threadIdx.x;
-  if (column >= shape.cols) return;
+  const int warp = threadIdx.x / device::kWarpSize, lane = threadIdx.x % device::kWarpSize;
+  const int64_t column = int64_t(blockIdx.x) * kTile + lane * kWidth;
   const bf16* values = x + matrix * shape.stride + column;
   const float factor = factor_of(matrix_factors, matrix);
-  double sum = 0.0;
-  for (int64_t r = 0; r < shape.rows; ++r) {
-    const float value = __fmul_rn(device::to_f32(values[r * shape.cols]), factor);
-    sum += double(value) * double(value);
+  double sums[kWidth] = {};
+  if (column < shape.cols) {
+    for (int64_t r = warp; r < shape.rows; r += kWarps) {
+      float row_values[kWidth];
+      device::load_bf16<kWidth>(values + r * shape.cols, row_values);
+#pragma unroll
+      for (int k = 0; k < kWidth; ++k) {
+        const float value = __fmul_rn(row_values[k], factor);
+        sums[k] += double(value) * double(value);
+      }
+    }
   }
-  column_squares[matrix * shape.cols + column] = sum;
+#pragma unroll
+  for (int k = 0; k < kWidth; ++k)
+    warp_sums[warp][lane * kWidth + k] = sums[k];
+  __syncthreads();
+  for (int t = threadIdx.x; t < kTile; t += kThreads) {
+    const int64_t out = int64_t(blockIdx.x) * kTile + t;
+    if (out >= shape.cols) continue;
+    double total = 0.0;
+    for (int w = 0; w < kWarps; ++w)
+      total += warp_sums[w][t];
+    column_squares[matrix * shape.cols + out] = total;
+  }
 }
 
 // Grid (count): one block per matrix.
@@ -198,6 +265,7 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // Grid (rows, count): one block per row.
+template <int kWidth>
 __global__ void __launch_bounds__(kLineThreads)
     equilibrate_rows_kernel(bf16* x, double* row_squares, const float* targets, MuonShape shape) {
   const int64_t matrix = blockIdx.y, row = blockIdx.x;
@@ -206,23 +274,35 @@ __global__ void __launch_bounds__(kLineThreads)
   const float scale = round_to_bf16(__fdiv_rn(targets[matrix], row_norm));
   bf16* line = x + matrix * shape.stride + row * shape.cols;
   double sum = 0.0;
-  for (int64_t c = threadIdx.x; c < shape.cols; c += kLineThreads) {
-    const float value = round_to_bf16(__fmul_rn(device::to_f32(line[c]), scale));
-    line[c] = device::to_bf16(value);
-    sum += double(value) * double(value);
+  for (int64_t c = threadIdx.x * kWidth; c < shape.cols; c += kLineThreads * kWidth) {
+    float values[kWidth];
+    device::load_bf16<kWidth>(line + c, values);
+#pragma unroll
+    for (int k = 0; k < kWidth; ++k) {
+      values[k] = round_to_bf16(__fmul_rn(values[k], scale));
+      sum += double(values[k]) * double(values[k]);
+    }
+    device::store_bf16<kWidth>(line + c, values);
   }
   sum = device::block_sum<kLineThreads>(sum);  // every thread has read row_squares[index]
   if (threadIdx.x == 0) row_squares[index] = sum;
 }
 
+template <int kWidth>
 __global__ void __launch_bounds__(kThreads)
     divide_kernel(bf16* x, const float* divisors, MuonShape shape) {
   const int64_t matrix = blockIdx.y;
   const int64_t elements = shape.rows * shape.cols;
   const float divisor = divisors[matrix];
-  bf16* values = x + matrix * shape.stride;
-  for (int64_t i = first_element(); i < elements; i += element_stride())
-    values[i] = device::to_bf16(__fdiv_rn(device::to_f32(values[i]), divisor));
+  bf16* matrix_values = x + matrix * shape.stride;
+  for (int64_t i = first_element() * kWidth; i < elements; i += element_stride() * kWidth) {
+    float values[kWidth];
+    device::load_bf16<kWidth>(matrix_values + i, values);
+#pragma unroll
+    for (int k = 0; k < kWidth; ++k)
+      values[k] = __fdiv_rn(values[k], divisor);
+    device::store_bf16<kWidth>(matrix_values + i, values);
+  }
 }
 
 // Grid (count): one block per matrix, as muon.cpp's normuon() for one matrix. Each thread
@@ -259,6 +339,8 @@ __global__ void __launch_bounds__(kThreads)
     line_scales[i] = __fmul_rn(line_scales[i], restore);
 }
 
+// A vector lies in one row: kWidth divides the row length.
+template <int kWidth>
 __global__ void __launch_bounds__(kThreads)
     cautious_update_kernel(float* params, const int64_t* offsets, const bf16* x,
                            const float* matrix_factors, const float* scales, MuonShape shape,
@@ -272,13 +354,25 @@ __global__ void __launch_bounds__(kThreads)
   float* param = params + offsets[matrix];
   // 32-bit division (cheaper): check_shape keeps a matrix below 2^31 elements.
   const auto cols = static_cast<int32_t>(shape.cols);
-  for (int64_t i = first_element(); i < elements; i += element_stride()) {
+  for (int64_t i = first_element() * kWidth; i < elements; i += element_stride() * kWidth) {
     const int32_t row = static_cast<int32_t>(i) / cols;
-    const float scale = line_scales[per_row ? row : static_cast<int32_t>(i) - row * cols];
-    const float update = __fmul_rn(__fmul_rn(device::to_f32(updates[i]), factor), scale);
-    const float p = param[i];
-    const float weight_decay = __fmul_rn(update, p) >= 0.0f ? __fmul_rn(decay, p) : 0.0f;
-    param[i] = __fsub_rn(p, __fadd_rn(__fmul_rn(lr, update), weight_decay));
+    float update[kWidth], p[kWidth], scale[kWidth];
+    device::load_bf16<kWidth>(updates + i, update);
+    load_floats<kWidth>(param + i, p);
+    if (per_row) {
+#pragma unroll
+      for (int k = 0; k < kWidth; ++k)
+        scale[k] = line_scales[row];
+    } else {
+      load_floats<kWidth>(line_scales + (static_cast<int32_t>(i) - row * cols), scale);
+    }
+#pragma unroll
+    for (int k = 0; k < kWidth; ++k) {
+      const float u = __fmul_rn(__fmul_rn(update[k], factor), scale[k]);
+      const float weight_decay = __fmul_rn(u, p[k]) >= 0.0f ? __fmul_rn(decay, p[k]) : 0.0f;
+      p[k] = __fsub_rn(p[k], __fadd_rn(__fmul_rn(lr, u), weight_decay));
+    }
+    store_floats<kWidth>(param + i, p);
   }
 }
 
@@ -338,6 +432,18 @@ void check_shape(const MuonShape& shape, const char* what) {
              shape.stride);
 }
 
+// Whether the Muon passes over these matrices may take vectors of 8: rows of whole vectors and
+// every matrix and pointer 16-byte aligned (the parameters' and gradients' tensors lie at
+// 256-byte boundaries of the layout).
+bool takes_vectors(const MuonShape& shape, std::initializer_list<const void*> pointers) {
+  return shape.cols % device::kBf16Vector == 0 && shape.stride % device::kBf16Vector == 0 &&
+         device::all_aligned(pointers);
+}
+
+dim3 row_grid(const MuonShape& shape) {
+  return {static_cast<unsigned>(shape.rows), static_cast<unsigned>(shape.count)};
+}
+
 }  // namespace
 
 void adamw_multi_tensor(float* params, const float* grads, float* exp_avg, float* exp_avg_sq,
@@ -358,14 +464,17 @@ void adamw_multi_tensor(bf16* params, const float* grads, bf16* exp_avg, bf16* e
   FP8T_CUDA_CHECK_LAUNCH();
 }
 
-void muon_nesterov(bf16* update, float* momentum, const float* grads, const int64_t* offsets,
-                   const MuonShape& shape, float mu, cudaStream_t stream) {
+void muon_nesterov(bf16* update, double* row_squares, float* momentum, const float* grads,
+                   const int64_t* offsets, const MuonShape& shape, float mu, cudaStream_t stream) {
   check_shape(shape, "muon_nesterov");
-  check_pointers({update, momentum, grads, offsets}, "muon_nesterov");
+  check_pointers({update, row_squares, momentum, grads, offsets}, "muon_nesterov");
   FP8T_CHECK(mu >= 0.0f && mu <= 1.0f, "muon_nesterov: expected a momentum in [0, 1], found {}",
              mu);
-  nesterov_kernel<<<matrix_grid(shape.rows * shape.cols, shape.count), kThreads, 0, stream>>>(
-      update, momentum, grads, offsets, shape, mu, 1.0f - mu);
+  const auto kernel = takes_vectors(shape, {update, momentum, grads})
+                          ? nesterov_kernel<device::kBf16Vector>
+                          : nesterov_kernel<1>;
+  kernel<<<row_grid(shape), kLineThreads, 0, stream>>>(update, row_squares, momentum, grads,
+                                                       offsets, shape, mu, 1.0f - mu);
   FP8T_CUDA_CHECK_LAUNCH();
 }
 
@@ -373,8 +482,9 @@ void muon_row_squares(double* row_squares, const bf16* x, const float* matrix_fa
                       const MuonShape& shape, cudaStream_t stream) {
   check_shape(shape, "muon_row_squares");
   check_pointers({row_squares, x}, "muon_row_squares");
-  const dim3 grid(static_cast<unsigned>(shape.rows), static_cast<unsigned>(shape.count));
-  row_squares_kernel<<<grid, kLineThreads, 0, stream>>>(row_squares, x, matrix_factors, shape);
+  const auto kernel =
+      takes_vectors(shape, {x}) ? row_squares_kernel<device::kBf16Vector> : row_squares_kernel<1>;
+  kernel<<<row_grid(shape), kLineThreads, 0, stream>>>(row_squares, x, matrix_factors, shape);
   FP8T_CUDA_CHECK_LAUNCH();
 }
 
@@ -382,10 +492,13 @@ void muon_column_squares(double* column_squares, const bf16* x, const float* mat
                          const MuonShape& shape, cudaStream_t stream) {
   check_shape(shape, "muon_column_squares");
   check_pointers({column_squares, x}, "muon_column_squares");
-  const dim3 grid(static_cast<unsigned>((shape.cols + kLineThreads - 1) / kLineThreads),
+  const bool vectors = takes_vectors(shape, {x});
+  const int64_t tile = int64_t{device::kWarpSize} * (vectors ? device::kBf16Vector : 1);
+  const dim3 grid(static_cast<unsigned>((shape.cols + tile - 1) / tile),
                   static_cast<unsigned>(shape.count));
-  column_squares_kernel<<<grid, kLineThreads, 0, stream>>>(column_squares, x, matrix_factors,
-                                                           shape);
+  const auto kernel =
+      vectors ? column_squares_kernel<device::kBf16Vector> : column_squares_kernel<1>;
+  kernel<<<grid, kThreads, 0, stream>>>(column_squares, x, matrix_factors, shape);
   FP8T_CUDA_CHECK_LAUNCH();
 }
 
@@ -402,15 +515,18 @@ void muon_equilibrate_rows(bf16* x, double* row_squares, const float* targets,
                            const MuonShape& shape, cudaStream_t stream) {
   check_shape(shape, "muon_equilibrate_rows");
   check_pointers({x, row_squares, targets}, "muon_equilibrate_rows");
-  const dim3 grid(static_cast<unsigned>(shape.rows), static_cast<unsigned>(shape.count));
-  equilibrate_rows_kernel<<<grid, kLineThreads, 0, stream>>>(x, row_squares, targets, shape);
+  const auto kernel = takes_vectors(shape, {x}) ? equilibrate_rows_kernel<device::kBf16Vector>
+                                                : equilibrate_rows_kernel<1>;
+  kernel<<<row_grid(shape), kLineThreads, 0, stream>>>(x, row_squares, targets, shape);
   FP8T_CUDA_CHECK_LAUNCH();
 }
 
 void muon_divide(bf16* x, const float* divisors, const MuonShape& shape, cudaStream_t stream) {
   check_shape(shape, "muon_divide");
   check_pointers({x, divisors}, "muon_divide");
-  divide_kernel<<<matrix_grid(shape.rows * shape.cols, shape.count), kThreads, 0, stream>>>(
+  const int width = takes_vectors(shape, {x}) ? device::kBf16Vector : 1;
+  const auto kernel = width > 1 ? divide_kernel<device::kBf16Vector> : divide_kernel<1>;
+  kernel<<<matrix_grid(shape.rows * shape.cols / width, shape.count), kThreads, 0, stream>>>(
       x, divisors, shape);
   FP8T_CUDA_CHECK_LAUNCH();
 }
@@ -431,8 +547,11 @@ void muon_cautious_update(float* params, const int64_t* offsets, const bf16* x,
                           float lr, float decay, cudaStream_t stream) {
   check_shape(shape, "muon_cautious_update");
   check_pointers({params, offsets, x, matrix_factors, scales}, "muon_cautious_update");
-  cautious_update_kernel<<<matrix_grid(shape.rows * shape.cols, shape.count), kThreads, 0,
-                           stream>>>(params, offsets, x, matrix_factors, scales, shape, lr, decay);
+  const int width = takes_vectors(shape, {params, x, scales}) ? device::kBf16Vector : 1;
+  const auto kernel =
+      width > 1 ? cautious_update_kernel<device::kBf16Vector> : cautious_update_kernel<1>;
+  kernel<<<matrix_grid(shape.rows * shape.cols / width, shape.count), kThreads, 0, stream>>>(
+      params, offsets, x, matrix_factors, scales, shape, lr, decay);
   FP8T_CUDA_CHECK_LAUNCH();
 }
 

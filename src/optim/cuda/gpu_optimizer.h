@@ -146,7 +146,8 @@ void adamw_multi_tensor(bf16* params, const float* grads, bf16* exp_avg, bf16* e
 // Muon (optim/muon.h) for `count` matrices [rows, cols] of one group. The bf16 work buffers
 // stack them `stride` elements apart (>= rows·cols; a multiple of 128 keeps every matrix
 // 256-byte aligned for cuBLASLt). offsets[i] (device) is matrix i's offset in the parameters
-// and the gradients.
+// and the gradients, a multiple of 8 (DeviceParameterLayout puts every tensor on a 256-byte
+// boundary): the passes take 16-byte vectors where the rows allow.
 struct MuonShape {
   int64_t count;
   int64_t rows;
@@ -155,9 +156,9 @@ struct MuonShape {
 };
 
 // Step 1: m = lerp(m, g, 1 − μ) in momentum [count, rows·cols] (fp32, unpadded); then
-// update = bf16(lerp(g, m, μ)).
-void muon_nesterov(bf16* update, float* momentum, const float* grads, const int64_t* offsets,
-                   const MuonShape& shape, float mu, cudaStream_t stream);
+// update = bf16(lerp(g, m, μ)), and row_squares as muon_row_squares(update) writes them.
+void muon_nesterov(bf16* update, double* row_squares, float* momentum, const float* grads,
+                   const int64_t* offsets, const MuonShape& shape, float mu, cudaStream_t stream);
 
 // row_squares[i·rows + r] = Σ_c (x[i, r, c] · f_i)², in double; f_i = matrix_factors[i], or 1
 // when matrix_factors is null (the fp32 product rounds first, as the CPU's).
