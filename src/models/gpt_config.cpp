@@ -105,6 +105,11 @@ std::vector<ParamSpec> gpt_parameters(const GptConfig& config) {
   return params;
 }
 
+int backward_gradient_group(const ParamSpec& spec, int n_layer) {
+  if (spec.kind == ParamKind::LmHead) return 0;
+  return spec.layer >= 0 ? 1 + (n_layer - 1 - spec.layer) : 1 + n_layer;
+}
+
 std::vector<LinearSpec> gpt_linears(const GptConfig& config) {
   std::vector<LinearSpec> linears;
   for (const ParamSpec& param : gpt_parameters(config)) {

@@ -63,6 +63,11 @@ struct ParamSpec {
 // Every parameter, in nanochat's state_dict order.
 std::vector<ParamSpec> gpt_parameters(const GptConfig& config);
 
+// Where in the backward a parameter's gradient is complete: 0 for lm_head, 1 + k for the block
+// n_layer − 1 − k (a value embedding counts with its block), 1 + n_layer for the parameters
+// outside the blocks, whose gradients the backward finishes last.
+int backward_gradient_group(const ParamSpec& spec, int n_layer);
+
 // A linear layer (y = x W^T): the candidates of the FP8 precision policy.
 struct LinearSpec {
   std::string name;  // parameter name without ".weight"

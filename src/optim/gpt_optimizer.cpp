@@ -297,17 +297,16 @@ void GptOptimizer::step(ParameterSet& params, const ParameterSet& grads,
     const std::span<float> param(adamw_params[i], slot.exp_avg.size());
     // bf16 storage: the step reads the values the bf16 tensors hold and stores its results
     // rounded, as nanochat's fp32 math on bf16 tensors does.
-    if (slot.bf16) {
+    const auto round_if_bf16 = [&] {
+      if (!slot.bf16) return;
       for (std::span<float> values : {param, std::span(slot.exp_avg), std::span(slot.exp_avg_sq)})
         std::ranges::transform(values, values.begin(), round_to_bf16);
-    }
+    };
+    round_if_bf16();
     adamw_step(param.data(), adamw_grads[i], slot.exp_avg.data(), slot.exp_avg_sq.data(),
                std::ssize(slot.exp_avg), steps_,
                {group.lr, group.beta1, group.beta2, group.eps, group.weight_decay});
-    if (slot.bf16) {
-      for (std::span<float> values : {param, std::span(slot.exp_avg), std::span(slot.exp_avg_sq)})
-        std::ranges::transform(values, values.begin(), round_to_bf16);
-    }
+    round_if_bf16();
   }
   size_t first = 0;
   for (MuonSlot& slot : muon_) {

@@ -252,23 +252,18 @@ class CudaEngine final : public TrainingEngine {
     const double per_sample = double(planned.activations + planned.workspace) / double(setup.batch);
     const double fixed =
         double(planned.total()) + optimizer + kRuntimeReserve - per_sample * double(setup.batch);
-    const int64_t fits = largest_fitting_batch(fixed, per_sample, double(free));
-    const std::string advice =
-        fits > 0 ? fmt::format(
-                       "micro_batch_size {} would fit (gradient accumulation keeps the "
-                       "tokens per step); more GPUs do not help, each holds the whole model",
-                       fits)
-                 : "the parameters, gradients and optimizer state alone do not fit: a smaller "
-                   "model (depth)";
-    check_memory_plan(fmt::format("the GPU path, with micro_batch_size {},", setup.batch),
-                      {{"parameters", double(planned.parameters)},
-                       {"gradients", double(planned.gradients)},
-                       {"optimizer", optimizer},
-                       {"activations", double(planned.activations)},
-                       {"workspace", double(planned.workspace)},
-                       {"linear copies", double(planned.linear_copies)},
-                       {"CUDA, cuBLASLt and cuDNN", kRuntimeReserve}},
-                      double(free), fmt::format("is free on {}", gpu_.name), advice);
+    check_gpu_memory_plan(
+        {.parameters = double(planned.parameters),
+         .gradients = double(planned.gradients),
+         .optimizer = optimizer,
+         .activations = double(planned.activations),
+         .workspace = double(planned.workspace),
+         .linear_copies = double(planned.linear_copies),
+         .runtime = kRuntimeReserve},
+        setup.batch, double(free), gpu_.name, "tokens",
+        [&] { return largest_fitting_batch(fixed, per_sample, double(free)); },
+        "the parameters, gradients and optimizer state alone do not fit: a smaller model "
+        "(depth)");
   }
 
   GpuInfo gpu_;

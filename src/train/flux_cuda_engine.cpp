@@ -20,6 +20,7 @@
 #include "core/cuda_resources.h"
 #include "models/cuda/flux_model_cuda.h"
 #include "models/flux_memory.h"
+#include "ops/cuda/flux_ops.h"
 #include "optim/cuda/adamw_cuda.h"
 #endif
 #if FP8TRAIN_WITH_NCCL
@@ -201,29 +202,42 @@ void check_flux_fits(const FluxEngineSetup& setup, const GpuInfo& gpu) {
     return std::pair(plan_flux_memory(setup.model, micro_batch, setup.precision),
                      double(flux_runtime_reserve_bytes(setup.model, micro_batch)));
   };
+  const int64_t most = ops::cuda::flux_max_batch(setup.model.hidden_size);
+  if (setup.batch > most) {
+    throw ConfigError(fmt::format(
+        "micro_batch_size {} is more than the GPU path takes at hidden_size {}: at most {} "
+        "(gradient accumulation keeps the samples per step)",
+        setup.batch, setup.model.hidden_size, most));
+  }
   size_t free = 0, total = 0;
   FP8T_CUDA_CHECK(cudaMemGetInfo(&free, &total));
+  const auto fits = [&](int64_t batch) {
+    const auto [plan, reserve] = plan_for(batch);
+    return double(plan.total()) + reserve <= double(free);
+  };
+  // Plans grow with the batch: bisection for the largest below the asked one that fits.
+  const auto largest_fitting = [&] {
+    int64_t low = 0, high = setup.batch - 1;
+    while (low < high) {
+      const int64_t middle = (low + high + 1) / 2;
+      if (fits(middle)) {
+        low = middle;
+      } else {
+        high = middle - 1;
+      }
+    }
+    return low;
+  };
   const auto [plan, reserve] = plan_for(setup.batch);
-  int64_t fits = 0;  // plans grow with the batch: the largest below the asked one that fits
-  for (int64_t batch = setup.batch - 1; batch >= 1 && fits == 0; --batch) {
-    const auto [smaller, smaller_reserve] = plan_for(batch);
-    if (double(smaller.total()) + smaller_reserve <= double(free)) fits = batch;
-  }
-  const std::string advice =
-      fits > 0 ? fmt::format(
-                     "micro_batch_size {} would fit (gradient accumulation keeps the "
-                     "samples per step); more GPUs do not help, each holds the whole model",
-                     fits)
-               : "not even one sample per micro-batch fits: fewer blocks or smaller images";
-  check_memory_plan(fmt::format("the GPU path, with micro_batch_size {},", setup.batch),
-                    {{"parameters", double(plan.parameters)},
-                     {"gradients", double(plan.gradients)},
-                     {"optimizer", double(plan.optimizer_state)},
-                     {"activations", double(plan.activations)},
-                     {"workspace", double(plan.workspace)},
-                     {"linear copies", double(plan.linear_copies)},
-                     {"CUDA, cuBLASLt and cuDNN", reserve}},
-                    double(free), fmt::format("is free on {}", gpu.name), advice);
+  check_gpu_memory_plan({.parameters = double(plan.parameters),
+                         .gradients = double(plan.gradients),
+                         .optimizer = double(plan.optimizer_state),
+                         .activations = double(plan.activations),
+                         .workspace = double(plan.workspace),
+                         .linear_copies = double(plan.linear_copies),
+                         .runtime = reserve},
+                        setup.batch, double(free), gpu.name, "samples", largest_fitting,
+                        "not even one sample per micro-batch fits: fewer blocks or smaller images");
 }
 
 }  // namespace

@@ -22,6 +22,32 @@ void check_memory_plan(std::string_view where, const std::vector<PlannedBytes>& 
                                 format_bytes(available), available_what, advice));
 }
 
+void check_gpu_memory_plan(const GpuMemoryPlan& plan, int64_t batch, double free,
+                           std::string_view gpu_name, std::string_view step_unit,
+                           const std::function<int64_t()>& largest_fitting,
+                           std::string_view when_none) {
+  const std::vector<PlannedBytes> items{{"parameters", plan.parameters},
+                                        {"gradients", plan.gradients},
+                                        {"optimizer", plan.optimizer},
+                                        {"activations", plan.activations},
+                                        {"workspace", plan.workspace},
+                                        {"linear copies", plan.linear_copies},
+                                        {"CUDA, cuBLASLt and cuDNN", plan.runtime}};
+  double total = 0.0;
+  for (const PlannedBytes& item : items)
+    total += item.bytes;
+  if (free <= 0.0 || total <= free) return;
+  const int64_t fits = largest_fitting();
+  const std::string advice =
+      fits > 0 ? fmt::format(
+                     "micro_batch_size {} would fit (gradient accumulation keeps the {} "
+                     "per step); more GPUs do not help, each holds the whole model",
+                     fits, step_unit)
+               : std::string(when_none);
+  check_memory_plan(fmt::format("the GPU path, with micro_batch_size {},", batch), items, free,
+                    fmt::format("is free on {}", gpu_name), advice);
+}
+
 int64_t largest_fitting_batch(double fixed, double per_sample, double available) {
   if (per_sample <= 0.0 || available <= fixed) return 0;
   return static_cast<int64_t>(std::floor((available - fixed) / per_sample));

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -19,6 +20,26 @@ struct PlannedBytes {
 // "<where> needs <total> (<what> <bytes>, ...) but <available> <available_what>; <advice>".
 void check_memory_plan(std::string_view where, const std::vector<PlannedBytes>& plan,
                        double available, std::string_view available_what, std::string_view advice);
+
+// What a GPU path takes, by kind, for one micro-batch size.
+struct GpuMemoryPlan {
+  double parameters = 0.0;
+  double gradients = 0.0;
+  double optimizer = 0.0;
+  double activations = 0.0;
+  double workspace = 0.0;
+  double linear_copies = 0.0;
+  double runtime = 0.0;  // the CUDA context, cuBLASLt's and cuDNN's workspaces, NCCL's buffers
+};
+
+// check_memory_plan for a GPU path at micro_batch_size `batch` against the `free` bytes of the
+// GPU `gpu_name`. Only when it does not fit is `largest_fitting` called: the error names the
+// micro-batch it returns (gradient accumulation keeps the `step_unit`s, tokens or samples, per
+// step), or says `when_none` when it returns 0.
+void check_gpu_memory_plan(const GpuMemoryPlan& plan, int64_t batch, double free,
+                           std::string_view gpu_name, std::string_view step_unit,
+                           const std::function<int64_t()>& largest_fitting,
+                           std::string_view when_none);
 
 // The largest micro-batch whose plan fits in `available`: `fixed` bytes whatever the batch,
 // plus `per_sample` bytes for each sample; 0 when not even one fits.

@@ -47,13 +47,9 @@ bool contains(const std::vector<std::string>& names, const std::string& name) {
 std::vector<std::string> gradient_scan_order(const GptConfig& config) {
   std::vector<ParamSpec> specs = gpt_parameters(config);
   std::reverse(specs.begin(), specs.end());
-  // 0: lm_head, 1 + i: the i-th block from the last, then everything else.
-  const auto group = [&](const ParamSpec& spec) {
-    if (spec.kind == ParamKind::LmHead) return 0;
-    return spec.layer >= 0 ? 1 + (config.n_layer - 1 - spec.layer) : 1 + config.n_layer;
-  };
-  std::stable_sort(specs.begin(), specs.end(),
-                   [&](const ParamSpec& a, const ParamSpec& b) { return group(a) < group(b); });
+  std::stable_sort(specs.begin(), specs.end(), [&](const ParamSpec& a, const ParamSpec& b) {
+    return backward_gradient_group(a, config.n_layer) < backward_gradient_group(b, config.n_layer);
+  });
   std::vector<std::string> names;
   names.reserve(specs.size());
   for (const ParamSpec& spec : specs)

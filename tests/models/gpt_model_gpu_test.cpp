@@ -95,6 +95,16 @@ double relative_error(const float* a, const float* b, int64_t count) {
 
 // Every parameter's gradient on the GPU against a reference: relative norm error below `bound`
 // per tensor (twice that for the gates), and for the scalars together.
+// One parameter's gradient, downloaded from a GPU model.
+std::vector<float> gradient_of(const CudaGptModel& gpu, const GptConfig& config,
+                               const std::string& name) {
+  Arena arena("gradients", ParameterSet::planned_bytes(config, DType::F32));
+  ParameterSet gradients(arena, config, DType::F32);
+  gpu.download_gradients(gradients);
+  const float* values = gradients[name].data<float>();
+  return {values, values + gradients[name].numel()};
+}
+
 void expect_gradients_match(const CudaGptModel& gpu, const GptConfig& config, double bound,
                             const std::function<const float*(const std::string&)>& reference) {
   Arena arena("gradients", ParameterSet::planned_bytes(config, DType::F32));
@@ -309,8 +319,10 @@ TEST(GptModelGpu, EvaluationForwardMatchesTrainingForward) {
 
 // FP8 attention (cuDNN's FP8 SDPA) in the GPU model against the CPU model's emulation of it, two
 // steps so that the second backward scales its gradients from the first one's amaxes; and
-// against the same GPU model with BF16 attention. head_dim 128: what cuDNN's FP8 backward runs on
-// Hopper.
+// against the same GPU model with BF16 attention, whose loss it must stay near and whose c_q
+// gradient (through attention's backward) it must change: the loss of a model this close to
+// uniform logits may round to the same float either way. head_dim 128: what cuDNN's FP8
+// backward runs on Hopper.
 TEST(GptModelGpu, Fp8AttentionMatchesTheCpuEmulation) {
   GptConfig config;
   config.n_layer = 2;
@@ -342,6 +354,7 @@ TEST(GptModelGpu, Fp8AttentionMatchesTheCpuEmulation) {
       SCOPED_TRACE(fmt::format("step {}", step + 1));
       cpu.zero_gradients();
       gpu.zero_gradients();
+      gpu_bf16_attention.zero_gradients();
       const double cpu_loss = cpu.forward(tokens.idx.data(), tokens.targets.data());
       cpu.backward();
       gpu.forward(tokens.idx.data(), tokens.targets.data(), true);
@@ -349,9 +362,12 @@ TEST(GptModelGpu, Fp8AttentionMatchesTheCpuEmulation) {
       gpu.backward();
       gpu_bf16_attention.forward(tokens.idx.data(), tokens.targets.data(), true);
       const double bf16_attention_loss = gpu_bf16_attention.loss_value();
+      gpu_bf16_attention.backward();
       EXPECT_NEAR(gpu_loss, cpu_loss, 0.01 * cpu_loss);
       EXPECT_NEAR(gpu_loss, bf16_attention_loss, 0.01 * bf16_attention_loss);
-      EXPECT_NE(gpu_loss, bf16_attention_loss) << "FP8 attention changed nothing";
+      const std::string c_q = "transformer.h.0.attn.c_q.weight";
+      EXPECT_NE(gradient_of(gpu, config, c_q), gradient_of(gpu_bf16_attention, config, c_q))
+          << "FP8 attention changed nothing";
       // The GPU's and the CPU's FP8 attention round independently (c_q and c_k measured 0.17
       // on the H200), on top of the FP8 linears' own differences.
       expect_gradients_match(gpu, config, 0.3, [&](const std::string& name) {
@@ -359,6 +375,7 @@ TEST(GptModelGpu, Fp8AttentionMatchesTheCpuEmulation) {
       });
       cpu.end_step();
       gpu.end_step();
+      gpu_bf16_attention.end_step();
     }
   }
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));

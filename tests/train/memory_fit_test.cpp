@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <string>
 
 #include "core/error.h"
@@ -27,6 +28,44 @@ TEST(MemoryFit, PlanOverTheAvailableMemoryIsAnErrorNamingEveryItem) {
 TEST(MemoryFit, PlanThatFitsOrUnknownMemoryPasses) {
   EXPECT_NO_THROW(check_memory_plan("x", {{"a", 4 * kGiB}}, 4 * kGiB, "free", ""));
   EXPECT_NO_THROW(check_memory_plan("x", {{"a", 4 * kGiB}}, 0.0, "free", ""));
+}
+
+// The largest fitting micro-batch is looked for only when the plan does not fit.
+TEST(MemoryFit, GpuPlanAsksForTheFittingBatchOnlyWhenItDoesNotFit) {
+  const GpuMemoryPlan plan{.parameters = 1 * kGiB, .activations = 2 * kGiB, .runtime = 1 * kGiB};
+  int asked = 0;
+  const auto three = [&asked] {
+    ++asked;
+    return int64_t{3};
+  };
+  EXPECT_NO_THROW(check_gpu_memory_plan(plan, 4, 4 * kGiB, "GPU 0", "tokens", three, "none"));
+  EXPECT_NO_THROW(check_gpu_memory_plan(plan, 4, 0.0, "GPU 0", "tokens", three, "none"));
+  EXPECT_EQ(asked, 0);
+  try {
+    check_gpu_memory_plan(plan, 4, 3.5 * kGiB, "GPU 0", "samples", three, "none");
+    FAIL() << "expected an error";
+  } catch (const ConfigError& error) {
+    EXPECT_EQ(
+        std::string(error.what()),
+        "the GPU path, with micro_batch_size 4, needs 4.0 GiB (parameters 1.0 GiB, "
+        "gradients 0.0 MiB, optimizer 0.0 MiB, activations 2.0 GiB, workspace 0.0 MiB, linear "
+        "copies 0.0 MiB, CUDA, cuBLASLt and cuDNN 1.0 GiB) but 3.5 GiB is free on GPU 0; "
+        "micro_batch_size 3 would fit (gradient accumulation keeps the samples per step); "
+        "more GPUs do not help, each holds the whole model");
+  }
+  EXPECT_EQ(asked, 1);
+  EXPECT_THROW(
+      {
+        try {
+          check_gpu_memory_plan(
+              plan, 1, kGiB, "GPU 0", "tokens", [] { return int64_t{0}; }, "a smaller model");
+        } catch (const ConfigError& error) {
+          EXPECT_TRUE(std::string(error.what()).ends_with("is free on GPU 0; a smaller model"))
+              << error.what();
+          throw;
+        }
+      },
+      ConfigError);
 }
 
 TEST(MemoryFit, LargestFittingBatch) {

@@ -834,6 +834,11 @@ int64_t flux_reduction_workspace_floats() {
   return kWorkspaceFloats;
 }
 
+int64_t flux_max_batch(int64_t dim) {
+  FP8T_CHECK(dim >= 1, "expected a hidden size >= 1, found {}", dim);
+  return std::min(kMaxGridY, kWorkspaceFloats / (2 * dim));
+}
+
 void layernorm_modulate_forward(bf16* out, bf16* normed, float* rstd, const bf16* x,
                                 const bf16* shift, const bf16* scale, int64_t mod_stride,
                                 const StreamShape& shape, cudaStream_t stream) {

@@ -27,6 +27,9 @@ namespace fp8t::ops::cuda {
 
 // fp32 floats of the workspace every reducing launcher below needs (one size for all).
 int64_t flux_reduction_workspace_floats();
+// The most samples the per-sample reductions (modulation gradients, 2·dim floats per sample in
+// the workspace; a grid dimension per sample) take at hidden size `dim`.
+int64_t flux_max_batch(int64_t dim);
 
 // A stream's tokens: batch samples of `tokens` rows of `dim` values. x_sample_rows (>= tokens):
 // the distance in rows between samples of the tensor x / dx the LayerNorm reads and writes, so
