@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <type_traits>
 
+#include <cuda_pipeline.h>
+
 #include "core/cuda_check.h"
 #include "numerics/scaling.h"
 
@@ -91,13 +93,17 @@ __global__ void scale_from_amax_kernel(const float* amax, float format_max, bool
   if (scale_inv != nullptr) *scale_inv = 1.0f / value;
 }
 
-// The value a cast reads from one element of x (CastInput).
+// The value a cast reads from one element of x (CastInput); relu2_input is relu²'s input at
+// the same position (read by Relu2Gradient only).
 template <CastInput kInput, typename T>
-__device__ float cast_input(T x) {
+__device__ float cast_input(T x, bf16 relu2_input) {
   const float value = to_float(x);
   if constexpr (kInput == CastInput::Relu2) {
     const float positive = fmaxf(value, 0.0f);  // NaN -> 0, as relu2_forward
     return bf16_to_float(float_to_bf16(positive * positive));
+  } else if constexpr (kInput == CastInput::Relu2Gradient) {
+    const float input = to_float(relu2_input);  // relu2_backward's arithmetic
+    return bf16_to_float(float_to_bf16(input > 0.0f ? 2.0f * input * value : 0.0f));
   } else {
     return value;
   }
@@ -105,13 +111,14 @@ __device__ float cast_input(T x) {
 
 // Scales and encodes one input vector, and folds the inputs into the amax.
 template <Fp8Format kFormat, CastInput kInput, typename T>
-__device__ ByteVector<InputVector<T>::kSize> scale_and_encode(const InputVector<T>& in, float scale,
-                                                              uint32_t& amax_bits) {
+__device__ ByteVector<InputVector<T>::kSize> scale_and_encode(const InputVector<T>& in,
+                                                              const InputVector<bf16>& relu2_in,
+                                                              float scale, uint32_t& amax_bits) {
   constexpr int kVec = InputVector<T>::kSize;
   ByteVector<kVec> bytes;
 #pragma unroll
   for (int k = 0; k < kVec; ++k) {
-    const float value = cast_input<kInput>(in.values[k]);
+    const float value = cast_input<kInput>(in.values[k], relu2_in.values[k]);
     amax_bits = max(amax_bits, abs_bits(value));
     bytes.values[k] = fp8t::encode(__fmul_rn(value, scale), kFormat, Saturation::Saturate);
   }
@@ -137,13 +144,18 @@ void dispatch_data_format(Fp8Format format, Launch&& launch) {
   check_data_format(format);
 }
 
-// Calls launch(std::integral_constant<CastInput, I>{}) for the cast input I; relu² reads bf16.
+// Calls launch(std::integral_constant<CastInput, I>{}) for the cast input I, after checking
+// that relu2_input is given exactly for Relu2Gradient; the relu² forms read bf16.
 template <typename T, typename Launch>
-void dispatch_cast_input(CastInput input, Launch&& launch) {
+void dispatch_cast_input(CastInput input, const bf16* relu2_input, Launch&& launch) {
+  FP8T_CHECK((input == CastInput::Relu2Gradient) == (relu2_input != nullptr),
+             "a relu² gradient cast takes relu²'s input, and only it");
   if (input == CastInput::Value)
     return launch(std::integral_constant<CastInput, CastInput::Value>{});
   if constexpr (std::is_same_v<T, bf16>) {
-    return launch(std::integral_constant<CastInput, CastInput::Relu2>{});
+    if (input == CastInput::Relu2)
+      return launch(std::integral_constant<CastInput, CastInput::Relu2>{});
+    return launch(std::integral_constant<CastInput, CastInput::Relu2Gradient>{});
   } else {
     FP8T_CHECK(false, "a relu² cast reads bf16 input, found fp32");
   }
@@ -153,8 +165,10 @@ void dispatch_cast_input(CastInput input, Launch&& launch) {
 // scalar path for the tail.
 template <typename T, bool kQuantize, Fp8Format kFormat, CastInput kInput>
 __global__ void __launch_bounds__(kThreads)
-    cast_amax_kernel(const T* __restrict__ x, int64_t count, const float* __restrict__ scale_ptr,
-                     uint8_t* __restrict__ out, float* amax_inout, bool vectorized) {
+    cast_amax_kernel(const T* __restrict__ x, const bf16* __restrict__ relu2_input, int64_t count,
+                     const float* __restrict__ scale_ptr, uint8_t* __restrict__ out,
+                     float* amax_inout, bool vectorized) {
+  constexpr bool kTwoInputs = kInput == CastInput::Relu2Gradient;
   constexpr int kVec = InputVector<T>::kSize;
   const float scale = kQuantize ? *scale_ptr : 1.0f;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -167,10 +181,14 @@ __global__ void __launch_bounds__(kThreads)
     const int64_t vectors = count / kVec;
     for (int64_t v0 = first; v0 < vectors; v0 += kUnroll * stride) {
       InputVector<T> in[kUnroll];
+      InputVector<bf16> relu2_in[kUnroll] = {};
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
         const int64_t v = v0 + u * stride;
-        if (v < vectors) in[u] = reinterpret_cast<const InputVector<T>*>(x)[v];
+        if (v >= vectors) continue;
+        in[u] = reinterpret_cast<const InputVector<T>*>(x)[v];
+        if constexpr (kTwoInputs)
+          relu2_in[u] = reinterpret_cast<const InputVector<bf16>*>(relu2_input)[v];
       }
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
@@ -178,18 +196,20 @@ __global__ void __launch_bounds__(kThreads)
         if (v >= vectors) break;
         if constexpr (kQuantize) {
           reinterpret_cast<ByteVector<kVec>*>(out)[v] =
-              scale_and_encode<kFormat, kInput>(in[u], scale, local_amax);
+              scale_and_encode<kFormat, kInput>(in[u], relu2_in[u], scale, local_amax);
         } else {
 #pragma unroll
-          for (int k = 0; k < kVec; ++k)
-            local_amax = max(local_amax, abs_bits(cast_input<kInput>(in[u].values[k])));
+          for (int k = 0; k < kVec; ++k) {
+            const float value = cast_input<kInput>(in[u].values[k], relu2_in[u].values[k]);
+            local_amax = max(local_amax, abs_bits(value));
+          }
         }
       }
     }
     scalar_begin = vectors * kVec;
   }
   for (int64_t i = scalar_begin + first; i < count; i += stride) {
-    const float value = cast_input<kInput>(x[i]);
+    const float value = cast_input<kInput>(x[i], kTwoInputs ? relu2_input[i] : bf16{});
     local_amax = max(local_amax, abs_bits(value));
     if constexpr (kQuantize)
       out[i] = fp8t::encode(__fmul_rn(value, scale), kFormat, Saturation::Saturate);
@@ -200,18 +220,21 @@ __global__ void __launch_bounds__(kThreads)
 // Cast + transpose + amax with one per-tensor scale. A block walks tiles of 128 rows x 8
 // vectors (64 bf16 or 32 fp32 columns). Each thread owns a patch of 4 rows x one vector: four
 // 16-byte loads, four row-major stores, and per column one 32-bit word holding its 4 rows'
-// bytes, i.e. a 4x4 byte transpose in registers. The words go to a shared tile kept as
-// [column][128 bytes], whose 16-byte chunks are XOR-swizzled by the patch column so that
-// both the word stores and the 16-byte reads are free of bank conflicts; each transposed row
-// segment then leaves as eight 16-byte stores covering 128 contiguous bytes.
+// bytes, i.e. a 4x4 byte transpose in registers. A full tile's loads are asynchronous copies
+// into shared memory, issued one tile ahead: they run while the tile before is stored (the
+// W-GPT24 step's casts went from 3.15 to 3.45 TB/s, those reading two inputs from 2.8 to 3.4). The
+// words go to a shared tile kept as [column][128 bytes], whose 16-byte chunks are XOR-swizzled by
+// the patch column so that both the word stores and the 16-byte reads are free of bank conflicts;
+// each transposed row segment then leaves as eight 16-byte stores covering 128 contiguous bytes.
 constexpr int kTransposeRows = 128;
 constexpr int kPatchRows = 4;
 constexpr int kPatchColumns = 8;  // vectors per tile row
 constexpr int kChunksPerColumn = kTransposeRows / 16;
 static_assert((kTransposeRows / kPatchRows) * kPatchColumns == kThreads, "one patch per thread");
 static_assert(kPatchRows == 4, "a column word holds the 4 rows of a patch");
-// Measured on an H200 (16384 x 6144 bf16): at 4 resident blocks per SM (64 registers, a few
-// bytes spilled) the kernel runs 126 us against 136 us at the 3 blocks its 80 registers allow.
+// Measured on an H200 (16384 x 6144 bf16), before the loads were staged: at 4 resident blocks
+// per SM (64 registers, a few bytes spilled) the kernel ran 126 us against 136 us at the 3
+// blocks its 80 registers allowed.
 constexpr int kTransposeBlocksPerSm = 4;
 static_assert(kChunksPerColumn == kPatchColumns,
               "the swizzle maps chunk ^ patch column onto chunks");
@@ -221,14 +244,15 @@ __device__ int swizzled_word(int column, int patch_column, int row_word) {
   return column * (kTransposeRows / 4) + chunk * 4 + row_word % 4;
 }
 
-// The tiling of the input, and the loads of one thread's patch: four 16-byte loads when the
-// tile is full, element loads with bounds checks at the edges (zeros outside).
+// The tiling of the input, and the loads of one thread's patch: four 16-byte asynchronous
+// copies when the tile is full, element loads with bounds checks at the edges (zeros outside).
 template <typename T>
 struct TransposeTile {
   static constexpr int kVec = InputVector<T>::kSize;
   static constexpr int kColumns = kPatchColumns * kVec;
 
   const T* x;
+  const bf16* relu2_input;  // Relu2Gradient: relu²'s input, the same layout as x; else null
   int64_t rows, cols, tile_cols, row_bands;
   bool vector_io;
 
@@ -237,23 +261,34 @@ struct TransposeTile {
   __device__ bool full(int64_t tile) const {
     return vector_io && row0(tile) + kTransposeRows <= rows && col0(tile) + kColumns <= cols;
   }
-  __device__ void load(int64_t tile, int patch_row, int patch_column,
-                       InputVector<T> (&in)[kPatchRows]) const {
+  // Starts copying a full tile's patch of `source` into this thread's slots of `staged`
+  // ([kPatchRows][kThreads] vectors), to be read by the same thread after
+  // __pipeline_wait_prior: no other thread reads them, so no barrier is needed.
+  template <typename U>
+  __device__ void stage(const U* source, int64_t tile, int patch_row, int patch_column,
+                        InputVector<U> (*staged)[kThreads]) const {
     const int64_t patch_row0 = row0(tile) + patch_row * kPatchRows;
     const int64_t patch_col0 = col0(tile) + patch_column * kVec;
-    const bool whole = full(tile);
 #pragma unroll
     for (int i = 0; i < kPatchRows; ++i) {
-      const int64_t offset = (patch_row0 + i) * cols + patch_col0;
-      if (whole) {
-        in[i] = *reinterpret_cast<const InputVector<T>*>(x + offset);
-      } else {
-#pragma unroll
-        for (int k = 0; k < kVec; ++k) {
-          in[i].values[k] = patch_row0 + i < rows && patch_col0 + k < cols ? x[offset + k] : T{};
-        }
-      }
+      __pipeline_memcpy_async(&staged[i][threadIdx.x],
+                              source + (patch_row0 + i) * cols + patch_col0,
+                              sizeof(InputVector<U>));
     }
+  }
+
+  // Row i of a patch of `source` (x, or relu2_input: U = bf16 = T) at the edge of the input:
+  // element loads, zeros outside.
+  template <typename U>
+  __device__ void load_edge_row(const U* source, int64_t tile, int patch_row, int patch_column,
+                                int i, InputVector<U>& row) const {
+    static_assert(InputVector<U>::kSize == kVec, "x's vectors");
+    const int64_t patch_row0 = row0(tile) + patch_row * kPatchRows;
+    const int64_t patch_col0 = col0(tile) + patch_column * kVec;
+    const int64_t offset = (patch_row0 + i) * cols + patch_col0;
+#pragma unroll
+    for (int k = 0; k < kVec; ++k)
+      row.values[k] = patch_row0 + i < rows && patch_col0 + k < cols ? source[offset + k] : U{};
   }
 };
 
@@ -273,20 +308,44 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
   const int patch_row = threadIdx.x / kPatchColumns;  // = the 32-bit word of a transposed column
   uint32_t local_amax = 0;
 
+  // The next full tile's input is copied into shared memory while this one is converted and
+  // stored: the loads of a tile no longer wait for the stores of the one before.
+  constexpr bool kTwoInputs = kInput == CastInput::Relu2Gradient;
+  __shared__ InputVector<T> staged[kPatchRows][kThreads];
+  __shared__ InputVector<bf16> staged_relu2[kTwoInputs ? kPatchRows : 1][kThreads];
+  const auto stage = [&](int64_t tile) {
+    if (tile >= tiles || !source.full(tile)) return;
+    source.stage(source.x, tile, patch_row, patch_column, staged);
+    if constexpr (kTwoInputs)
+      source.stage(source.relu2_input, tile, patch_row, patch_column, staged_relu2);
+    __pipeline_commit();
+  };
+  stage(blockIdx.x);
+
   for (int64_t t = blockIdx.x; t < tiles; t += gridDim.x) {
     const int64_t row0 = source.row0(t);
     const int64_t col0 = source.col0(t);
     const bool full = source.full(t);
     const int64_t patch_col0 = col0 + patch_column * kVec;
     const int64_t patch_row0 = row0 + patch_row * kPatchRows;
-    InputVector<T> in[kPatchRows];
-    source.load(t, patch_row, patch_column, in);
+    if (full) __pipeline_wait_prior(0);  // staged by the previous iteration, or before the loop
 
     // Column k's word holds the patch's 4 rows of that column: a 4x4 byte transpose.
     uint32_t column_words[kVec] = {};
 #pragma unroll
     for (int i = 0; i < kPatchRows; ++i) {
-      const ByteVector<kVec> bytes = scale_and_encode<kFormat, kInput>(in[i], scale, local_amax);
+      InputVector<T> in;
+      InputVector<bf16> relu2_in = {};
+      if (full) {
+        in = staged[i][threadIdx.x];
+        if constexpr (kTwoInputs) relu2_in = staged_relu2[i][threadIdx.x];
+      } else {
+        source.load_edge_row(source.x, t, patch_row, patch_column, i, in);
+        if constexpr (kTwoInputs)
+          source.load_edge_row(source.relu2_input, t, patch_row, patch_column, i, relu2_in);
+      }
+      const ByteVector<kVec> bytes =
+          scale_and_encode<kFormat, kInput>(in, relu2_in, scale, local_amax);
 #pragma unroll
       for (int k = 0; k < kVec; ++k)
         column_words[k] |= uint32_t(bytes.values[k]) << (8 * i);
@@ -300,6 +359,8 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
           out[offset + k] = bytes.values[k];
       }
     }
+    // The staged vectors have been read and used: their slots take the next tile's.
+    stage(t + gridDim.x);
 #pragma unroll
     for (int k = 0; k < kVec; ++k) {
       tile_t[swizzled_word(patch_column * kVec + k, patch_column, patch_row)] = column_words[k];
@@ -558,14 +619,16 @@ void decode(const uint8_t* codes, int64_t count, Fp8Format format, float* out,
 }
 
 template <typename T>
-void amax(const T* x, int64_t count, float* amax_inout, cudaStream_t stream, CastInput input) {
+void amax(const T* x, int64_t count, float* amax_inout, cudaStream_t stream, CastInput input,
+          const bf16* relu2_input) {
   check_pointers(count, x, amax_inout);
   if (count == 0) return;
   constexpr int kVec = InputVector<T>::kSize;
-  dispatch_cast_input<T>(input, [&](auto input_constant) {
+  const bool vectorized = aligned16(x) && aligned16(relu2_input);
+  dispatch_cast_input<T>(input, relu2_input, [&](auto input_constant) {
     cast_amax_kernel<T, false, Fp8Format::E4M3, decltype(input_constant)::value>
-        <<<elementwise_grid(count / kVec + 1), kThreads, 0, stream>>>(x, count, nullptr, nullptr,
-                                                                      amax_inout, aligned16(x));
+        <<<elementwise_grid(count / kVec + 1), kThreads, 0, stream>>>(
+            x, relu2_input, count, nullptr, nullptr, amax_inout, vectorized);
   });
   FP8T_CUDA_CHECK_LAUNCH();
 }
@@ -580,19 +643,20 @@ void scale_from_amax(const float* amax, float format_max, bool power_of_2, float
 
 template <typename T>
 void quantize(const T* x, int64_t count, const float* scale, Fp8Format format, uint8_t* out,
-              float* amax_inout, cudaStream_t stream, CastInput input) {
+              float* amax_inout, cudaStream_t stream, CastInput input, const bf16* relu2_input) {
   check_pointers(count, x, out);
   check_data_format(format);
   FP8T_CHECK(scale != nullptr, "scale must be a device pointer");
   if (count == 0) return;
   constexpr int kVec = InputVector<T>::kSize;
   // The vector path writes kVec bytes at once: the output must be aligned to that too.
-  const bool vectorized = aligned16(x) && reinterpret_cast<uintptr_t>(out) % kVec == 0;
-  dispatch_cast_input<T>(input, [&](auto input_constant) {
+  const bool vectorized =
+      aligned16(x) && aligned16(relu2_input) && reinterpret_cast<uintptr_t>(out) % kVec == 0;
+  dispatch_cast_input<T>(input, relu2_input, [&](auto input_constant) {
     dispatch_data_format(format, [&](auto format_constant) {
       cast_amax_kernel<T, true, decltype(format_constant)::value, decltype(input_constant)::value>
-          <<<elementwise_grid(count / kVec + 1), kThreads, 0, stream>>>(x, count, scale, out,
-                                                                        amax_inout, vectorized);
+          <<<elementwise_grid(count / kVec + 1), kThreads, 0, stream>>>(
+              x, relu2_input, count, scale, out, amax_inout, vectorized);
     });
   });
   FP8T_CUDA_CHECK_LAUNCH();
@@ -601,24 +665,26 @@ void quantize(const T* x, int64_t count, const float* scale, Fp8Format format, u
 template <typename T>
 void quantize_transpose(const T* x, int64_t rows, int64_t cols, const float* scale,
                         Fp8Format format, uint8_t* out, uint8_t* out_t, float* amax_inout,
-                        cudaStream_t stream, CastInput input) {
+                        cudaStream_t stream, CastInput input, const bf16* relu2_input) {
   FP8T_CHECK(rows >= 0 && cols >= 0, "expected a non-negative shape, found [{}, {}]", rows, cols);
   check_pointers(rows * cols, x, out_t);
   check_pointers(rows * cols, out_t, scale);
   check_data_format(format);
   if (rows * cols == 0) return;
   // Full tiles use vector loads and stores: every row start must keep their alignment.
-  const bool vector_io = aligned16(x) && (out == nullptr || aligned16(out)) && aligned16(out_t) &&
-                         cols % 16 == 0 && rows % 16 == 0;
+  const bool vector_io = aligned16(x) && aligned16(relu2_input) &&
+                         (out == nullptr || aligned16(out)) && aligned16(out_t) && cols % 16 == 0 &&
+                         rows % 16 == 0;
   const TransposeTile<T> source{
       x,
+      relu2_input,
       rows,
       cols,
       (cols + TransposeTile<T>::kColumns - 1) / TransposeTile<T>::kColumns,
       (rows + kTransposeRows - 1) / kTransposeRows,
       vector_io};
   const int64_t tiles = source.tile_cols * source.row_bands;
-  dispatch_cast_input<T>(input, [&](auto input_constant) {
+  dispatch_cast_input<T>(input, relu2_input, [&](auto input_constant) {
     dispatch_data_format(format, [&](auto format_constant) {
       cast_transpose_kernel<T, decltype(format_constant)::value, decltype(input_constant)::value>
           <<<grid_for(tiles, kTransposeBlocksPerSm), kThreads, 0, stream>>>(source, scale, out,
@@ -690,11 +756,12 @@ void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const Block
 }
 
 #define FP8T_INSTANTIATE_CUDA_QUANTIZE(T)                                                          \
-  template void amax<T>(const T*, int64_t, float*, cudaStream_t, CastInput);                       \
+  template void amax<T>(const T*, int64_t, float*, cudaStream_t, CastInput, const bf16*);          \
   template void quantize<T>(const T*, int64_t, const float*, Fp8Format, uint8_t*, float*,          \
-                            cudaStream_t, CastInput);                                              \
+                            cudaStream_t, CastInput, const bf16*);                                 \
   template void quantize_transpose<T>(const T*, int64_t, int64_t, const float*, Fp8Format,         \
-                                      uint8_t*, uint8_t*, float*, cudaStream_t, CastInput);        \
+                                      uint8_t*, uint8_t*, float*, cudaStream_t, CastInput,         \
+                                      const bf16*);                                                \
   template void quantize_blocks<T>(const T*, int64_t, int64_t, const BlockQuantization&, uint8_t*, \
                                    void*, uint8_t*, void*, cudaStream_t);
 

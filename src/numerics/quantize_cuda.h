@@ -19,15 +19,20 @@ void encode(const float* x, int64_t count, Fp8Format format, Saturation saturati
             cudaStream_t stream);
 void decode(const uint8_t* codes, int64_t count, Fp8Format format, float* out, cudaStream_t stream);
 
-// What a per-tensor cast reads: x itself, or relu(x)² rounded to bf16 (bf16 x only): the GPT's
-// MLP activation, cast straight from the MLP's hidden layer so that the activation itself is
-// never stored. The bytes equal those of relu2_forward followed by a cast of its output.
-enum class CastInput : uint8_t { Value, Relu2 };
+// What a per-tensor cast reads (the relu² forms from bf16 x only):
+//  - Value: x itself;
+//  - Relu2: relu(x)² rounded to bf16: the GPT's MLP activation, cast straight from the MLP's
+//    hidden layer so that the activation itself is never stored (the bytes of relu2_forward
+//    followed by a cast of its output);
+//  - Relu2Gradient: x is the gradient of relu(p)², p (relu2_input, the same shape) its input:
+//    2·relu(p)·x rounded to bf16, the gradient of p, cast without being stored (the bytes of
+//    relu2_backward followed by a cast of its output).
+enum class CastInput : uint8_t { Value, Relu2, Relu2Gradient };
 
 // *amax_inout = max(*amax_inout, max |input|)
 template <typename T>
 void amax(const T* x, int64_t count, float* amax_inout, cudaStream_t stream,
-          CastInput input = CastInput::Value);
+          CastInput input = CastInput::Value, const bf16* relu2_input = nullptr);
 
 // Tensorwise scaling on the device: scale and scale_inv from an amax, by scale_from_amax().
 void scale_from_amax(const float* amax, float format_max, bool power_of_2, float epsilon,
@@ -36,14 +41,16 @@ void scale_from_amax(const float* amax, float format_max, bool power_of_2, float
 // Fused cast + amax: out = encode_saturating(input * *scale); amax_inout may be null.
 template <typename T>
 void quantize(const T* x, int64_t count, const float* scale, Fp8Format format, uint8_t* out,
-              float* amax_inout, cudaStream_t stream, CastInput input = CastInput::Value);
+              float* amax_inout, cudaStream_t stream, CastInput input = CastInput::Value,
+              const bf16* relu2_input = nullptr);
 
 // Fused cast + transpose + amax: out [rows, cols] (may be null: the transposed copy alone) and
 // out_t [cols, rows].
 template <typename T>
 void quantize_transpose(const T* x, int64_t rows, int64_t cols, const float* scale,
                         Fp8Format format, uint8_t* out, uint8_t* out_t, float* amax_inout,
-                        cudaStream_t stream, CastInput input = CastInput::Value);
+                        cudaStream_t stream, CastInput input = CastInput::Value,
+                        const bf16* relu2_input = nullptr);
 
 // out = decode(q) · *scale_inv, stored as float or rounded to bf16.
 template <typename Out>

@@ -15,6 +15,7 @@
 
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
+#include "core/error.h"
 #include "numerics/quantize.h"
 #include "numerics/quantize_cuda.h"
 #include "numerics/scaling.h"
@@ -325,60 +326,90 @@ TYPED_TEST(CudaQuantize, CastTransposeAmaxMatchesReference) {
   }
 }
 
+// A cast of `input` from x (and relu2_input, for Relu2Gradient) on the device against the CPU's
+// cast of what it reads, act [rows, cols]: the bytes and the amax of amax(), quantize() and
+// quantize_transpose(), with and without the row-major copy.
+void expect_cast_input_matches(cuda::CastInput input, Shape shape, const DeviceBuffer<bf16>& x,
+                               const bf16* relu2_input, const std::vector<bf16>& act,
+                               bool with_specials) {
+  const size_t count = act.size();
+  const auto n = static_cast<int64_t>(count);
+  for (Fp8Format format : kDataFormats) {
+    const float scale = with_specials ? 1.5f : realistic_scale(act, format);
+    const auto where = ::testing::Message()
+                       << format_name(format) << " [" << shape.rows << ", " << shape.cols << "]";
+    float expected_amax = 0.0f;
+    std::vector<uint8_t> expected(count), expected_t(count);
+    quantize_transpose(act.data(), shape.rows, shape.cols, scale, format, expected.data(),
+                       expected_t.data(), &expected_amax);
+
+    DeviceBuffer<float> device_amax(std::vector<float>{0.0f});
+    cuda::amax(x.get(), n, device_amax.get(), nullptr, input, relu2_input);
+    EXPECT_IDENTICAL(device_amax.download(), std::vector<float>{expected_amax}, where << " amax");
+
+    DeviceBuffer<float> device_scale(std::vector<float>{scale});
+    DeviceBuffer<float> cast_amax(std::vector<float>{0.0f});
+    DeviceBuffer<uint8_t> out(count), out_t(count);
+    cuda::quantize(x.get(), n, device_scale.get(), format, out.get(), cast_amax.get(), nullptr,
+                   input, relu2_input);
+    EXPECT_IDENTICAL(out.download(), expected, where << " cast");
+    EXPECT_IDENTICAL(cast_amax.download(), std::vector<float>{expected_amax},
+                     where << " cast amax");
+
+    DeviceBuffer<uint8_t> both(count), both_t(count);
+    cuda::quantize_transpose(x.get(), shape.rows, shape.cols, device_scale.get(), format,
+                             both.get(), both_t.get(), nullptr, nullptr, input, relu2_input);
+    EXPECT_IDENTICAL(both.download(), expected, where << " cast + transpose");
+    EXPECT_IDENTICAL(both_t.download(), expected_t, where << " cast + transpose, transposed");
+    cuda::quantize_transpose(x.get(), shape.rows, shape.cols, device_scale.get(), format, nullptr,
+                             out_t.get(), nullptr, nullptr, input, relu2_input);
+    EXPECT_IDENTICAL(out_t.download(), expected_t, where << " transposed alone");
+  }
+}
+
 // relu² casts (CastInput::Relu2) must give the bytes and amax of relu(x)², rounded to bf16 as
 // the GPT's relu2_forward stores it, cast as usual; the transposed copy also alone.
 TEST(CudaQuantize, Relu2CastsMatchCastOfTheActivation) {
-  const auto relu2 = [](const std::vector<bf16>& x) {
-    std::vector<bf16> act(x.size());
-    for (size_t i = 0; i < x.size(); ++i) {
-      const float value = bf16_to_float(x[i]);
-      const float positive = value > 0.0f ? value : 0.0f;  // NaN -> 0
-      act[i] = float_to_bf16(positive * positive);
-    }
-    return act;
-  };
-  const auto input = cuda::CastInput::Relu2;
   for (const Shape shape : kAwkwardShapes) {
     const size_t count = static_cast<size_t>(shape.rows * shape.cols);
     for (bool with_specials : {false, true}) {
       const std::vector<bf16> x = random_tensor<bf16>(count, with_specials);
-      const std::vector<bf16> act = relu2(x);
-      DeviceBuffer<bf16> device_x(x);
-      const auto n = static_cast<int64_t>(count);
-      for (Fp8Format format : kDataFormats) {
-        const float scale = with_specials ? 1.5f : realistic_scale(act, format);
-        const auto where = ::testing::Message() << format_name(format) << " [" << shape.rows << ", "
-                                                << shape.cols << "]";
-        float expected_amax = 0.0f;
-        std::vector<uint8_t> expected(count), expected_t(count);
-        quantize_transpose(act.data(), shape.rows, shape.cols, scale, format, expected.data(),
-                           expected_t.data(), &expected_amax);
-
-        DeviceBuffer<float> device_amax(std::vector<float>{0.0f});
-        cuda::amax(device_x.get(), n, device_amax.get(), nullptr, input);
-        EXPECT_IDENTICAL(device_amax.download(), std::vector<float>{expected_amax},
-                         where << " amax");
-
-        DeviceBuffer<float> device_scale(std::vector<float>{scale});
-        DeviceBuffer<float> cast_amax(std::vector<float>{0.0f});
-        DeviceBuffer<uint8_t> out(count), out_t(count);
-        cuda::quantize(device_x.get(), n, device_scale.get(), format, out.get(), cast_amax.get(),
-                       nullptr, input);
-        EXPECT_IDENTICAL(out.download(), expected, where << " cast");
-        EXPECT_IDENTICAL(cast_amax.download(), std::vector<float>{expected_amax},
-                         where << " cast amax");
-
-        DeviceBuffer<uint8_t> both(count), both_t(count);
-        cuda::quantize_transpose(device_x.get(), shape.rows, shape.cols, device_scale.get(), format,
-                                 both.get(), both_t.get(), nullptr, nullptr, input);
-        EXPECT_IDENTICAL(both.download(), expected, where << " cast + transpose");
-        EXPECT_IDENTICAL(both_t.download(), expected_t, where << " cast + transpose, transposed");
-        cuda::quantize_transpose(device_x.get(), shape.rows, shape.cols, device_scale.get(), format,
-                                 nullptr, out_t.get(), nullptr, nullptr, input);
-        EXPECT_IDENTICAL(out_t.download(), expected_t, where << " transposed alone");
+      std::vector<bf16> act(count);
+      for (size_t i = 0; i < count; ++i) {
+        const float value = bf16_to_float(x[i]);
+        const float positive = value > 0.0f ? value : 0.0f;  // NaN -> 0
+        act[i] = float_to_bf16(positive * positive);
       }
+      expect_cast_input_matches(cuda::CastInput::Relu2, shape, DeviceBuffer<bf16>(x), nullptr, act,
+                                with_specials);
     }
   }
+}
+
+// relu² gradient casts (CastInput::Relu2Gradient) must give the bytes and amax of 2·relu(p)·x,
+// rounded to bf16 as relu2_backward stores it, cast as usual; a missing or a stray relu²
+// input is an error.
+TEST(CudaQuantize, Relu2GradientCastsMatchCastOfTheGradient) {
+  for (const Shape shape : kAwkwardShapes) {
+    const size_t count = static_cast<size_t>(shape.rows * shape.cols);
+    for (bool with_specials : {false, true}) {
+      const std::vector<bf16> dy = random_tensor<bf16>(count, with_specials);
+      const std::vector<bf16> p = random_tensor<bf16>(count, with_specials);
+      std::vector<bf16> gradient(count);
+      for (size_t i = 0; i < count; ++i) {
+        const float input = bf16_to_float(p[i]);  // NaN -> 0, as relu2_backward
+        gradient[i] = float_to_bf16(input > 0.0f ? 2.0f * input * bf16_to_float(dy[i]) : 0.0f);
+      }
+      const DeviceBuffer<bf16> device_p(p);
+      expect_cast_input_matches(cuda::CastInput::Relu2Gradient, shape, DeviceBuffer<bf16>(dy),
+                                device_p.get(), gradient, with_specials);
+    }
+  }
+  const DeviceBuffer<bf16> x(std::vector<bf16>(64));
+  DeviceBuffer<float> amax(std::vector<float>{0.0f});
+  EXPECT_THROW(cuda::amax(x.get(), 64, amax.get(), nullptr, cuda::CastInput::Relu2Gradient), Error);
+  EXPECT_THROW(cuda::amax(x.get(), 64, amax.get(), nullptr, cuda::CastInput::Value, x.get()),
+               Error);
 }
 
 TEST(CudaQuantize, TensorwiseOnDeviceMatchesReference) {

@@ -1,8 +1,8 @@
 // The GPU linear's backward in chunks of rows (a scratch narrower than the layer) against the
 // same layer with a scratch that holds it whole: dx bit for bit (each row's dgrad is the same
 // GEMM row under the same scales), dW up to the order of its fp32 sums, for every recipe and for
-// the relu² input; and the forward's residual. The models' GPU tests compare the whole-layer
-// path with the CPU.
+// the relu² input; the backward through relu² against relu2_backward and the plain backward;
+// and the forward's residual. The models' GPU tests compare the whole-layer path with the CPU.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -17,6 +17,7 @@
 #include "gemm/cublaslt_gemm.h"
 #include "numerics/scaling.h"
 #include "ops/cuda/linear_cuda.h"
+#include "ops/cuda/ops_cuda.h"
 // The GPU tests target has no tests/ include directory.
 #include "ops/gpu_compare.h"
 
@@ -41,7 +42,7 @@ struct LinearUnderTest {
   std::unique_ptr<kernels::CudaLinear> layer;
 
   LinearUnderTest(ScalingRecipe recipe, bool relu2, int64_t backward_width,
-                  gemm::CublasLtGemm& gemm, bool fp8 = true) {
+                  gemm::CublasLtGemm& gemm, bool fp8 = true, bool output_relu2 = false) {
     for (bool planning : {true, false}) {
       scaling = arena.take<float>(kernels::kLinearScalingFloats);
       scratch = kernels::take_fp8_scratch(arena, recipe, kTokens, kIn, kOut, backward_width);
@@ -62,18 +63,22 @@ struct LinearUnderTest {
     setup.fp8_config.recipe = recipe;
     setup.scaling = scaling;
     setup.input_relu2 = relu2;
+    setup.output_relu2 = output_relu2;
     layer = std::make_unique<kernels::CudaLinear>(setup, gemm, scratch);
   }
 };
 
-class LinearCuda : public StreamTest {};
+// Every test's layer: a random weight, input and output gradient.
+class LinearCuda : public StreamTest {
+ protected:
+  gemm::CublasLtGemm gemm_;
+  const Device<float> weight_{random_floats(rng_, size_t(kIn* kOut), -0.1, 0.1)};
+  const Device<bf16> x_{random_bf16(rng_, size_t(kTokens* kIn))};
+  const Device<bf16> dy_{random_bf16(rng_, size_t(kTokens* kOut))};
+};
 
 TEST_F(LinearCuda, BackwardInChunksMatchesTheWholeBackward) {
   SCOPED_TRACE(rng_.trace());
-  gemm::CublasLtGemm gemm;
-  const Device<float> weight(random_floats(rng_, size_t(kIn * kOut), -0.1, 0.1));
-  const Device<bf16> x(random_bf16(rng_, size_t(kTokens * kIn)));
-  const Device<bf16> dy(random_bf16(rng_, size_t(kTokens * kOut)));
   struct Case {
     ScalingRecipe recipe;
     bool relu2;
@@ -86,14 +91,14 @@ TEST_F(LinearCuda, BackwardInChunksMatchesTheWholeBackward) {
     std::vector<bf16> dx[2];
     std::vector<float> dweight[2];
     for (int narrow : {0, 1}) {
-      LinearUnderTest linear(c.recipe, c.relu2, narrow ? kNarrowWidth : kOut, gemm);
-      linear.layer->prepare_weight(weight.get(), /*record_amax=*/true, stream_);
+      LinearUnderTest linear(c.recipe, c.relu2, narrow ? kNarrowWidth : kOut, gemm_);
+      linear.layer->prepare_weight(weight_.get(), /*record_amax=*/true, stream_);
       Device<bf16> y(size_t(kTokens * kOut));
-      linear.layer->forward(x.get(), kTokens, y.get(), /*record_amax=*/true, stream_);
+      linear.layer->forward(x_.get(), kTokens, y.get(), /*record_amax=*/true, stream_);
       Device<bf16> device_dx(size_t(kTokens * kIn));
       device_dx.poison_nan();
       Device<float> device_dweight(std::vector<float>(size_t(kIn * kOut), 0.0f));
-      linear.layer->backward(dy.get(), x.get(), kTokens, device_dx.get(), false,
+      linear.layer->backward(dy_.get(), x_.get(), kTokens, device_dx.get(), false,
                              device_dweight.get(), /*record_amax=*/true, stream_);
       FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
       dx[narrow] = device_dx.download();
@@ -104,15 +109,54 @@ TEST_F(LinearCuda, BackwardInChunksMatchesTheWholeBackward) {
   }
 }
 
+// A layer whose output feeds relu² casts its output gradient from d relu²(y) and y: the same
+// bytes as relu2_backward followed by the plain backward, so dx, dW and the recorded amaxes and
+// scales are equal bit for bit, whole and in chunks, for both per-tensor recipes.
+TEST_F(LinearCuda, BackwardThroughRelu2MatchesRelu2BackwardThenBackward) {
+  SCOPED_TRACE(rng_.trace());
+  for (ScalingRecipe recipe : {ScalingRecipe::Tensorwise, ScalingRecipe::Delayed}) {
+    for (int64_t width : {kOut, kNarrowWidth}) {
+      const std::string name = fmt::format("{}, backward width {}", recipe_name(recipe), width);
+      std::vector<bf16> dx[2];
+      std::vector<float> dweight[2], scaling[2];
+      for (int fused : {0, 1}) {
+        LinearUnderTest linear(recipe, false, width, gemm_, true, fused == 1);
+        linear.layer->prepare_weight(weight_.get(), /*record_amax=*/true, stream_);
+        Device<bf16> y(size_t(kTokens * kOut));
+        linear.layer->forward(x_.get(), kTokens, y.get(), /*record_amax=*/true, stream_);
+        Device<bf16> device_dx(size_t(kTokens * kIn));
+        device_dx.poison_nan();
+        Device<float> device_dweight(std::vector<float>(size_t(kIn * kOut), 0.0f));
+        if (fused == 1) {
+          linear.layer->backward(dy_.get(), x_.get(), kTokens, device_dx.get(), false,
+                                 device_dweight.get(), /*record_amax=*/true, stream_, y.get());
+        } else {
+          Device<bf16> fc_gradient(size_t(kTokens * kOut));
+          kernels::relu2_backward(fc_gradient.get(), dy_.get(), y.get(), kTokens * kOut,
+                                  kernels::GradStore::Write, stream_);
+          linear.layer->backward(fc_gradient.get(), x_.get(), kTokens, device_dx.get(), false,
+                                 device_dweight.get(), /*record_amax=*/true, stream_);
+        }
+        FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        dx[fused] = device_dx.download();
+        dweight[fused] = device_dweight.download();
+        scaling[fused].resize(kernels::kLinearScalingFloats);
+        FP8T_CUDA_CHECK(cudaMemcpy(scaling[fused].data(), linear.scaling,
+                                   scaling[fused].size() * sizeof(float), cudaMemcpyDeviceToHost));
+      }
+      expect_bitwise_equal(dx[1], dx[0], name + " dx");
+      expect_bitwise_equal(dweight[1], dweight[0], name + " dW");
+      expect_bitwise_equal(scaling[1], scaling[0], name + " scaling floats");
+    }
+  }
+}
+
 // forward(…, residual) = x·Wᵀ + residual, summed in the GEMM's epilogue and rounded once
 // (blockwise: added after the GEMM): within two bf16 roundings of the layer's own output plus
 // the residual, for BF16 and every FP8 recipe (the same scales in both calls); the residual is
 // left as it was.
 TEST_F(LinearCuda, ForwardAddsTheResidual) {
   SCOPED_TRACE(rng_.trace());
-  gemm::CublasLtGemm gemm;
-  const Device<float> weight(random_floats(rng_, size_t(kIn * kOut), -0.1, 0.1));
-  const Device<bf16> x(random_bf16(rng_, size_t(kTokens * kIn)));
   const std::vector<bf16> residual_values = random_bf16(rng_, size_t(kTokens * kOut));
   const Device<bf16> residual(residual_values);
   struct Case {
@@ -126,12 +170,12 @@ TEST_F(LinearCuda, ForwardAddsTheResidual) {
                         {ScalingRecipe::Mxfp8, true}};
   for (const Case& c : cases) {
     const std::string name = c.fp8 ? std::string(recipe_name(c.recipe)) : "bf16";
-    LinearUnderTest linear(c.recipe, false, kOut, gemm, c.fp8);
-    linear.layer->prepare_weight(weight.get(), /*record_amax=*/false, stream_);
+    LinearUnderTest linear(c.recipe, false, kOut, gemm_, c.fp8);
+    linear.layer->prepare_weight(weight_.get(), /*record_amax=*/false, stream_);
     Device<bf16> y(size_t(kTokens * kOut)), y_with_residual(size_t(kTokens * kOut));
     y_with_residual.poison_nan();
-    linear.layer->forward(x.get(), kTokens, y.get(), /*record_amax=*/false, stream_);
-    linear.layer->forward(x.get(), kTokens, y_with_residual.get(), /*record_amax=*/false, stream_,
+    linear.layer->forward(x_.get(), kTokens, y.get(), /*record_amax=*/false, stream_);
+    linear.layer->forward(x_.get(), kTokens, y_with_residual.get(), /*record_amax=*/false, stream_,
                           residual.get());
     FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
     std::vector<double> expected = widen(y.download());

@@ -58,6 +58,11 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
              setup.max_tokens);
   const auto weight_count = static_cast<size_t>(in * out);
   if (setup.bias) bias_bf16_ = std::make_unique<DeviceBuffer<bf16>>(static_cast<size_t>(out));
+  const bool relu2_casts = setup.input_relu2 || setup.output_relu2;
+  FP8T_CHECK(!relu2_casts || (setup.fp8 && setup.fp8_config.recipe != ScalingRecipe::Blockwise &&
+                              setup.fp8_config.recipe != ScalingRecipe::Mxfp8 && setup.fp8_wgrad),
+             "a linear casts through relu² itself only in FP8 with a per-tensor recipe and an "
+             "FP8 weight gradient");
   if (!setup.fp8) {
     weight_bf16_ = std::make_unique<DeviceBuffer<bf16>>(weight_count);
     return;
@@ -92,10 +97,8 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
       "the FP8 backward scratch holds {} elements, less than a block of {} rows of a "
       "[{} -> {}] linear",
       scratch.backward_elements, kScaleBlock, in, out);
-  FP8T_CHECK(!setup.input_relu2 ||
-                 (!blockwise() && !mx() && setup.fp8_wgrad && setup.input_from == nullptr),
-             "a linear casts relu² of its input itself only with a per-tensor recipe, an FP8 "
-             "weight gradient and its own input");
+  FP8T_CHECK(!setup.input_relu2 || setup.input_from == nullptr,
+             "a linear casts relu² of its input itself only from its own input");
   weight_fp8_ = std::make_unique<DeviceBuffer<uint8_t>>(weight_count);
   weight_fp8_t_ = std::make_unique<DeviceBuffer<uint8_t>>(weight_count);
   if (mx()) {
@@ -139,7 +142,7 @@ size_t CudaLinear::device_bytes() const {
 template <typename T>
 void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole role, uint8_t* out,
                           uint8_t* out_t, ScaleSource source, bool record_amax, cudaStream_t stream,
-                          float* scales, float* scales_t) {
+                          float* scales, float* scales_t, const bf16* y) {
   const PhaseScope timed(StepPhase::Quantization, stream);
   const Fp8Config& config = setup_.fp8_config;
   const Fp8Format format = config.format_for(role, setup_.family);
@@ -167,31 +170,34 @@ void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole rol
     return;
   }
   const fp8t::cuda::CastInput input = cast_input(role);
+  const bf16* relu2_input = input == fp8t::cuda::CastInput::Relu2Gradient ? y : nullptr;
   float* scale = slot(role, kScaleSlot);
   float* recorded = nullptr;
   if (config.recipe == ScalingRecipe::Tensorwise) {
     if (source != ScaleSource::Reuse)
-      tensorwise_scale(x, rows * cols, role, source == ScaleSource::Measured, stream);
+      tensorwise_scale(x, rows * cols, role, source == ScaleSource::Measured, stream, y);
   } else if (record_amax && source == ScaleSource::Measure) {
     // Delayed: the history's scale; this amax feeds the next update.
     recorded = slot(role, kAmaxSlot);
   }
   if (out_t != nullptr) {
     fp8t::cuda::quantize_transpose(x, rows, cols, scale, format, out, out_t, recorded, stream,
-                                   input);
+                                   input, relu2_input);
   } else {
-    fp8t::cuda::quantize(x, rows * cols, scale, format, out, recorded, stream, input);
+    fp8t::cuda::quantize(x, rows * cols, scale, format, out, recorded, stream, input, relu2_input);
   }
 }
 
 template <typename T>
 void CudaLinear::tensorwise_scale(const T* x, int64_t count, TensorRole role, bool amax_measured,
-                                  cudaStream_t stream) {
+                                  cudaStream_t stream, const bf16* y) {
   const Fp8Config& config = setup_.fp8_config;
   float* amax = slot(role, kAmaxSlot);
   if (!amax_measured) {
     FP8T_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
-    fp8t::cuda::amax(x, count, amax, stream, cast_input(role));
+    const fp8t::cuda::CastInput input = cast_input(role);
+    fp8t::cuda::amax(x, count, amax, stream, input,
+                     input == fp8t::cuda::CastInput::Relu2Gradient ? y : nullptr);
   }
   fp8t::cuda::scale_from_amax(amax, format_max(config.format_for(role, setup_.family)),
                               config.use_power_of_2_scales(), config.amax_epsilon,
@@ -335,11 +341,13 @@ void CudaLinear::forward(const bf16* x, int64_t tokens, bf16* y, bool record_ama
 }
 
 void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* dx,
-                          bool accumulate_dx, float* dweight, bool record_amax,
-                          cudaStream_t stream) {
+                          bool accumulate_dx, float* dweight, bool record_amax, cudaStream_t stream,
+                          const bf16* y) {
   const int64_t in = setup_.in_features, out = setup_.out_features;
   FP8T_CHECK(tokens > 0 && tokens <= setup_.max_tokens, "expected 1 to {} tokens, found {}",
              setup_.max_tokens, tokens);
+  FP8T_CHECK(setup_.output_relu2 == (y != nullptr),
+             "the backward of a linear whose output feeds relu² takes that output, and only it");
   const bool fp8_wgrad = setup_.fp8 && dweight != nullptr && setup_.fp8_wgrad;
   if (dweight != nullptr && !fp8_wgrad) {
     FP8T_CHECK(x != nullptr, "a BF16 weight gradient needs the forward's input");
@@ -368,14 +376,15 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
   if (chunk < tokens && setup_.fp8_config.recipe == ScalingRecipe::Tensorwise) {
     // Every chunk takes the whole dy's scale, as one cast would.
     const PhaseScope timed(StepPhase::Quantization, stream);
-    tensorwise_scale(dy, tokens * out, TensorRole::GradOutput, /*amax_measured=*/false, stream);
+    tensorwise_scale(dy, tokens * out, TensorRole::GradOutput, /*amax_measured=*/false, stream, y);
     grad_scale = ScaleSource::Reuse;
   }
   for (int64_t first = 0; first < tokens; first += chunk) {
     const int64_t rows = std::min(chunk, tokens - first);
     backward_rows(dy + first * out, x != nullptr ? x + first * in : nullptr, first, rows,
                   dx != nullptr ? dx + first * in : nullptr, accumulate_dx,
-                  fp8_wgrad ? dweight : nullptr, record_amax, grad_scale, stream);
+                  fp8_wgrad ? dweight : nullptr, record_amax, grad_scale, stream,
+                  y != nullptr ? y + first * out : nullptr);
   }
 }
 
@@ -389,7 +398,7 @@ int64_t CudaLinear::backward_chunk(int64_t tokens) const {
 
 void CudaLinear::backward_rows(const bf16* dy, const bf16* x, int64_t first_row, int64_t rows,
                                bf16* dx, bool accumulate_dx, float* dweight, bool record_amax,
-                               ScaleSource grad_scale, cudaStream_t stream) {
+                               ScaleSource grad_scale, cudaStream_t stream, const bf16* y) {
   const int64_t in = setup_.in_features, out = setup_.out_features;
   gemm::GemmOutput grad_input;
   grad_input.data = dx;
@@ -404,7 +413,7 @@ void CudaLinear::backward_rows(const bf16* dy, const bf16* x, int64_t first_row,
   const bool wgrad = dweight != nullptr;
   quantize(dy, rows, out, TensorRole::GradOutput, scratch_.grad_output,
            wgrad ? scratch_.grad_output_t : nullptr, grad_scale, record_amax, stream,
-           scratch_.grad_output_scales, scratch_.grad_output_t_scales);
+           scratch_.grad_output_scales, scratch_.grad_output_t_scales, y);
   if (wgrad) cast_input_t(x, first_row, rows, stream);
   if (mx()) {
     mx_backward(rows, grad_input, wgrad ? &grad_weight : nullptr, stream);
@@ -457,10 +466,11 @@ void CudaLinear::mx_backward(int64_t tokens, const gemm::GemmOutput& grad_input,
 }
 
 template void CudaLinear::quantize<float>(const float*, int64_t, int64_t, TensorRole, uint8_t*,
-                                          uint8_t*, ScaleSource, bool, cudaStream_t, float*,
-                                          float*);
+                                          uint8_t*, ScaleSource, bool, cudaStream_t, float*, float*,
+                                          const bf16*);
 template void CudaLinear::quantize<bf16>(const bf16*, int64_t, int64_t, TensorRole, uint8_t*,
-                                         uint8_t*, ScaleSource, bool, cudaStream_t, float*, float*);
+                                         uint8_t*, ScaleSource, bool, cudaStream_t, float*, float*,
+                                         const bf16*);
 
 }  // namespace fp8t::ops::cuda
 

@@ -109,6 +109,10 @@ struct LinearSetup {
   // FP8 with a per-tensor recipe and fp8_wgrad: the layer's input is relu(x)² of the x it is
   // given, cast straight from x (the GPT's mlp.c_proj), so the activation is never stored.
   bool input_relu2 = false;
+  // FP8 with a per-tensor recipe and fp8_wgrad: the layer's output y feeds relu² (the GPT's
+  // mlp.c_fc), and backward() takes the gradient of relu(y)² with y, casting dy = 2·relu(y)·
+  // d(relu(y)²) straight from the two, so dy is never stored.
+  bool output_relu2 = false;
 };
 
 class CudaLinear {
@@ -143,11 +147,13 @@ class CudaLinear {
   // weight gradient reads: in bf16, or cast again to x̂ᵗ (except for layers that share it).
   // FP8 layers wider than the scratch take the tokens in chunks of rows: the same numbers (the
   // per-tensor scale is the whole dy's), the weight gradient summed chunk by chunk.
+  // output_relu2 layers: dy is the gradient of relu(y)², y [tokens, out] the forward's output.
   void backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* dx, bool accumulate_dx,
-                float* dweight, bool record_amax, cudaStream_t stream);
+                float* dweight, bool record_amax, cudaStream_t stream, const bf16* y = nullptr);
 
   bool fp8() const { return setup_.fp8; }
   bool input_relu2() const { return setup_.input_relu2; }
+  bool output_relu2() const { return setup_.output_relu2; }
   int64_t in_features() const { return setup_.in_features; }
   int64_t out_features() const { return setup_.out_features; }
   // Device memory this layer owns.
@@ -167,20 +173,24 @@ class CudaLinear {
 
   // Quantizes x [rows, cols] for `role` into out (may be null for per-tensor recipes) and, when
   // not null, out_t [cols, rows]. Block recipes: their scales land in scales and scales_t, in
-  // the GEMMs' layouts.
+  // the GEMMs' layouts. y: the forward's output rows beside x, for output_relu2's GradOutput.
   template <typename T>
   void quantize(const T* x, int64_t rows, int64_t cols, TensorRole role, uint8_t* out,
                 uint8_t* out_t, ScaleSource source, bool record_amax, cudaStream_t stream,
-                float* scales = nullptr, float* scales_t = nullptr);
+                float* scales = nullptr, float* scales_t = nullptr, const bf16* y = nullptr);
   // Tensorwise: the role's scale from the amax of x [count] (measured here, or already in the
   // slot when amax_measured), on the device.
   template <typename T>
   void tensorwise_scale(const T* x, int64_t count, TensorRole role, bool amax_measured,
-                        cudaStream_t stream);
-  // What a per-tensor cast of `role` reads: relu² of the given input for input_relu2 layers.
+                        cudaStream_t stream, const bf16* y = nullptr);
+  // What a per-tensor cast of `role` reads: relu² of the given input for input_relu2 layers,
+  // the gradient through relu² for output_relu2 layers.
   fp8t::cuda::CastInput cast_input(TensorRole role) const {
-    return role == TensorRole::Input && setup_.input_relu2 ? fp8t::cuda::CastInput::Relu2
-                                                           : fp8t::cuda::CastInput::Value;
+    if (role == TensorRole::Input && setup_.input_relu2) return fp8t::cuda::CastInput::Relu2;
+    if (role == TensorRole::GradOutput && setup_.output_relu2) {
+      return fp8t::cuda::CastInput::Relu2Gradient;
+    }
+    return fp8t::cuda::CastInput::Value;
   }
   // Backward: x̂ᵗ of the forward's input rows [first_row, first_row + rows) (x points at the
   // first) into the scratch, or, for a layer sharing its input, the check that its owner has
@@ -188,10 +198,10 @@ class CudaLinear {
   void cast_input_t(const bf16* x, int64_t first_row, int64_t rows, cudaStream_t stream);
   // Rows per chunk of an FP8 backward over `tokens` rows: all of them, or what the scratch holds.
   int64_t backward_chunk(int64_t tokens) const;
-  // The FP8 backward of rows [first_row, first_row + rows): dy, x and dx point at that row.
+  // The FP8 backward of rows [first_row, first_row + rows): dy, x, dx and y point at that row.
   void backward_rows(const bf16* dy, const bf16* x, int64_t first_row, int64_t rows, bf16* dx,
                      bool accumulate_dx, float* dweight, bool record_amax, ScaleSource grad_scale,
-                     cudaStream_t stream);
+                     cudaStream_t stream, const bf16* y);
   // An operand of `role`: per-tensor scales from the role's slot, block scales from `scales`.
   gemm::Fp8Operand operand(const uint8_t* data, int64_t ld, TensorRole role,
                            const float* scales = nullptr) const;
