@@ -456,6 +456,20 @@ std::pair<int64_t, int64_t> output_shape(const Problem& p) {
   return {0, 0};
 }
 
+// The output's type and what the epilogue adds: D = alpha·AB + beta·C, C the output itself
+// (accumulate) or an addend, and the bias.
+void take_epilogue(Problem& p, const GemmOutput& out) {
+  p.out_type = out.type;
+  p.beta = out.accumulate ? 1.0f : 0.0f;
+  if (out.addend != nullptr) {
+    p.addend = out.addend;
+    p.alpha = out.result_scale;
+    p.beta = out.addend_scale;
+  }
+  p.bias = out.bias;
+  p.bias_type = out.bias_type;
+}
+
 void check_addend(const GemmOutput& out, const Problem& p) {
   FP8T_CHECK(out.addend == nullptr || !out.accumulate,
              "{}: expected an addend or accumulation, found both", describe(p));
@@ -639,15 +653,7 @@ void CublasLtGemm::bf16_gemm(Bf16Form form, int64_t m, int64_t n, int64_t k, con
   p.m = m;
   p.n = n;
   p.k = k;
-  p.out_type = out.type;
-  p.beta = out.accumulate ? 1.0f : 0.0f;
-  if (out.addend != nullptr) {
-    p.addend = out.addend;
-    p.alpha = out.result_scale;
-    p.beta = out.addend_scale;
-  }
-  p.bias = out.bias;
-  p.bias_type = out.bias_type;
+  take_epilogue(p, out);
   p.d.batch = batch.count;
   FP8T_CHECK(m > 0 && n > 0 && k > 0, "{}: expected positive sizes", describe(p));
   FP8T_CHECK(out.type == GemmType::F32 || out.type == GemmType::BF16,
@@ -709,13 +715,7 @@ void CublasLtGemm::fp8_gemm(int64_t m, int64_t n, int64_t k, const Fp8Operand& a
   p.m = m;
   p.n = n;
   p.k = k;
-  p.out_type = out.type;
-  p.beta = out.accumulate ? 1.0f : 0.0f;
-  if (out.addend != nullptr) {
-    p.addend = out.addend;
-    p.alpha = out.result_scale;
-    p.beta = out.addend_scale;
-  }
+  take_epilogue(p, out);
   p.a_format = a.format;
   p.b_format = b.format;
   p.a_scale_mode = a.scale_mode;
@@ -725,8 +725,6 @@ void CublasLtGemm::fp8_gemm(int64_t m, int64_t n, int64_t k, const Fp8Operand& a
   p.d_scale = out.scale;
   p.amax = out.amax;
   p.fast_accumulation = fast_accumulation;
-  p.bias = out.bias;
-  p.bias_type = out.bias_type;
 
   FP8T_CHECK(m > 0 && n > 0 && k > 0, "{}: expected positive sizes", describe(p));
   for (const auto& [operand, name] : {std::pair{&a, "a"}, std::pair{&b, "b"}}) {
