@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include <cuda_bf16.h>
 #include <cuda_pipeline.h>
 
 #include "core/cuda_check.h"
@@ -93,6 +94,13 @@ __global__ void scale_from_amax_kernel(const float* amax, float format_max, bool
   if (scale_inv != nullptr) *scale_inv = 1.0f / value;
 }
 
+// round_to_bf16 through the hardware's conversion: the same bits for every value but NaN,
+// whose payload float_to_bf16 keeps (and the amax then holds). Fewer instructions per element
+// in the relu² casts, whose arithmetic per byte limits them.
+__device__ inline float rounded_to_bf16(float value) {
+  return isnan(value) ? round_to_bf16(value) : __bfloat162float(__float2bfloat16_rn(value));
+}
+
 // The value a cast reads from one element of x (CastInput); relu2_input is relu²'s input at
 // the same position (read by Relu2Gradient only).
 template <CastInput kInput, typename T>
@@ -100,10 +108,10 @@ __device__ float cast_input(T x, bf16 relu2_input) {
   const float value = to_float(x);
   if constexpr (kInput == CastInput::Relu2) {
     const float positive = fmaxf(value, 0.0f);  // NaN -> 0, as relu2_forward
-    return bf16_to_float(float_to_bf16(positive * positive));
+    return rounded_to_bf16(positive * positive);
   } else if constexpr (kInput == CastInput::Relu2Gradient) {
     const float input = to_float(relu2_input);  // relu2_backward's arithmetic
-    return bf16_to_float(float_to_bf16(input > 0.0f ? 2.0f * input * value : 0.0f));
+    return rounded_to_bf16(input > 0.0f ? 2.0f * input * value : 0.0f);
   } else {
     return value;
   }
