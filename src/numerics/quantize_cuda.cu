@@ -97,7 +97,7 @@ __global__ void scale_from_amax_kernel(const float* amax, float format_max, bool
 // round_to_bf16 through the hardware's conversion: the same bits for every value but NaN,
 // whose payload float_to_bf16 keeps (and the amax then holds). Fewer instructions per element
 // in the relu² casts, whose arithmetic per byte limits them.
-__device__ inline float rounded_to_bf16(float value) {
+__device__ inline float round_to_bf16_by_hardware(float value) {
   return isnan(value) ? round_to_bf16(value) : __bfloat162float(__float2bfloat16_rn(value));
 }
 
@@ -108,10 +108,10 @@ __device__ float cast_input(T x, bf16 relu2_input) {
   const float value = to_float(x);
   if constexpr (kInput == CastInput::Relu2) {
     const float positive = fmaxf(value, 0.0f);  // NaN -> 0, as relu2_forward
-    return rounded_to_bf16(positive * positive);
+    return round_to_bf16_by_hardware(positive * positive);
   } else if constexpr (kInput == CastInput::Relu2Gradient) {
     const float input = to_float(relu2_input);  // relu2_backward's arithmetic
-    return rounded_to_bf16(input > 0.0f ? 2.0f * input * value : 0.0f);
+    return round_to_bf16_by_hardware(input > 0.0f ? 2.0f * input * value : 0.0f);
   } else {
     return value;
   }
