@@ -478,9 +478,7 @@ void check_nan_guard(const TrainConfig& config,
   }
   if (config.run.nan_inject_steps.empty()) return;
   const std::string& name = config.run.nan_inject_parameter;
-  const std::vector<ParamSpec> parameters = gpt_parameters(config.gpt_config());
-  if (std::none_of(parameters.begin(), parameters.end(),
-                   [&](const ParamSpec& spec) { return spec.name == name; })) {
+  if (find_parameter(gpt_parameters(config.gpt_config()), name) == nullptr) {
     throw ConfigError(
         fmt::format("{}: nan_inject_steps need a parameter of this model (e.g. "
                     "transformer.h.0.mlp.c_fc.weight), found '{}'",

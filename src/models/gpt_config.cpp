@@ -105,6 +105,12 @@ std::vector<ParamSpec> gpt_parameters(const GptConfig& config) {
   return params;
 }
 
+const ParamSpec* find_parameter(const std::vector<ParamSpec>& specs, std::string_view name) {
+  const auto found = std::find_if(specs.begin(), specs.end(),
+                                  [&](const ParamSpec& spec) { return spec.name == name; });
+  return found != specs.end() ? &*found : nullptr;
+}
+
 int backward_gradient_group(const ParamSpec& spec, int n_layer) {
   if (spec.kind == ParamKind::LmHead) return 0;
   return spec.layer >= 0 ? 1 + (n_layer - 1 - spec.layer) : 1 + n_layer;

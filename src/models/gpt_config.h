@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <string>
+#include <string_view>
 #include <vector>
 
 namespace fp8t {
@@ -62,6 +63,9 @@ struct ParamSpec {
 
 // Every parameter, in nanochat's state_dict order.
 std::vector<ParamSpec> gpt_parameters(const GptConfig& config);
+
+// The parameter of `specs` named `name`; null when there is none.
+const ParamSpec* find_parameter(const std::vector<ParamSpec>& specs, std::string_view name);
 
 // Where in the backward a parameter's gradient is complete: 0 for lm_head, 1 + k for the block
 // n_layer − 1 − k (a value embedding counts with its block), 1 + n_layer for the parameters

@@ -234,8 +234,7 @@ void GptOptimizer::add_nanochat_groups(const GptConfig& config, const OptimizerS
 void GptOptimizer::add_group(OptimizerGroup group, const std::vector<ParamSpec>& specs) {
   const size_t index = groups_.size();
   const auto spec_of = [&](const std::string& name) -> const ParamSpec& {
-    return *std::find_if(specs.begin(), specs.end(),
-                         [&](const ParamSpec& spec) { return spec.name == name; });
+    return *find_parameter(specs, name);
   };
   if (group.rule == UpdateRule::AdamW) {
     for (const std::string& name : group.parameters) {

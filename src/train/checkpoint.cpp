@@ -87,9 +87,12 @@ void read_tensor(const io::SafetensorsFile& file, const fs::path& path, const Na
   }
 }
 
-// The delayed-scaling state by name: the FP8 linears may differ from the saving run's.
-void read_fp8_scaling(const fs::path& path, const std::vector<NamedTensor>& buffers,
-                      LoadedCheckpoint& loaded) {
+// Reads each buffer from the file's tensor of its name, in order; calls on_missing for a buffer
+// the file has no tensor for (left as it is), then on_unexpected for each tensor of the file no
+// buffer names (not read).
+void read_tensors_by_name(const fs::path& path, const std::vector<NamedTensor>& buffers,
+                          const std::function<void(const std::string&)>& on_missing,
+                          const std::function<void(const std::string&)>& on_unexpected) {
   const io::SafetensorsFile file(path);
   std::set<std::string> expected;
   for (const NamedTensor& buffer : buffers) {
@@ -97,32 +100,26 @@ void read_fp8_scaling(const fs::path& path, const std::vector<NamedTensor>& buff
     if (file.contains(buffer.name)) {
       read_tensor(file, path, buffer);
     } else {
-      loaded.fp8_scaling_missing.push_back(buffer.name);
+      on_missing(buffer.name);
     }
   }
   for (const std::string& name : file.names()) {
-    if (!expected.contains(name)) loaded.fp8_scaling_ignored.push_back(name);
+    if (!expected.contains(name)) on_unexpected(name);
   }
 }
 
 }  // namespace
 
 void read_checkpoint_tensors(const fs::path& path, const std::vector<NamedTensor>& buffers) {
-  const io::SafetensorsFile file(path);
-  std::set<std::string> expected;
-  for (const NamedTensor& buffer : buffers) {
-    expected.insert(buffer.name);
-    if (!file.contains(buffer.name)) {
-      throw Error(fmt::format("{}: tensor '{}' is missing", path.string(), buffer.name));
-    }
-    read_tensor(file, path, buffer);
-  }
-  for (const std::string& name : file.names()) {
-    if (!expected.contains(name)) {
-      throw Error(
-          fmt::format("{}: unexpected tensor '{}' (not part of this model)", path.string(), name));
-    }
-  }
+  read_tensors_by_name(
+      path, buffers,
+      [&](const std::string& name) {
+        throw Error(fmt::format("{}: tensor '{}' is missing", path.string(), name));
+      },
+      [&](const std::string& name) {
+        throw Error(fmt::format("{}: unexpected tensor '{}' (not part of this model)",
+                                path.string(), name));
+      });
 }
 
 namespace {
@@ -362,7 +359,11 @@ LoadedCheckpoint load_checkpoint(const fs::path& run_folder, int64_t step,
   const fs::path fp8_path = folder / "fp8_scaling.safetensors";
   loaded.had_fp8_scaling = fs::exists(fp8_path);
   if (loaded.had_fp8_scaling && !contents.fp8_scaling.empty()) {
-    read_fp8_scaling(fp8_path, contents.fp8_scaling, loaded);
+    // By name: the FP8 linears may differ from the saving run's.
+    read_tensors_by_name(
+        fp8_path, contents.fp8_scaling,
+        [&](const std::string& name) { loaded.fp8_scaling_missing.push_back(name); },
+        [&](const std::string& name) { loaded.fp8_scaling_ignored.push_back(name); });
   }
   loaded.config_yaml = io::read_file(folder / "config.yaml");
   return loaded;

@@ -17,12 +17,6 @@ namespace fs = std::filesystem;
 
 namespace {
 
-const ParamSpec* find_parameter(const std::vector<ParamSpec>& specs, const std::string& name) {
-  const auto found = std::find_if(specs.begin(), specs.end(),
-                                  [&](const ParamSpec& spec) { return spec.name == name; });
-  return found != specs.end() ? &*found : nullptr;
-}
-
 // The linears of the layer `parameter` sits in: its block's, or lm_head; none outside them.
 std::vector<std::string> linears_of_layer(const GptConfig& config, const std::string& parameter) {
   const std::vector<ParamSpec> specs = gpt_parameters(config);
@@ -152,11 +146,13 @@ RemedyChange NanGuard::begin_restore() {
   if (wanted(NanRemedy::Bf16Layer)) {
     std::vector<std::string> layers;  // each layer the streak named once
     for (const std::string& gradient : state_.streak_gradients) {
-      if (gradient.empty() || linears_of_layer(model_, gradient).empty()) continue;
+      if (gradient.empty()) continue;
+      const std::vector<std::string> linears = linears_of_layer(model_, gradient);
+      if (linears.empty()) continue;
       const std::string layer = layer_of(model_, gradient);
       if (contains(layers, layer)) continue;
       layers.push_back(layer);
-      for (const std::string& linear : linears_of_layer(model_, gradient)) {
+      for (const std::string& linear : linears) {
         if (contains(state_.bf16_linears, linear)) continue;
         state_.bf16_linears.push_back(linear);
         change.precision_changed = true;
