@@ -38,10 +38,11 @@ class TrainerGpuTest : public TrainerTest {
   }
 };
 
+// Depth 4, for the reason TrainerTest.LossFalls gives (seen here first).
 TEST_F(TrainerGpuTest, LossFalls) {
-  const TrainOutcome outcome = run_training(
-      load_train_config(args("falls", {"--train-iters=30", "--save-every=0", "--lr=0.1",
-                                       "--embedding-lr=1.5", "--unembedding-lr=0.04"})));
+  const TrainOutcome outcome = run_training(load_train_config(
+      args("falls", {"--depth=4", "--train-iters=30", "--save-every=0", "--lr=0.1",
+                     "--embedding-lr=1.5", "--unembedding-lr=0.04"})));
   const std::map<int64_t, double> by_step = losses(root_ / "runs" / "falls");
   ASSERT_EQ(outcome.steps_done, 30);
   EXPECT_LT(by_step.at(30), 0.7 * by_step.at(1));

@@ -27,10 +27,15 @@ namespace fs = std::filesystem;
 using test::error_message;
 using ::testing::HasSubstr;
 
+// Depth 4: at depth 1 or 2 the backout layer (n_layer / 2) is the last one, so the final norm
+// sees (1 - backout_lambda)·x, whose loss does not depend on backout_lambda away from 1. Its
+// gradient is rounding noise, which Adam at the scalar lr turns into steps of about the lr: once
+// it crosses 1 the output changes sign and the loss jumps (seen on the GPU, whose bf16 noise is
+// 2^16 times the CPU's).
 TEST_F(TrainerTest, LossFalls) {
-  const TrainOutcome outcome = run_training(
-      load_train_config(args("falls", {"--train-iters=30", "--save-every=0", "--lr=0.1",
-                                       "--embedding-lr=1.5", "--unembedding-lr=0.04"})));
+  const TrainOutcome outcome = run_training(load_train_config(
+      args("falls", {"--depth=4", "--train-iters=30", "--save-every=0", "--lr=0.1",
+                     "--embedding-lr=1.5", "--unembedding-lr=0.04"})));
   const std::map<int64_t, double> by_step = losses(root_ / "runs" / "falls");
   ASSERT_EQ(outcome.steps_done, 30);
   EXPECT_LT(by_step.at(30), 0.7 * by_step.at(1));
