@@ -194,6 +194,7 @@ void time_steps(const BenchTiming& timing, cudaStream_t stream, const StepParts&
 struct BenchRanks {
   distributed::Communicator* communicator = nullptr;  // with several ranks
   bool overlap = false;                               // --overlap-grad-reduce
+  bool shard = false;                                 // --shard-optimizer-state
   int count() const { return communicator != nullptr ? communicator->size() : 1; }
 };
 
@@ -204,7 +205,10 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, con
   Measurement result;
   result.name = run_name(run, options.fp8);
   CudaGptModel model(config, batch, seq, precision, stream);
-  const optim::GptOptimizer host_optimizer(config, optim::OptimizerSettings{}, tokens);
+  const bool shard = ranks.shard && ranks.count() > 1;
+  const optim::GptOptimizer host_optimizer(config, optim::OptimizerSettings{}, tokens,
+                                           shard ? ranks.communicator->rank() : 0,
+                                           shard ? ranks.count() : 1);
   const std::span<uint8_t> scratch = model.scratch_between_steps();
   optim::CudaGptOptimizer optimizer(host_optimizer, model.layout(), model.gemm(), scratch.data(),
                                     scratch.size());
@@ -219,7 +223,8 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, con
 #if FP8TRAIN_WITH_NCCL
   std::unique_ptr<train::GptRankSums> rank_sums;
   if (ranks.communicator != nullptr) {
-    rank_sums = std::make_unique<train::GptRankSums>(*ranks.communicator, model, ranks.overlap);
+    rank_sums = std::make_unique<train::GptRankSums>(*ranks.communicator, model, ranks.overlap,
+                                                     shard ? &host_optimizer.shard() : nullptr);
   }
   const auto backward = [&] { rank_sums ? rank_sums->last_backward() : model.backward(); };
   const auto sum_over_ranks = [&] {
@@ -228,13 +233,15 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, con
     ops::cuda::scale_f32(model.gradients(), 1.0f / float(ranks.count()),
                          model.layout().total_elements, stream);
   };
-  const auto reduce_amaxes = [&] {
-    if (rank_sums) rank_sums->reduce_amaxes();
+  const auto gather_and_reduce_amaxes = [&] {
+    if (!rank_sums) return;
+    rank_sums->gather_parameters();
+    rank_sums->reduce_amaxes();
   };
 #else
   const auto backward = [&] { model.backward(); };
   const auto sum_over_ranks = [] {};
-  const auto reduce_amaxes = [] {};
+  const auto gather_and_reduce_amaxes = [] {};
 #endif
 
   std::mt19937 generator(7);
@@ -264,7 +271,7 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, con
                     optimizer.global_norm(model.gradients(), count, norm, stream);
                     optimizer.step(model.parameters(), model.bf16_parameters(), model.gradients(),
                                    schedule, stream);
-                    reduce_amaxes();
+                    gather_and_reduce_amaxes();
                     model.end_step();
                   }},
              result);
@@ -438,8 +445,9 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
 
 // Started as one of several ranks (--nproc-per-node, mpirun, srun): each rank times the same
 // micro-batch on its own GPU (LOCAL_RANK) and sums the gradients with the others; rank 0 prints.
-BenchRanks join_ranks(distributed::Communicator& communicator, const char* command, bool overlap) {
-  BenchRanks ranks{.overlap = overlap};
+BenchRanks join_ranks(distributed::Communicator& communicator, const char* command, bool overlap,
+                      bool shard = false) {
+  BenchRanks ranks{.overlap = overlap, .shard = shard};
   if (communicator.several()) {
 #if !FP8TRAIN_WITH_NCCL
     throw Error(fmt::format("{}: several ranks need NCCL, not in this build", command));
@@ -457,9 +465,10 @@ BenchRanks join_ranks(distributed::Communicator& communicator, const char* comma
 std::string ranks_text(const BenchRanks& ranks, const char* unit) {
   if (ranks.count() == 1) return "";
   return fmt::format(
-      " x {} ranks, data parallel (NCCL all-reduce of the fp32 gradients, {}); {} of all ranks, "
+      " x {} ranks, data parallel (NCCL all-reduce of the fp32 gradients, {}{}); {} of all ranks, "
       "memory of rank 0",
-      ranks.count(), ranks.overlap ? "overlapped with the backward" : "after the backward", unit);
+      ranks.count(), ranks.overlap ? "overlapped with the backward" : "after the backward",
+      ranks.shard ? "; ZeRO-1: each rank updates its share and broadcasts it" : "", unit);
 }
 
 }  // namespace
@@ -468,7 +477,8 @@ int run_bench_gpt(const BenchGptOptions& options) {
   const std::vector<GpuInfo> gpus = query_gpus();
   if (gpus.empty()) throw Error("bench gpt: no CUDA GPU is visible");
   distributed::Communicator communicator(distributed::detect_launch(), 0);
-  const BenchRanks ranks = join_ranks(communicator, "bench gpt", options.overlap_grad_reduce);
+  const BenchRanks ranks = join_ranks(communicator, "bench gpt", options.overlap_grad_reduce,
+                                      options.shard_optimizer_state);
   GptConfig config = GptConfig::from_depth(options.depth);
   config.vocab_size = options.vocab_size;
   config.sequence_len = options.sequence_len;

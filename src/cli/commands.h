@@ -115,7 +115,8 @@ struct BenchGptOptions {
   std::string fp8 = "hybrid";                             // fp8 formats: hybrid or e4m3
   std::vector<std::string> fp8_attention = {"off"};       // each, for each fp8 recipe: off, on
   BenchTiming timing;
-  bool overlap_grad_reduce = false;  // with several ranks (--nproc-per-node)
+  bool overlap_grad_reduce = false;   // with several ranks (--nproc-per-node)
+  bool shard_optimizer_state = true;  // with several ranks: ZeRO-1
 };
 
 // Times training steps of the GPT on the GPU (docs/benchmarks.md): step ms (median), tokens/s,

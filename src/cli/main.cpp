@@ -211,6 +211,11 @@ int main(int argc, char** argv) {
   add_nproc_per_node(bench_gpt);
   bench_gpt->add_flag("--overlap-grad-reduce", bench_options.overlap_grad_reduce,
                       "With several ranks: sum each block's gradients while the backward goes on");
+  bench_gpt->add_flag("--shard-optimizer-state,!--no-shard-optimizer-state",
+                      bench_options.shard_optimizer_state,
+                      "With several ranks: ZeRO-1 (the default), each rank updates its share of "
+                      "the parameters and broadcasts it; --no-shard-optimizer-state: every rank "
+                      "runs the whole update");
 
   fp8t::cli::BenchFluxOptions bench_flux_options;
   CLI::App* bench_flux = bench->add_subcommand(

@@ -54,6 +54,19 @@ void NcclGroup::sum(float* values, size_t count, cudaStream_t stream) {
              "ncclAllReduce");
 }
 
+void NcclGroup::broadcast(const std::vector<Piece>& pieces, cudaStream_t stream) {
+  check_nccl(ncclGroupStart(), "ncclGroupStart");
+  for (const Piece& piece : pieces) {
+    const ncclResult_t status =
+        ncclBroadcast(piece.data, piece.data, piece.bytes, ncclUint8, piece.root, comm_, stream);
+    if (status != ncclSuccess) {
+      ncclGroupEnd();
+      check_nccl(status, "ncclBroadcast");
+    }
+  }
+  check_nccl(ncclGroupEnd(), "ncclGroupEnd");
+}
+
 void NcclGroup::max(float* values, size_t count, cudaStream_t stream) {
   check_nccl(ncclAllReduce(values, values, count, ncclFloat32, ncclMax, comm_, stream),
              "ncclAllReduce");

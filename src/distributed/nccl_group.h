@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -23,6 +24,15 @@ class NcclGroup {
   // In place on the device, queued on `stream`; the same result on every rank.
   void sum(float* values, size_t count, cudaStream_t stream);
   void max(float* values, size_t count, cudaStream_t stream);
+
+  // A buffer of `bytes` bytes on every rank that `root` holds the current values of.
+  struct Piece {
+    void* data;
+    size_t bytes;
+    int root;
+  };
+  // Every piece from its root to the other ranks, in one NCCL group, queued on `stream`.
+  void broadcast(const std::vector<Piece>& pieces, cudaStream_t stream);
 
   // Overlapped with later work on `producer`: queues the sum on the group's own stream, after
   // the work queued on `producer` so far (which completes `values`).

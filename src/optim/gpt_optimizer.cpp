@@ -136,7 +136,7 @@ double nanochat_muon_weight_decay(const GptConfig& config, double weight_decay,
 }
 
 GptOptimizer::GptOptimizer(const GptConfig& config, const OptimizerSettings& settings,
-                           int64_t tokens_per_step)
+                           int64_t tokens_per_step, int rank, int ranks)
     : kind_(settings.kind),
       muon_precision_(settings.muon_precision),
       bf16_embeddings_(settings.bf16_embeddings) {
@@ -160,6 +160,9 @@ GptOptimizer::GptOptimizer(const GptConfig& config, const OptimizerSettings& set
   }
   FP8T_CHECK(misplaced.empty(), "expected every parameter in one optimizer group, found {} not",
              fmt::join(misplaced, ", "));
+  shard_.emplace(
+      groups_, [&](const std::string& name) { return find_parameter(specs, name)->numel(); }, rank,
+      ranks);
 }
 
 void GptOptimizer::add_adamw_groups(const AdamWHyperparameters& adamw,
@@ -292,6 +295,7 @@ void GptOptimizer::step(ParameterSet& params, const ParameterSet& grads,
     group.lr = group.initial_lr * schedule.lr_multiplier;
   for (size_t i = 0; i < adamw_.size(); ++i) {
     AdamWSlot& slot = adamw_[i];
+    if (!shard_->owns(slot.parameter)) continue;
     const OptimizerGroup& group = groups_[slot.group];
     const std::span<float> param(adamw_params[i], slot.exp_avg.size());
     // bf16 storage: the step reads the values the bf16 tensors hold and stores its results
@@ -311,6 +315,7 @@ void GptOptimizer::step(ParameterSet& params, const ParameterSet& grads,
   for (MuonSlot& slot : muon_) {
     OptimizerGroup& group = groups_[slot.group];
     const auto count = static_cast<size_t>(slot.state.count());
+    const auto [owned_first, owned] = shard_->muon_range(slot.group);
     slot.state.step(std::span(muon_params).subspan(first, count),
                     std::span(muon_grads).subspan(first, count),
                     {.lr = group.lr,
@@ -318,7 +323,8 @@ void GptOptimizer::step(ParameterSet& params, const ParameterSet& grads,
                      .beta2 = group.beta2,
                      .weight_decay = group.weight_decay * schedule.weight_decay_multiplier,
                      .ns_steps = kPolarExpressSteps,
-                     .precision = muon_precision_});
+                     .precision = muon_precision_},
+                    owned_first, owned);
     first += count;
     group.lr *= muon_lr_scale(slot.state.rows(), slot.state.cols());
   }

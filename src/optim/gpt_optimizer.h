@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <span>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include "models/gpt_memory.h"
 #include "optim/adamw.h"
 #include "optim/muon.h"
+#include "optim/optimizer_shard.h"
 #include "optim/schedule.h"
 
 namespace fp8t::optim {
@@ -105,13 +107,18 @@ struct OptimizerGroup {
 class GptOptimizer {
  public:
   // tokens_per_step: tokens per optimizer step over all ranks and micro-batches (nanochat's
-  // total_batch_size), for the batch scaling of the lrs and the weight decay.
-  GptOptimizer(const GptConfig& config, const OptimizerSettings& settings, int64_t tokens_per_step);
+  // total_batch_size), for the batch scaling of the lrs and the weight decay. With ranks > 1
+  // (ZeRO-1, optim/optimizer_shard.h) step() updates only the parameters `rank` owns, and only
+  // their part of the state; the state stays whole, for checkpoints, and the other ranks' part
+  // of it is current only after gather_optimizer_state (train/training_engine.h).
+  GptOptimizer(const GptConfig& config, const OptimizerSettings& settings, int64_t tokens_per_step,
+               int rank = 0, int ranks = 1);
   // The state views point into the optimizer.
   GptOptimizer(const GptOptimizer&) = delete;
   GptOptimizer& operator=(const GptOptimizer&) = delete;
 
-  // One step over every parameter; params and grads are fp32 ParameterSets of this config.
+  // One step over every parameter this rank owns; params and grads are fp32 ParameterSets of
+  // this config.
   void step(ParameterSet& params, const ParameterSet& grads, const StepSchedule& schedule);
 
   OptimizerKind kind() const { return kind_; }
@@ -120,6 +127,8 @@ class GptOptimizer {
   // Whether the parameter and its moments are held in bf16 (OptimizerSettings::bf16_embeddings).
   bool stored_in_bf16(const std::string& parameter) const;
   int64_t steps_taken() const { return steps_; }
+  // Which rank updates each parameter.
+  const OptimizerShard& shard() const { return *shard_; }
 
   // Every state buffer and the step counter, in a fixed order, as views of the optimizer's
   // memory: "<parameter>.momentum" / ".second_moment" (Muon), "<parameter>.exp_avg" /
@@ -154,6 +163,7 @@ class GptOptimizer {
   std::vector<OptimizerGroup> groups_;
   std::vector<AdamWSlot> adamw_;
   std::vector<MuonSlot> muon_;
+  std::optional<OptimizerShard> shard_;  // set once the groups are known
   int64_t steps_ = 0;
 };
 

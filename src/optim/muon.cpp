@@ -183,10 +183,14 @@ std::vector<int64_t> MuonGroup::second_moment_shape() const {
 }
 
 void MuonGroup::step(std::span<float* const> params, std::span<const float* const> grads,
-                     const MuonHyperparameters& hyper) {
+                     const MuonHyperparameters& hyper, int64_t first, int64_t matrices) {
   FP8T_CHECK(std::ssize(params) == count_ && std::ssize(grads) == count_,
              "expected {} parameters and gradients, found {} and {}", count_, params.size(),
              grads.size());
+  if (matrices < 0) matrices = count_ - first;
+  FP8T_CHECK(first >= 0 && first + matrices <= count_,
+             "expected matrices {} .. {} within the group's {}", first, first + matrices - 1,
+             count_);
   FP8T_CHECK(hyper.momentum >= 0 && hyper.momentum <= 1,
              "expected a Muon momentum in [0, 1], found {}", hyper.momentum);
   FP8T_CHECK(hyper.beta2 >= 0 && hyper.beta2 < 1, "expected a NorMuon beta2 in [0, 1), found {}",
@@ -198,7 +202,7 @@ void MuonGroup::step(std::span<float* const> params, std::span<const float* cons
   const float decay = lr * static_cast<float>(hyper.weight_decay);
   const auto beta2 = static_cast<float>(hyper.beta2);
   const auto target_norm = static_cast<float>(std::sqrt(double(std::min(rows_, cols_))));
-  for (int64_t index = 0; index < count_; ++index) {
+  for (int64_t index = first; index < first + matrices; ++index) {
     float* param = params[static_cast<size_t>(index)];
     const float* grad = grads[static_cast<size_t>(index)];
     const std::span<float> buffer = momentum(index);

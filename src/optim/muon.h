@@ -74,10 +74,11 @@ class MuonGroup {
   int64_t rows() const { return rows_; }
   int64_t cols() const { return cols_; }
 
-  // One step for every matrix of the group: params[i] and grads[i] are matrix i, [rows, cols]
-  // row-major. The gradients are read only.
+  // One step for the matrices first .. first + matrices − 1 of the group (every one by
+  // default; a data-parallel rank takes its share): params[i] and grads[i] are matrix i,
+  // [rows, cols] row-major, for every i of the group. The gradients are read only.
   void step(std::span<float* const> params, std::span<const float* const> grads,
-            const MuonHyperparameters& hyper);
+            const MuonHyperparameters& hyper, int64_t first = 0, int64_t matrices = -1);
 
   std::span<float> momentum(int64_t index);       // [rows, cols]
   std::span<float> second_moment(int64_t index);  // second_moment_shape() of matrix `index`

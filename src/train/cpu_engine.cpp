@@ -1,4 +1,5 @@
 // The CPU path of the training loop: GptModel and GptOptimizer in host memory.
+#include <algorithm>
 #include <limits>
 #include <memory>
 #include <optional>
@@ -25,7 +26,10 @@ class CpuEngine final : public TrainingEngine {
       : communicator_(setup.communicator),
         plan_(plan_gpt_memory(setup.model, setup.batch, setup.seq)),
         model_((check_memory_fits(plan_), setup.model), setup.batch, setup.seq, setup.precision),
-        optimizer_(setup.model, setup.optimizer, setup.tokens_per_step),
+        sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
+        optimizer_(setup.model, setup.optimizer, setup.tokens_per_step,
+                   sharded_ ? setup.communicator->rank() : 0,
+                   sharded_ ? setup.communicator->size() : 1),
         scan_order_(gradient_scan_order(setup.model)) {
     for (const ParamSpec& spec : model_.gradients().specs()) {
       TensorView& view = model_.gradients()[spec.name];
@@ -77,6 +81,7 @@ class CpuEngine final : public TrainingEngine {
                                        : optim::global_norm(gradient_spans_);
     if (result.finite()) {
       optimizer_.step(model_.parameters(), model_.gradients(), schedule);
+      if (sharded_) gather_parameters(model_.parameters(), optimizer_.shard(), *communicator_);
       if (ranks > 1) reduce_delayed_amaxes(model_.delayed_scalings(), *communicator_);
       model_.end_step();
     }
@@ -112,7 +117,9 @@ class CpuEngine final : public TrainingEngine {
   std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() override {
     return model_.delayed_scalings();
   }
-  void to_host() override {}
+  void to_host() override {
+    if (sharded_) gather_optimizer_state(optimizer_, *communicator_);
+  }
   void from_host() override { model_.weights_changed(); }
 
  private:
@@ -130,6 +137,7 @@ class CpuEngine final : public TrainingEngine {
   distributed::Communicator* communicator_;
   GptMemoryPlan plan_;
   GptModel model_;
+  bool sharded_;  // ZeRO-1: this rank updates its share of the parameters
   optim::GptOptimizer optimizer_;
   std::vector<optim::GradientSpan> gradient_spans_;
   std::vector<std::string> scan_order_;
@@ -147,6 +155,28 @@ void reduce_delayed_amaxes(const std::vector<std::pair<std::string, DelayedScali
   communicator.max(amaxes.data(), amaxes.size());
   for (size_t i = 0; i < scalings.size(); ++i) {
     if (amaxes[i] != 0.0f) scalings[i].second->record_amax(amaxes[i]);
+  }
+}
+
+void gather_parameters(ParameterSet& parameters, const optim::OptimizerShard& shard,
+                       distributed::Communicator& communicator) {
+  for (const ParamSpec& spec : parameters.specs()) {
+    TensorView& view = parameters[spec.name];
+    const auto count = static_cast<size_t>(view.numel());
+    if (!shard.owns(spec.name)) std::fill_n(view.data<float>(), count, 0.0f);
+    communicator.sum(view.data<float>(), count);
+  }
+}
+
+void gather_optimizer_state(optim::GptOptimizer& optimizer,
+                            distributed::Communicator& communicator) {
+  for (NamedTensor& buffer : optimizer.state()) {
+    if (buffer.view.dtype() != DType::F32) continue;  // the step counter, the same everywhere
+    const auto count = static_cast<size_t>(buffer.view.numel());
+    if (!optimizer.shard().owns(optim::parameter_of_state(buffer.name))) {
+      std::fill_n(buffer.view.data<float>(), count, 0.0f);
+    }
+    communicator.sum(buffer.view.data<float>(), count);
   }
 }
 

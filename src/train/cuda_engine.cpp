@@ -1,6 +1,8 @@
 // The GPU path of the training loop: CudaGptModel and CudaGptOptimizer on one stream, with host
 // mirrors of the parameters and the optimizer state for checkpoints and sampling. With several
-// ranks (one GPU each) the gradients and the delayed-scaling amaxes are reduced through NCCL.
+// ranks (one GPU each) the gradients and the delayed-scaling amaxes are reduced through NCCL;
+// with shard_optimizer_state each rank's GPU holds the state of its own parameters only, and
+// the host mirror is gathered whole for a checkpoint.
 #include <memory>
 #include <optional>
 #include <string>
@@ -64,7 +66,10 @@ class CudaEngine final : public TrainingEngine {
         host_arena_("parameters (host mirror)",
                     ParameterSet::planned_bytes(setup.model, DType::F32)),
         host_parameters_(host_arena_, setup.model, DType::F32),
-        host_optimizer_(setup.model, setup.optimizer, setup.tokens_per_step),
+        sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
+        host_optimizer_(setup.model, setup.optimizer, setup.tokens_per_step,
+                        sharded_ ? setup.communicator->rank() : 0,
+                        sharded_ ? setup.communicator->size() : 1),
         model_(setup.model, setup.batch, setup.seq, setup.precision, stream_.get(),
                [&](const CudaGptMemory& planned, const optim::DeviceParameterLayout& layout,
                    size_t lendable) { check_fits(setup, planned, layout, lendable); }),
@@ -76,7 +81,8 @@ class CudaEngine final : public TrainingEngine {
     FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));
 #if FP8TRAIN_WITH_NCCL
     if (communicator_ != nullptr) {
-      rank_sums_ = std::make_unique<GptRankSums>(*communicator_, model_, setup.overlap_grad_reduce);
+      rank_sums_ = std::make_unique<GptRankSums>(*communicator_, model_, setup.overlap_grad_reduce,
+                                                 sharded_ ? &host_optimizer_.shard() : nullptr);
     }
 #endif
     peak_memory_ = device_memory_in_use();
@@ -153,7 +159,7 @@ class CudaEngine final : public TrainingEngine {
     result.grad_norm = norm_host_.data()[0];
     if (result.finite()) {
       optimizer_.step(model_.parameters(), model_.bf16_parameters(), gradients, schedule, stream);
-      if (ranks > 1) reduce_amaxes();
+      if (ranks > 1) gather_and_reduce_amaxes();
       model_.end_step();
     }
     peak_memory_ = std::max(peak_memory_, device_memory_in_use());
@@ -203,6 +209,7 @@ class CudaEngine final : public TrainingEngine {
   void to_host() override {
     model_.download_parameters(host_parameters_);
     optimizer_.download_state(host_optimizer_);
+    if (sharded_) gather_optimizer_state(host_optimizer_, *communicator_);
   }
   void from_host() override {
     model_.upload_parameters(host_parameters_);
@@ -224,8 +231,10 @@ class CudaEngine final : public TrainingEngine {
     rank_sums_->sum_gradients();
 #endif
   }
-  void reduce_amaxes() {
+  // After the update: the owners' parameters to the other ranks (ZeRO-1), the amaxes' maxima.
+  void gather_and_reduce_amaxes() {
 #if FP8TRAIN_WITH_NCCL
+    rank_sums_->gather_parameters();
     rank_sums_->reduce_amaxes();
 #endif
   }
@@ -271,6 +280,7 @@ class CudaEngine final : public TrainingEngine {
   CudaStream stream_;
   Arena host_arena_;
   ParameterSet host_parameters_;
+  bool sharded_;  // ZeRO-1: this rank updates its share of the parameters
   optim::GptOptimizer host_optimizer_;
   CudaGptModel model_;
   optim::CudaGptOptimizer optimizer_;

@@ -5,11 +5,27 @@
 namespace fp8t::train {
 
 GptRankSums::GptRankSums(distributed::Communicator& host, CudaGptModel& model,
-                         bool overlap_grad_reduce)
+                         bool overlap_grad_reduce, const optim::OptimizerShard* shard)
     : model_(model),
       overlap_(overlap_grad_reduce),
       delayed_(!model.delayed_scalings().empty()),
-      nccl_(std::make_unique<distributed::NcclGroup>(host)) {}
+      nccl_(std::make_unique<distributed::NcclGroup>(host)) {
+  if (shard == nullptr) return;
+  const optim::DeviceParameterLayout& layout = model.layout();
+  for (const optim::DeviceParameter& parameter : layout.parameters) {
+    void* data =
+        parameter.bf16
+            ? static_cast<void*>(model.bf16_parameters() + (parameter.offset - layout.bf16_offset))
+            : static_cast<void*>(model.parameters() + parameter.offset);
+    const size_t element_bytes = parameter.bf16 ? sizeof(bf16) : sizeof(float);
+    parameter_pieces_.push_back(
+        {data, static_cast<size_t>(parameter.numel) * element_bytes, shard->owner(parameter.name)});
+  }
+}
+
+void GptRankSums::gather_parameters() {
+  if (!parameter_pieces_.empty()) nccl_->broadcast(parameter_pieces_, model_.stream());
+}
 
 void GptRankSums::last_backward() {
   if (!overlap_) return model_.backward();

@@ -5,19 +5,23 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 #include "distributed/communicator.h"
 #include "distributed/nccl_group.h"
 #include "models/cuda/flux_model_cuda.h"
 #include "models/cuda/gpt_model_cuda.h"
+#include "optim/optimizer_shard.h"
 
 namespace fp8t::train {
 
 class GptRankSums {
  public:
   // Joins the ranks of `host` through NCCL on the current device (every rank together). The
-  // collectives run on the model's stream, the overlapped sums on NCCL's own.
-  GptRankSums(distributed::Communicator& host, CudaGptModel& model, bool overlap_grad_reduce);
+  // collectives run on the model's stream, the overlapped sums on NCCL's own. `shard`: which
+  // rank updates each parameter when the optimizer state is sharded (ZeRO-1), else null.
+  GptRankSums(distributed::Communicator& host, CudaGptModel& model, bool overlap_grad_reduce,
+              const optim::OptimizerShard* shard = nullptr);
 
   // The step's last backward; with overlap_grad_reduce each finished range of gradients is
   // summed over the ranks while it goes on.
@@ -28,12 +32,16 @@ class GptRankSums {
   // largest amax any rank saw, so the scales stay the same on every rank (scales and inverse
   // scales are the same everywhere already: their max is themselves). A no-op for other recipes.
   void reduce_amaxes();
+  // With a shard, after the update: each parameter from the rank that updated it to the others
+  // (fp32, or bf16 where the layout keeps it so). A no-op without one.
+  void gather_parameters();
 
  private:
   CudaGptModel& model_;
   bool overlap_;
   bool delayed_;
   std::unique_ptr<distributed::NcclGroup> nccl_;
+  std::vector<distributed::NcclGroup::Piece> parameter_pieces_;  // with a shard
 };
 
 class FluxRankSums {

@@ -225,6 +225,7 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   setup.tokens_per_step = tokens_per_step;
   if (several) setup.communicator = &communicator;
   setup.overlap_grad_reduce = config.run.overlap_grad_reduce;
+  setup.shard_optimizer_state = config.run.shard_optimizer_state;
   const ModelPrecision configured_precision = model_precision(config, cuda);
   NanGuard guard(config.run, model_config);
   // The engine, with the guard's remedies in force, and the checkpoints' views of its model,
@@ -260,6 +261,10 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
         "step; {} steps\n",
         batch, seq, accumulation, ranks_note(communicator), tokens_per_step, total_steps);
     fmt::print("memory plan: {}\n", engine->memory_plan());
+    if (several && setup.shard_optimizer_state) {
+      fmt::print("optimizer: ZeRO-1, each of {} ranks updates its share of the parameters{}\n",
+                 ranks, cuda ? " and holds only their optimizer state" : "");
+    }
     fmt::print("data: {}\ndevice: {}\n", describe_data(loader, sources), engine->device_name());
   }
 
@@ -291,8 +296,11 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
     if (several && !scaling.empty()) {
       check_same_scaling_on_every_rank(scaling, communicator, at_step);
     }
-    if (!leader) return;  // every rank holds the same weights and optimizer state
-    engine->to_host();
+    // Every rank holds the same weights and optimizer state, except with sharded optimizer
+    // state, where the ranks gather it together.
+    if (setup.shard_optimizer_state) engine->to_host();
+    if (!leader) return;
+    if (!setup.shard_optimizer_state) engine->to_host();
     save_run_checkpoint(run_folder, config, at_step,
                         {{"data_position", loader.position()},
                          {"train_seconds", train_seconds},

@@ -74,6 +74,9 @@ struct EngineSetup {
   distributed::Communicator* communicator = nullptr;
   // With several ranks on the GPU path: the gradient sums overlap the backward.
   bool overlap_grad_reduce = false;
+  // With several ranks: ZeRO-1 (optim/optimizer_shard.h). Each rank updates the parameters it
+  // owns and sends them to the others; the GPU keeps optimizer state for those only.
+  bool shard_optimizer_state = false;
 };
 
 // The CPU path. Throws ConfigError when the plan does not fit in the available memory.
@@ -86,6 +89,14 @@ std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup);
 // that ran on no rank still records nothing).
 void reduce_delayed_amaxes(const std::vector<std::pair<std::string, DelayedScaling*>>& scalings,
                            distributed::Communicator& communicator);
+
+// ZeRO-1 across ranks, every rank together: each parameter as its owner updated it (the values
+// of the others are overwritten), and the optimizer's whole state from the owners' parts, for a
+// checkpoint. Sums in which only the owner's values are non-zero, so exact.
+void gather_parameters(ParameterSet& parameters, const optim::OptimizerShard& shard,
+                       distributed::Communicator& communicator);
+void gather_optimizer_state(optim::GptOptimizer& optimizer,
+                            distributed::Communicator& communicator);
 
 // The next `ranks` batches of the loader, of which this rank keeps its own (every batch when
 // `communicator` is null).

@@ -4,6 +4,7 @@
 #include <cmath>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <random>
 #include <set>
 #include <string>
@@ -284,6 +285,71 @@ TEST_P(GptOptimizerKinds, RestoredStateContinuesBitForBit) {
     EXPECT_EQ(std::memcmp(a[i].view.raw(), b[i].view.raw(), a[i].view.bytes()), 0) << a[i].name;
 }
 
+// ZeRO-1 on 3 ranks (one of them owns no matrix of the 2-matrix Muon groups): each rank steps
+// its own copy of the parameters with its share of the optimizer. Taking every parameter from
+// its owner gives the unsharded step's parameters bit for bit; a rank leaves the state of the
+// others' parameters untouched (zero), and the owners' buffers summed over the ranks (as
+// gather_optimizer_state sums them) give the unsharded state.
+TEST_P(GptOptimizerKinds, ShardedStepsAndStateSumToTheUnshardedOnes) {
+  constexpr int ranks = 3;
+  QuadraticProblem whole(tiny_config());
+  GptOptimizer unsharded(whole.config, settings_of(GetParam()), kReferenceBatchTokens);
+  std::vector<std::unique_ptr<QuadraticProblem>> copies;
+  std::vector<std::unique_ptr<GptOptimizer>> shards;
+  for (int rank = 0; rank < ranks; ++rank) {
+    copies.push_back(std::make_unique<QuadraticProblem>(tiny_config()));
+    shards.push_back(std::make_unique<GptOptimizer>(whole.config, settings_of(GetParam()),
+                                                    kReferenceBatchTokens, rank, ranks));
+  }
+  for (int step = 0; step < 3; ++step) {
+    whole.evaluate();
+    unsharded.step(whole.params, whole.grads, schedule_at(step));
+    for (int rank = 0; rank < ranks; ++rank) {
+      QuadraticProblem& copy = *copies[size_t(rank)];
+      copy.evaluate();
+      shards[size_t(rank)]->step(copy.params, copy.grads, schedule_at(step));
+    }
+    // The owners' values to every copy, as gather_parameters does.
+    for (const ParamSpec& spec : whole.params.specs()) {
+      const int owner = shards[0]->shard().owner(spec.name);
+      const float* updated = copies[size_t(owner)]->data(copies[size_t(owner)]->params, spec.name);
+      for (auto& copy : copies) {
+        std::copy_n(updated, spec.numel(), copy->data(copy->params, spec.name));
+      }
+    }
+  }
+  const std::vector<float> expected = whole.snapshot(), actual = copies[0]->snapshot();
+  ASSERT_EQ(actual.size(), expected.size());
+  EXPECT_EQ(std::memcmp(actual.data(), expected.data(), actual.size() * sizeof(float)), 0);
+
+  const std::vector<NamedTensor> reference = unsharded.state();
+  std::vector<std::vector<NamedTensor>> parts;
+  for (auto& shard : shards)
+    parts.push_back(shard->state());
+  for (size_t b = 0; b < reference.size(); ++b) {
+    const NamedTensor& buffer = reference[b];
+    if (buffer.view.dtype() != DType::F32) {  // the step counter: every rank counts every step
+      for (const auto& part : parts)
+        EXPECT_EQ(*part[b].view.data<int64_t>(), *buffer.view.data<int64_t>());
+      continue;
+    }
+    const int owner = shards[0]->shard().owner(parameter_of_state(buffer.name));
+    std::vector<float> sum(size_t(buffer.view.numel()), 0.0f);
+    for (int rank = 0; rank < ranks; ++rank) {
+      ASSERT_EQ(parts[size_t(rank)][b].name, buffer.name);
+      const float* values = parts[size_t(rank)][b].view.data<float>();
+      if (rank != owner) {
+        EXPECT_TRUE(std::all_of(values, values + sum.size(), [](float v) { return v == 0.0f; }))
+            << buffer.name << " on rank " << rank;
+        continue;
+      }
+      for (size_t i = 0; i < sum.size(); ++i)
+        sum[i] += values[i];
+    }
+    EXPECT_EQ(std::memcmp(sum.data(), buffer.view.raw(), buffer.view.bytes()), 0) << buffer.name;
+  }
+}
+
 TEST_P(GptOptimizerKinds, StateNamesEveryBufferWithItsShape) {
   const GptConfig config = tiny_config();
   GptOptimizer optimizer(config, settings_of(GetParam()), kReferenceBatchTokens);
@@ -439,14 +505,14 @@ TEST_P(GptOptimizerKinds, Bf16EmbeddingsRoundTheirStepsOnly) {
   for (const ParamSpec& spec : bf16.params.specs()) {
     const float* actual = bf16.data(bf16.params, spec.name);
     const bool table = spec.kind == ParamKind::Embedding;
-    const float* expected = table ? reference.data(reference.params, spec.name)
-                                  : fp32.data(fp32.params, spec.name);
+    const float* expected =
+        table ? reference.data(reference.params, spec.name) : fp32.data(fp32.params, spec.name);
     EXPECT_EQ(std::memcmp(actual, expected, static_cast<size_t>(spec.numel()) * sizeof(float)), 0)
         << spec.name;
     if (table) {  // the reference would hide a step that left the tables unrounded
-      EXPECT_TRUE(std::all_of(actual, actual + spec.numel(),
-                              [](float value) { return round_to_bf16(value) == value; }))
-          << spec.name;
+      EXPECT_TRUE(std::all_of(actual, actual + spec.numel(), [](float value) {
+        return round_to_bf16(value) == value;
+      })) << spec.name;
     }
   }
   for (const NamedTensor& buffer : bf16_optimizer.state()) {
@@ -458,6 +524,65 @@ TEST_P(GptOptimizerKinds, Bf16EmbeddingsRoundTheirStepsOnly) {
     EXPECT_EQ(std::memcmp(buffer.view.raw(), expected.data(), expected.size() * sizeof(float)), 0)
         << buffer.name;
   }
+}
+
+// Every rank computes the same owners; Muon groups split into contiguous, even ranges; AdamW
+// loads differ by at most the largest AdamW tensor; the owners work every parameter once.
+TEST(OptimizerShard, SplitsMuonEvenlyAndBalancesAdamW) {
+  GptConfig config = GptConfig::from_depth(6);
+  config.vocab_size = 1000;
+  for (const OptimizerKind kind : {OptimizerKind::Muon, OptimizerKind::AdamW}) {
+    for (const int ranks : {1, 2, 3, 4}) {
+      SCOPED_TRACE(::testing::Message() << "ranks " << ranks << ", kind " << int(kind));
+      std::vector<std::unique_ptr<GptOptimizer>> optimizers;
+      for (int rank = 0; rank < ranks; ++rank) {
+        optimizers.push_back(std::make_unique<GptOptimizer>(config, settings_of(kind),
+                                                            kReferenceBatchTokens, rank, ranks));
+      }
+      const std::vector<ParamSpec> specs = gpt_parameters(config);
+      const std::vector<OptimizerGroup>& groups = optimizers[0]->groups();
+      std::vector<int64_t> adamw_load(size_t(ranks), 0);
+      int64_t largest_adamw = 0;
+      for (size_t g = 0; g < groups.size(); ++g) {
+        const OptimizerGroup& group = groups[g];
+        for (size_t i = 0; i < group.parameters.size(); ++i) {
+          const std::string& name = group.parameters[i];
+          const int owner = optimizers[0]->shard().owner(name);
+          ASSERT_GE(owner, 0);
+          ASSERT_LT(owner, ranks);
+          for (const auto& other : optimizers) {
+            EXPECT_EQ(other->shard().owner(name), owner) << name;
+            EXPECT_EQ(other->shard().owns(name), other->shard().rank() == owner);
+          }
+          if (group.rule == UpdateRule::AdamW) {
+            const int64_t numel = find_parameter(specs, name)->numel();
+            adamw_load[size_t(owner)] += numel;
+            largest_adamw = std::max(largest_adamw, numel);
+          }
+        }
+        if (group.rule != UpdateRule::Muon) continue;
+        const auto count = std::ssize(group.parameters);
+        int64_t next = 0;
+        for (const auto& optimizer : optimizers) {
+          const auto [first, matrices] = optimizer->shard().muon_range(g);
+          EXPECT_EQ(first, next) << group.name;
+          EXPECT_GE(matrices, count / ranks);
+          EXPECT_LE(matrices, (count + ranks - 1) / ranks);
+          for (int64_t m = first; m < first + matrices; ++m)
+            EXPECT_TRUE(optimizer->shard().owns(group.parameters[size_t(m)]));
+          next = first + matrices;
+        }
+        EXPECT_EQ(next, count) << group.name;
+      }
+      const auto [lightest, heaviest] = std::ranges::minmax(adamw_load);
+      EXPECT_LE(heaviest - lightest, largest_adamw);
+    }
+  }
+  EXPECT_EQ(parameter_of_state("transformer.h.0.attn.c_q.weight.exp_avg_sq"),
+            "transformer.h.0.attn.c_q.weight");
+  EXPECT_THROW(parameter_of_state("step"), Error);
+  EXPECT_THROW(GptOptimizer(config, settings_of(OptimizerKind::Muon), kReferenceBatchTokens, 2, 2),
+               Error);
 }
 
 TEST(GptOptimizer, RejectsBadSettingsAndParameters) {

@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -300,7 +301,8 @@ class CudaGptOptimizerTest : public ::testing::TestWithParam<bool> {
     EXPECT_EQ(overwritten, 0) << when << ": the step wrote between tensors";
   }
 
-  // The device state, downloaded into `staging`, against the host optimizer's own.
+  // The device state, downloaded into `staging`, against the host optimizer's own (with a
+  // sharded `staging`, the buffers of its rank's parameters).
   void compare_state(CudaGptOptimizer& gpu, GptOptimizer& staging, GptOptimizer& reference,
                      const std::string& when) {
     gpu.download_state(staging);
@@ -308,6 +310,10 @@ class CudaGptOptimizerTest : public ::testing::TestWithParam<bool> {
     for (const NamedTensor& buffer : reference.state())
       expected.emplace(buffer.name, buffer.view);
     for (const NamedTensor& buffer : staging.state()) {
+      if (buffer.view.dtype() == DType::F32 &&
+          !staging.shard().owns(parameter_of_state(buffer.name))) {
+        continue;
+      }
       const TensorView& cpu = expected.at(buffer.name);
       if (buffer.view.dtype() == DType::I64) {
         EXPECT_EQ(*buffer.view.data<int64_t>(), *cpu.data<int64_t>())
@@ -349,6 +355,69 @@ class CudaGptOptimizerTest : public ::testing::TestWithParam<bool> {
     compare_state(gpu, staging, reference, "after " + std::to_string(steps) + " steps");
   }
 
+  // ZeRO-1 on `ranks` ranks, emulated on one GPU: each rank's optimizer (state for its own
+  // parameters only) steps its own copy of the parameters, then every parameter is copied from
+  // its owner to the others, as GptRankSums::gather_parameters broadcasts it. Every copy must
+  // follow the CPU's unsharded steps, and each rank's state the CPU's for its parameters.
+  void run_sharded(OptimizerKind kind, int ranks, int steps) {
+    SCOPED_TRACE(rng_.trace());
+    const OptimizerSettings settings = settings_of(kind);
+    GptOptimizer reference(config_, settings, kReferenceBatchTokens);
+    const CudaGptOptimizer whole(reference, layout_, gemm_);
+    std::vector<std::unique_ptr<GptOptimizer>> staging;
+    std::vector<std::unique_ptr<CudaGptOptimizer>> gpus;
+    size_t state_bytes = 0;
+    for (int rank = 0; rank < ranks; ++rank) {
+      staging.push_back(
+          std::make_unique<GptOptimizer>(config_, settings, kReferenceBatchTokens, rank, ranks));
+      gpus.push_back(std::make_unique<CudaGptOptimizer>(*staging.back(), layout_, gemm_));
+      EXPECT_LT(gpus.back()->device_state_bytes(), whole.device_state_bytes()) << "rank " << rank;
+      state_bytes += gpus.back()->device_state_bytes();
+    }
+    std::printf("[ memory   ] state %zu bytes whole, %zu on %d ranks together\n",
+                whole.device_state_bytes(), state_bytes, ranks);
+
+    HostSet params(config_), grads(config_);
+    fill_parameters(rng_, params);
+    std::vector<std::unique_ptr<DeviceRun>> runs;
+    for (int rank = 0; rank < ranks; ++rank)
+      runs.push_back(std::make_unique<DeviceRun>(params, layout_));
+    for (int step = 0; step < steps; ++step) {
+      fill_gradients(rng_, reference, grads);
+      const StepSchedule schedule = schedule_at(step);
+      reference.step(params.set, grads.set, schedule);
+      for (int rank = 0; rank < ranks; ++rank) {
+        DeviceRun& run = *runs[size_t(rank)];
+        upload(grads.set, layout_, run.grads.get());
+        gpus[size_t(rank)]->step(run.params.get(), run.bf16_params.get(), run.grads.get(), schedule,
+                                 stream_);
+      }
+      FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      for (const DeviceParameter& parameter : layout_.parameters) {
+        const DeviceRun& owner = *runs[size_t(staging[0]->shard().owner(parameter.name))];
+        for (const auto& run : runs) {
+          if (run.get() == &owner) continue;
+          const int64_t at = parameter.offset - layout_.bf16_offset;
+          FP8T_CUDA_CHECK(
+              parameter.bf16
+                  ? cudaMemcpy(run->bf16_params.get() + at, owner.bf16_params.get() + at,
+                               size_t(parameter.numel) * sizeof(bf16), cudaMemcpyDeviceToDevice)
+                  : cudaMemcpy(run->params.get() + parameter.offset,
+                               owner.params.get() + parameter.offset,
+                               size_t(parameter.numel) * sizeof(float), cudaMemcpyDeviceToDevice));
+        }
+      }
+      for (int rank = 0; rank < ranks; ++rank) {
+        compare_parameters(reference, params, *runs[size_t(rank)],
+                           "step " + std::to_string(step + 1) + ", rank " + std::to_string(rank));
+      }
+    }
+    for (int rank = 0; rank < ranks; ++rank) {
+      compare_state(*gpus[size_t(rank)], *staging[size_t(rank)], reference,
+                    "rank " + std::to_string(rank) + " after " + std::to_string(steps) + " steps");
+    }
+  }
+
   TestRng rng_;
   GptConfig config_ = test_config();
   DeviceParameterLayout layout_ = device_parameter_layout(config_, GetParam());
@@ -362,6 +431,15 @@ TEST_P(CudaGptOptimizerTest, MuonStepsMatchCpuBf16) {
 
 TEST_P(CudaGptOptimizerTest, AdamWStepsMatchCpu) {
   run_side_by_side(OptimizerKind::AdamW, 4);
+}
+
+// 3 ranks: each Muon group of 2 matrices leaves one rank without a matrix of it.
+TEST_P(CudaGptOptimizerTest, ShardedMuonStepsMatchCpuBf16) {
+  run_sharded(OptimizerKind::Muon, 3, 3);
+}
+
+TEST_P(CudaGptOptimizerTest, ShardedAdamWStepsMatchCpu) {
+  run_sharded(OptimizerKind::AdamW, 2, 3);
 }
 
 // A borrowed workspace (poisoned: DeviceBuffer starts so) gives the same steps and norms, bit

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Data parallelism: the same global batch on 2 ranks and on one process gives the same losses (up
 # to the order of the gradient sums), in BF16 and in FP8 with delayed scaling, and one run
-# folder; a checkpoint the 2 ranks wrote resumes on one process and the other way round.
+# folder; the optimizer state the 2 ranks save is one process's, and a checkpoint the 2 ranks
+# wrote resumes on one process and the other way round.
 # Usage: [MODEL_ARGS=...] data_parallel_test.sh FP8TRAIN LAUNCHER OUTPUT_DIR [DEVICE [TRAIN ARGS...]]
 #   LAUNCHER: the path of mpiexec (2 MPI ranks), or "nproc-per-node" (train --nproc-per-node 2:
 #   ranks that meet over TCP, and on the GPU through NCCL); DEVICE: cpu (default) or cuda;
@@ -20,6 +21,9 @@ mkdir -p "$output"
 read -r -a model_args <<<"${MODEL_ARGS:---depth=2 --vocab-size=4096 --sequence-len=64 --sample-tokens=0}"
 args=("${model_args[@]}" --micro-batch-size=2 --global-batch-size=8 --train-iters=20
       --save-every=10 --eval-every=0 --log-every=1 --device="$device" --output-dir="$output" "$@")
+# ZeRO-1 (shard_optimizer_state) is on for the GPT unless the arguments turn it off.
+sharded=1
+for arg in "$@"; do [[ $arg == --shard-optimizer-state=false ]] && sharded=0; done
 # fp8train train ARGS... on 2 ranks.
 two_ranks() {
   if [[ $launcher == nproc-per-node ]]; then
@@ -38,6 +42,9 @@ for precision in bf16 delayed; do
     { cat "$output/two.log"; echo "FAIL: the 2-rank run failed"; exit 1; }
   grep -q "2 micro-batch(es) per step on each of 2 ranks" "$output/two.log" ||
     { cat "$output/two.log"; echo "FAIL: the 2-rank run did not split the step"; exit 1; }
+  if [[ ${MODEL_ARGS:-} != *flux* ]] && (( sharded != $(grep -c "^optimizer: ZeRO-1" "$output/two.log") )); then
+    cat "$output/two.log"; echo "FAIL: expected ZeRO-1 $( ((sharded)) && echo on || echo off)"; exit 1
+  fi
   [[ $(grep -c "^step " "$output/two.log") -eq 20 ]] ||
     { cat "$output/two.log"; echo "FAIL: expected 20 step lines, from rank 0 only"; exit 1; }
   python3 - "$precision" "$output/one_$precision/metrics.jsonl" "$output/$precision/metrics.jsonl" <<'PY'
@@ -77,6 +84,27 @@ if different:
 print(f"delayed: {len(one)} scaling states equal one process's after one step")
 PY
 fi
+# The optimizer state the 2 ranks saved at step 10 is one process's, up to the order of the
+# gradient sums (with shard_optimizer_state: every rank's part, gathered).
+python3 - "$output/bf16" "$output/one_bf16" <<'PY'
+import sys
+import numpy as np
+from safetensors.numpy import load_file
+state = "/checkpoints/step_000010/optimizer.safetensors"
+two, one = load_file(sys.argv[1] + state), load_file(sys.argv[2] + state)
+assert two.keys() == one.keys() and one, "expected the same optimizer buffers"
+# By kind (exp_avg, momentum, ...) over all tensors: a tensor whose gradient is rounding noise
+# (backout_lambda at depth 2) differs wholly, a rank's part missing moves its kind by ~50 %.
+kinds = sorted({k.rsplit(".", 1)[1] for k in one if one[k].dtype == np.float32})
+for kind in kinds:
+    names = [k for k in one if k.endswith("." + kind)]
+    a = np.concatenate([two[k].ravel() for k in names]).astype(np.float64)
+    b = np.concatenate([one[k].ravel() for k in names]).astype(np.float64)
+    error = np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
+    if error > 5e-2:
+        sys.exit(f"FAIL: optimizer state at step 10: {kind} differs from one process's by {error:.2e}")
+    print(f"optimizer state at step 10: {kind} ({len(names)} buffers) within {error:.2e} of one process's")
+PY
 # Checkpoints across world sizes: the 2 ranks' step 10 on one process, one process's on 2 ranks;
 # both end where the uninterrupted runs did.
 "$fp8train" train "${args[@]}" --run=bf16 --resume-from-step=10 >"$output/resumed.log" 2>&1 ||

@@ -75,6 +75,7 @@ struct CudaGptOptimizer::State {
   gemm::CublasLtGemm* gemm;  // null for a plan only (planned_device_bytes)
   DeviceParameterLayout layout;
   std::vector<OptimizerGroup> groups;
+  OptimizerShard shard;         // the parameters this rank updates, and has state for
   std::vector<int> adamw_slot;  // per group: its index in AdamWStep::groups, -1 for Muon groups
   std::vector<MuonPlan> muon;
   std::map<std::string, StateSlice> slices;
@@ -103,9 +104,8 @@ struct CudaGptOptimizer::State {
   float* scales = nullptr;     // NorMuon's, per row or column
   double* partials = nullptr;  // the gradient norm's block sums
 
-  State(gemm::CublasLtGemm* gemm_, const DeviceParameterLayout& layout_,
-        const std::vector<OptimizerGroup>& groups_)
-      : gemm(gemm_), layout(layout_), groups(groups_) {}
+  State(gemm::CublasLtGemm* gemm_, const DeviceParameterLayout& layout_, const GptOptimizer& host)
+      : gemm(gemm_), layout(layout_), groups(host.groups()), shard(host.shard()) {}
 
   float* exp_avg() const { return state->get(); }
   float* exp_avg_sq() const { return state->get() + adamw_floats; }
@@ -158,6 +158,7 @@ void CudaGptOptimizer::State::plan(std::vector<cuda::AdamWChunk>& chunk_table,
   for (size_t index = 0; index < groups.size(); ++index) {
     if (adamw_slot[index] < 0) continue;
     for (const std::string& name : groups[index].parameters) {
+      if (!shard.owns(name)) continue;
       const DeviceParameter& parameter = layout[name];
       // bf16 parameters: their values at offset − bf16_offset in the bf16 buffer.
       int64_t& state_end = parameter.bf16 ? adamw_bf16 : adamw_floats;
@@ -192,7 +193,8 @@ void CudaGptOptimizer::State::plan(std::vector<cuda::AdamWChunk>& chunk_table,
     FP8T_CHECK(shape.size() == 2, "Muon group '{}': expected matrices, found '{}' of rank {}",
                groups[index].name, names.front(), shape.size());
     const int64_t rows = shape[0], cols = shape[1];
-    const auto count = std::ssize(names);
+    const auto [first, count] = shard.muon_range(index);
+    if (count == 0) continue;
     const int64_t side = std::min(rows, cols);
     const int64_t kept = std::max(rows, cols);
     MuonPlan muon_plan{
@@ -205,7 +207,7 @@ void CudaGptOptimizer::State::plan(std::vector<cuda::AdamWChunk>& chunk_table,
         .second_moment = state_floats + round_up(count * rows * cols, kFloatAlignment)};
     state_floats = muon_plan.second_moment + round_up(count * kept, kFloatAlignment);
     for (int64_t matrix = 0; matrix < count; ++matrix) {
-      const std::string& name = names[static_cast<size_t>(matrix)];
+      const std::string& name = names[static_cast<size_t>(first + matrix)];
       const DeviceParameter& parameter = layout[name];
       FP8T_CHECK(!parameter.bf16, "Muon group '{}': expected fp32 matrices, found '{}' in bf16",
                  groups[index].name, name);
@@ -366,6 +368,7 @@ std::vector<std::pair<NamedTensor, const StateSlice*>> CudaGptOptimizer::State::
       continue;
     }
     const auto found = slices.find(buffer.name);
+    if (found == slices.end() && !shard.owns(parameter_of_state(buffer.name))) continue;
     FP8T_CHECK(found != slices.end(),
                "optimizer state: the GPU optimizer has no buffer '{}' (a host optimizer of "
                "another model?)",
@@ -398,7 +401,7 @@ AdamWScalars adamw_step_scalars(double lr, double beta1, double beta2, double ep
 CudaGptOptimizer::CudaGptOptimizer(const GptOptimizer& host, const DeviceParameterLayout& layout,
                                    gemm::CublasLtGemm& gemm, uint8_t* borrowed,
                                    size_t borrowed_bytes)
-    : state_(std::make_unique<State>(&gemm, layout, host.groups())) {
+    : state_(std::make_unique<State>(&gemm, layout, host)) {
   FP8T_CHECK(layout.element_bytes == sizeof(float),
              "expected a layout of fp32 parameters, found {}-byte elements", layout.element_bytes);
   std::vector<cuda::AdamWChunk> chunk_table, bf16_table;
@@ -419,7 +422,7 @@ CudaGptOptimizer::~CudaGptOptimizer() = default;
 size_t CudaGptOptimizer::planned_device_bytes(const GptOptimizer& host,
                                               const DeviceParameterLayout& layout,
                                               size_t borrowed_bytes) {
-  State plan(nullptr, layout, host.groups());
+  State plan(nullptr, layout, host);
   std::vector<cuda::AdamWChunk> chunk_table, bf16_table;
   std::vector<int64_t> offset_table;
   plan.plan(chunk_table, bf16_table, offset_table);

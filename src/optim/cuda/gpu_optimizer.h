@@ -42,8 +42,10 @@ struct StepSchedule;
 
 class CudaGptOptimizer {
  public:
-  // The groups (parameters, rules, lrs, betas, eps, weight decays) are copied from `host`,
-  // which must have been built for the model whose parameters `layout` lays out. The GEMMs run
+  // The groups (parameters, rules, lrs, betas, eps, weight decays) and the shard are copied
+  // from `host`, which must have been built for the model whose parameters `layout` lays out.
+  // With a shard of several ranks (ZeRO-1) the optimizer holds state for, and updates, only the
+  // parameters this rank owns. The GEMMs run
   // on `gemm`, which must outlive this optimizer. Runs on the current CUDA device.
   // `borrowed`, `borrowed_bytes`: device memory (256-byte aligned) that nothing else uses while
   // step(), global_norm() or clip() run, such as CudaGptModel::scratch_between_steps(); the
@@ -77,7 +79,8 @@ class CudaGptOptimizer {
 
   // Copies the state into host.state() (same names and shapes as the host's own: momentum and
   // second_moment per Muon matrix, exp_avg and exp_avg_sq per AdamW tensor, optimizer.step),
-  // for a checkpoint, and back from it. Both wait for all device work first. `host` must have
+  // for a checkpoint, and back from it; with a shard, the buffers of this rank's parameters
+  // only. Both wait for all device work first. `host` must have
   // the groups this optimizer was built from; a mismatch throws before anything is copied.
   void download_state(GptOptimizer& host) const;
   void upload_state(GptOptimizer& host);
