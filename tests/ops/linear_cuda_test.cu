@@ -75,6 +75,19 @@ class LinearCuda : public StreamTest {
   const Device<float> weight_{random_floats(rng_, size_t(kIn* kOut), -0.1, 0.1)};
   const Device<bf16> x_{random_bf16(rng_, size_t(kTokens* kIn))};
   const Device<bf16> dy_{random_bf16(rng_, size_t(kTokens* kOut))};
+
+  // What a backward test needs: the layer's weight prepared and its forward run on x_, recording
+  // amaxes as a training step does; the output y, a poisoned dx and a zeroed dW.
+  struct AfterForward {
+    Device<bf16> y{size_t(kTokens * kOut)};
+    Device<bf16> dx{size_t(kTokens * kIn)};
+    Device<float> dweight{std::vector<float>(size_t(kIn * kOut), 0.0f)};
+    AfterForward(const LinearCuda& test, LinearUnderTest& linear) {
+      linear.layer->prepare_weight(test.weight_.get(), /*record_amax=*/true, test.stream_);
+      linear.layer->forward(test.x_.get(), kTokens, y.get(), /*record_amax=*/true, test.stream_);
+      dx.poison_nan();
+    }
+  };
 };
 
 TEST_F(LinearCuda, BackwardInChunksMatchesTheWholeBackward) {
@@ -92,17 +105,12 @@ TEST_F(LinearCuda, BackwardInChunksMatchesTheWholeBackward) {
     std::vector<float> dweight[2];
     for (int narrow : {0, 1}) {
       LinearUnderTest linear(c.recipe, c.relu2, narrow ? kNarrowWidth : kOut, gemm_);
-      linear.layer->prepare_weight(weight_.get(), /*record_amax=*/true, stream_);
-      Device<bf16> y(size_t(kTokens * kOut));
-      linear.layer->forward(x_.get(), kTokens, y.get(), /*record_amax=*/true, stream_);
-      Device<bf16> device_dx(size_t(kTokens * kIn));
-      device_dx.poison_nan();
-      Device<float> device_dweight(std::vector<float>(size_t(kIn * kOut), 0.0f));
-      linear.layer->backward(dy_.get(), x_.get(), kTokens, device_dx.get(), false,
-                             device_dweight.get(), /*record_amax=*/true, stream_);
+      AfterForward step(*this, linear);
+      linear.layer->backward(dy_.get(), x_.get(), kTokens, step.dx.get(), false, step.dweight.get(),
+                             /*record_amax=*/true, stream_);
       FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      dx[narrow] = device_dx.download();
-      dweight[narrow] = device_dweight.download();
+      dx[narrow] = step.dx.download();
+      dweight[narrow] = step.dweight.download();
     }
     expect_bitwise_equal(dx[1], dx[0], name + " dx");
     expect_close(widen(dweight[1]), widen(dweight[0]), kReorderedSums, name + " dW");
@@ -121,25 +129,20 @@ TEST_F(LinearCuda, BackwardThroughRelu2MatchesRelu2BackwardThenBackward) {
       std::vector<float> dweight[2], scaling[2];
       for (int fused : {0, 1}) {
         LinearUnderTest linear(recipe, false, width, gemm_, true, fused == 1);
-        linear.layer->prepare_weight(weight_.get(), /*record_amax=*/true, stream_);
-        Device<bf16> y(size_t(kTokens * kOut));
-        linear.layer->forward(x_.get(), kTokens, y.get(), /*record_amax=*/true, stream_);
-        Device<bf16> device_dx(size_t(kTokens * kIn));
-        device_dx.poison_nan();
-        Device<float> device_dweight(std::vector<float>(size_t(kIn * kOut), 0.0f));
+        AfterForward step(*this, linear);
         if (fused == 1) {
-          linear.layer->backward(dy_.get(), x_.get(), kTokens, device_dx.get(), false,
-                                 device_dweight.get(), /*record_amax=*/true, stream_, y.get());
+          linear.layer->backward(dy_.get(), x_.get(), kTokens, step.dx.get(), false,
+                                 step.dweight.get(), /*record_amax=*/true, stream_, step.y.get());
         } else {
           Device<bf16> fc_gradient(size_t(kTokens * kOut));
-          kernels::relu2_backward(fc_gradient.get(), dy_.get(), y.get(), kTokens * kOut,
+          kernels::relu2_backward(fc_gradient.get(), dy_.get(), step.y.get(), kTokens * kOut,
                                   kernels::GradStore::Write, stream_);
-          linear.layer->backward(fc_gradient.get(), x_.get(), kTokens, device_dx.get(), false,
-                                 device_dweight.get(), /*record_amax=*/true, stream_);
+          linear.layer->backward(fc_gradient.get(), x_.get(), kTokens, step.dx.get(), false,
+                                 step.dweight.get(), /*record_amax=*/true, stream_);
         }
         FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
-        dx[fused] = device_dx.download();
-        dweight[fused] = device_dweight.download();
+        dx[fused] = step.dx.download();
+        dweight[fused] = step.dweight.download();
         scaling[fused].resize(kernels::kLinearScalingFloats);
         FP8T_CUDA_CHECK(cudaMemcpy(scaling[fused].data(), linear.scaling,
                                    scaling[fused].size() * sizeof(float), cudaMemcpyDeviceToHost));
