@@ -364,7 +364,14 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
   Measurement result;
   result.name = run_name(run, options.fp8);
   CudaFluxModel model(config, B, Li, Lt, precision, stream);
-  optim::CudaAdamW optimizer(model.layout(), {.lr = 1e-4, .weight_decay = 0.01});
+  const optim::AdamWHyperparameters adamw{.lr = 1e-4, .weight_decay = 0.01};
+  const bool shard = ranks.shard && ranks.count() > 1;
+  std::vector<optim::AdamWOptimizer::Parameter> tensors;
+  for (const FluxParam& param : flux_parameters(config))
+    tensors.push_back({param.name, param.shape});
+  const optim::AdamWOptimizer host_optimizer(
+      std::move(tensors), adamw, shard ? ranks.communicator->rank() : 0, shard ? ranks.count() : 1);
+  optim::CudaAdamW optimizer(model.layout(), adamw, &host_optimizer.shard());
   {
     Arena arena("parameters", FluxParameterSet::planned_bytes(config, DType::F32));
     FluxParameterSet parameters(arena, config, DType::F32);
@@ -377,16 +384,19 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
 #if FP8TRAIN_WITH_NCCL
   std::unique_ptr<train::FluxRankSums> rank_sums;
   if (ranks.communicator != nullptr)
-    rank_sums = std::make_unique<train::FluxRankSums>(*ranks.communicator, model);
+    rank_sums = std::make_unique<train::FluxRankSums>(*ranks.communicator, model,
+                                                      shard ? &host_optimizer.shard() : nullptr);
   const auto sum_over_ranks = [&] {
     if (rank_sums) rank_sums->sum_gradients();
   };
-  const auto reduce_amaxes = [&] {
-    if (rank_sums) rank_sums->reduce_amaxes();
+  const auto gather_and_reduce_amaxes = [&] {
+    if (!rank_sums) return;
+    rank_sums->gather_parameters();
+    rank_sums->reduce_amaxes();
   };
 #else
   const auto sum_over_ranks = [] {};
-  const auto reduce_amaxes = [] {};
+  const auto gather_and_reduce_amaxes = [] {};
 #endif
   const float share = 1.0f / static_cast<float>(ranks.count());
 
@@ -431,7 +441,7 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
                     sum_over_ranks();
                     optimizer.clip(model.gradients(), norm, 1.0f, stream);
                     optimizer.step(model.parameters(), model.gradients(), 1.0, stream);
-                    reduce_amaxes();
+                    gather_and_reduce_amaxes();
                     model.end_step();
                   }},
              result);
@@ -509,7 +519,8 @@ int run_bench_flux(const BenchFluxOptions& options) {
   const std::vector<GpuInfo> gpus = query_gpus();
   if (gpus.empty()) throw Error("bench flux: no CUDA GPU is visible");
   distributed::Communicator communicator(distributed::detect_launch(), 0);
-  const BenchRanks ranks = join_ranks(communicator, "bench flux", false);
+  const BenchRanks ranks =
+      join_ranks(communicator, "bench flux", false, options.shard_optimizer_state);
   const FluxConfig config = flux_config_of(options.model);
   fmt::print(
       "bench flux: {} ({:.1f}M parameters; {} double + {} single blocks, hidden {}), micro-batch "

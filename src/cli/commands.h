@@ -136,6 +136,7 @@ struct BenchFluxOptions {
   std::string fp8 = "hybrid";
   std::vector<std::string> fp8_attention = {"off"};
   BenchTiming timing;
+  bool shard_optimizer_state = true;  // with several ranks: ZeRO-1
 };
 
 // Times Flux training steps on the GPU: as run_bench_gpt, with samples/s.

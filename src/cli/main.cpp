@@ -239,6 +239,11 @@ int main(int argc, char** argv) {
                   bench_flux_options.fp8, bench_flux_options.fp8_attention,
                   bench_flux_options.timing);
   add_nproc_per_node(bench_flux);
+  bench_flux->add_flag("--shard-optimizer-state,!--no-shard-optimizer-state",
+                       bench_flux_options.shard_optimizer_state,
+                       "With several ranks: ZeRO-1 (the default), each rank updates its share of "
+                       "the parameters and broadcasts it; --no-shard-optimizer-state: every rank "
+                       "runs the whole update");
 
   fp8t::cli::ConfigOptions config_options;
   CLI::App* config =

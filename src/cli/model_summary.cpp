@@ -109,8 +109,7 @@ int run_flux_summary(const ModelSummaryOptions& options) {
   fmt::print(
       "\nmemory per GPU (GiB), GPU path, micro-batch {} x ({} image + {} text tokens):\n"
       "  data parallel with ZeRO-1: the AdamW moments sharded over the GPUs; parameters, "
-      "gradients and activations whole on each (a plan: the Flux trainer does not shard yet, "
-      "each rank holds the moments whole, as on 1 GPU)\n"
+      "gradients and activations whole on each (shard_optimizer_state)\n"
       "  fits: the total and {:.2f} GiB for the CUDA context and library workspaces within "
       "{:.1f} GiB\n",
       micro_batch.batch, micro_batch.img_tokens, micro_batch.txt_tokens, in_gib(reserve),

@@ -562,13 +562,14 @@ std::vector<ConfigKey> build_keys() {
       "Data parallelism on GPUs: sum each block's gradients over the ranks (NCCL) while the "
       "backward goes on; false: one sum after the backward (faster on one NVLink node, where "
       "the overlapped sums slow the backward's GEMMs more than they save)."));
-  keys.push_back(gpt_only(boolean_key(
+  keys.push_back(boolean_key(
       "shard_optimizer_state", S::Run, [](auto& c) -> auto& { return c.run.shard_optimizer_state; },
-      "Data parallelism: ZeRO-1. Each rank updates its share of the parameters (Muon's matrices "
-      "split evenly, AdamW's tensors balanced by size) and sends the new values to the others; "
+      "Data parallelism: ZeRO-1. Each rank updates its share of the parameters (the GPT's Muon "
+      "matrices split evenly, AdamW's tensors balanced by size) and sends the new values to the "
+      "others; "
       "on the GPU path each rank keeps optimizer state for its share only. Checkpoints hold the "
       "whole state and resume on any number of ranks. No effect with one rank; false: every rank "
-      "runs the whole update and holds the whole state.")));
+      "runs the whole update and holds the whole state."));
   keys.push_back(gpt_only(integer_key(
       "nan_restore_after", S::Run, [](auto& c) -> auto& { return c.run.nan_restore_after; }, {0},
       "After this many bad steps in a row (a non-finite loss or gradient norm: the update is "

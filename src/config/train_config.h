@@ -53,7 +53,7 @@ struct RunSection {
   DeviceChoice device = DeviceChoice::Auto;
   // Several GPUs: sum each block's gradients over the ranks while the backward goes on.
   bool overlap_grad_reduce = false;
-  // Several ranks, the GPT: ZeRO-1, each rank updates its share of the parameters.
+  // Several ranks: ZeRO-1, each rank updates its share of the parameters.
   bool shard_optimizer_state = true;
   // Flux: sample grids of the model being trained (models/flux_sampling.h).
   int64_t sample_every = 0;  // 0: only at the end

@@ -2,10 +2,13 @@
 
 #include <cmath>
 #include <functional>
+#include <map>
 #include <numeric>
+#include <string>
 #include <utility>
 
 #include "core/error.h"
+#include "optim/gpt_optimizer.h"
 
 namespace fp8t::optim {
 
@@ -32,11 +35,33 @@ void adamw_step(float* param, const float* grad, float* exp_avg, float* exp_avg_
   }
 }
 
-AdamWOptimizer::AdamWOptimizer(std::vector<Parameter> parameters, const AdamWHyperparameters& hyper)
-    : hyper_(hyper), lr_(hyper.lr) {
+namespace {
+
+int64_t numel_of(const std::vector<int64_t>& shape) {
+  return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
+}
+
+// The one group the shard splits: every parameter, by size.
+OptimizerShard shard_of(const std::vector<AdamWOptimizer::Parameter>& parameters, int rank,
+                        int ranks) {
+  OptimizerGroup group{};  // only the rule and the parameters matter here
+  group.rule = UpdateRule::AdamW;
+  std::map<std::string, int64_t> numels;
+  for (const AdamWOptimizer::Parameter& parameter : parameters) {
+    group.parameters.push_back(parameter.name);
+    numels[parameter.name] = numel_of(parameter.shape);
+  }
+  return OptimizerShard(
+      {group}, [&](const std::string& name) { return numels.at(name); }, rank, ranks);
+}
+
+}  // namespace
+
+AdamWOptimizer::AdamWOptimizer(std::vector<Parameter> parameters, const AdamWHyperparameters& hyper,
+                               int rank, int ranks)
+    : hyper_(hyper), shard_(shard_of(parameters, rank, ranks)), lr_(hyper.lr) {
   for (Parameter& parameter : parameters) {
-    const int64_t numel = std::accumulate(parameter.shape.begin(), parameter.shape.end(),
-                                          int64_t{1}, std::multiplies<>());
+    const int64_t numel = numel_of(parameter.shape);
     slots_.push_back({std::move(parameter), std::vector<float>(size_t(numel), 0.0f),
                       std::vector<float>(size_t(numel), 0.0f)});
   }
@@ -53,6 +78,7 @@ void AdamWOptimizer::step(std::span<float* const> parameters,
   lr_ = hyper_.lr * lr_multiplier;
   for (size_t i = 0; i < slots_.size(); ++i) {
     Slot& slot = slots_[i];
+    if (!shard_.owns(slot.parameter.name)) continue;
     AdamWHyperparameters hyper = hyper_;
     hyper.lr = lr_;
     if (slot.parameter.shape.size() < 2) hyper.weight_decay = 0.0;

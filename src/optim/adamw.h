@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "core/tensor.h"
+#include "optim/optimizer_shard.h"
 
 namespace fp8t::optim {
 
@@ -37,18 +38,22 @@ class AdamWOptimizer {
     std::vector<int64_t> shape;
   };
 
-  AdamWOptimizer(std::vector<Parameter> parameters, const AdamWHyperparameters& hyper);
+  // With ranks > 1 (ZeRO-1, optim/optimizer_shard.h: the tensors balanced by size) step()
+  // updates only the parameters `rank` owns, and only their part of the whole state it holds.
+  AdamWOptimizer(std::vector<Parameter> parameters, const AdamWHyperparameters& hyper, int rank = 0,
+                 int ranks = 1);
   // The state views point into the optimizer.
   AdamWOptimizer(const AdamWOptimizer&) = delete;
   AdamWOptimizer& operator=(const AdamWOptimizer&) = delete;
 
-  // One step at lr · lr_multiplier; the data of each parameter and gradient in the
-  // constructor's order.
+  // One step at lr · lr_multiplier over the parameters this rank owns; the data of each
+  // parameter and gradient in the constructor's order.
   void step(std::span<float* const> parameters, std::span<const float* const> gradients,
             double lr_multiplier);
 
   double lr() const { return lr_; }  // of the last step; the base lr before the first
   int64_t steps_taken() const { return steps_; }
+  const OptimizerShard& shard() const { return shard_; }
   std::vector<NamedTensor> state();
   size_t state_bytes() const;
 
@@ -60,6 +65,7 @@ class AdamWOptimizer {
 
   AdamWHyperparameters hyper_;
   std::vector<Slot> slots_;
+  OptimizerShard shard_;
   double lr_;
   int64_t steps_ = 0;
 };

@@ -117,8 +117,10 @@ class CpuEngine final : public TrainingEngine {
   std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() override {
     return model_.delayed_scalings();
   }
-  void to_host() override {
-    if (sharded_) gather_optimizer_state(optimizer_, *communicator_);
+  void to_host() override {}
+  void gather_optimizer_state() override {
+    if (sharded_)
+      train::gather_optimizer_state(optimizer_.state(), optimizer_.shard(), *communicator_);
   }
   void from_host() override { model_.weights_changed(); }
 
@@ -158,25 +160,33 @@ void reduce_delayed_amaxes(const std::vector<std::pair<std::string, DelayedScali
   }
 }
 
+void print_zero1_note(int ranks, bool cuda) {
+  fmt::print("optimizer: ZeRO-1, each of {} ranks updates its share of the parameters{}\n", ranks,
+             cuda ? " and holds only their optimizer state" : "");
+}
+
+void gather_from_owner(float* values, size_t count, bool owned,
+                       distributed::Communicator& communicator) {
+  if (!owned) std::fill_n(values, count, 0.0f);
+  communicator.sum(values, count);
+}
+
 void gather_parameters(ParameterSet& parameters, const optim::OptimizerShard& shard,
                        distributed::Communicator& communicator) {
   for (const ParamSpec& spec : parameters.specs()) {
     TensorView& view = parameters[spec.name];
-    const auto count = static_cast<size_t>(view.numel());
-    if (!shard.owns(spec.name)) std::fill_n(view.data<float>(), count, 0.0f);
-    communicator.sum(view.data<float>(), count);
+    gather_from_owner(view.data<float>(), static_cast<size_t>(view.numel()), shard.owns(spec.name),
+                      communicator);
   }
 }
 
-void gather_optimizer_state(optim::GptOptimizer& optimizer,
+void gather_optimizer_state(const std::vector<NamedTensor>& state,
+                            const optim::OptimizerShard& shard,
                             distributed::Communicator& communicator) {
-  for (NamedTensor& buffer : optimizer.state()) {
+  for (const NamedTensor& buffer : state) {
     if (buffer.view.dtype() != DType::F32) continue;  // the step counter, the same everywhere
-    const auto count = static_cast<size_t>(buffer.view.numel());
-    if (!optimizer.shard().owns(optim::parameter_of_state(buffer.name))) {
-      std::fill_n(buffer.view.data<float>(), count, 0.0f);
-    }
-    communicator.sum(buffer.view.data<float>(), count);
+    gather_from_owner(buffer.view.data<float>(), static_cast<size_t>(buffer.view.numel()),
+                      shard.owns(optim::parameter_of_state(buffer.name)), communicator);
   }
 }
 

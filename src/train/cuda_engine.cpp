@@ -209,7 +209,11 @@ class CudaEngine final : public TrainingEngine {
   void to_host() override {
     model_.download_parameters(host_parameters_);
     optimizer_.download_state(host_optimizer_);
-    if (sharded_) gather_optimizer_state(host_optimizer_, *communicator_);
+  }
+  void gather_optimizer_state() override {
+    if (!sharded_) return;
+    optimizer_.download_state(host_optimizer_);
+    train::gather_optimizer_state(host_optimizer_.state(), host_optimizer_.shard(), *communicator_);
   }
   void from_host() override {
     model_.upload_parameters(host_parameters_);

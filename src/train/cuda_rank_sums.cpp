@@ -4,22 +4,36 @@
 
 namespace fp8t::train {
 
+namespace {
+
+// Each parameter of the layout, where it lives (fp32, or bf16 from bf16_offset on), and the
+// rank that updates it.
+std::vector<distributed::NcclGroup::Piece> parameter_pieces(
+    const optim::DeviceParameterLayout& layout, float* parameters, bf16* bf16_parameters,
+    const optim::OptimizerShard& shard) {
+  std::vector<distributed::NcclGroup::Piece> pieces;
+  for (const optim::DeviceParameter& parameter : layout.parameters) {
+    void* data = parameter.bf16
+                     ? static_cast<void*>(bf16_parameters + (parameter.offset - layout.bf16_offset))
+                     : static_cast<void*>(parameters + parameter.offset);
+    const size_t element_bytes = parameter.bf16 ? sizeof(bf16) : sizeof(float);
+    pieces.push_back(
+        {data, static_cast<size_t>(parameter.numel) * element_bytes, shard.owner(parameter.name)});
+  }
+  return pieces;
+}
+
+}  // namespace
+
 GptRankSums::GptRankSums(distributed::Communicator& host, CudaGptModel& model,
                          bool overlap_grad_reduce, const optim::OptimizerShard* shard)
     : model_(model),
       overlap_(overlap_grad_reduce),
       delayed_(!model.delayed_scalings().empty()),
       nccl_(std::make_unique<distributed::NcclGroup>(host)) {
-  if (shard == nullptr) return;
-  const optim::DeviceParameterLayout& layout = model.layout();
-  for (const optim::DeviceParameter& parameter : layout.parameters) {
-    void* data =
-        parameter.bf16
-            ? static_cast<void*>(model.bf16_parameters() + (parameter.offset - layout.bf16_offset))
-            : static_cast<void*>(model.parameters() + parameter.offset);
-    const size_t element_bytes = parameter.bf16 ? sizeof(bf16) : sizeof(float);
-    parameter_pieces_.push_back(
-        {data, static_cast<size_t>(parameter.numel) * element_bytes, shard->owner(parameter.name)});
+  if (shard != nullptr) {
+    parameter_pieces_ =
+        parameter_pieces(model.layout(), model.parameters(), model.bf16_parameters(), *shard);
   }
 }
 
@@ -48,10 +62,19 @@ void GptRankSums::reduce_amaxes() {
   nccl_->max(scalings.device_floats(), scalings.float_count(), model_.stream());
 }
 
-FluxRankSums::FluxRankSums(distributed::Communicator& host, CudaFluxModel& model)
+FluxRankSums::FluxRankSums(distributed::Communicator& host, CudaFluxModel& model,
+                           const optim::OptimizerShard* shard)
     : model_(model),
       delayed_(!model.delayed_scalings().empty()),
-      nccl_(std::make_unique<distributed::NcclGroup>(host)) {}
+      nccl_(std::make_unique<distributed::NcclGroup>(host)) {
+  if (shard != nullptr) {
+    parameter_pieces_ = parameter_pieces(model.layout(), model.parameters(), nullptr, *shard);
+  }
+}
+
+void FluxRankSums::gather_parameters() {
+  if (!parameter_pieces_.empty()) nccl_->broadcast(parameter_pieces_, model_.stream());
+}
 
 void FluxRankSums::sum_gradients() {
   nccl_->sum(model_.gradients(), static_cast<size_t>(model_.layout().total_elements),

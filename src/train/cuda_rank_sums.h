@@ -47,18 +47,21 @@ class GptRankSums {
 class FluxRankSums {
  public:
   // Joins the ranks of `host` through NCCL on the current device (every rank together); the
-  // collectives run on the model's stream.
-  FluxRankSums(distributed::Communicator& host, CudaFluxModel& model);
+  // collectives run on the model's stream. `shard` as for GptRankSums.
+  FluxRankSums(distributed::Communicator& host, CudaFluxModel& model,
+               const optim::OptimizerShard* shard = nullptr);
 
   // Queued after the last backward: every rank's gradients summed (not yet averaged).
   void sum_gradients();
-  // As GptRankSums::reduce_amaxes.
+  // As GptRankSums::reduce_amaxes and gather_parameters.
   void reduce_amaxes();
+  void gather_parameters();
 
  private:
   CudaFluxModel& model_;
   bool delayed_;
   std::unique_ptr<distributed::NcclGroup> nccl_;
+  std::vector<distributed::NcclGroup::Piece> parameter_pieces_;  // with a shard
 };
 
 }  // namespace fp8t::train

@@ -27,7 +27,10 @@ class FluxCpuEngine final : public FluxEngine {
       : communicator_(setup.communicator),
         img_ids_(setup.img_ids),
         model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision),
-        optimizer_(optimized_parameters(setup.model), setup.adamw),
+        sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
+        optimizer_(optimized_parameters(setup.model), setup.adamw,
+                   sharded_ ? setup.communicator->rank() : 0,
+                   sharded_ ? setup.communicator->size() : 1),
         prediction_(size_t(setup.batch * setup.img_tokens * setup.model.in_channels)),
         grad_prediction_(prediction_.size()) {
     FP8T_CHECK(std::ssize(img_ids_) == setup.img_tokens * 3, "expected {} image ids, found {}",
@@ -80,6 +83,7 @@ class FluxCpuEngine final : public FluxEngine {
                                        : optim::global_norm(gradient_spans_);
     if (result.finite()) {
       optimizer_.step(parameter_data_, gradient_data_, lr_multiplier);
+      if (sharded_) gather_parameters();
       if (ranks > 1) reduce_delayed_amaxes(model_.delayed_scalings(), *communicator_);
       model_.end_step();
     }
@@ -101,8 +105,21 @@ class FluxCpuEngine final : public FluxEngine {
   }
   void to_host() override {}
   void from_host() override { model_.weights_changed(); }
+  void gather_optimizer_state() override {
+    if (sharded_)
+      train::gather_optimizer_state(optimizer_.state(), optimizer_.shard(), *communicator_);
+  }
 
  private:
+  // Each parameter as its owner updated it (ZeRO-1).
+  void gather_parameters() {
+    for (const FluxParam& param : model_.parameters().specs()) {
+      TensorView& view = model_.parameters()[param.name];
+      gather_from_owner(view.data<float>(), static_cast<size_t>(view.numel()),
+                        optimizer_.shard().owns(param.name), *communicator_);
+    }
+  }
+
   FluxInputs inputs(const FluxBatch& batch) const {
     FP8T_CHECK(batch.img.size() == prediction_.size() && batch.target.size() == prediction_.size(),
                "expected a micro-batch of {} latent values, found {}", prediction_.size(),
@@ -115,6 +132,7 @@ class FluxCpuEngine final : public FluxEngine {
   distributed::Communicator* communicator_;
   std::vector<float> img_ids_;
   FluxModel model_;
+  bool sharded_;  // ZeRO-1: this rank updates its share of the parameters
   optim::AdamWOptimizer optimizer_;
   std::vector<float> prediction_, grad_prediction_;
   std::vector<float*> parameter_data_;

@@ -48,11 +48,14 @@ class FluxCudaEngine final : public FluxEngine {
         img_ids_(setup.img_ids),
         model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision,
                stream_.get()),
-        optimizer_(model_.layout(), setup.adamw),
+        sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
         host_arena_("parameters (host mirror)",
                     FluxParameterSet::planned_bytes(setup.model, DType::F32)),
         host_parameters_(host_arena_, setup.model, DType::F32),
-        host_optimizer_(optimized_parameters(setup.model), setup.adamw),
+        host_optimizer_(optimized_parameters(setup.model), setup.adamw,
+                        sharded_ ? setup.communicator->rank() : 0,
+                        sharded_ ? setup.communicator->size() : 1),
+        optimizer_(model_.layout(), setup.adamw, &host_optimizer_.shard()),
         base_lr_(setup.adamw.lr),
         lr_(setup.adamw.lr),
         norm_host_(1) {
@@ -61,7 +64,8 @@ class FluxCudaEngine final : public FluxEngine {
     FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));
 #if FP8TRAIN_WITH_NCCL
     if (communicator_ != nullptr)
-      rank_sums_ = std::make_unique<FluxRankSums>(*communicator_, model_);
+      rank_sums_ = std::make_unique<FluxRankSums>(*communicator_, model_,
+                                                  sharded_ ? &host_optimizer_.shard() : nullptr);
 #endif
     peak_memory_ = device_memory_in_use();
   }
@@ -119,7 +123,7 @@ class FluxCudaEngine final : public FluxEngine {
     result.grad_norm = norm_host_.data()[0];
     if (result.finite()) {
       optimizer_.step(model_.parameters(), model_.gradients(), lr_multiplier, stream_.get());
-      if (ranks > 1) reduce_amaxes();
+      if (ranks > 1) gather_and_reduce_amaxes();
       model_.end_step();
       lr_ = base_lr_ * lr_multiplier;
     }
@@ -156,6 +160,11 @@ class FluxCudaEngine final : public FluxEngine {
     optimizer_.upload_state(host_optimizer_);
     model_.scalings_changed();
   }
+  void gather_optimizer_state() override {
+    if (!sharded_) return;
+    optimizer_.download_state(host_optimizer_);
+    train::gather_optimizer_state(host_optimizer_.state(), host_optimizer_.shard(), *communicator_);
+  }
 
  private:
   FluxInputs inputs(const FluxBatch& batch) const {
@@ -170,8 +179,10 @@ class FluxCudaEngine final : public FluxEngine {
     rank_sums_->sum_gradients();
 #endif
   }
-  void reduce_amaxes() {
+  // After the update: the owners' parameters to the other ranks (ZeRO-1), the amaxes' maxima.
+  void gather_and_reduce_amaxes() {
 #if FP8TRAIN_WITH_NCCL
+    rank_sums_->gather_parameters();
     rank_sums_->reduce_amaxes();
 #endif
   }
@@ -181,10 +192,11 @@ class FluxCudaEngine final : public FluxEngine {
   CudaStream stream_;
   std::vector<float> img_ids_;
   CudaFluxModel model_;
-  optim::CudaAdamW optimizer_;
+  bool sharded_;  // ZeRO-1: this rank updates its share of the parameters
   Arena host_arena_;
   FluxParameterSet host_parameters_;
-  optim::AdamWOptimizer host_optimizer_;
+  optim::AdamWOptimizer host_optimizer_;  // with the shard the device optimizer follows
+  optim::CudaAdamW optimizer_;
   double base_lr_, lr_;
   float* norm_ = nullptr;
   PinnedFloats norm_host_;

@@ -46,6 +46,9 @@ class FluxEngine {
   virtual std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() = 0;
   virtual void to_host() = 0;
   virtual void from_host() = 0;
+  // As TrainingEngine::gather_optimizer_state: every rank together, before a checkpoint's
+  // to_host(), the whole optimizer state into the host views from each rank's part.
+  virtual void gather_optimizer_state() = 0;
 };
 
 struct FluxEngineSetup {
@@ -56,9 +59,11 @@ struct FluxEngineSetup {
   int64_t txt_tokens = 0;
   std::vector<float> img_ids;  // [img_tokens, 3], the same for every sample
   optim::AdamWHyperparameters adamw;
-  // Data parallelism (the CPU engine): the gradients and losses are summed over the ranks and
-  // the delayed-scaling amaxes max-reduced. Null: one process.
+  // Data parallelism: the gradients and losses are summed over the ranks and the delayed-scaling
+  // amaxes max-reduced. Null: one process.
   distributed::Communicator* communicator = nullptr;
+  // With several ranks: ZeRO-1 (optim/optimizer_shard.h), as EngineSetup's.
+  bool shard_optimizer_state = false;
 };
 
 std::unique_ptr<FluxEngine> make_flux_cpu_engine(const FluxEngineSetup& setup);

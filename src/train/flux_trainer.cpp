@@ -172,6 +172,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   setup.img_ids = batches.img_ids();
   setup.adamw = config.optimizer_settings().adamw;
   if (several) setup.communicator = &communicator;
+  setup.shard_optimizer_state = config.run.shard_optimizer_state;
   const std::unique_ptr<FluxEngine> engine =
       cuda ? make_flux_cuda_engine(setup) : make_flux_cpu_engine(setup);
   const optim::LrSchedule schedule = config.lr_schedule();
@@ -190,6 +191,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
         batch, img_tokens, txt_tokens, accumulation, ranks_note(communicator), samples_per_step,
         total_steps);
     fmt::print("memory plan: {}\n", engine->memory_plan());
+    if (several && setup.shard_optimizer_state) print_zero1_note(communicator.size(), cuda);
     fmt::print(
         "data: {}; {} image tokens of {} features per picture; σ {} (shift {}), guidance "
         "dropout {}\ndevice: {}\n",
@@ -223,7 +225,9 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     if (several && !scaling.empty()) {
       check_same_scaling_on_every_rank(scaling, communicator, at_step);
     }
-    if (!leader) return;  // every rank holds the same weights and optimizer state
+    // Every rank holds the same weights; sharded optimizer state the ranks gather together.
+    engine->gather_optimizer_state();
+    if (!leader) return;
     engine->to_host();
     save_run_checkpoint(
         run_folder, config, at_step,

@@ -261,10 +261,7 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
         "step; {} steps\n",
         batch, seq, accumulation, ranks_note(communicator), tokens_per_step, total_steps);
     fmt::print("memory plan: {}\n", engine->memory_plan());
-    if (several && setup.shard_optimizer_state) {
-      fmt::print("optimizer: ZeRO-1, each of {} ranks updates its share of the parameters{}\n",
-                 ranks, cuda ? " and holds only their optimizer state" : "");
-    }
+    if (several && setup.shard_optimizer_state) print_zero1_note(ranks, cuda);
     fmt::print("data: {}\ndevice: {}\n", describe_data(loader, sources), engine->device_name());
   }
 
@@ -296,11 +293,10 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
     if (several && !scaling.empty()) {
       check_same_scaling_on_every_rank(scaling, communicator, at_step);
     }
-    // Every rank holds the same weights and optimizer state, except with sharded optimizer
-    // state, where the ranks gather it together.
-    if (setup.shard_optimizer_state) engine->to_host();
+    // Every rank holds the same weights; sharded optimizer state the ranks gather together.
+    engine->gather_optimizer_state();
     if (!leader) return;
-    if (!setup.shard_optimizer_state) engine->to_host();
+    engine->to_host();
     save_run_checkpoint(run_folder, config, at_step,
                         {{"data_position", loader.position()},
                          {"train_seconds", train_seconds},

@@ -60,6 +60,10 @@ class TrainingEngine {
   virtual std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() = 0;
   virtual void to_host() = 0;
   virtual void from_host() = 0;
+  // With shard_optimizer_state over several ranks, every rank together before a checkpoint's
+  // to_host(): the whole optimizer state into host_optimizer() from each rank's part. A no-op
+  // otherwise.
+  virtual void gather_optimizer_state() = 0;
 };
 
 struct EngineSetup {
@@ -90,12 +94,20 @@ std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup);
 void reduce_delayed_amaxes(const std::vector<std::pair<std::string, DelayedScaling*>>& scalings,
                            distributed::Communicator& communicator);
 
-// ZeRO-1 across ranks, every rank together: each parameter as its owner updated it (the values
-// of the others are overwritten), and the optimizer's whole state from the owners' parts, for a
-// checkpoint. Sums in which only the owner's values are non-zero, so exact.
+// The log line of a run with shard_optimizer_state over `ranks` ranks.
+void print_zero1_note(int ranks, bool cuda);
+
+// ZeRO-1 across ranks, every rank together: `values` as the owner holds them, on every rank (the
+// others' values are overwritten). A sum in which only the owner's values are non-zero, so exact.
+void gather_from_owner(float* values, size_t count, bool owned,
+                       distributed::Communicator& communicator);
+// Each parameter as its owner updated it.
 void gather_parameters(ParameterSet& parameters, const optim::OptimizerShard& shard,
                        distributed::Communicator& communicator);
-void gather_optimizer_state(optim::GptOptimizer& optimizer,
+// The optimizer's whole state (state(): "<parameter>.<kind>" buffers and an I64 step counter,
+// the same on every rank) from the owners' parts, for a checkpoint.
+void gather_optimizer_state(const std::vector<NamedTensor>& state,
+                            const optim::OptimizerShard& shard,
                             distributed::Communicator& communicator);
 
 // The next `ranks` batches of the loader, of which this rank keeps its own (every batch when

@@ -1,7 +1,9 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <functional>
 #include <limits>
+#include <numeric>
 #include <random>
 #include <string>
 #include <vector>
@@ -88,6 +90,61 @@ TEST(OptimAdamWOptimizer, DecaysMatricesOnlyAndNamesItsState) {
   EXPECT_EQ(names, (std::vector<std::string>{"w.exp_avg", "w.exp_avg_sq", "b.exp_avg",
                                              "b.exp_avg_sq", "optimizer.step"}));
   EXPECT_EQ(*optimizer.state().back().view.data<int64_t>(), 1);
+}
+
+// ZeRO-1 over 3 ranks: each tensor is updated by one rank only, whose values and moments are
+// the unsharded optimizer's bit for bit; the other ranks leave the tensor and its moments alone.
+TEST(OptimAdamWOptimizer, ShardedStepsUpdateEachTensorOnItsOwnerOnly) {
+  const std::vector<AdamWOptimizer::Parameter> shapes = {
+      {"a", {8, 4}}, {"b", {4}}, {"c", {16, 4}}, {"d", {3}}, {"e", {2, 2}}};
+  const AdamWHyperparameters hyper{0.1, 0.9, 0.999, 1e-8, 0.5};
+  std::mt19937 generator(11);
+  std::normal_distribution<float> normal;
+  std::vector<std::vector<float>> start, grads;
+  for (const auto& parameter : shapes) {
+    const auto numel = static_cast<size_t>(std::accumulate(
+        parameter.shape.begin(), parameter.shape.end(), int64_t{1}, std::multiplies<>()));
+    start.emplace_back(numel);
+    grads.emplace_back(numel);
+    for (size_t i = 0; i < numel; ++i) {
+      start.back()[i] = normal(generator);
+      grads.back()[i] = normal(generator);
+    }
+  }
+  const auto run = [&](AdamWOptimizer& optimizer) {
+    std::vector<std::vector<float>> params = start;
+    std::vector<float*> p;
+    std::vector<const float*> g;
+    for (size_t i = 0; i < params.size(); ++i) {
+      p.push_back(params[i].data());
+      g.push_back(grads[i].data());
+    }
+    for (int step = 0; step < 3; ++step)
+      optimizer.step(p, g, 1.0 - 0.1 * step);
+    return params;
+  };
+  AdamWOptimizer whole(shapes, hyper);
+  const std::vector<std::vector<float>> expected = run(whole);
+  const std::vector<NamedTensor> expected_state = whole.state();
+  std::vector<int> owned(shapes.size(), 0);
+  for (int rank = 0; rank < 3; ++rank) {
+    AdamWOptimizer part(shapes, hyper, rank, 3);
+    const std::vector<std::vector<float>> params = run(part);
+    const std::vector<NamedTensor> state = part.state();
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const bool owns = part.shard().owns(shapes[i].name);
+      owned[i] += owns ? 1 : 0;
+      EXPECT_EQ(params[i], owns ? expected[i] : start[i]) << shapes[i].name << ", rank " << rank;
+      for (const size_t b : {2 * i, 2 * i + 1}) {
+        const float* values = state[b].view.data<float>();
+        const float* reference = expected_state[b].view.data<float>();
+        for (int64_t k = 0; k < state[b].view.numel(); ++k)
+          EXPECT_EQ(values[k], owns ? reference[k] : 0.0f) << state[b].name << ", rank " << rank;
+      }
+    }
+  }
+  for (size_t i = 0; i < shapes.size(); ++i)
+    EXPECT_EQ(owned[i], 1) << shapes[i].name;
 }
 
 TEST(OptimSchedule, NanochatWarmupConstantWarmdown) {

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -21,44 +22,66 @@ namespace {
 constexpr int32_t kDecayGroup = 0;
 constexpr int32_t kNoDecayGroup = 1;
 
+// The moments of the tensors a rank updates, one after the other, each 256-byte aligned:
+// where each tensor's begin, and how many floats they take.
+struct MomentLayout {
+  std::map<std::string, int64_t> offsets;
+  int64_t floats = 0;
+
+  MomentLayout(const DeviceParameterLayout& layout, const OptimizerShard* shard) {
+    constexpr auto kGranule =
+        static_cast<int64_t>(DeviceParameterLayout::kAlignmentBytes / sizeof(float));
+    for (const DeviceParameter& tensor : layout.parameters) {
+      if (shard != nullptr && !shard->owns(tensor.name)) continue;
+      offsets[tensor.name] = floats;
+      floats += (tensor.numel + kGranule - 1) / kGranule * kGranule;
+    }
+  }
+};
+
 }  // namespace
 
 struct CudaAdamW::State {
   DeviceParameterLayout layout;
   AdamWHyperparameters hyperparameters;
+  MomentLayout moments;
   int64_t chunk_count = 0;
-  // exp_avg, exp_avg_sq: indexed like the parameters (gaps included, never touched).
-  DeviceBuffer<float> exp_avg, exp_avg_sq;
+  DeviceBuffer<float> exp_avg, exp_avg_sq;  // at moments.offsets
   std::unique_ptr<DeviceBuffer<cuda::AdamWChunk>> chunks;
   DeviceBuffer<double> partials{static_cast<size_t>(cuda::kNormPartials)};
 
-  State(const DeviceParameterLayout& layout_, const AdamWHyperparameters& hyperparameters_)
+  State(const DeviceParameterLayout& layout_, const AdamWHyperparameters& hyperparameters_,
+        const OptimizerShard* shard)
       : layout(layout_),
         hyperparameters(hyperparameters_),
-        exp_avg(static_cast<size_t>(layout_.total_elements)),
-        exp_avg_sq(static_cast<size_t>(layout_.total_elements)) {}
+        moments(layout_, shard),
+        exp_avg(static_cast<size_t>(std::max<int64_t>(1, moments.floats))),
+        exp_avg_sq(static_cast<size_t>(std::max<int64_t>(1, moments.floats))) {}
 };
 
 CudaAdamW::CudaAdamW(const DeviceParameterLayout& layout,
-                     const AdamWHyperparameters& hyperparameters)
-    : state_(std::make_unique<State>(layout, hyperparameters)) {
+                     const AdamWHyperparameters& hyperparameters, const OptimizerShard* shard)
+    : state_(std::make_unique<State>(layout, hyperparameters, shard)) {
   FP8T_CHECK(layout.element_bytes == sizeof(float) && layout.total_elements > 0,
              "expected a layout of fp32 parameters");
   std::vector<cuda::AdamWChunk> chunks;
   for (const DeviceParameter& tensor : layout.parameters) {
+    const auto owned = state_->moments.offsets.find(tensor.name);
+    if (owned == state_->moments.offsets.end()) continue;
     for (int64_t begin = 0; begin < tensor.numel; begin += cuda::kAdamWChunkElements) {
       const auto count =
           static_cast<int32_t>(std::min<int64_t>(cuda::kAdamWChunkElements, tensor.numel - begin));
       chunks.push_back({.param = tensor.offset + begin,
                         .grad = tensor.offset + begin,
-                        .state = tensor.offset + begin,
+                        .state = owned->second + begin,
                         .count = count,
                         .group = tensor.shape.size() < 2 ? kNoDecayGroup : kDecayGroup});
     }
   }
   state_->chunk_count = std::ssize(chunks);
-  state_->chunks = std::make_unique<DeviceBuffer<cuda::AdamWChunk>>(chunks.size());
-  state_->chunks->upload(chunks.data());
+  state_->chunks =
+      std::make_unique<DeviceBuffer<cuda::AdamWChunk>>(std::max<size_t>(1, chunks.size()));
+  if (!chunks.empty()) state_->chunks->upload(chunks.data());
   state_->exp_avg.zero();
   state_->exp_avg_sq.zero();
 }
@@ -78,9 +101,9 @@ void CudaAdamW::step(float* params, const float* grads, double lr_multiplier, cu
   const AdamWHyperparameters& h = state_->hyperparameters;
   cuda::AdamWStep adamw{};
   for (const int32_t group : {kDecayGroup, kNoDecayGroup}) {
-    adamw.groups[group] = cuda::adamw_step_scalars(h.lr * lr_multiplier, h.beta1, h.beta2, h.eps,
-                                                   group == kDecayGroup ? h.weight_decay : 0.0,
-                                                   steps_);
+    adamw.groups[group] =
+        cuda::adamw_step_scalars(h.lr * lr_multiplier, h.beta1, h.beta2, h.eps,
+                                 group == kDecayGroup ? h.weight_decay : 0.0, steps_);
   }
   cuda::adamw_multi_tensor(params, grads, state_->exp_avg.get(), state_->exp_avg_sq.get(),
                            state_->chunks->get(), state_->chunk_count, adamw, stream);
@@ -88,10 +111,12 @@ void CudaAdamW::step(float* params, const float* grads, double lr_multiplier, cu
 
 namespace {
 
-// Each of the host optimizer's state tensors with where it lives on the device: the moments at
-// the parameter's offset, and the step counter (no device copy).
+// Each of the host optimizer's state tensors with where it lives on the device: the moments of
+// the tensors this rank updates (those of the others are skipped), and the step counter (no
+// device copy).
 template <typename Visit>
-void match_state(AdamWOptimizer& host, const DeviceParameterLayout& layout, Visit&& visit) {
+void match_state(AdamWOptimizer& host, const DeviceParameterLayout& layout,
+                 const MomentLayout& moments, Visit&& visit) {
   for (NamedTensor& tensor : host.state()) {
     if (tensor.view.dtype() == DType::I64) {
       visit(tensor, -1, nullptr);
@@ -104,7 +129,8 @@ void match_state(AdamWOptimizer& host, const DeviceParameterLayout& layout, Visi
       FP8T_CHECK(tensor.view.numel() == parameter.numel,
                  "optimizer state: '{}' holds {} values, the parameter {}", tensor.name,
                  tensor.view.numel(), parameter.numel);
-      visit(tensor, parameter.offset, moment);
+      const auto owned = moments.offsets.find(name);
+      if (owned != moments.offsets.end()) visit(tensor, owned->second, moment);
       break;
     }
   }
@@ -114,30 +140,34 @@ void match_state(AdamWOptimizer& host, const DeviceParameterLayout& layout, Visi
 
 void CudaAdamW::download_state(AdamWOptimizer& host) const {
   FP8T_CUDA_CHECK(cudaDeviceSynchronize());
-  match_state(host, state_->layout, [&](NamedTensor& tensor, int64_t offset, const char* moment) {
-    if (moment == nullptr) {
-      *tensor.view.data<int64_t>() = steps_;
-      return;
-    }
-    const float* source =
-        (std::strcmp(moment, ".exp_avg") == 0 ? state_->exp_avg : state_->exp_avg_sq).get();
-    FP8T_CUDA_CHECK(cudaMemcpy(tensor.view.raw(), source + offset, tensor.view.bytes(),
-                               cudaMemcpyDeviceToHost));
-  });
+  match_state(
+      host, state_->layout, state_->moments,
+      [&](NamedTensor& tensor, int64_t offset, const char* moment) {
+        if (moment == nullptr) {
+          *tensor.view.data<int64_t>() = steps_;
+          return;
+        }
+        const float* source =
+            (std::strcmp(moment, ".exp_avg") == 0 ? state_->exp_avg : state_->exp_avg_sq).get();
+        FP8T_CUDA_CHECK(cudaMemcpy(tensor.view.raw(), source + offset, tensor.view.bytes(),
+                                   cudaMemcpyDeviceToHost));
+      });
 }
 
 void CudaAdamW::upload_state(AdamWOptimizer& host) {
   FP8T_CUDA_CHECK(cudaDeviceSynchronize());
-  match_state(host, state_->layout, [&](NamedTensor& tensor, int64_t offset, const char* moment) {
-    if (moment == nullptr) {
-      steps_ = *tensor.view.data<int64_t>();
-      return;
-    }
-    float* target =
-        (std::strcmp(moment, ".exp_avg") == 0 ? state_->exp_avg : state_->exp_avg_sq).get();
-    FP8T_CUDA_CHECK(cudaMemcpy(target + offset, tensor.view.raw(), tensor.view.bytes(),
-                               cudaMemcpyHostToDevice));
-  });
+  match_state(
+      host, state_->layout, state_->moments,
+      [&](NamedTensor& tensor, int64_t offset, const char* moment) {
+        if (moment == nullptr) {
+          steps_ = *tensor.view.data<int64_t>();
+          return;
+        }
+        float* target =
+            (std::strcmp(moment, ".exp_avg") == 0 ? state_->exp_avg : state_->exp_avg_sq).get();
+        FP8T_CUDA_CHECK(cudaMemcpy(target + offset, tensor.view.raw(), tensor.view.bytes(),
+                                   cudaMemcpyHostToDevice));
+      });
 }
 
 size_t CudaAdamW::device_bytes() const {

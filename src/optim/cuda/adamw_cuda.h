@@ -11,13 +11,16 @@
 
 #include "optim/adamw.h"
 #include "optim/cuda/device_parameters.h"
+#include "optim/optimizer_shard.h"
 
 namespace fp8t::optim {
 
 class CudaAdamW {
  public:
-  // Allocates exp_avg and exp_avg_sq (zero) for the layout's tensors.
-  CudaAdamW(const DeviceParameterLayout& layout, const AdamWHyperparameters& hyperparameters);
+  // Allocates exp_avg and exp_avg_sq (zero) for the layout's tensors; with a shard of several
+  // ranks (ZeRO-1), for the tensors this rank owns only, which are all that step() updates.
+  CudaAdamW(const DeviceParameterLayout& layout, const AdamWHyperparameters& hyperparameters,
+            const OptimizerShard* shard = nullptr);
   ~CudaAdamW();
   CudaAdamW(const CudaAdamW&) = delete;
   CudaAdamW& operator=(const CudaAdamW&) = delete;
@@ -33,7 +36,8 @@ class CudaAdamW {
   size_t device_bytes() const;
 
   // Copies the moments and the step count to and from a host AdamWOptimizer over the same
-  // tensors (its state names them; synchronizes), for checkpoints.
+  // tensors (its state names them; synchronizes), for checkpoints: with a shard, the moments of
+  // this rank's tensors only.
   void download_state(AdamWOptimizer& host) const;
   void upload_state(AdamWOptimizer& host);
 
