@@ -35,6 +35,7 @@
 #include "ops/cuda/gpt_gates.h"
 #include "optim/cuda/adamw_cuda.h"
 #include "optim/cuda/gpu_optimizer.h"
+#include "train/flux_engine.h"
 #include "train/training_engine.h"
 #if FP8TRAIN_WITH_NCCL
 #include "train/cuda_rank_sums.h"
@@ -196,6 +197,10 @@ struct BenchRanks {
   bool overlap = false;                               // --overlap-grad-reduce
   bool shard = false;                                 // --shard-optimizer-state
   int count() const { return communicator != nullptr ? communicator->size() : 1; }
+  // The rank and rank count the optimizer shards over: 0 of 1 unless sharding several ranks.
+  bool sharded() const { return shard && count() > 1; }
+  int shard_rank() const { return sharded() ? communicator->rank() : 0; }
+  int shard_count() const { return sharded() ? count() : 1; }
 };
 
 Measurement measure(const BenchGptOptions& options, const GptConfig& config, const RunKind& run,
@@ -205,10 +210,8 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, con
   Measurement result;
   result.name = run_name(run, options.fp8);
   CudaGptModel model(config, batch, seq, precision, stream);
-  const bool shard = ranks.shard && ranks.count() > 1;
   const optim::GptOptimizer host_optimizer(config, optim::OptimizerSettings{}, tokens,
-                                           shard ? ranks.communicator->rank() : 0,
-                                           shard ? ranks.count() : 1);
+                                           ranks.shard_rank(), ranks.shard_count());
   const std::span<uint8_t> scratch = model.scratch_between_steps();
   optim::CudaGptOptimizer optimizer(host_optimizer, model.layout(), model.gemm(), scratch.data(),
                                     scratch.size());
@@ -223,8 +226,9 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, con
 #if FP8TRAIN_WITH_NCCL
   std::unique_ptr<train::GptRankSums> rank_sums;
   if (ranks.communicator != nullptr) {
-    rank_sums = std::make_unique<train::GptRankSums>(*ranks.communicator, model, ranks.overlap,
-                                                     shard ? &host_optimizer.shard() : nullptr);
+    rank_sums =
+        std::make_unique<train::GptRankSums>(*ranks.communicator, model, ranks.overlap,
+                                             ranks.sharded() ? &host_optimizer.shard() : nullptr);
   }
   const auto backward = [&] { rank_sums ? rank_sums->last_backward() : model.backward(); };
   const auto sum_over_ranks = [&] {
@@ -233,15 +237,13 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, con
     ops::cuda::scale_f32(model.gradients(), 1.0f / float(ranks.count()),
                          model.layout().total_elements, stream);
   };
-  const auto gather_and_reduce_amaxes = [&] {
-    if (!rank_sums) return;
-    rank_sums->gather_parameters();
-    rank_sums->reduce_amaxes();
+  const auto after_update = [&] {
+    if (rank_sums) rank_sums->after_update();
   };
 #else
   const auto backward = [&] { model.backward(); };
   const auto sum_over_ranks = [] {};
-  const auto gather_and_reduce_amaxes = [] {};
+  const auto after_update = [] {};
 #endif
 
   std::mt19937 generator(7);
@@ -271,7 +273,7 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, con
                     optimizer.global_norm(model.gradients(), count, norm, stream);
                     optimizer.step(model.parameters(), model.bf16_parameters(), model.gradients(),
                                    schedule, stream);
-                    gather_and_reduce_amaxes();
+                    after_update();
                     model.end_step();
                   }},
              result);
@@ -365,12 +367,8 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
   result.name = run_name(run, options.fp8);
   CudaFluxModel model(config, B, Li, Lt, precision, stream);
   const optim::AdamWHyperparameters adamw{.lr = 1e-4, .weight_decay = 0.01};
-  const bool shard = ranks.shard && ranks.count() > 1;
-  std::vector<optim::AdamWOptimizer::Parameter> tensors;
-  for (const FluxParam& param : flux_parameters(config))
-    tensors.push_back({param.name, param.shape});
-  const optim::AdamWOptimizer host_optimizer(
-      std::move(tensors), adamw, shard ? ranks.communicator->rank() : 0, shard ? ranks.count() : 1);
+  const optim::AdamWOptimizer host_optimizer(train::flux_optimized_parameters(config), adamw,
+                                             ranks.shard_rank(), ranks.shard_count());
   optim::CudaAdamW optimizer(model.layout(), adamw, &host_optimizer.shard());
   {
     Arena arena("parameters", FluxParameterSet::planned_bytes(config, DType::F32));
@@ -384,19 +382,17 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
 #if FP8TRAIN_WITH_NCCL
   std::unique_ptr<train::FluxRankSums> rank_sums;
   if (ranks.communicator != nullptr)
-    rank_sums = std::make_unique<train::FluxRankSums>(*ranks.communicator, model,
-                                                      shard ? &host_optimizer.shard() : nullptr);
+    rank_sums = std::make_unique<train::FluxRankSums>(
+        *ranks.communicator, model, ranks.sharded() ? &host_optimizer.shard() : nullptr);
   const auto sum_over_ranks = [&] {
     if (rank_sums) rank_sums->sum_gradients();
   };
-  const auto gather_and_reduce_amaxes = [&] {
-    if (!rank_sums) return;
-    rank_sums->gather_parameters();
-    rank_sums->reduce_amaxes();
+  const auto after_update = [&] {
+    if (rank_sums) rank_sums->after_update();
   };
 #else
   const auto sum_over_ranks = [] {};
-  const auto gather_and_reduce_amaxes = [] {};
+  const auto after_update = [] {};
 #endif
   const float share = 1.0f / static_cast<float>(ranks.count());
 
@@ -441,7 +437,7 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
                     sum_over_ranks();
                     optimizer.clip(model.gradients(), norm, 1.0f, stream);
                     optimizer.step(model.parameters(), model.gradients(), 1.0, stream);
-                    gather_and_reduce_amaxes();
+                    after_update();
                     model.end_step();
                   }},
              result);
@@ -478,7 +474,7 @@ std::string ranks_text(const BenchRanks& ranks, const char* unit) {
       " x {} ranks, data parallel (NCCL all-reduce of the fp32 gradients, {}{}); {} of all ranks, "
       "memory of rank 0",
       ranks.count(), ranks.overlap ? "overlapped with the backward" : "after the backward",
-      ranks.shard ? "; ZeRO-1: each rank updates its share and broadcasts it" : "", unit);
+      ranks.sharded() ? "; ZeRO-1: each rank updates its share and broadcasts it" : "", unit);
 }
 
 }  // namespace

@@ -159,7 +159,7 @@ class CudaEngine final : public TrainingEngine {
     result.grad_norm = norm_host_.data()[0];
     if (result.finite()) {
       optimizer_.step(model_.parameters(), model_.bf16_parameters(), gradients, schedule, stream);
-      if (ranks > 1) gather_and_reduce_amaxes();
+      if (ranks > 1) after_update();
       model_.end_step();
     }
     peak_memory_ = std::max(peak_memory_, device_memory_in_use());
@@ -208,7 +208,8 @@ class CudaEngine final : public TrainingEngine {
   }
   void to_host() override {
     model_.download_parameters(host_parameters_);
-    optimizer_.download_state(host_optimizer_);
+    // Sharded, gather_optimizer_state() has brought the whole state already.
+    if (!sharded_) optimizer_.download_state(host_optimizer_);
   }
   void gather_optimizer_state() override {
     if (!sharded_) return;
@@ -235,11 +236,9 @@ class CudaEngine final : public TrainingEngine {
     rank_sums_->sum_gradients();
 #endif
   }
-  // After the update: the owners' parameters to the other ranks (ZeRO-1), the amaxes' maxima.
-  void gather_and_reduce_amaxes() {
+  void after_update() {
 #if FP8TRAIN_WITH_NCCL
-    rank_sums_->gather_parameters();
-    rank_sums_->reduce_amaxes();
+    rank_sums_->after_update();
 #endif
   }
 

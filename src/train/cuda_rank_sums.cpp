@@ -37,10 +37,6 @@ GptRankSums::GptRankSums(distributed::Communicator& host, CudaGptModel& model,
   }
 }
 
-void GptRankSums::gather_parameters() {
-  if (!parameter_pieces_.empty()) nccl_->broadcast(parameter_pieces_, model_.stream());
-}
-
 void GptRankSums::last_backward() {
   if (!overlap_) return model_.backward();
   model_.set_gradients_ready([this](int64_t offset, int64_t count) {
@@ -56,7 +52,8 @@ void GptRankSums::sum_gradients() {
              model_.stream());
 }
 
-void GptRankSums::reduce_amaxes() {
+void GptRankSums::after_update() {
+  if (!parameter_pieces_.empty()) nccl_->broadcast(parameter_pieces_, model_.stream());
   if (!delayed_) return;
   CudaLinearScalings& scalings = model_.scalings();
   nccl_->max(scalings.device_floats(), scalings.float_count(), model_.stream());
@@ -72,16 +69,13 @@ FluxRankSums::FluxRankSums(distributed::Communicator& host, CudaFluxModel& model
   }
 }
 
-void FluxRankSums::gather_parameters() {
-  if (!parameter_pieces_.empty()) nccl_->broadcast(parameter_pieces_, model_.stream());
-}
-
 void FluxRankSums::sum_gradients() {
   nccl_->sum(model_.gradients(), static_cast<size_t>(model_.layout().total_elements),
              model_.stream());
 }
 
-void FluxRankSums::reduce_amaxes() {
+void FluxRankSums::after_update() {
+  if (!parameter_pieces_.empty()) nccl_->broadcast(parameter_pieces_, model_.stream());
   if (!delayed_) return;
   CudaLinearScalings& scalings = model_.scalings();
   nccl_->max(scalings.device_floats(), scalings.float_count(), model_.stream());

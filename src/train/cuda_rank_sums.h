@@ -28,13 +28,13 @@ class GptRankSums {
   void last_backward();
   // Queued after the last backward: every rank's gradients summed (not yet averaged).
   void sum_gradients();
-  // Delayed scaling, after the update and before the model's end_step: every rank folds the
-  // largest amax any rank saw, so the scales stay the same on every rank (scales and inverse
-  // scales are the same everywhere already: their max is themselves). A no-op for other recipes.
-  void reduce_amaxes();
-  // With a shard, after the update: each parameter from the rank that updated it to the others
-  // (fp32, or bf16 where the layout keeps it so). A no-op without one.
-  void gather_parameters();
+  // After the update and before the model's end_step:
+  //   - with a shard, each parameter from the rank that updated it to the others (fp32, or bf16
+  //     where the layout keeps it so);
+  //   - delayed scaling: every rank folds the largest amax any rank saw, so the scales stay the
+  //     same on every rank (scales and inverse scales are the same everywhere already: their
+  //     max is themselves).
+  void after_update();
 
  private:
   CudaGptModel& model_;
@@ -53,9 +53,8 @@ class FluxRankSums {
 
   // Queued after the last backward: every rank's gradients summed (not yet averaged).
   void sum_gradients();
-  // As GptRankSums::reduce_amaxes and gather_parameters.
-  void reduce_amaxes();
-  void gather_parameters();
+  // As GptRankSums::after_update.
+  void after_update();
 
  private:
   CudaFluxModel& model_;

@@ -14,13 +14,6 @@ namespace fp8t::train {
 
 namespace {
 
-std::vector<optim::AdamWOptimizer::Parameter> optimized_parameters(const FluxConfig& config) {
-  std::vector<optim::AdamWOptimizer::Parameter> parameters;
-  for (const FluxParam& param : flux_parameters(config))
-    parameters.push_back({param.name, param.shape});
-  return parameters;
-}
-
 class FluxCpuEngine final : public FluxEngine {
  public:
   explicit FluxCpuEngine(const FluxEngineSetup& setup)
@@ -28,7 +21,7 @@ class FluxCpuEngine final : public FluxEngine {
         img_ids_(setup.img_ids),
         model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision),
         sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
-        optimizer_(optimized_parameters(setup.model), setup.adamw,
+        optimizer_(flux_optimized_parameters(setup.model), setup.adamw,
                    sharded_ ? setup.communicator->rank() : 0,
                    sharded_ ? setup.communicator->size() : 1),
         prediction_(size_t(setup.batch * setup.img_tokens * setup.model.in_channels)),
@@ -141,6 +134,13 @@ class FluxCpuEngine final : public FluxEngine {
 };
 
 }  // namespace
+
+std::vector<optim::AdamWOptimizer::Parameter> flux_optimized_parameters(const FluxConfig& config) {
+  std::vector<optim::AdamWOptimizer::Parameter> parameters;
+  for (const FluxParam& param : flux_parameters(config))
+    parameters.push_back({param.name, param.shape});
+  return parameters;
+}
 
 std::unique_ptr<FluxEngine> make_flux_cpu_engine(const FluxEngineSetup& setup) {
   return std::make_unique<FluxCpuEngine>(setup);

@@ -33,13 +33,6 @@ namespace fp8t::train {
 
 namespace {
 
-std::vector<optim::AdamWOptimizer::Parameter> optimized_parameters(const FluxConfig& config) {
-  std::vector<optim::AdamWOptimizer::Parameter> parameters;
-  for (const FluxParam& param : flux_parameters(config))
-    parameters.push_back({param.name, param.shape});
-  return parameters;
-}
-
 class FluxCudaEngine final : public FluxEngine {
  public:
   FluxCudaEngine(const FluxEngineSetup& setup, GpuInfo gpu)
@@ -52,7 +45,7 @@ class FluxCudaEngine final : public FluxEngine {
         host_arena_("parameters (host mirror)",
                     FluxParameterSet::planned_bytes(setup.model, DType::F32)),
         host_parameters_(host_arena_, setup.model, DType::F32),
-        host_optimizer_(optimized_parameters(setup.model), setup.adamw,
+        host_optimizer_(flux_optimized_parameters(setup.model), setup.adamw,
                         sharded_ ? setup.communicator->rank() : 0,
                         sharded_ ? setup.communicator->size() : 1),
         optimizer_(model_.layout(), setup.adamw, &host_optimizer_.shard()),
@@ -123,7 +116,7 @@ class FluxCudaEngine final : public FluxEngine {
     result.grad_norm = norm_host_.data()[0];
     if (result.finite()) {
       optimizer_.step(model_.parameters(), model_.gradients(), lr_multiplier, stream_.get());
-      if (ranks > 1) gather_and_reduce_amaxes();
+      if (ranks > 1) after_update();
       model_.end_step();
       lr_ = base_lr_ * lr_multiplier;
     }
@@ -153,7 +146,8 @@ class FluxCudaEngine final : public FluxEngine {
   }
   void to_host() override {
     model_.download_parameters(host_parameters_);
-    optimizer_.download_state(host_optimizer_);
+    // Sharded, gather_optimizer_state() has brought the whole state already.
+    if (!sharded_) optimizer_.download_state(host_optimizer_);
   }
   void from_host() override {
     model_.upload_parameters(host_parameters_);
@@ -179,11 +173,9 @@ class FluxCudaEngine final : public FluxEngine {
     rank_sums_->sum_gradients();
 #endif
   }
-  // After the update: the owners' parameters to the other ranks (ZeRO-1), the amaxes' maxima.
-  void gather_and_reduce_amaxes() {
+  void after_update() {
 #if FP8TRAIN_WITH_NCCL
-    rank_sums_->gather_parameters();
-    rank_sums_->reduce_amaxes();
+    rank_sums_->after_update();
 #endif
   }
 

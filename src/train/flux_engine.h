@@ -66,6 +66,9 @@ struct FluxEngineSetup {
   bool shard_optimizer_state = false;
 };
 
+// Every Flux parameter, as the optimizer (AdamWOptimizer) takes them.
+std::vector<optim::AdamWOptimizer::Parameter> flux_optimized_parameters(const FluxConfig& config);
+
 std::unique_ptr<FluxEngine> make_flux_cpu_engine(const FluxEngineSetup& setup);
 // The GPU path (train/flux_cuda_engine.cpp); throws ConfigError naming the key for what it does
 // not run (delayed scaling, fnuz) and without a GPU or a CUDA build.
