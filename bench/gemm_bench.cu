@@ -2,7 +2,10 @@
 // BF16 against FP8 with per-tensor, row-wise and block scales, in the TN form every FP8 GEMM
 // takes (out[M, N] = a[M, K]·b[N, K]ᵀ, bf16 output). A mode cuBLASLt refuses shows as such.
 //
-//   gemm_bench [--iterations 50] [--m M --n N --k K]   (default: the four d24 shapes)
+//   gemm_bench [--iterations 50] [--m M --n N --k K] [--autotune 1]
+//
+// Default: the four d24 shapes. --autotune 1: each problem runs the algorithm autotuning keeps
+// (gemm/gemm_tuning.h; timed in the warm-up, no cache file) instead of the heuristic's first.
 //
 // Times are medians of CUDA-event-timed calls after warm-up (the first call of a shape also
 // asks the heuristic, which the warm-up absorbs). Operands are random, never zeros.
@@ -122,6 +125,12 @@ int run(int argc, char** argv) {
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
   CublasLtGemm gemm;
+  const bool autotune = flag(argc, argv, "--autotune", 0) != 0;
+  if (autotune) {
+    fp8t::gemm::GemmTuning tuning;
+    tuning.autotune_bf16 = tuning.autotune_fp8 = true;
+    gemm.configure_tuning(tuning);
+  }
 
   const char* columns[] = {
       "BF16",         "FP8 tensor, fast acc.", "FP8 tensor",       "FP8 row-wise, fast acc.",
@@ -194,9 +203,10 @@ int run(int argc, char** argv) {
     rows.push_back(row);
   }
 
-  std::printf("GPU: %s, %d SMs; cuBLASLt %s; TFLOP/s (median ms of %d), bf16 output\n",
+  std::printf("GPU: %s, %d SMs; cuBLASLt %s; TFLOP/s (median ms of %d), bf16 output; %s\n",
               properties.name, properties.multiProcessorCount,
-              CublasLtGemm::library_version().c_str(), iterations);
+              CublasLtGemm::library_version().c_str(), iterations,
+              autotune ? "autotuned algorithms" : "the heuristic's first algorithms");
   std::printf("| GEMM M x N x K (TN)");
   for (const char* column : columns)
     std::printf(" | %s", column);
@@ -212,6 +222,7 @@ int run(int argc, char** argv) {
   std::printf("cuBLASLt heuristic queries: %lld for %lld calls\n",
               static_cast<long long>(counters.heuristic_queries),
               static_cast<long long>(counters.calls));
+  if (autotune) std::printf("%s\n", gemm.tuning_summary().c_str());
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
   return 0;
 }

@@ -5,8 +5,10 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <functional>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -14,15 +16,21 @@
 #include <fmt/format.h>
 
 #include "cli/commands.h"
+#include "config/train_config.h"
 #include "core/error.h"
 #include "distributed/communicator.h"
+#include "gemm/gemm_tuning.h"
 #include "models/flux_config.h"
 #include "models/flux_model.h"
 #include "models/gpt_config.h"
 #include "models/gpt_model.h"
 #include "optim/gpt_optimizer.h"
 #include "platform/device_info.h"
+#include "train/flux_batches.h"
+#include "train/flux_trainer.h"
 #include "train/run_log.h"
+#include "train/trainer.h"
+#include "train/training_loop.h"
 
 #if FP8TRAIN_WITH_CUDA
 #include <cuda_runtime_api.h>
@@ -30,6 +38,7 @@
 #include "core/cuda_check.h"
 #include "core/cuda_resources.h"
 #include "core/phase_timer.h"
+#include "gemm/cublaslt_gemm.h"
 #include "models/cuda/flux_model_cuda.h"
 #include "models/cuda/gpt_model_cuda.h"
 #include "ops/cuda/gpt_gates.h"
@@ -72,6 +81,9 @@ struct Measurement {
   // --phases: medians over extra steps timed piece by piece, and the rest of forward + backward.
   std::array<double, kStepPhases> phase_ms{};
   double other_ms = 0.0;
+  // GEMM autotuning: the one-line summary and each problem's record (empty without it).
+  std::string tuning_summary;
+  std::vector<gemm::CublasLtGemm::TuningRecord> tuning_records;
 };
 
 class Events {
@@ -100,12 +112,31 @@ class Events {
   std::vector<cudaEvent_t> events_;
 };
 
-// One measured run: BF16, or FP8 with a recipe, with or without FP8 attention.
+// One measured run: BF16, or FP8 with a recipe, with or without FP8 attention, with or without
+// GEMM autotuning (unset: as training does).
 struct RunKind {
   bool fp8 = false;
   ScalingRecipe recipe = ScalingRecipe::Tensorwise;
   bool fp8_attention = false;
+  std::optional<bool> autotune;
 };
+
+// The GEMM selection of a run: training's (the environment over gemm_autotune's default, the
+// cache file in the cache folder), with `autotune`, when given, in place of FP8TRAIN_AUTOTUNE.
+gemm::GemmTuning bench_tuning(std::optional<bool> autotune) {
+  gemm::GemmTuningRequest request;
+  request.gemm_tuning_cache = (train::cache_folder() / "gemm_tuning.json").string();
+  if (autotune) request.gemm_autotune = *autotune;
+  return gemm::resolve_gemm_tuning(request, [autotune](const char* name) -> const char* {
+    if (autotune && std::string_view(name) == "FP8TRAIN_AUTOTUNE") return nullptr;
+    return std::getenv(name);
+  });
+}
+
+// ", autotuned" when the tuning times any GEMMs.
+std::string tuning_suffix(const gemm::GemmTuning& tuning) {
+  return tuning.autotune_bf16 || tuning.autotune_fp8 ? ", autotuned" : "";
+}
 
 std::string run_name(const RunKind& run, const std::string& formats) {
   if (!run.fp8) return "bf16";
@@ -203,13 +234,14 @@ struct BenchRanks {
   int shard_count() const { return sharded() ? count() : 1; }
 };
 
-Measurement measure(const BenchGptOptions& options, const GptConfig& config, const RunKind& run,
-                    const BenchRanks& ranks, cudaStream_t stream) {
-  const GptPrecision precision = bench_precision(run, options.fp8);
+Measurement measure(const BenchGptOptions& options, const GptConfig& config,
+                    const GptPrecision& precision, const std::string& name,
+                    const gemm::GemmTuning& tuning, const BenchRanks& ranks, cudaStream_t stream) {
   const int64_t batch = options.batch, seq = options.sequence_len, tokens = batch * seq;
   Measurement result;
-  result.name = run_name(run, options.fp8);
+  result.name = name + tuning_suffix(tuning);
   CudaGptModel model(config, batch, seq, precision, stream);
+  model.gemm().configure_tuning(tuning);
   const optim::GptOptimizer host_optimizer(config, optim::OptimizerSettings{}, tokens,
                                            ranks.shard_rank(), ranks.shard_count());
   const std::span<uint8_t> scratch = model.scratch_between_steps();
@@ -278,6 +310,8 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config, con
                   }},
              result);
   result.final_loss = model.loss_value();
+  result.tuning_summary = model.gemm().tuning_summary();
+  result.tuning_records = model.gemm().tuning_records();
   cudaFree(norm);
   result.throughput = double(tokens) * ranks.count() / (result.step_ms * 1e-3);
   result.mfu = result.throughput / ranks.count() * gpt_flops_per_token(config) / kBf16PeakFlops;
@@ -299,6 +333,7 @@ template <typename Measure>
 std::vector<Measurement> measure_runs(const std::vector<std::string>& precisions,
                                       const std::vector<std::string>& fp8_recipes,
                                       const std::vector<std::string>& fp8_attention,
+                                      const std::vector<std::string>& gemm_autotune,
                                       const char* unit, const Measure& measure_run) {
   std::vector<RunKind> runs;
   for (const std::string& precision : precisions) {
@@ -312,12 +347,26 @@ std::vector<Measurement> measure_runs(const std::vector<std::string>& precisions
         if (name == recipe_text) recipe = value;
       }
       for (const std::string& attention : fp8_attention)
-        runs.push_back({true, recipe, attention == "on"});
+        runs.push_back({.fp8 = true,
+                        .recipe = recipe,
+                        .fp8_attention = attention == "on",
+                        .autotune = std::nullopt});
     }
+  }
+  if (!gemm_autotune.empty()) {  // each run in each autotuning setting
+    std::vector<RunKind> tuned_runs;
+    for (const RunKind& run : runs) {
+      for (const std::string& setting : gemm_autotune) {
+        tuned_runs.push_back(run);
+        tuned_runs.back().autotune = setting == "on";
+      }
+    }
+    runs = std::move(tuned_runs);
   }
   std::vector<Measurement> results;
   for (const RunKind& run : runs) {
     const Measurement result = measure_run(run);
+    if (!result.tuning_summary.empty()) fmt::print("{}\n", result.tuning_summary);
     fmt::print(
         "{}: {:.1f} ms/step (forward {:.1f}, backward {:.1f}, optimizer {:.1f}; forward + "
         "backward issued in {:.1f} ms), {} {}, bf16-MFU {:.1f} %, peak {}, loss {:.3f}; {}\n",
@@ -360,12 +409,14 @@ void print_results(const std::vector<Measurement>& results, const char* unit,
 // W-FLUX535's step: random latents, text and pooled embeddings and σ, the rectified-flow loss,
 // AdamW with Primus' settings (lr 1e-4, wd 0.01, betas 0.9 / 0.999) and clipping at 1.0.
 Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& config,
-                         const RunKind& run, const BenchRanks& ranks, cudaStream_t stream) {
-  const FluxPrecision precision = bench_precision(run, options.fp8);
+                         const FluxPrecision& precision, const std::string& name,
+                         const gemm::GemmTuning& tuning, const BenchRanks& ranks,
+                         cudaStream_t stream) {
   const int64_t B = options.batch, Li = options.img_tokens, Lt = options.txt_tokens;
   Measurement result;
-  result.name = run_name(run, options.fp8);
+  result.name = name + tuning_suffix(tuning);
   CudaFluxModel model(config, B, Li, Lt, precision, stream);
+  model.gemm().configure_tuning(tuning);
   const optim::AdamWHyperparameters adamw{.lr = 1e-4, .weight_decay = 0.01};
   const optim::AdamWOptimizer host_optimizer(train::flux_optimized_parameters(config), adamw,
                                              ranks.shard_rank(), ranks.shard_count());
@@ -442,6 +493,8 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
                   }},
              result);
   result.final_loss = model.loss_value();
+  result.tuning_summary = model.gemm().tuning_summary();
+  result.tuning_records = model.gemm().tuning_records();
   cudaFree(norm);
   result.throughput = double(B) * ranks.count() / (result.step_ms * 1e-3);
   result.mfu =
@@ -503,9 +556,16 @@ int run_bench_gpt(const BenchGptOptions& options) {
 
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  if (options.timing.gemm_autotune.empty()) {
+    for (const std::string& note : bench_tuning(std::nullopt).notes)
+      fmt::print("{}\n", note);
+  }
   const std::vector<Measurement> results = measure_runs(
-      options.precisions, options.fp8_recipes, options.fp8_attention, "tokens/s",
-      [&](const RunKind& run) { return measure(options, config, run, ranks, stream); });
+      options.precisions, options.fp8_recipes, options.fp8_attention, options.timing.gemm_autotune,
+      "tokens/s", [&](const RunKind& run) {
+        return measure(options, config, bench_precision(run, options.fp8),
+                       run_name(run, options.fp8), bench_tuning(run.autotune), ranks, stream);
+      });
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
   print_results(results, "tokens/s", options.timing);
   return kExitOk;
@@ -530,15 +590,87 @@ int run_bench_flux(const BenchFluxOptions& options) {
 
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  if (options.timing.gemm_autotune.empty()) {
+    for (const std::string& note : bench_tuning(std::nullopt).notes)
+      fmt::print("{}\n", note);
+  }
   const std::vector<Measurement> results = measure_runs(
-      options.precisions, options.fp8_recipes, options.fp8_attention, "samples/s",
-      [&](const RunKind& run) { return measure_flux(options, config, run, ranks, stream); });
+      options.precisions, options.fp8_recipes, options.fp8_attention, options.timing.gemm_autotune,
+      "samples/s", [&](const RunKind& run) {
+        return measure_flux(options, config, bench_precision(run, options.fp8),
+                            run_name(run, options.fp8), bench_tuning(run.autotune), ranks, stream);
+      });
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
   print_results(results, "samples/s", options.timing);
   return kExitOk;
 }
 
+namespace {
+
+// One step of the configured model with `tuning`, then each problem's record.
+void tune_on_gpu(const TrainConfig& config, const gemm::GemmTuning& tuning) {
+  const std::vector<GpuInfo> gpus = query_gpus();
+  if (gpus.empty()) throw Error("tune: no CUDA GPU is visible");
+  BenchTiming one_step;
+  one_step.warmup = 0;
+  one_step.steps = 1;
+  const ModelPrecision precision = train::model_precision(config, /*cuda=*/true);
+  cudaStream_t stream = nullptr;
+  FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Measurement result;
+  if (config.is_flux()) {
+    const FluxConfig model = config.flux_config();
+    const train::FluxTrainingData data = train::open_flux_data(config);
+    const train::FluxBatchBuilder batches(*data.source, model, data.objective,
+                                          config.training.micro_batch_size,
+                                          static_cast<uint64_t>(config.training.seed));
+    BenchFluxOptions flux;
+    flux.batch = config.training.micro_batch_size;
+    flux.img_tokens = batches.latent_shape().tokens();
+    flux.txt_tokens = batches.dims().text_tokens;
+    flux.timing = one_step;
+    fmt::print("tune: {}, micro-batch {} of {} image + {} text tokens, {}; one step on {}\n",
+               config.model.name, flux.batch, flux.img_tokens, flux.txt_tokens,
+               describe(precision.fp8), gpus[0].name);
+    result = measure_flux(flux, model, precision, config.model.name, tuning, {}, stream);
+  } else {
+    BenchGptOptions gpt;
+    gpt.batch = config.training.micro_batch_size;
+    gpt.sequence_len = config.model.sequence_len;
+    gpt.timing = one_step;
+    const GptConfig model = config.gpt_config();
+    fmt::print("tune: GPT depth {}, micro-batch {} x {} tokens, {}; one step on {}\n",
+               model.n_layer, gpt.batch, gpt.sequence_len, describe(precision.fp8), gpus[0].name);
+    result = measure(gpt, model, precision, "gpt", tuning, {}, stream);
+  }
+  FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
+  fmt::print(
+      "\n| GEMM | candidates | agreeing | kept | heuristic's first ms | kept ms | change |\n"
+      "|---|---|---|---|---|---|---|\n");
+  for (const gemm::CublasLtGemm::TuningRecord& record : result.tuning_records) {
+    const std::string agreeing = record.from_cache   ? "(cache)"
+                                 : record.no_scratch ? "(no memory)"
+                                                     : fmt::format("{}", record.agreeing);
+    fmt::print(
+        "| {} | {} | {} | {} | {:.4f} | {:.4f} | {:+.1f} % |\n", record.problem, record.candidates,
+        agreeing, record.winner, record.heuristic_ms, record.best_ms,
+        record.heuristic_ms > 0.0 ? 100.0 * (record.best_ms / record.heuristic_ms - 1.0) : 0.0);
+  }
+  fmt::print("\n{}\n", result.tuning_summary);
+}
+
+}  // namespace
+
 #else
+
+namespace {
+
+void tune_on_gpu(const TrainConfig&, const gemm::GemmTuning&) {
+  throw Error(
+      "tune: this fp8train was built without CUDA (FP8TRAIN_CUDA=ON needs the CUDA toolkit)");
+}
+
+}  // namespace
 
 int run_bench_gpt(const BenchGptOptions&) {
   throw Error(
@@ -553,5 +685,21 @@ int run_bench_flux(const BenchFluxOptions&) {
 }
 
 #endif  // FP8TRAIN_WITH_CUDA
+
+int run_tune(const TuneOptions& options) {
+  TrainConfig config = load_train_config(options.config_args);
+  config.run.gemm_autotune = true;
+  const gemm::GemmTuning tuning = train::run_gemm_tuning(config);
+  if (!tuning.autotune_bf16 && !tuning.autotune_fp8) {
+    std::string why;
+    for (const std::string& note : tuning.notes)
+      why += (why.empty() ? "" : "; ") + note;
+    throw ConfigError(fmt::format("tune: nothing to tune: {}", why));
+  }
+  for (const std::string& note : tuning.notes)
+    fmt::print("{}\n", note);
+  tune_on_gpu(config, tuning);
+  return kExitOk;
+}
 
 }  // namespace fp8t::cli

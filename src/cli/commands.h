@@ -100,6 +100,9 @@ struct BenchTiming {
   int warmup = 4;
   int steps = 10;
   bool phases = false;  // then as many steps again, timed by kind of work (core/phase_timer.h)
+  // GEMM autotuning for each run, each setting in turn ("off", "on"); empty: as training does
+  // (on, unless FP8TRAIN_AUTOTUNE=0 or FP8TRAIN_GEMM_BACKEND pins a backend).
+  std::vector<std::string> gemm_autotune;
 };
 
 struct BenchGptOptions {
@@ -141,6 +144,17 @@ struct BenchFluxOptions {
 
 // Times Flux training steps on the GPU: as run_bench_gpt, with samples/s.
 int run_bench_flux(const BenchFluxOptions& options);
+
+// `fp8train tune`: the training configuration's GEMMs, autotuned (gemm/gemm_tuning.h).
+struct TuneOptions {
+  std::vector<std::string> config_args;  // --config FILE and key overrides, as `train` takes
+};
+
+// Runs one training step of the configured model on the GPU with random inputs and GEMM
+// autotuning on, so that every GEMM problem of a step is timed and its winner saved in the
+// tuning cache; prints each problem's candidates and times. Throws fp8t::ConfigError when the
+// configuration leaves nothing to tune (deterministic, or both precisions pinned).
+int run_tune(const TuneOptions& options);
 
 struct SampleOptions {
   std::string checkpoint;            // a checkpoint folder, its model.safetensors, or a run folder

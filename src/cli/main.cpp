@@ -205,6 +205,12 @@ int main(int argc, char** argv) {
     command->add_flag("--phases", timing.phases,
                       "Then time as many steps again by kind of work (GEMMs, attention, "
                       "quantization, other)");
+    command
+        ->add_option("--gemm-autotune", timing.gemm_autotune,
+                     "Measure each run with GEMM autotuning off and/or on, in the order given "
+                     "(default: as training, on unless FP8TRAIN_AUTOTUNE=0)")
+        ->delimiter(',')
+        ->check(CLI::IsMember({"off", "on"}));
   };
   add_run_options(bench_gpt, bench_options.precisions, bench_options.fp8_recipes, bench_options.fp8,
                   bench_options.fp8_attention, bench_options.timing);
@@ -357,6 +363,14 @@ int main(int argc, char** argv) {
   data_check->add_option("shards", data_check_options.paths, "Flux shard files (.safetensors)")
       ->required();
 
+  CLI::App* tune = app.add_subcommand(
+      "tune",
+      "Autotune the GEMMs of a training configuration on this GPU and save the winners in the "
+      "tuning cache, so that training starts tuned");
+  tune->allow_extras();  // the configuration's arguments, as `train` takes them
+  tune->footer(
+      "Arguments: --config FILE, then overrides --key=value (as for train). See docs/gemm.md.");
+
   fp8t::cli::CheckpointVerifyOptions checkpoint_verify_options;
   CLI::App* checkpoint = app.add_subcommand("checkpoint", "Checkpoint tools");
   checkpoint->require_subcommand(1);
@@ -381,6 +395,7 @@ int main(int argc, char** argv) {
     if (*plot) return fp8t::cli::run_plot(plot_options);
     if (*bench_gpt) return fp8t::cli::run_bench_gpt(bench_options);
     if (*bench_flux) return fp8t::cli::run_bench_flux(bench_flux_options);
+    if (*tune) return fp8t::cli::run_tune({.config_args = tune->remaining()});
     if (*data_check) return fp8t::cli::run_data_check(data_check_options);
     if (*checkpoint_verify) return fp8t::cli::run_checkpoint_verify(checkpoint_verify_options);
     if (*config) {

@@ -570,6 +570,29 @@ std::vector<ConfigKey> build_keys() {
       "on the GPU path each rank keeps optimizer state for its share only. Checkpoints hold the "
       "whole state and resume on any number of ranks. No effect with one rank; false: every rank "
       "runs the whole update and holds the whole state."));
+  keys.push_back(boolean_key(
+      "gemm_autotune", S::Run, [](auto& c) -> auto& { return c.run.gemm_autotune; },
+      "GPU path: the first GEMM of each new problem (sizes, types, scale modes, epilogue) runs "
+      "cuBLASLt's candidate algorithms (up to 8 from its heuristic) on its own operands, drops "
+      "those whose result disagrees with the heuristic's first choice, times the rest and keeps "
+      "the fastest; choices persist in gemm_tuning_cache. false: the heuristic's first choice. "
+      "The environment variable FP8TRAIN_AUTOTUNE=0|1 takes precedence; a pinned gemm_backend "
+      "or deterministic: true turns autotuning off."));
+  keys.push_back(string_key(
+      "gemm_backend", S::Run, [](auto& c) -> auto& { return c.run.gemm_backend; },
+      "GPU path: pin the GEMM backend, for both precisions (cublaslt) or per precision "
+      "(fp8:cublaslt,bf16:cublaslt); a pinned precision runs the backend's default choice and "
+      "is not autotuned. Backends: cublaslt. Empty: none pinned. The environment variable "
+      "FP8TRAIN_GEMM_BACKEND takes precedence (empty or blank counts as unset)."));
+  keys.push_back(string_key(
+      "gemm_tuning_cache", S::Run, [](auto& c) -> auto& { return c.run.gemm_tuning_cache; },
+      "The file where autotuned GEMM choices persist, per GPU model and library versions (others' "
+      "entries are kept and ignored); empty: gemm_tuning.json in the cache folder "
+      "($FP8TRAIN_CACHE, else $XDG_CACHE_HOME/fp8train, else ~/.cache/fp8train)."));
+  keys.push_back(boolean_key(
+      "deterministic", S::Run, [](auto& c) -> auto& { return c.run.deterministic; },
+      "GPU path: no GEMM autotuning, so every run picks the same algorithms (cuBLASLt's "
+      "heuristic's first choice) and repeats its numbers; the log says so."));
   keys.push_back(gpt_only(integer_key(
       "nan_restore_after", S::Run, [](auto& c) -> auto& { return c.run.nan_restore_after; }, {0},
       "After this many bad steps in a row (a non-finite loss or gradient norm: the update is "

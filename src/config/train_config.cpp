@@ -18,6 +18,7 @@
 #include "config/config_keys.h"
 #include "core/error.h"
 #include "data/flux_shapes.h"
+#include "gemm/gemm_tuning.h"
 
 namespace fp8t {
 
@@ -511,6 +512,7 @@ void check_whole(const TrainConfig& config, int world_size,
                                   origin("resume_from_step"), training.train_iters,
                                   config.run.resume_from_step));
   }
+  gemm::parse_gemm_backends(config.run.gemm_backend, origin("gemm_backend"));
   if (config.optimizer.min_lr > config.optimizer.lr) {
     throw ConfigError(fmt::format("{}: must be at most lr ({}), found {}", origin("min_lr"),
                                   config.optimizer.lr, config.optimizer.min_lr));

@@ -55,6 +55,12 @@ struct RunSection {
   bool overlap_grad_reduce = false;
   // Several ranks: ZeRO-1, each rank updates its share of the parameters.
   bool shard_optimizer_state = true;
+  // GEMM selection on the GPU (gemm/gemm_tuning.h); FP8TRAIN_AUTOTUNE and FP8TRAIN_GEMM_BACKEND
+  // take precedence.
+  bool gemm_autotune = true;
+  std::string gemm_backend;       // empty: none pinned
+  std::string gemm_tuning_cache;  // empty: gemm_tuning.json in the cache folder
+  bool deterministic = false;     // the heuristic's algorithms, no autotuning
   // Flux: sample grids of the model being trained (models/flux_sampling.h).
   int64_t sample_every = 0;  // 0: only at the end
   int64_t sample_steps = 28;

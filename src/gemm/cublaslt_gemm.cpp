@@ -22,6 +22,7 @@
 #include "core/device_buffer.h"
 #include "core/error.h"
 #include "core/phase_timer.h"
+#include "gemm/output_difference.h"
 
 namespace fp8t::gemm {
 
@@ -345,12 +346,91 @@ PlanKey key_of(const Problem& p) {
           .align_bias = p.bias != nullptr ? alignment_of(p.bias) : 0u};
 }
 
+// The key as text: how the tuning cache file names a problem.
+std::string problem_text(const PlanKey& key) {
+  static constexpr const char* kKinds[] = {"bf16 x.wt", "bf16 dy.w", "bf16 dyt.x", "fp8"};
+  return fmt::format(
+      "{} m={} n={} k={} ld={}/{}/{} batch={} strides={}/{}/{} types={}/{}/{}/{} scales={}/{} "
+      "d_scale={} amax={} accumulate={} fast={} align={}/{}/{}/{}",
+      kKinds[static_cast<int>(key.kind)], key.m, key.n, key.k, key.lda, key.ldb, key.ldd, key.batch,
+      key.stride_a, key.stride_b, key.stride_d, key.a_type, key.b_type, key.d_type, key.bias_type,
+      key.a_scale_mode, key.b_scale_mode, int(key.d_scale), int(key.amax), int(key.accumulate),
+      int(key.fast_accumulation), key.align_a, key.align_b, key.align_d, key.align_bias);
+}
+
+std::string algorithm_hex(const cublasLtMatmulAlgo_t& algo) {
+  std::string text;
+  for (const uint64_t word : algo.data)
+    text += fmt::format("{:016x}", word);
+  return text;
+}
+
+// How far a candidate's output may lie from the heuristic's first choice's (‖Δ‖/‖ref‖): the
+// two differ in summation order, and an output type rounds the difference up to its precision.
+double agreement_tolerance(GemmType type) {
+  switch (type) {
+    case GemmType::F32:
+      return 1e-3;
+    case GemmType::BF16:
+      return 1e-2;
+    case GemmType::E4M3:
+      return 0.1;
+    case GemmType::E5M2:
+      return 0.2;
+  }
+  return 0.0;
+}
+
 // The descriptors of one problem and the algorithm the heuristic chose, or why it chose none.
 struct Plan {
   MatmulDesc desc;
   Layout a, b, c, d;  // c differs from d only for FP8 outputs, whose C must be BF16
   cublasLtMatmulAlgo_t algo{};
   std::string refusal;  // non-empty: cuBLASLt offers no algorithm; the message to throw
+  // Autotuning: what the heuristic offered, first choice first (emptied once one is kept).
+  std::vector<cublasLtMatmulAlgo_t> candidates;
+};
+
+// Device memory that is freed on scope exit; null when the allocation failed.
+class ScratchMemory {
+ public:
+  explicit ScratchMemory(size_t bytes) {
+    if (cudaMalloc(&data_, bytes) != cudaSuccess) {
+      (void)cudaGetLastError();  // a failed allocation leaves no sticky error; clear it
+      data_ = nullptr;
+    }
+  }
+  ~ScratchMemory() { cudaFree(data_); }
+  ScratchMemory(const ScratchMemory&) = delete;
+  ScratchMemory& operator=(const ScratchMemory&) = delete;
+  void* get() const { return data_; }
+
+ private:
+  void* data_ = nullptr;
+};
+
+class EventPair {
+ public:
+  EventPair() {
+    FP8T_CUDA_CHECK(cudaEventCreate(&start_));
+    FP8T_CUDA_CHECK(cudaEventCreate(&stop_));
+  }
+  ~EventPair() {
+    cudaEventDestroy(start_);
+    cudaEventDestroy(stop_);
+  }
+  EventPair(const EventPair&) = delete;
+  EventPair& operator=(const EventPair&) = delete;
+  cudaEvent_t start() const { return start_; }
+  cudaEvent_t stop() const { return stop_; }
+  double ms() const {
+    float elapsed = 0.0f;
+    FP8T_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start_, stop_));
+    return elapsed;
+  }
+
+ private:
+  cudaEvent_t start_ = nullptr, stop_ = nullptr;
 };
 
 Layout make_layout(const Matrix& matrix, const Problem& problem) {
@@ -497,6 +577,9 @@ struct CublasLtGemm::State {
   DeviceBuffer<uint8_t> workspace{kWorkspaceBytes};
   std::unordered_map<PlanKey, Plan, PlanKeyHash> plans;
   Counters counters;
+  GemmTuning tuning;
+  std::unique_ptr<GemmTuningCache> tuning_cache;
+  std::vector<TuningRecord> tuning_records;
 
   State() {
     FP8T_CUDA_CHECK(cudaGetDevice(&device));
@@ -513,9 +596,23 @@ struct CublasLtGemm::State {
 
   std::string architecture() const { return fmt::format("sm_{}{}", cc_major, cc_minor); }
 
+  GemmTuningIdentity identity() const {
+    cudaDeviceProp properties{};
+    FP8T_CUDA_CHECK(cudaGetDeviceProperties(&properties, device));
+    int runtime = 0;
+    FP8T_CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
+    return {properties.name, architecture(), library_version_text(),
+            fmt::format("{}.{}", runtime / 1000, runtime % 1000 / 10)};
+  }
+
+  bool autotuned(const Problem& p) const {
+    return tuning.autotune(p.kind == Kind::Fp8 ? GemmPrecision::Fp8 : GemmPrecision::Bf16);
+  }
+
   // The cached plan of the problem. A new problem asks the heuristic once, whatever it answers:
-  // a refusal (at any step) is cached too, and thrown again on every call.
-  Plan& plan_for(const Problem& p) {
+  // a refusal (at any step) is cached too, and thrown again on every call. An autotuned one
+  // then chooses among the candidates (on `stream`, waiting for the answer).
+  Plan& plan_for(const Problem& p, cudaStream_t stream) {
     const PlanKey key = key_of(p);
     if (const auto found = plans.find(key); found != plans.end()) {
       ++counters.cache_hits;
@@ -527,7 +624,120 @@ struct CublasLtGemm::State {
     } catch (const Error& error) {
       plan.refusal = error.what();
     }
+    if (plan.refusal.empty() && autotuned(p)) {
+      if (plan.candidates.size() > 1) {
+        choose(p, key, plan, stream);
+      } else {  // nothing to choose from
+        tuning_records.push_back({.problem = describe(p), .candidates = 1, .agreeing = 1});
+      }
+    }
+    plan.candidates.clear();
     return plans.emplace(key, std::move(plan)).first->second;
+  }
+
+  cublasStatus_t launch(const Plan& plan, const cublasLtMatmulAlgo_t& algo, const Problem& p,
+                        cudaStream_t stream) {
+    set_pointers(plan.desc.get(), p);
+    const void* c = plan.c ? nullptr : p.addend != nullptr ? p.addend : p.out;
+    return cublasLtMatmul(handle, plan.desc.get(), &p.alpha, p.a.data, plan.a.get(), p.b.data,
+                          plan.b.get(), &p.beta, c, plan.c ? plan.c.get() : plan.d.get(), p.out,
+                          plan.d.get(), &algo, workspace.get(), kWorkspaceBytes, stream);
+  }
+
+  // Autotuning: the tuned choice from the cache file when the heuristic still offers it at the
+  // same place; otherwise each candidate runs into scratch outputs, those that disagree with
+  // the first (the heuristic's choice) drop out, and the fastest of the rest wins.
+  void choose(const Problem& p, const PlanKey& key, Plan& plan, cudaStream_t stream) {
+    const std::string text = problem_text(key);
+    const int offered = static_cast<int>(plan.candidates.size());
+    TuningRecord record{.problem = describe(p), .candidates = offered};
+    if (tuning_cache) {
+      const TunedGemm* tuned = tuning_cache->find(text);
+      if (tuned != nullptr && tuned->candidates == kTuneCandidates && tuned->candidate < offered &&
+          algorithm_hex(plan.candidates[size_t(tuned->candidate)]) == tuned->algorithm) {
+        plan.algo = plan.candidates[size_t(tuned->candidate)];
+        ++counters.tuned_from_file;
+        record.from_cache = true;
+        record.winner = tuned->candidate;
+        record.heuristic_ms = tuned->heuristic_ms;
+        record.best_ms = tuned->ms;
+        tuning_records.push_back(record);
+        return;
+      }
+    }
+    // The scratch outputs: the reference (the first candidate's result) and a candidate's,
+    // with the output's layout; the amax of FP8 outputs goes to scratch too.
+    const OutputView view{.type = p.out_type,
+                          .rows = static_cast<int64_t>(p.d.rows),
+                          .cols = static_cast<int64_t>(p.d.cols),
+                          .ld = p.d.ld,
+                          .batch = p.d.batch,
+                          .stride = p.d.stride};
+    const int64_t elements = (view.batch - 1) * view.stride + (view.cols - 1) * view.ld + view.rows;
+    const size_t bytes = static_cast<size_t>(elements) * gemm_type_bytes(p.out_type);
+    const ScratchMemory reference(bytes), candidate(bytes), amax(sizeof(float));
+    if (reference.get() == nullptr || candidate.get() == nullptr || amax.get() == nullptr) {
+      record.no_scratch = true;
+      tuning_records.push_back(record);
+      return;
+    }
+    Problem trial = p;
+    if (p.amax != nullptr) trial.amax = amax.get();
+    const auto run_into = [&](const ScratchMemory& out, int index) {
+      trial.out = out.get();
+      trial.d.data = out.get();
+      FP8T_CUDA_CHECK(cudaMemsetAsync(out.get(), 0, bytes, stream));
+      return launch(plan, plan.candidates[size_t(index)], trial, stream);
+    };
+    std::vector<CandidateTrial> trials(static_cast<size_t>(offered));
+    trials[0].ran = run_into(reference, 0) == CUBLAS_STATUS_SUCCESS;
+    if (!trials[0].ran) {  // the first choice fails here: the call will say why
+      tuning_records.push_back(record);
+      return;
+    }
+    for (int index = 1; index < offered; ++index) {
+      CandidateTrial& result = trials[size_t(index)];
+      result.ran = run_into(candidate, index) == CUBLAS_STATUS_SUCCESS;
+      if (result.ran) {
+        result.relative_difference =
+            relative_difference(view, candidate.get(), reference.get(), stream);
+      }
+    }
+    const double tolerance = agreement_tolerance(p.out_type);
+    const EventPair events;
+    for (int index = 0; index < offered; ++index) {
+      CandidateTrial& result = trials[size_t(index)];
+      if (!result.ran || !(result.relative_difference <= tolerance)) continue;
+      ++record.agreeing;
+      trial.out = candidate.get();
+      trial.d.data = candidate.get();
+      std::vector<double> times;
+      for (int run = 0; run <= kTuneRuns && result.ran; ++run) {  // run 0 warms up
+        FP8T_CUDA_CHECK(cudaEventRecord(events.start(), stream));
+        result.ran =
+            launch(plan, plan.candidates[size_t(index)], trial, stream) == CUBLAS_STATUS_SUCCESS;
+        FP8T_CUDA_CHECK(cudaEventRecord(events.stop(), stream));
+        FP8T_CUDA_CHECK(cudaEventSynchronize(events.stop()));
+        if (run > 0) times.push_back(events.ms());
+      }
+      if (!result.ran) continue;
+      std::sort(times.begin(), times.end());
+      result.ms = times[times.size() / 2];
+    }
+    const int winner = std::max(0, fastest_agreeing(trials, tolerance));
+    plan.algo = plan.candidates[size_t(winner)];
+    ++counters.tuned;
+    record.winner = winner;
+    record.heuristic_ms = trials[0].ms;
+    record.best_ms = trials[size_t(winner)].ms;
+    tuning_records.push_back(record);
+    if (tuning_cache) {
+      tuning_cache->put(text, {.candidate = winner,
+                               .candidates = kTuneCandidates,
+                               .algorithm = algorithm_hex(plan.algo),
+                               .ms = record.best_ms,
+                               .heuristic_ms = record.heuristic_ms});
+    }
   }
 
   void build(const Problem& p, Plan& plan) {
@@ -578,13 +788,19 @@ struct CublasLtGemm::State {
     }
 
     ++counters.heuristic_queries;
-    cublasLtMatmulHeuristicResult_t result{};
+    cublasLtMatmulHeuristicResult_t results[kTuneCandidates] = {};
+    const int requested = autotuned(p) ? kTuneCandidates : 1;
     int found = 0;
     const cublasStatus_t status = cublasLtMatmulAlgoGetHeuristic(
         handle, desc, plan.a.get(), plan.b.get(), plan.c ? plan.c.get() : plan.d.get(),
-        plan.d.get(), raw_preference, 1, &result, &found);
+        plan.d.get(), raw_preference, requested, results, &found);
+    const cublasLtMatmulHeuristicResult_t& result = results[0];
     if (status == CUBLAS_STATUS_SUCCESS && found > 0 && result.state == CUBLAS_STATUS_SUCCESS) {
       plan.algo = result.algo;
+      for (int index = 0; index < found; ++index) {
+        if (results[index].state == CUBLAS_STATUS_SUCCESS)
+          plan.candidates.push_back(results[index].algo);
+      }
     } else {
       const std::string answer =
           status != CUBLAS_STATUS_SUCCESS
@@ -608,15 +824,9 @@ struct CublasLtGemm::State {
     FP8T_CHECK(current == device, "{}: this CublasLtGemm belongs to device {}, called on device {}",
                describe(p), device, current);
     ++counters.calls;
-    Plan& plan = plan_for(p);
+    Plan& plan = plan_for(p, stream);
     if (!plan.refusal.empty()) throw Error(plan.refusal);
-    set_pointers(plan.desc.get(), p);
-    const void* c = plan.c ? nullptr : p.addend != nullptr ? p.addend : p.out;
-    FP8T_CUBLASLT_CHECK(
-        cublasLtMatmul(handle, plan.desc.get(), &p.alpha, p.a.data, plan.a.get(), p.b.data,
-                       plan.b.get(), &p.beta, c, plan.c ? plan.c.get() : plan.d.get(), p.out,
-                       plan.d.get(), &plan.algo, workspace.get(), kWorkspaceBytes, stream),
-        p);
+    FP8T_CUBLASLT_CHECK(launch(plan, plan.algo, p, stream), p);
   }
 };
 
@@ -626,6 +836,50 @@ CublasLtGemm::~CublasLtGemm() = default;
 CublasLtGemm::Counters CublasLtGemm::counters() const {
   return state_->counters;
 }
+void CublasLtGemm::configure_tuning(const GemmTuning& tuning) {
+  state_->tuning = tuning;
+  state_->tuning_cache.reset();
+  if ((tuning.autotune_bf16 || tuning.autotune_fp8) && !tuning.cache_path.empty()) {
+    state_->tuning_cache = std::make_unique<GemmTuningCache>(tuning.cache_path, state_->identity());
+  }
+}
+std::vector<std::string> CublasLtGemm::tuning_warnings() const {
+  return state_->tuning_cache ? state_->tuning_cache->warnings() : std::vector<std::string>{};
+}
+std::vector<CublasLtGemm::TuningRecord> CublasLtGemm::tuning_records() const {
+  return state_->tuning_records;
+}
+std::string CublasLtGemm::tuning_summary() const {
+  std::string text;
+  for (const std::string& warning : tuning_warnings())
+    text += warning + "\n";
+  const std::vector<TuningRecord>& records = state_->tuning_records;
+  if (records.empty()) return text;
+  int timed = 0, from_file = 0, single = 0, changed = 0, no_scratch = 0;
+  double heuristic_ms = 0.0, best_ms = 0.0;
+  for (const TuningRecord& record : records) {
+    from_file += record.from_cache ? 1 : 0;
+    single += record.candidates == 1 ? 1 : 0;
+    timed += !record.from_cache && !record.no_scratch && record.candidates > 1 ? 1 : 0;
+    no_scratch += record.no_scratch ? 1 : 0;
+    changed += record.winner != 0 ? 1 : 0;
+    heuristic_ms += record.heuristic_ms;
+    best_ms += record.best_ms;
+  }
+  text += fmt::format(
+      "GEMM autotuning: {} problems: {} timed now, {} from {}, {} with one candidate only; {} "
+      "run another algorithm than the heuristic's first; one call of each takes {:.3f} ms in all "
+      "against {:.3f} ms ({:+.1f} %)",
+      records.size(), timed, from_file,
+      state_->tuning_cache ? state_->tuning_cache->path() : std::string("the cache file"), single,
+      changed, best_ms, heuristic_ms,
+      heuristic_ms > 0.0 ? 100.0 * (best_ms / heuristic_ms - 1.0) : 0.0);
+  if (no_scratch > 0) {
+    text += fmt::format("; {} not timed for want of device memory for scratch outputs", no_scratch);
+  }
+  return text;
+}
+
 size_t CublasLtGemm::cached_problems() const {
   return state_->plans.size();
 }

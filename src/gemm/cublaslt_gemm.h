@@ -6,9 +6,14 @@
 // A CublasLtGemm owns a cuBLASLt handle, a 32 MiB workspace and a cache of algorithms: the first
 // call for a problem (sizes, strides, batch, types, scale modes, accumulate, fast accumulation,
 // bias, pointer alignments) asks cuBLASLt's heuristic and keeps its answer, a refusal included;
-// later calls reuse it and query nothing. The workspace is shared by all calls, so calls on
-// different streams must not overlap in time (use one CublasLtGemm per concurrent stream); an
-// instance is not thread-safe.
+// later calls reuse it and query nothing. With autotuning on for the problem's precision
+// (configure_tuning, gemm_tuning.h) the first call instead asks the heuristic for up to
+// kTuneCandidates algorithms, runs each on the call's own operands into scratch outputs,
+// rejects those whose result differs from the first candidate's by more than the output type's
+// tolerance, times the rest (median of kTuneRuns) and keeps the fastest; with a cache file the
+// winner is saved, and a later process takes it from the file without timing. The workspace is
+// shared by all calls, so calls on different streams must not overlap in time (use one CublasLtGemm
+// per concurrent stream); an instance is not thread-safe.
 //
 // This header stays within C++17 and without fmt: CUDA tests and benchmarks include it.
 #pragma once
@@ -17,9 +22,11 @@
 #include <cstdint>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
+#include "gemm/gemm_tuning.h"
 #include "numerics/float_bits.h"
 #include "numerics/formats.h"
 
@@ -128,6 +135,8 @@ struct GemmBatch {
 class CublasLtGemm {
  public:
   static constexpr size_t kWorkspaceBytes = size_t{32} << 20;
+  static constexpr int kTuneCandidates = 8;
+  static constexpr int kTuneRuns = 5;
 
   // Creates the handle and the workspace on the current device; calls must run on it.
   CublasLtGemm();
@@ -158,10 +167,35 @@ class CublasLtGemm {
   void fp8_gemm(int64_t m, int64_t n, int64_t k, const Fp8Operand& a, const Fp8Operand& b,
                 const GemmOutput& out, bool fast_accumulation, cudaStream_t stream);
 
+  // From now on, new problems follow `tuning`: autotuned per precision, or the heuristic's first
+  // algorithm; problems already planned keep theirs. Loads tuning.cache_path when autotuning is
+  // on for a precision.
+  void configure_tuning(const GemmTuning& tuning);
+  // The cache file's warnings (a file that is not a tuning cache), for the log.
+  std::vector<std::string> tuning_warnings() const;
+
+  // What autotuning found for one problem.
+  struct TuningRecord {
+    std::string problem;  // the GEMM in words (sizes, types, scale modes)
+    bool from_cache = false;
+    int candidates = 0;       // algorithms the heuristic offered (1: none timed)
+    int agreeing = 0;         // of them: ran and agreed with the first (from_cache: 0)
+    int winner = 0;           // the index of the one kept (0: the heuristic's first)
+    bool no_scratch = false;  // not timed: no device memory for the scratch outputs
+    double heuristic_ms = 0.0, best_ms = 0.0;  // medians (from the cache: when it was tuned)
+  };
+  std::vector<TuningRecord> tuning_records() const;
+  // One line for the log: problems tuned and taken from the cache file, the summed medians of
+  // the kept algorithms against the heuristic's first choices, and the cache file's warnings;
+  // empty when nothing was autotuned.
+  std::string tuning_summary() const;
+
   struct Counters {
     int64_t calls = 0;              // GEMMs requested (refused ones included)
     int64_t heuristic_queries = 0;  // cublasLtMatmulAlgoGetHeuristic calls: one per new problem
     int64_t cache_hits = 0;         // calls that reused a cached answer
+    int64_t tuned = 0;              // problems autotuned by timing their candidates
+    int64_t tuned_from_file = 0;    // problems whose tuned algorithm came from the cache file
   };
   Counters counters() const;
   size_t cached_problems() const;

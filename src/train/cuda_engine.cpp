@@ -79,6 +79,7 @@ class CudaEngine final : public TrainingEngine {
         losses_host_(kMaxLossesPerRead),
         scan_order_(gradient_scan_order(setup.model)) {
     FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));
+    model_.gemm().configure_tuning(setup.gemm_tuning);
 #if FP8TRAIN_WITH_NCCL
     if (communicator_ != nullptr) {
       rank_sums_ = std::make_unique<GptRankSums>(*communicator_, model_, setup.overlap_grad_reduce,
@@ -90,6 +91,10 @@ class CudaEngine final : public TrainingEngine {
   ~CudaEngine() override {
     cudaStreamSynchronize(stream_.get());  // no collective left in flight when NCCL goes
     cudaFree(norm_);
+  }
+
+  std::string gemm_tuning_summary() const override {
+    return model_.gemm().tuning_summary();
   }
 
   std::string device_name() const override {

@@ -18,6 +18,7 @@
 #if FP8TRAIN_WITH_CUDA
 #include "core/cuda_check.h"
 #include "core/cuda_resources.h"
+#include "gemm/cublaslt_gemm.h"
 #include "models/cuda/flux_model_cuda.h"
 #include "models/flux_memory.h"
 #include "ops/cuda/flux_ops.h"
@@ -55,6 +56,7 @@ class FluxCudaEngine final : public FluxEngine {
     FP8T_CHECK(std::ssize(img_ids_) == setup.img_tokens * 3, "expected {} image ids, found {}",
                setup.img_tokens * 3, img_ids_.size());
     FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));
+    model_.gemm().configure_tuning(setup.gemm_tuning);
 #if FP8TRAIN_WITH_NCCL
     if (communicator_ != nullptr)
       rank_sums_ = std::make_unique<FluxRankSums>(*communicator_, model_,
@@ -65,6 +67,10 @@ class FluxCudaEngine final : public FluxEngine {
   ~FluxCudaEngine() override {
     cudaStreamSynchronize(stream_.get());  // no collective left in flight when NCCL goes
     cudaFree(norm_);
+  }
+
+  std::string gemm_tuning_summary() const override {
+    return model_.gemm().tuning_summary();
   }
 
   std::string device_name() const override {

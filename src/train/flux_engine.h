@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "distributed/communicator.h"
+#include "gemm/gemm_tuning.h"
 #include "models/flux_model.h"
 #include "optim/adamw.h"
 #include "train/flux_batches.h"
@@ -49,6 +50,8 @@ class FluxEngine {
   // As TrainingEngine::gather_optimizer_state: every rank together, before a checkpoint's
   // to_host(), the whole optimizer state into the host views from each rank's part.
   virtual void gather_optimizer_state() = 0;
+  // As TrainingEngine's.
+  virtual std::string gemm_tuning_summary() const { return {}; }
 };
 
 struct FluxEngineSetup {
@@ -64,6 +67,8 @@ struct FluxEngineSetup {
   distributed::Communicator* communicator = nullptr;
   // With several ranks: ZeRO-1 (optim/optimizer_shard.h), as EngineSetup's.
   bool shard_optimizer_state = false;
+  // The GPU path's GEMM selection, as EngineSetup's.
+  gemm::GemmTuning gemm_tuning;
 };
 
 // Every Flux parameter, as the optimizer (AdamWOptimizer) takes them.

@@ -135,6 +135,9 @@ fs::path flux_sample_grid_path(const fs::path& run_folder, int64_t step) {
 TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communicator& communicator) {
   // Rank 0 prepares the run folder, prints and writes; the others wait for the folder first.
   const bool leader = communicator.rank() == 0;
+  // Before any data is read: a bad FP8TRAIN_GEMM_BACKEND or FP8TRAIN_AUTOTUNE fails at once.
+  const gemm::GemmTuning gemm_tuning =
+      use_cuda(config.run.device) ? run_gemm_tuning(config) : gemm::GemmTuning{};
   const bool several = communicator.several();
   const int ranks = communicator.size();
   const fs::path run_folder = leader ? open_run_folder(config) : config.run_dir();
@@ -173,6 +176,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   setup.adamw = config.optimizer_settings().adamw;
   if (several) setup.communicator = &communicator;
   setup.shard_optimizer_state = config.run.shard_optimizer_state;
+  setup.gemm_tuning = gemm_tuning;
   const std::unique_ptr<FluxEngine> engine =
       cuda ? make_flux_cuda_engine(setup) : make_flux_cpu_engine(setup);
   const optim::LrSchedule schedule = config.lr_schedule();
@@ -192,6 +196,8 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
         total_steps);
     fmt::print("memory plan: {}\n", engine->memory_plan());
     if (several && setup.shard_optimizer_state) print_zero1_note(communicator.size(), cuda);
+    for (const std::string& note : setup.gemm_tuning.notes)
+      fmt::print("{}\n", note);
     fmt::print(
         "data: {}; {} image tokens of {} features per picture; σ {} (shift {}), guidance "
         "dropout {}\ndevice: {}\n",
@@ -265,6 +271,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
       flux_flops_per_sample(model_config, img_tokens, txt_tokens) / double(img_tokens);
   loop.memory_bytes = resident_memory_bytes;
   loop.peak_memory_bytes = [&] { return engine->peak_memory_bytes(); };
+  bool gemm_tuning_printed = false;
   // Rank r's micro-batch m is the step's m·R + r of A·R: the step sees one process's batches.
   loop.train_step = [&](int64_t at_step) {
     for (int64_t micro = 0; micro < accumulation; ++micro) {
@@ -274,6 +281,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     const double multiplier = optim::lr_multiplier(schedule, at_step);
     const StepResult result =
         engine->train_step(micro_batches, config.optimizer.clip_grad, multiplier);
+    print_gemm_tuning_once(leader, engine->gemm_tuning_summary(), gemm_tuning_printed);
     return StepReport{result, engine->lr(), multiplier};
   };
   loop.validation_loss = validation_loss;

@@ -154,6 +154,24 @@ fs::path cache_folder() {
   return ".fp8train-cache";
 }
 
+void print_gemm_tuning_once(bool leader, const std::string& summary, bool& printed) {
+  if (printed || summary.empty()) return;
+  printed = true;
+  if (leader) fmt::print("{}\n", summary);
+}
+
+gemm::GemmTuning run_gemm_tuning(const TrainConfig& config) {
+  const RunSection& run = config.run;
+  const std::string cache = run.gemm_tuning_cache.empty()
+                                ? (cache_folder() / "gemm_tuning.json").string()
+                                : run.gemm_tuning_cache;
+  return gemm::resolve_gemm_tuning({.gemm_autotune = run.gemm_autotune,
+                                    .gemm_backend = run.gemm_backend,
+                                    .deterministic = run.deterministic,
+                                    .gemm_tuning_cache = cache},
+                                   [](const char* name) { return std::getenv(name); });
+}
+
 // Data parallelism over several processes needs a global batch the ranks share evenly.
 void check_data_parallel(const TrainConfig& config, int ranks) {
   const int64_t per_pass = config.training.micro_batch_size * ranks;
@@ -199,6 +217,9 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   // Rank 0 prepares the run folder and the data (the built-in corpus is tokenized on first
   // use) and prints; the others wait for it, then only read.
   const bool leader = communicator.rank() == 0;
+  // Before any data is read: a bad FP8TRAIN_GEMM_BACKEND or FP8TRAIN_AUTOTUNE fails at once.
+  const gemm::GemmTuning gemm_tuning =
+      use_cuda(config.run.device) ? run_gemm_tuning(config) : gemm::GemmTuning{};
   const fs::path run_folder = leader ? open_run_folder(config) : config.run_dir();
   std::optional<DataSources> leader_sources;
   if (leader) leader_sources = find_data(config);
@@ -226,6 +247,7 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   if (several) setup.communicator = &communicator;
   setup.overlap_grad_reduce = config.run.overlap_grad_reduce;
   setup.shard_optimizer_state = config.run.shard_optimizer_state;
+  setup.gemm_tuning = gemm_tuning;
   const ModelPrecision configured_precision = model_precision(config, cuda);
   NanGuard guard(config.run, model_config);
   // The engine, with the guard's remedies in force, and the checkpoints' views of its model,
@@ -262,6 +284,8 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
         batch, seq, accumulation, ranks_note(communicator), tokens_per_step, total_steps);
     fmt::print("memory plan: {}\n", engine->memory_plan());
     if (several && setup.shard_optimizer_state) print_zero1_note(ranks, cuda);
+    for (const std::string& note : setup.gemm_tuning.notes)
+      fmt::print("{}\n", note);
     fmt::print("data: {}\ndevice: {}\n", describe_data(loader, sources), engine->device_name());
   }
 
@@ -362,6 +386,7 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   loop.memory_bytes = [&] { return cuda ? engine->peak_memory_bytes() : resident_memory_bytes(); };
   loop.peak_memory_bytes = [&] { return engine->peak_memory_bytes(); };
   std::vector<int64_t> nan_inject_steps = config.run.nan_inject_steps;  // each one once
+  bool gemm_tuning_printed = false;
   loop.train_step = [&](int64_t at_step) {
     if (std::erase(nan_inject_steps, at_step + 1) > 0) {
       engine->inject_nan(config.run.nan_inject_parameter);
@@ -371,6 +396,7 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
     step_schedule.lr_multiplier *= guard.lr_scale();
     const StepResult result =
         engine->train_step(loader, accumulation, config.optimizer.clip_grad, step_schedule);
+    print_gemm_tuning_once(leader, engine->gemm_tuning_summary(), gemm_tuning_printed);
     StepReport report{result, main_lr(engine->optimizer_groups()), step_schedule.lr_multiplier};
     if (result.finite()) {
       guard.good_step();

@@ -10,6 +10,7 @@
 
 #include "config/train_config.h"
 #include "distributed/communicator.h"
+#include "gemm/gemm_tuning.h"
 
 namespace fp8t::train {
 
@@ -25,6 +26,14 @@ struct TrainOutcome {
 // Where the built-in corpus is prepared: $FP8TRAIN_CACHE, else $XDG_CACHE_HOME/fp8train, else
 // ~/.cache/fp8train, else .fp8train-cache in the working folder.
 std::filesystem::path cache_folder();
+
+// The GEMM selection the run's keys and the environment ask for (gemm/gemm_tuning.h), with the
+// cache file in cache_folder() unless gemm_tuning_cache names one. Throws fp8t::ConfigError for
+// a value that is not valid.
+gemm::GemmTuning run_gemm_tuning(const TrainConfig& config);
+
+// After a step: the engine's gemm_tuning_summary, once per run and by the leader only.
+void print_gemm_tuning_once(bool leader, const std::string& summary, bool& printed);
 
 // Runs the job of the configured model (a Flux model: run_flux_training), printing progress to
 // stdout. Throws fp8t::Error (ConfigError for settings that cannot work together) naming the

@@ -15,6 +15,7 @@
 #include "config/train_config.h"
 #include "data/token_loader.h"
 #include "distributed/communicator.h"
+#include "gemm/gemm_tuning.h"
 #include "models/gpt_memory.h"
 #include "models/gpt_model.h"
 #include "optim/gpt_optimizer.h"
@@ -64,6 +65,9 @@ class TrainingEngine {
   // to_host(): the whole optimizer state into host_optimizer() from each rank's part. A no-op
   // otherwise.
   virtual void gather_optimizer_state() = 0;
+  // After the first step on the GPU: what GEMM autotuning did (CublasLtGemm::tuning_summary);
+  // empty on the CPU path or without autotuning.
+  virtual std::string gemm_tuning_summary() const { return {}; }
 };
 
 struct EngineSetup {
@@ -81,6 +85,8 @@ struct EngineSetup {
   // With several ranks: ZeRO-1 (optim/optimizer_shard.h). Each rank updates the parameters it
   // owns and sends them to the others; the GPU keeps optimizer state for those only.
   bool shard_optimizer_state = false;
+  // The GPU path's GEMM selection (autotuning, pinned backends, the cache file).
+  gemm::GemmTuning gemm_tuning;
 };
 
 // The CPU path. Throws ConfigError when the plan does not fit in the available memory.

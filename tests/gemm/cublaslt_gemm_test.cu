@@ -11,22 +11,27 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
 #include <initializer_list>
 #include <iterator>
 #include <limits>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime_api.h>
 
 #include "../numerics/test_util.h"
+#include "../test_files.h"
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
 #include "core/error.h"
 #include "gemm/cpu_gemm.h"
 #include "gemm/cublaslt_gemm.h"
+#include "gemm/output_difference.h"
 #include "numerics/quantize.h"
 #include "numerics/scaling.h"
 
@@ -443,6 +448,14 @@ std::string try_fp8_gemm(CublasLtGemm& gemm, const Shape& s, const DeviceOperand
   } catch (const Error& error) {
     return error.what();
   }
+}
+
+// Random operands a [M, K] and b [N, K], E4M3 scaled per tensor.
+std::pair<HostOperand, HostOperand> random_e4m3_operands(TestRng& rng, const Shape& s) {
+  return {quantize_operand(random_values(rng, s.m, s.k), s.m, s.k, s.k, Fp8Format::E4M3,
+                           ScaleMode::Tensor),
+          quantize_operand(random_values(rng, s.n, s.k), s.n, s.k, s.k, Fp8Format::E4M3,
+                           ScaleMode::Tensor)};
 }
 
 class CublasLtGemmTest : public ::testing::Test {
@@ -1031,10 +1044,7 @@ TEST_F(CublasLtGemmTest, Fp8OutputWithScaleAndAmax) {
 TEST_F(CublasLtGemmTest, Fp8BiasAndAccumulate) {
   SCOPED_TRACE(rng_.trace());
   const Shape s{256, 512, 1024};
-  const HostOperand a = quantize_operand(random_values(rng_, s.m, s.k), s.m, s.k, s.k,
-                                         Fp8Format::E4M3, ScaleMode::Tensor);
-  const HostOperand b = quantize_operand(random_values(rng_, s.n, s.k), s.n, s.k, s.k,
-                                         Fp8Format::E4M3, ScaleMode::Tensor);
+  const auto [a, b] = random_e4m3_operands(rng_, s);
   const DeviceOperand device_a(a), device_b(b);
   const std::vector<double> product = xwt_reference(s, a.values, b.values);
   const std::vector<double> bias = random_exact(rng_, static_cast<size_t>(s.n), GemmType::BF16);
@@ -1241,6 +1251,223 @@ TEST_F(CublasLtGemmTest, RejectsBadArguments) {
       },
       {"expected x", "null"});
   EXPECT_EQ(gemm_.counters().calls, 0);
+}
+
+// ---- Autotuning ----
+
+GemmTuning autotune_both(const std::string& cache_path = "") {
+  GemmTuning tuning;
+  tuning.autotune_bf16 = tuning.autotune_fp8 = true;
+  tuning.cache_path = cache_path;
+  return tuning;
+}
+
+// Every problem has a record; those with a choice were timed here (not from a file) and kept
+// one of the candidates that agreed.
+void check_records(const CublasLtGemm& gemm, size_t problems) {
+  const std::vector<CublasLtGemm::TuningRecord> records = gemm.tuning_records();
+  ASSERT_EQ(records.size(), problems);
+  int64_t timed = 0;
+  for (const CublasLtGemm::TuningRecord& record : records) {
+    std::printf("[ tuned    ] %s: %d candidates, %d agreeing, kept #%d: %.4f ms (first %.4f ms)\n",
+                record.problem.c_str(), record.candidates, record.agreeing, record.winner,
+                record.best_ms, record.heuristic_ms);
+    EXPECT_FALSE(record.from_cache) << record.problem;
+    EXPECT_FALSE(record.no_scratch) << record.problem;
+    EXPECT_GE(record.candidates, 1) << record.problem;
+    EXPECT_LE(record.candidates, CublasLtGemm::kTuneCandidates) << record.problem;
+    EXPECT_GE(record.agreeing, 1) << record.problem;  // the first agrees with itself
+    EXPECT_LE(record.agreeing, record.candidates) << record.problem;
+    EXPECT_GE(record.winner, 0) << record.problem;
+    EXPECT_LT(record.winner, record.candidates) << record.problem;
+    if (record.candidates == 1) continue;  // nothing to time
+    ++timed;
+    EXPECT_GT(record.best_ms, 0.0) << record.problem;
+    EXPECT_LE(record.best_ms, record.heuristic_ms) << record.problem;
+  }
+  EXPECT_EQ(gemm.counters().tuned, timed);
+}
+
+// Whatever candidate wins, the call's result is the product: BF16 in each form (wgrad adding
+// into an output that already holds values, which the candidates' trial runs must not touch),
+// FP8 per tensor and in blocks, and an FP8 output whose amax must come from the real call.
+TEST_F(CublasLtGemmTest, AutotunedGemmsMatchCpu) {
+  SCOPED_TRACE(rng_.trace());
+  CublasLtGemm gemm;
+  gemm.configure_tuning(autotune_both());
+  size_t problems = 0;
+  for (const Shape s : {Shape{256, 512, 1024}, Shape{1024, 1536, 6144}}) {
+    const Bf16Matrix x = random_bf16(rng_, s.m, s.k, s.k);
+    const Bf16Matrix w = random_bf16(rng_, s.n, s.k, s.k);
+    const Bf16Matrix dy = random_bf16(rng_, s.m, s.n, s.n);
+    const DeviceBuffer<bf16> device_x(x.data), device_w(w.data), device_dy(dy.data);
+
+    DeviceOutput y(GemmType::BF16, s.m, s.n, s.n + 8);
+    gemm.bf16_gemm(Bf16Form::XWt, s.m, s.n, s.k, device_x.get(), s.k, device_w.get(), s.k, y.view(),
+                   stream_);
+    check(y.values(), xwt_reference(s, x.values, w.values), s.n, kBf16OutBound,
+          "autotuned BF16 forward " + text(s));
+    check_padding(y, "autotuned BF16 forward");
+
+    std::vector<double> dx_ref(static_cast<size_t>(s.m * s.k), 0.0);
+    dgrad_dyw(s.m, s.n, s.k, dy.values.data(), s.n, w.values.data(), s.k, dx_ref.data(), s.k);
+    DeviceOutput dx(GemmType::F32, s.m, s.k, s.k);
+    gemm.bf16_gemm(Bf16Form::DyW, s.m, s.n, s.k, device_dy.get(), s.n, device_w.get(), s.k,
+                   dx.view(), stream_);
+    check(dx.values(), dx_ref, s.k, kF32Bound, "autotuned BF16 dgrad " + text(s));
+
+    std::vector<double> dw_ref = random_exact(rng_, static_cast<size_t>(s.n * s.k), GemmType::F32);
+    DeviceOutput dw(GemmType::F32, s.n, s.k, s.k + 4);
+    dw.set(dw_ref);
+    wgrad_dytx(s.m, s.n, s.k, dy.values.data(), s.n, x.values.data(), s.k, dw_ref.data(), s.k);
+    gemm.bf16_gemm(Bf16Form::DytX, s.m, s.n, s.k, device_dy.get(), s.n, device_x.get(), s.k,
+                   dw.view(/*accumulate=*/true), stream_);
+    check(dw.values(), dw_ref, s.k, kF32Bound, "autotuned BF16 wgrad dW += dyᵀ·x " + text(s));
+    check_padding(dw, "autotuned BF16 wgrad");
+
+    const std::vector<float> xf = random_values(rng_, s.m, s.k), wf = random_values(rng_, s.n, s.k);
+    for (const ModePair modes : {ModePair{ScaleMode::Tensor, ScaleMode::Tensor},
+                                 ModePair{ScaleMode::Block1x128, ScaleMode::Block128x128}}) {
+      const HostOperand a = quantize_operand(xf, s.m, s.k, s.k, Fp8Format::E4M3, modes.a);
+      const HostOperand b = quantize_operand(wf, s.n, s.k, s.k, Fp8Format::E4M3, modes.b);
+      const DeviceOperand device_a(a), device_b(b);
+      DeviceOutput out(GemmType::BF16, s.m, s.n, s.n);
+      const bool fast = modes.a == ScaleMode::Tensor;  // blocks: split accumulation only
+      const std::string refusal = try_fp8_gemm(gemm, s, device_a, device_b, out, fast, stream_);
+      ASSERT_EQ(refusal, "") << "autotuned " << fp8_text(s, a, b, GemmType::BF16, fast);
+      check(out.values(), xwt_reference(s, a.values, b.values), s.n,
+            fp8_bound(GemmType::BF16, fast),
+            "autotuned " + fp8_text(s, a, b, GemmType::BF16, fast));
+    }
+
+    // An FP8 output with its amax: the trial runs write a scratch amax, the call the real one.
+    const HostOperand a = quantize_operand(xf, s.m, s.k, s.k, Fp8Format::E4M3, ScaleMode::Tensor);
+    const HostOperand b = quantize_operand(wf, s.n, s.k, s.k, Fp8Format::E4M3, ScaleMode::Tensor);
+    const std::vector<double> ref = xwt_reference(s, a.values, b.values);
+    double ref_amax = 0.0;
+    for (double value : ref)
+      ref_amax = std::max(ref_amax, std::fabs(value));
+    const DeviceOperand device_a(a), device_b(b);
+    const DeviceBuffer<float> device_scale(std::vector<float>{
+        scale_from_amax(static_cast<float>(ref_amax), format_max(Fp8Format::E4M3), false, 0.0f)});
+    DeviceBuffer<float> device_amax(std::vector<float>{std::nanf("")});
+    DeviceOutput out(GemmType::E4M3, s.m, s.n, s.n);
+    GemmOutput view = out.view();
+    view.scale = device_scale.get();
+    view.amax = device_amax.get();
+    gemm.fp8_gemm(s.m, s.n, s.k, device_a.view(), device_b.view(), view, false, stream_);
+    EXPECT_NEAR(device_amax.download()[0], ref_amax, kFp8Bound * ref_amax) << "autotuned amax";
+    problems += 6;
+  }
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  check_records(gemm, problems);
+  std::printf("[ tuned    ] %s\n", gemm.tuning_summary().c_str());
+}
+
+// Without autotuning nothing is timed and the heuristic is asked for one algorithm.
+TEST_F(CublasLtGemmTest, UntunedGemmsTimeNothing) {
+  SCOPED_TRACE(rng_.trace());
+  CublasLtGemm gemm;
+  GemmTuning pinned = autotune_both();
+  pinned.autotune_bf16 = false;  // as a pinned bf16 backend leaves it
+  gemm.configure_tuning(pinned);
+  const Shape s{256, 512, 1024};
+  const Bf16Matrix x = random_bf16(rng_, s.m, s.k, s.k);
+  const Bf16Matrix w = random_bf16(rng_, s.n, s.k, s.k);
+  const DeviceBuffer<bf16> device_x(x.data), device_w(w.data);
+  DeviceOutput y(GemmType::BF16, s.m, s.n, s.n);
+  gemm.bf16_gemm(Bf16Form::XWt, s.m, s.n, s.k, device_x.get(), s.k, device_w.get(), s.k, y.view(),
+                 stream_);
+  check(y.values(), xwt_reference(s, x.values, w.values), s.n, kBf16OutBound, "untuned BF16");
+  EXPECT_EQ(gemm.counters().tuned, 0);
+  EXPECT_TRUE(gemm.tuning_records().empty());
+  EXPECT_EQ(gemm.tuning_summary(), "");
+}
+
+// A second instance (a second run) takes the winners from the file without timing; entries of
+// another GPU are ignored, and kept in the file.
+TEST_F(CublasLtGemmTest, TuningCacheFileServesTheNextRun) {
+  SCOPED_TRACE(rng_.trace());
+  const test::TempFolder folder;
+  const std::string path = (folder / "gemm_tuning.json").string();
+  const Shape s{1024, 1536, 6144};
+  const auto [a, b] = random_e4m3_operands(rng_, s);
+  const DeviceOperand device_a(a), device_b(b);
+  const std::vector<double> ref = xwt_reference(s, a.values, b.values);
+  const auto run = [&](CublasLtGemm& gemm, const std::string& what) {
+    DeviceOutput out(GemmType::BF16, s.m, s.n, s.n);
+    gemm.fp8_gemm(s.m, s.n, s.k, device_a.view(), device_b.view(), out.view(), true, stream_);
+    check(out.values(), ref, s.n, kFp8FastBound, what);
+  };
+  int kept = 0;
+  {
+    CublasLtGemm first;
+    first.configure_tuning(autotune_both(path));
+    run(first, "first run");
+    EXPECT_EQ(first.counters().tuned, 1);
+    EXPECT_EQ(first.counters().tuned_from_file, 0);
+    kept = first.tuning_records().at(0).winner;
+  }
+  ASSERT_TRUE(std::filesystem::exists(path));
+  {
+    CublasLtGemm second;
+    second.configure_tuning(autotune_both(path));
+    run(second, "second run, from the file");
+    EXPECT_EQ(second.counters().tuned, 0);
+    EXPECT_EQ(second.counters().tuned_from_file, 1);
+    ASSERT_EQ(second.tuning_records().size(), 1u);
+    EXPECT_TRUE(second.tuning_records()[0].from_cache);
+    EXPECT_EQ(second.tuning_records()[0].winner, kept);
+  }
+  // The same entries, said to come from another GPU: stale for this one.
+  std::string text;
+  {
+    std::ifstream file(path);
+    text.assign(std::istreambuf_iterator<char>(file), {});
+  }
+  const std::string name_key = "\"gpu\": \"";
+  const size_t at = text.find(name_key);
+  ASSERT_NE(at, std::string::npos) << text;
+  text.insert(at + name_key.size(), "Another ");
+  std::ofstream(path) << text;
+  CublasLtGemm third;
+  third.configure_tuning(autotune_both(path));
+  run(third, "third run, the file's entry of another GPU");
+  EXPECT_EQ(third.counters().tuned, 1);
+  EXPECT_EQ(third.counters().tuned_from_file, 0);
+  std::ifstream file(path);
+  const std::string saved((std::istreambuf_iterator<char>(file)), {});
+  EXPECT_NE(saved.find("\"gpu\": \"Another "), std::string::npos) << "the other GPU's entry";
+}
+
+// The agreement check itself: ‖out − ref‖/‖ref‖ over the elements only (not the padding), FP8
+// codes decoded, NaN for a non-finite value.
+TEST(GemmOutputDifference, MeasuresTheRelativeDistanceOverTheElements) {
+  cudaStream_t stream = nullptr;
+  FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
+  // Two column-major matrices [rows 2, cols 2] with ld 3 (one padding element per column), 7
+  // elements apart.
+  const OutputView view{
+      .type = GemmType::F32, .rows = 2, .cols = 2, .ld = 3, .batch = 2, .stride = 7};
+  const float pad = 1e30f;
+  const std::vector<float> ref = {3, 0, pad, 0, 0, pad, pad, 0, 4, pad, 0, 0, pad, pad};
+  std::vector<float> out = ref;
+  out[8] = 4.5f;  // an element: off by 0.5 of ‖ref‖ = 5
+  out[2] = 7.0f;  // padding: not counted
+  const DeviceBuffer<float> device_ref(ref), device_out(out);
+  EXPECT_NEAR(relative_difference(view, device_out.get(), device_ref.get(), stream), 0.1, 1e-12);
+  EXPECT_EQ(relative_difference(view, device_ref.get(), device_ref.get(), stream), 0.0);
+  out[8] = std::nanf("");
+  const DeviceBuffer<float> with_nan(out);
+  EXPECT_TRUE(std::isnan(relative_difference(view, with_nan.get(), device_ref.get(), stream)));
+
+  // E4M3 codes: 0x38 = 1.0, 0x40 = 2.0, 0x3C = 1.5.
+  const OutputView codes{.type = GemmType::E4M3, .rows = 2, .cols = 1, .ld = 2};
+  const DeviceBuffer<uint8_t> ones(std::vector<uint8_t>{0x38, 0x40}),
+      other(std::vector<uint8_t>{0x3C, 0x40});
+  EXPECT_NEAR(relative_difference(codes, other.get(), ones.get(), stream), 0.5 / std::sqrt(5.0),
+              1e-12);
+  cudaStreamDestroy(stream);
 }
 
 }  // namespace

@@ -376,6 +376,10 @@ gemm::CublasLtGemm& CudaFluxModel::gemm() {
   return buffers_->gemm;
 }
 
+const gemm::CublasLtGemm& CudaFluxModel::gemm() const {
+  return buffers_->gemm;
+}
+
 float* CudaFluxModel::parameter(const std::string& name) const {
   return parameters_ + layout_[name].offset;
 }

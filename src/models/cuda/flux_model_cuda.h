@@ -56,6 +56,7 @@ class CudaFluxModel {
   const FluxConfig& config() const { return config_; }
   const CudaFluxMemory& memory() const { return memory_; }
   gemm::CublasLtGemm& gemm();
+  const gemm::CublasLtGemm& gemm() const;
   cudaStream_t stream() const { return stream_; }
 
   float* parameters() const { return parameters_; }

@@ -383,6 +383,10 @@ gemm::CublasLtGemm& CudaGptModel::gemm() {
   return buffers_->gemm;
 }
 
+const gemm::CublasLtGemm& CudaGptModel::gemm() const {
+  return buffers_->gemm;
+}
+
 std::span<uint8_t> CudaGptModel::scratch_between_steps() const {
   return {buffers_->region, buffers_->region_bytes};
 }

@@ -71,6 +71,7 @@ class CudaGptModel {
   // The model's GEMM runner (its workspace and algorithm cache), for the optimizer's GEMMs on
   // the same stream.
   gemm::CublasLtGemm& gemm();
+  const gemm::CublasLtGemm& gemm() const;
   // Device memory the model uses only inside forward() and backward() (the logits and their
   // gradient), 256-byte aligned: free for other work on the model's stream between a step's
   // last backward and the next forward. The GPU optimizer keeps its workspace there.
