@@ -32,11 +32,12 @@ if ((${#missing[@]} > 0)); then
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# The checkpoint tests read our safetensors files with the reference Python package.
-if ! python3 -c "import safetensors.numpy" 2>/dev/null; then
-  echo "setup: installing the Python packages safetensors and numpy"
-  python3 -m pip install --quiet safetensors numpy ||
-    python3 -m pip install --quiet --break-system-packages safetensors numpy
+# The checkpoint tests read our safetensors files with the reference Python package, and the
+# event-file test reads TensorBoard scalars with TensorBoard's own reader.
+if ! python3 -c "import safetensors.numpy, tensorboard" 2>/dev/null; then
+  echo "setup: installing the Python packages safetensors, numpy and tensorboard"
+  python3 -m pip install --quiet safetensors numpy tensorboard ||
+    python3 -m pip install --quiet --break-system-packages safetensors numpy tensorboard
 fi
 
 # The cuDNN frontend's headers (attention on the GPU) come from its Python package.

@@ -542,6 +542,11 @@ std::vector<ConfigKey> build_keys() {
   keys.push_back(integer_key(
       "log_every", S::Run, [](auto& c) -> auto& { return c.run.log_every; }, {1},
       "Print the loss, throughput and MFU every N steps."));
+  keys.push_back(boolean_key(
+      "tensorboard", S::Run, [](auto& c) -> auto& { return c.run.tensorboard; },
+      "Write TensorBoard event files into the run folder beside metrics.jsonl: every step's "
+      "loss, lr, grad norm, throughput, MFU, memory and validation loss as scalars "
+      "(`tensorboard --logdir RUN_FOLDER`; docs/training.md)."));
   keys.push_back(gpt_only(integer_key(
       "sample_tokens", S::Run, [](auto& c) -> auto& { return c.run.sample_tokens; }, {0},
       "Tokens to generate from the trained model at the end; 0: no sample.")));

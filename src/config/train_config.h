@@ -47,6 +47,7 @@ struct RunSection {
   int64_t save_every = -1;       // -1 or 0: a checkpoint only at the end
   int64_t keep_checkpoints = 0;  // 0: every checkpoint stays
   int64_t log_every = 1;
+  bool tensorboard = true;  // TensorBoard event files in the run folder
   int64_t sample_tokens = 0;  // 0: no sample at the end
   int64_t eval_every = 250;   // -1 or 0: no evaluation
   int64_t eval_iters = 100;   // micro-batches per evaluation

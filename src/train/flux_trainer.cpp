@@ -253,7 +253,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     return sum / double(config.run.eval_iters);
   };
 
-  RunLog log(run_folder, ::isatty(STDERR_FILENO) != 0, /*writes=*/leader);
+  RunLog log(run_folder, ::isatty(STDERR_FILENO) != 0, /*writes=*/leader, config.run.tensorboard);
   const auto write_grid = [&](int64_t at_step) {
     const fs::path path = flux_sample_grid_path(run_folder, at_step);
     fs::create_directories(path.parent_path());

@@ -63,11 +63,32 @@ double available_memory_bytes() {
   return proc_kib("/proc/meminfo", "MemAvailable");
 }
 
-RunLog::RunLog(const std::filesystem::path& run_folder, bool terminal, bool writes)
+RunLog::RunLog(const std::filesystem::path& run_folder, bool terminal, bool writes,
+               bool tensorboard)
     : jsonl_path_(run_folder / "metrics.jsonl"), terminal_(terminal && writes), writes_(writes) {
   if (!writes) return;
   jsonl_.open(jsonl_path_, std::ios::app);
   if (!jsonl_) throw Error(fmt::format("{}: cannot open for writing", jsonl_path_.string()));
+  if (tensorboard) tensorboard_ = std::make_unique<io::TfEventsWriter>(run_folder);
+}
+
+std::vector<std::pair<std::string, float>> RunLog::tensorboard_scalars(const StepMetrics& m) {
+  std::vector<std::pair<std::string, float>> values = {
+      {"train/loss", static_cast<float>(m.loss)},
+      {"train/lr", static_cast<float>(m.lr)},
+      {"train/lr_multiplier", static_cast<float>(m.lr_multiplier)},
+      {"train/grad_norm", static_cast<float>(m.grad_norm)},
+      {"perf/step_seconds", static_cast<float>(m.step_seconds)},
+      {"perf/flops_per_second", static_cast<float>(m.flops_per_second)},
+      {"memory/bytes", static_cast<float>(m.memory_bytes)}};
+  if (m.samples_per_second) {
+    values.emplace_back("perf/samples_per_second", static_cast<float>(*m.samples_per_second));
+  } else {
+    values.emplace_back("perf/tokens_per_second", static_cast<float>(m.tokens_per_second));
+  }
+  if (m.mfu) values.emplace_back("perf/mfu", static_cast<float>(*m.mfu));
+  if (m.val_loss) values.emplace_back("val/loss", static_cast<float>(*m.val_loss));
+  return values;
 }
 
 RunLog::~RunLog() {
@@ -114,6 +135,7 @@ void RunLog::step(const StepMetrics& m, bool print) {
   if (m.samples_per_second) record["samples_per_second"] = *m.samples_per_second;
   jsonl_ << record.dump() << '\n' << std::flush;
   if (!jsonl_) throw Error(fmt::format("{}: cannot write", jsonl_path_.string()));
+  if (tensorboard_) tensorboard_->scalars(m.step, tensorboard_scalars(m));
   if (print) {
     clear_bar();
     fmt::print("{}\n", step_line(m));

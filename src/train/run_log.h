@@ -1,5 +1,6 @@
 // What a run shows while it trains: a line per logged step, a progress bar on a terminal, the
-// same metrics as JSON lines in the run folder, and a summary at the end.
+// same metrics as JSON lines in the run folder (and as TensorBoard scalars), and a summary at
+// the end.
 #pragma once
 
 #include <chrono>
@@ -8,8 +9,13 @@
 #include <deque>
 #include <filesystem>
 #include <fstream>
+#include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
+
+#include "io/tfevents.h"
 
 namespace fp8t::train {
 
@@ -57,8 +63,11 @@ class RunLog {
  public:
   // Appends to RUN/metrics.jsonl (a resumed run continues the same file). `terminal`: draw a
   // progress bar on stderr between the step lines. `writes` false: a silent log, for the ranks
-  // of a data-parallel job other than rank 0.
-  RunLog(const std::filesystem::path& run_folder, bool terminal, bool writes = true);
+  // of a data-parallel job other than rank 0. `tensorboard`: also a new TensorBoard event file
+  // in RUN (a resumed run adds one; TensorBoard reads them as one run), with the scalars of
+  // tensorboard_scalars() at each step.
+  RunLog(const std::filesystem::path& run_folder, bool terminal, bool writes = true,
+         bool tensorboard = false);
   ~RunLog();
   RunLog(const RunLog&) = delete;
   RunLog& operator=(const RunLog&) = delete;
@@ -71,6 +80,11 @@ class RunLog {
   void event(const std::string& kind, const std::string& message);
 
   static std::string step_line(const StepMetrics& metrics);
+  // The TensorBoard scalars of a step, by tag: train/loss, train/lr, train/lr_multiplier,
+  // train/grad_norm, val/loss (steps that evaluate), perf/tokens_per_second or (Flux)
+  // perf/samples_per_second, perf/step_seconds, perf/flops_per_second, perf/mfu (GPUs),
+  // memory/bytes.
+  static std::vector<std::pair<std::string, float>> tensorboard_scalars(const StepMetrics& metrics);
 
  private:
   void clear_bar();
@@ -78,6 +92,7 @@ class RunLog {
 
   std::ofstream jsonl_;
   std::filesystem::path jsonl_path_;
+  std::unique_ptr<io::TfEventsWriter> tensorboard_;
   bool terminal_;
   bool writes_;
   bool bar_drawn_ = false;

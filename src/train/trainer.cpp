@@ -340,7 +340,7 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
     return sum / double(config.run.eval_iters);
   };
 
-  RunLog log(run_folder, ::isatty(STDERR_FILENO) != 0, /*writes=*/leader);
+  RunLog log(run_folder, ::isatty(STDERR_FILENO) != 0, /*writes=*/leader, config.run.tensorboard);
 
   // After nan_restore_after bad steps in a row: the last good checkpoint, with the remedies.
   const auto restore_last_good = [&](int64_t steps_done) -> std::optional<int64_t> {
