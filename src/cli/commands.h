@@ -183,6 +183,29 @@ struct PlotOptions {
 // (docs/cli.md), and prints each run's last value as a table.
 int run_plot(const PlotOptions& options);
 
+struct CompareOptions {
+  std::vector<std::string> run_folders;  // each holds metrics.jsonl; the first is the reference
+  std::string output = "comparison.html";
+  double tolerance = 5.0;  // percent
+  int smooth = 25;         // moving average over this many logged values
+};
+
+// Writes the HTML report of the runs against the first (train/run_comparison.h) and prints
+// the verdicts; kExitProblemFound when a run's smoothed loss is not within the tolerance.
+int run_compare(const CompareOptions& options);
+
+struct ConvergenceOptions {
+  std::vector<std::string> config_args;  // --config FILE and key overrides, as `train` takes
+  int64_t steps = 0;                     // 0: the configuration's train_iters
+  double tolerance = 5.0;
+  int smooth = 25;
+};
+
+// Trains the configuration twice, in BF16 (fp8: none) as RUN-bf16 and as configured as
+// RUN-fp8, then compares them as run_compare does into OUTPUT_DIR/RUN-convergence.html.
+// Throws fp8t::ConfigError when the configuration does not train in FP8.
+int run_convergence(const ConvergenceOptions& options);
+
 struct DataCheckOptions {
   // The Flux preset whose input widths the shards must match, or "none".
   std::string model = "flux_535m";

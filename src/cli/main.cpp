@@ -318,6 +318,43 @@ int main(int argc, char** argv) {
                    "Run folders holding metrics.jsonl; the first is the reference")
       ->required();
 
+  fp8t::cli::CompareOptions compare_options;
+  CLI::App* compare = app.add_subcommand(
+      "compare", "Compare runs against the first: a verdict per run and an HTML report of curves");
+  compare
+      ->add_option("runs", compare_options.run_folders,
+                   "Run folders holding metrics.jsonl; the first is the reference (at most 8)")
+      ->required()
+      ->expected(2, 8);
+  compare->add_option("--output", compare_options.output, "The HTML file to write")
+      ->capture_default_str();
+  // What decides a verdict, for compare and convergence.
+  const auto add_verdict_options = [](CLI::App* command, double& tolerance, int& smooth) {
+    command
+        ->add_option("--tolerance", tolerance,
+                     "Percent a run's smoothed loss may differ from the reference's")
+        ->capture_default_str()
+        ->check(CLI::NonNegativeNumber);
+    command->add_option("--smooth", smooth, "Moving average over this many logged values (1: none)")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 1000000));
+  };
+  add_verdict_options(compare, compare_options.tolerance, compare_options.smooth);
+
+  fp8t::cli::ConvergenceOptions convergence_options;
+  CLI::App* convergence = app.add_subcommand(
+      "convergence",
+      "Train a configuration in BF16 and then as configured (FP8), and compare the two runs");
+  convergence->allow_extras();  // the configuration's arguments, as `train` takes them
+  convergence
+      ->add_option("--steps", convergence_options.steps,
+                   "Steps of each run (default: the configuration's train_iters)")
+      ->check(CLI::Range(int64_t{1}, int64_t{1} << 40));
+  add_verdict_options(convergence, convergence_options.tolerance, convergence_options.smooth);
+  convergence->footer(
+      "Other arguments: --config FILE and overrides, as for train. Writes runs OUTPUT_DIR/RUN-bf16 "
+      "and RUN-fp8 and the report OUTPUT_DIR/RUN-convergence.html (docs/cli.md).");
+
   fp8t::cli::TokenizeOptions tokenize_options;
   CLI::App* tokenize = app.add_subcommand(
       "tokenize", "Turn text files into token shards, training the BPE tokenizer when asked");
@@ -393,6 +430,11 @@ int main(int argc, char** argv) {
     if (*train) return fp8t::cli::run_train(train->remaining());
     if (*sample) return fp8t::cli::run_sample(sample_options);
     if (*plot) return fp8t::cli::run_plot(plot_options);
+    if (*compare) return fp8t::cli::run_compare(compare_options);
+    if (*convergence) {
+      convergence_options.config_args = convergence->remaining();
+      return fp8t::cli::run_convergence(convergence_options);
+    }
     if (*bench_gpt) return fp8t::cli::run_bench_gpt(bench_options);
     if (*bench_flux) return fp8t::cli::run_bench_flux(bench_flux_options);
     if (*tune) return fp8t::cli::run_tune({.config_args = tune->remaining()});

@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <iterator>
 #include <map>
+#include <optional>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -293,6 +294,15 @@ void Canvas::text(int x, int y, std::string_view text, Rgb color, int scale) {
 }
 
 RunCurve read_run_curve(const fs::path& run_folder, const std::string& metric) {
+  std::optional<RunCurve> curve = read_logged_curve(run_folder, metric);
+  if (!curve) {
+    throw Error(fmt::format("{}: no step has a value of '{}'",
+                            (run_folder / "metrics.jsonl").string(), metric));
+  }
+  return std::move(*curve);
+}
+
+std::optional<RunCurve> read_logged_curve(const fs::path& run_folder, const std::string& metric) {
   const fs::path path = run_folder / "metrics.jsonl";
   const std::string text = read_file(path);
   std::map<int64_t, double> by_step;  // a later line for the same step replaces the earlier one
@@ -325,9 +335,7 @@ RunCurve read_run_curve(const fs::path& run_folder, const std::string& metric) {
     }
     by_step[step->get<int64_t>()] = value->get<double>();
   }
-  if (by_step.empty()) {
-    throw Error(fmt::format("{}: no step has a value of '{}'", path.string(), metric));
-  }
+  if (by_step.empty()) return std::nullopt;
   // The folder's name, also for "runs/a/" and ".".
   fs::path folder = fs::absolute(run_folder).lexically_normal();
   if (!folder.has_filename()) folder = folder.parent_path();

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <optional>
 #include <span>
 #include <string>
 #include <string_view>
@@ -65,6 +66,10 @@ struct RunCurve {
 // resumed run) keeps its later value. The curve is named after the folder. Throws fp8t::Error
 // naming the file: missing, a line that does not parse (FILE:LINE), or no record with `metric`.
 RunCurve read_run_curve(const std::filesystem::path& run_folder, const std::string& metric);
+// The same, with nothing instead of the error when no record holds `metric` (a metric the run
+// never logs, such as samples_per_second of a GPT run).
+std::optional<RunCurve> read_logged_curve(const std::filesystem::path& run_folder,
+                                          const std::string& metric);
 
 // The mean of each value and the `window` − 1 before it (fewer at the start).
 std::vector<double> moving_average(std::span<const double> values, int window);

@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "io/base64.h"
 #include "io/files.h"
 
 namespace fp8t::tokenizer {
@@ -208,56 +209,6 @@ bool merge_pair(std::vector<int32_t>& ids, int32_t left, int32_t right, int32_t 
   }
   ids.resize(out);
   return changed;
-}
-
-// --- base64 (RFC 4648, standard alphabet, padded), as tiktoken files use ---
-
-constexpr std::string_view kBase64Alphabet =
-    "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
-std::string base64_encode(std::string_view bytes) {
-  std::string text;
-  text.reserve((bytes.size() + 2) / 3 * 4);
-  for (size_t i = 0; i < bytes.size(); i += 3) {
-    const size_t n = std::min<size_t>(3, bytes.size() - i);
-    uint32_t group = 0;
-    for (size_t k = 0; k < 3; ++k) {
-      const uint32_t byte = k < n ? static_cast<unsigned char>(bytes[i + k]) : 0u;
-      group = (group << 8) | byte;
-    }
-    for (size_t k = 0; k < 4; ++k) {
-      text.push_back(k <= n ? kBase64Alphabet[(group >> (18 - 6 * k)) & 63] : '=');
-    }
-  }
-  return text;
-}
-
-// Strict decoding: a multiple of 4 characters, padding only at the end, no other characters.
-bool base64_decode(std::string_view text, std::string& bytes) {
-  if (text.empty() || text.size() % 4 != 0) return false;
-  bytes.clear();
-  for (size_t i = 0; i < text.size(); i += 4) {
-    const bool last = i + 4 == text.size();
-    uint32_t group = 0;
-    int padding = 0;
-    for (size_t k = 0; k < 4; ++k) {
-      const char c = text[i + k];
-      uint32_t value = 0;
-      if (c == '=') {
-        if (!last || k < 2) return false;
-        ++padding;
-      } else {
-        if (padding > 0) return false;
-        const size_t found = kBase64Alphabet.find(c);
-        if (found == std::string_view::npos) return false;
-        value = static_cast<uint32_t>(found);
-      }
-      group = (group << 6) | value;
-    }
-    for (int k = 0; k < 3 - padding; ++k)
-      bytes.push_back(static_cast<char>((group >> (16 - 8 * k)) & 0xff));
-  }
-  return true;
 }
 
 }  // namespace
@@ -463,7 +414,7 @@ int32_t BpeTokenizer::special_token_id(std::string_view name) const {
 void BpeTokenizer::save(const std::filesystem::path& path) const {
   std::string ranks_text;
   for (size_t rank = 0; rank < token_bytes_.size(); ++rank) {
-    ranks_text += fmt::format("{} {}\n", base64_encode(token_bytes_[rank]), rank);
+    ranks_text += fmt::format("{} {}\n", io::base64_encode(token_bytes_[rank]), rank);
   }
   nlohmann::ordered_json sidecar = {{"format", kSidecarFormat},
                                     {"version", kSidecarVersion},
@@ -499,7 +450,7 @@ BpeTokenizer BpeTokenizer::load(const std::filesystem::path& path) {
       fail("expected 'BASE64 RANK', found '" + std::string(line.substr(0, 80)) + "'");
     }
     std::string bytes;
-    if (!base64_decode(line.substr(0, space), bytes)) {
+    if (!io::base64_decode(line.substr(0, space), bytes)) {
       fail(fmt::format("'{}' is not valid base64", line.substr(0, std::min<size_t>(space, 80))));
     }
     const std::string_view rank_text = line.substr(space + 1);
