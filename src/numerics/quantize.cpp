@@ -41,9 +41,17 @@ float amax(const T* x, int64_t count) {
 
 template <typename T>
 void quantize(const T* x, int64_t count, float scale, Fp8Format format, uint8_t* out,
-              float* amax_out) {
-  for (int64_t i = 0; i < count; ++i)
-    out[i] = encode(to_float(x[i]) * scale, format, Saturation::Saturate);
+              float* amax_out, CastHealth* health) {
+  const float maximum = format_max(format);
+  for (int64_t i = 0; i < count; ++i) {
+    const float value = to_float(x[i]);
+    const float scaled = value * scale;
+    out[i] = encode(scaled, format, Saturation::Saturate);
+    if (health != nullptr) {
+      health->saturated += cast_saturates(scaled, maximum) ? 1 : 0;
+      health->underflow += cast_underflows(value, out[i]) ? 1 : 0;
+    }
+  }
   if (amax_out != nullptr) {
     *amax_out = bits_to_float(std::max(abs_bits(*amax_out), amax_bits(x, count)));
   }
@@ -51,9 +59,9 @@ void quantize(const T* x, int64_t count, float scale, Fp8Format format, uint8_t*
 
 template <typename T>
 void quantize_transpose(const T* x, int64_t rows, int64_t cols, float scale, Fp8Format format,
-                        uint8_t* out, uint8_t* out_t, float* amax_out) {
+                        uint8_t* out, uint8_t* out_t, float* amax_out, CastHealth* health) {
   check_shape(rows, cols);
-  quantize(x, rows * cols, scale, format, out, amax_out);
+  quantize(x, rows * cols, scale, format, out, amax_out, health);
   for (int64_t r = 0; r < rows; ++r) {
     for (int64_t c = 0; c < cols; ++c)
       out_t[c * rows + r] = out[r * cols + c];
@@ -131,9 +139,9 @@ void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const Block
 
 #define FP8T_INSTANTIATE_QUANTIZE(T)                                                               \
   template float amax<T>(const T*, int64_t);                                                       \
-  template void quantize<T>(const T*, int64_t, float, Fp8Format, uint8_t*, float*);                \
+  template void quantize<T>(const T*, int64_t, float, Fp8Format, uint8_t*, float*, CastHealth*);   \
   template void quantize_transpose<T>(const T*, int64_t, int64_t, float, Fp8Format, uint8_t*,      \
-                                      uint8_t*, float*);                                           \
+                                      uint8_t*, float*, CastHealth*);                              \
   template void quantize_blocks<T>(const T*, int64_t, int64_t, const BlockQuantization&, uint8_t*, \
                                    void*);                                                         \
   template void quantize_transpose_blocks<T>(const T*, int64_t, int64_t, const BlockQuantization&, \

@@ -19,16 +19,36 @@ namespace fp8t {
 template <typename T>
 float amax(const T* x, int64_t count);
 
+// What a cast did to its values, for FP8 statistics: the elements whose scaled value lies
+// beyond the format's largest finite value (saturated to ±max), and the non-zero elements whose
+// scaled value encodes to zero (underflow). NaNs count as neither. The counts accumulate over
+// calls; the element count is the caller's.
+struct CastHealth {
+  unsigned long long saturated = 0;
+  unsigned long long underflow = 0;
+};
+
+// One element's part of CastHealth: `value` the cast's input, `scaled` value·scale, `code` its
+// encoding.
+FP8T_HD inline bool cast_saturates(float scaled, float format_maximum) {
+  return scaled > format_maximum || scaled < -format_maximum;  // NaN: neither
+}
+FP8T_HD inline bool cast_underflows(float value, uint8_t code) {
+  return value != 0.0f && value == value && (code & 0x7Fu) == 0;  // ±0 in every format
+}
+
 // out[i] = encode_saturating(x[i] * scale): the per-tensor cast of delayed and tensorwise
-// scaling. When amax_out is not null, *amax_out = max(*amax_out, amax(x)) (NaN sticks).
+// scaling. When amax_out is not null, *amax_out = max(*amax_out, amax(x)) (NaN sticks); when
+// health is not null, the cast's counts are added to it.
 template <typename T>
 void quantize(const T* x, int64_t count, float scale, Fp8Format format, uint8_t* out,
-              float* amax_out);
+              float* amax_out, CastHealth* health = nullptr);
 
 // quantize() plus the transposed copy out_t [cols, rows] that dgrad and wgrad GEMMs read.
 template <typename T>
 void quantize_transpose(const T* x, int64_t rows, int64_t cols, float scale, Fp8Format format,
-                        uint8_t* out, uint8_t* out_t, float* amax_out);
+                        uint8_t* out, uint8_t* out_t, float* amax_out,
+                        CastHealth* health = nullptr);
 
 // out[i] = decode(q[i]) * scale_inv
 void dequantize(const uint8_t* q, int64_t count, float scale_inv, Fp8Format format, float* out);

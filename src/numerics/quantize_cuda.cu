@@ -60,6 +60,36 @@ __device__ void publish_amax(uint32_t local, float* amax_inout) {
   }
 }
 
+// One thread's CastHealth counts (quantize.h), added to the device's once per warp. Kernels
+// take kHealth as a template parameter, so that casts without statistics do no counting.
+struct HealthCounts {
+  uint32_t saturated = 0;
+  uint32_t underflow = 0;
+};
+
+template <Fp8Format kFormat>
+__device__ void count_cast(float value, float scaled, uint8_t code, HealthCounts& counts) {
+  counts.saturated += cast_saturates(scaled, format_max(kFormat)) ? 1u : 0u;
+  counts.underflow += cast_underflows(value, code) ? 1u : 0u;
+}
+
+// Every thread of the block calls this (full-warp reductions).
+__device__ void publish_health(const HealthCounts& counts, CastHealth* health) {
+  const uint32_t saturated = __reduce_add_sync(0xFFFFFFFFu, counts.saturated);
+  const uint32_t underflow = __reduce_add_sync(0xFFFFFFFFu, counts.underflow);
+  if (threadIdx.x % 32 == 0 && (saturated | underflow) != 0) {
+    atomicAdd(&health->saturated, static_cast<unsigned long long>(saturated));
+    atomicAdd(&health->underflow, static_cast<unsigned long long>(underflow));
+  }
+}
+
+// Calls launch(std::integral_constant<bool, B>{}) with B = (health != nullptr).
+template <typename Launch>
+void dispatch_health(const CastHealth* health, Launch&& launch) {
+  if (health != nullptr) return launch(std::true_type{});
+  launch(std::false_type{});
+}
+
 // 16 bytes of input: 8 bf16 or 4 float.
 template <typename T>
 struct alignas(16) InputVector {
@@ -117,18 +147,22 @@ __device__ float cast_input(T x, bf16 relu2_input) {
   }
 }
 
-// Scales and encodes one input vector, and folds the inputs into the amax.
-template <Fp8Format kFormat, CastInput kInput, typename T>
+// Scales and encodes one input vector, and folds the inputs into the amax (and, with kHealth,
+// the counts).
+template <Fp8Format kFormat, CastInput kInput, bool kHealth, typename T>
 __device__ ByteVector<InputVector<T>::kSize> scale_and_encode(const InputVector<T>& in,
                                                               const InputVector<bf16>& relu2_in,
-                                                              float scale, uint32_t& amax_bits) {
+                                                              float scale, uint32_t& amax_bits,
+                                                              HealthCounts& counts) {
   constexpr int kVec = InputVector<T>::kSize;
   ByteVector<kVec> bytes;
 #pragma unroll
   for (int k = 0; k < kVec; ++k) {
     const float value = cast_input<kInput>(in.values[k], relu2_in.values[k]);
     amax_bits = max(amax_bits, abs_bits(value));
-    bytes.values[k] = fp8t::encode(__fmul_rn(value, scale), kFormat, Saturation::Saturate);
+    const float scaled = __fmul_rn(value, scale);
+    bytes.values[k] = fp8t::encode(scaled, kFormat, Saturation::Saturate);
+    if constexpr (kHealth) count_cast<kFormat>(value, scaled, bytes.values[k], counts);
   }
   return bytes;
 }
@@ -171,17 +205,18 @@ void dispatch_cast_input(CastInput input, const bf16* relu2_input, Launch&& laun
 
 // Elementwise cast (with kQuantize) or amax only. Vector path for aligned full vectors,
 // scalar path for the tail.
-template <typename T, bool kQuantize, Fp8Format kFormat, CastInput kInput>
+template <typename T, bool kQuantize, Fp8Format kFormat, CastInput kInput, bool kHealth = false>
 __global__ void __launch_bounds__(kThreads)
     cast_amax_kernel(const T* __restrict__ x, const bf16* __restrict__ relu2_input, int64_t count,
                      const float* __restrict__ scale_ptr, uint8_t* __restrict__ out,
-                     float* amax_inout, bool vectorized) {
+                     float* amax_inout, bool vectorized, CastHealth* health = nullptr) {
   constexpr bool kTwoInputs = kInput == CastInput::Relu2Gradient;
   constexpr int kVec = InputVector<T>::kSize;
   const float scale = kQuantize ? *scale_ptr : 1.0f;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
   const int64_t first = blockIdx.x * int64_t(blockDim.x) + threadIdx.x;
   uint32_t local_amax = 0;
+  HealthCounts counts;
   int64_t scalar_begin = 0;
   if (vectorized) {
     // Two independent 16-byte loads in flight per thread before their first use.
@@ -203,8 +238,8 @@ __global__ void __launch_bounds__(kThreads)
         const int64_t v = v0 + u * stride;
         if (v >= vectors) break;
         if constexpr (kQuantize) {
-          reinterpret_cast<ByteVector<kVec>*>(out)[v] =
-              scale_and_encode<kFormat, kInput>(in[u], relu2_in[u], scale, local_amax);
+          reinterpret_cast<ByteVector<kVec>*>(out)[v] = scale_and_encode<kFormat, kInput, kHealth>(
+              in[u], relu2_in[u], scale, local_amax, counts);
         } else {
 #pragma unroll
           for (int k = 0; k < kVec; ++k) {
@@ -219,9 +254,13 @@ __global__ void __launch_bounds__(kThreads)
   for (int64_t i = scalar_begin + first; i < count; i += stride) {
     const float value = cast_input<kInput>(x[i], kTwoInputs ? relu2_input[i] : bf16{});
     local_amax = max(local_amax, abs_bits(value));
-    if constexpr (kQuantize)
-      out[i] = fp8t::encode(__fmul_rn(value, scale), kFormat, Saturation::Saturate);
+    if constexpr (kQuantize) {
+      const float scaled = __fmul_rn(value, scale);
+      out[i] = fp8t::encode(scaled, kFormat, Saturation::Saturate);
+      if constexpr (kHealth) count_cast<kFormat>(value, scaled, out[i], counts);
+    }
   }
+  if constexpr (kHealth) publish_health(counts, health);
   if (amax_inout != nullptr) publish_amax(local_amax, amax_inout);
 }
 
@@ -300,11 +339,11 @@ struct TransposeTile {
   }
 };
 
-template <typename T, Fp8Format kFormat, CastInput kInput>
+template <typename T, Fp8Format kFormat, CastInput kInput, bool kHealth>
 __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
     cast_transpose_kernel(TransposeTile<T> source, const float* __restrict__ scale_ptr,
-                          uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
-                          float* amax_inout) {
+                          uint8_t* __restrict__ out, uint8_t* __restrict__ out_t, float* amax_inout,
+                          CastHealth* health) {
   constexpr int kVec = TransposeTile<T>::kVec;
   constexpr int kTileColumns = TransposeTile<T>::kColumns;
   __shared__ alignas(16) uint32_t tile_t[kTileColumns * kTransposeRows / 4];
@@ -315,6 +354,7 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
   const int patch_column = threadIdx.x % kPatchColumns;
   const int patch_row = threadIdx.x / kPatchColumns;  // = the 32-bit word of a transposed column
   uint32_t local_amax = 0;
+  HealthCounts counts;
 
   // The next full tile's input is copied into shared memory while this one is converted and
   // stored: the loads of a tile no longer wait for the stores of the one before.
@@ -352,8 +392,10 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
         if constexpr (kTwoInputs)
           source.load_edge_row(source.relu2_input, t, patch_row, patch_column, i, relu2_in);
       }
+      // Edge patches hold zeros beyond the tensor, which count as neither saturated nor
+      // underflowed.
       const ByteVector<kVec> bytes =
-          scale_and_encode<kFormat, kInput>(in, relu2_in, scale, local_amax);
+          scale_and_encode<kFormat, kInput, kHealth>(in, relu2_in, scale, local_amax, counts);
 #pragma unroll
       for (int k = 0; k < kVec; ++k)
         column_words[k] |= uint32_t(bytes.values[k]) << (8 * i);
@@ -391,6 +433,7 @@ __global__ void __launch_bounds__(kThreads, kTransposeBlocksPerSm)
     }
     __syncthreads();  // the tile is rewritten by the next iteration
   }
+  if constexpr (kHealth) publish_health(counts, health);
   if (amax_inout != nullptr) publish_amax(local_amax, amax_inout);
 }
 
@@ -651,7 +694,8 @@ void scale_from_amax(const float* amax, float format_max, bool power_of_2, float
 
 template <typename T>
 void quantize(const T* x, int64_t count, const float* scale, Fp8Format format, uint8_t* out,
-              float* amax_inout, cudaStream_t stream, CastInput input, const bf16* relu2_input) {
+              float* amax_inout, cudaStream_t stream, CastInput input, const bf16* relu2_input,
+              CastHealth* health) {
   check_pointers(count, x, out);
   check_data_format(format);
   FP8T_CHECK(scale != nullptr, "scale must be a device pointer");
@@ -662,9 +706,12 @@ void quantize(const T* x, int64_t count, const float* scale, Fp8Format format, u
       aligned16(x) && aligned16(relu2_input) && reinterpret_cast<uintptr_t>(out) % kVec == 0;
   dispatch_cast_input<T>(input, relu2_input, [&](auto input_constant) {
     dispatch_data_format(format, [&](auto format_constant) {
-      cast_amax_kernel<T, true, decltype(format_constant)::value, decltype(input_constant)::value>
-          <<<elementwise_grid(count / kVec + 1), kThreads, 0, stream>>>(
-              x, relu2_input, count, scale, out, amax_inout, vectorized);
+      dispatch_health(health, [&](auto health_constant) {
+        cast_amax_kernel<T, true, decltype(format_constant)::value, decltype(input_constant)::value,
+                         decltype(health_constant)::value>
+            <<<elementwise_grid(count / kVec + 1), kThreads, 0, stream>>>(
+                x, relu2_input, count, scale, out, amax_inout, vectorized, health);
+      });
     });
   });
   FP8T_CUDA_CHECK_LAUNCH();
@@ -673,7 +720,8 @@ void quantize(const T* x, int64_t count, const float* scale, Fp8Format format, u
 template <typename T>
 void quantize_transpose(const T* x, int64_t rows, int64_t cols, const float* scale,
                         Fp8Format format, uint8_t* out, uint8_t* out_t, float* amax_inout,
-                        cudaStream_t stream, CastInput input, const bf16* relu2_input) {
+                        cudaStream_t stream, CastInput input, const bf16* relu2_input,
+                        CastHealth* health) {
   FP8T_CHECK(rows >= 0 && cols >= 0, "expected a non-negative shape, found [{}, {}]", rows, cols);
   check_pointers(rows * cols, x, out_t);
   check_pointers(rows * cols, out_t, scale);
@@ -694,9 +742,12 @@ void quantize_transpose(const T* x, int64_t rows, int64_t cols, const float* sca
   const int64_t tiles = source.tile_cols * source.row_bands;
   dispatch_cast_input<T>(input, relu2_input, [&](auto input_constant) {
     dispatch_data_format(format, [&](auto format_constant) {
-      cast_transpose_kernel<T, decltype(format_constant)::value, decltype(input_constant)::value>
-          <<<grid_for(tiles, kTransposeBlocksPerSm), kThreads, 0, stream>>>(source, scale, out,
-                                                                            out_t, amax_inout);
+      dispatch_health(health, [&](auto health_constant) {
+        cast_transpose_kernel<T, decltype(format_constant)::value, decltype(input_constant)::value,
+                              decltype(health_constant)::value>
+            <<<grid_for(tiles, kTransposeBlocksPerSm), kThreads, 0, stream>>>(
+                source, scale, out, out_t, amax_inout, health);
+      });
     });
   });
   FP8T_CUDA_CHECK_LAUNCH();
@@ -766,10 +817,10 @@ void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const Block
 #define FP8T_INSTANTIATE_CUDA_QUANTIZE(T)                                                          \
   template void amax<T>(const T*, int64_t, float*, cudaStream_t, CastInput, const bf16*);          \
   template void quantize<T>(const T*, int64_t, const float*, Fp8Format, uint8_t*, float*,          \
-                            cudaStream_t, CastInput, const bf16*);                                 \
+                            cudaStream_t, CastInput, const bf16*, CastHealth*);                    \
   template void quantize_transpose<T>(const T*, int64_t, int64_t, const float*, Fp8Format,         \
                                       uint8_t*, uint8_t*, float*, cudaStream_t, CastInput,         \
-                                      const bf16*);                                                \
+                                      const bf16*, CastHealth*);                                   \
   template void quantize_blocks<T>(const T*, int64_t, int64_t, const BlockQuantization&, uint8_t*, \
                                    void*, uint8_t*, void*, cudaStream_t);
 

@@ -38,11 +38,13 @@ void amax(const T* x, int64_t count, float* amax_inout, cudaStream_t stream,
 void scale_from_amax(const float* amax, float format_max, bool power_of_2, float epsilon,
                      float* scale, float* scale_inv, cudaStream_t stream);
 
-// Fused cast + amax: out = encode_saturating(input * *scale); amax_inout may be null.
+// Fused cast + amax: out = encode_saturating(input * *scale); amax_inout may be null. health
+// (a device CastHealth, quantize.h; may be null): the cast's saturated and underflowed elements
+// are added to it, counted as the cast goes (no second pass over the data).
 template <typename T>
 void quantize(const T* x, int64_t count, const float* scale, Fp8Format format, uint8_t* out,
               float* amax_inout, cudaStream_t stream, CastInput input = CastInput::Value,
-              const bf16* relu2_input = nullptr);
+              const bf16* relu2_input = nullptr, CastHealth* health = nullptr);
 
 // Fused cast + transpose + amax: out [rows, cols] (may be null: the transposed copy alone) and
 // out_t [cols, rows].
@@ -50,7 +52,7 @@ template <typename T>
 void quantize_transpose(const T* x, int64_t rows, int64_t cols, const float* scale,
                         Fp8Format format, uint8_t* out, uint8_t* out_t, float* amax_inout,
                         cudaStream_t stream, CastInput input = CastInput::Value,
-                        const bf16* relu2_input = nullptr);
+                        const bf16* relu2_input = nullptr, CastHealth* health = nullptr);
 
 // out = decode(q) · *scale_inv, stored as float or rounded to bf16.
 template <typename Out>

@@ -326,6 +326,60 @@ TYPED_TEST(CudaQuantize, CastTransposeAmaxMatchesReference) {
   }
 }
 
+// The device's CastHealth counts equal the CPU's.
+void expect_health(const DeviceBuffer<CastHealth>& health, const CastHealth& expected,
+                   const std::string& where) {
+  const CastHealth got = health.download()[0];
+  EXPECT_EQ(got.saturated, expected.saturated) << where << " saturated";
+  EXPECT_EQ(got.underflow, expected.underflow) << where << " underflow";
+}
+
+// Saturation and underflow counted by the cast kernels, on the vector and scalar paths and on
+// full and edge tiles: a scale 16 times the amax's saturates the largest values, and the random
+// magnitudes (2^-30 to 2^20) underflow the smallest.
+TYPED_TEST(CudaQuantize, CastHealthCountsMatchTheCpu) {
+  for (const Shape shape : kAwkwardShapes) {
+    const size_t count = static_cast<size_t>(shape.rows * shape.cols);
+    const auto n = static_cast<int64_t>(count);
+    const std::vector<TypeParam> x = random_tensor<TypeParam>(count, true);
+    DeviceBuffer<TypeParam> device_x(x);
+    for (Fp8Format format : kDataFormats) {
+      const float scale = 16.0f * realistic_scale(x, format);
+      const auto where = ::testing::Message()
+                         << format_name(format) << " [" << shape.rows << ", " << shape.cols << "]";
+      std::vector<uint8_t> expected(count), expected_t(count);
+      CastHealth expected_health;
+      quantize_transpose(x.data(), shape.rows, shape.cols, scale, format, expected.data(),
+                         expected_t.data(), nullptr, &expected_health);
+      if (count >= 4096) {  // the test must see both kinds
+        EXPECT_GT(expected_health.saturated, 0u) << where;
+        EXPECT_GT(expected_health.underflow, 0u) << where;
+      }
+      DeviceBuffer<float> device_scale(std::vector<float>{scale});
+      DeviceBuffer<uint8_t> out(count), out_t(count);
+      DeviceBuffer<CastHealth> health(std::vector<CastHealth>(1));
+      cuda::quantize(device_x.get(), n, device_scale.get(), format, out.get(), nullptr, nullptr,
+                     cuda::CastInput::Value, nullptr, health.get());
+      EXPECT_IDENTICAL(out.download(), expected, where << " cast");
+      expect_health(health, expected_health, ::testing::Message(where).GetString() + " cast");
+      DeviceBuffer<CastHealth> transposed_health(std::vector<CastHealth>(1));
+      cuda::quantize_transpose(device_x.get(), shape.rows, shape.cols, device_scale.get(), format,
+                               out.get(), out_t.get(), nullptr, nullptr, cuda::CastInput::Value,
+                               nullptr, transposed_health.get());
+      EXPECT_IDENTICAL(out_t.download(), expected_t, where << " transposed");
+      expect_health(transposed_health, expected_health,
+                    ::testing::Message(where).GetString() + " cast + transpose");
+      // A second cast adds to the counts.
+      cuda::quantize(device_x.get(), n, device_scale.get(), format, out.get(), nullptr, nullptr,
+                     cuda::CastInput::Value, nullptr, health.get());
+      CastHealth twice = expected_health;
+      twice.saturated *= 2;
+      twice.underflow *= 2;
+      expect_health(health, twice, ::testing::Message(where).GetString() + " cast, twice");
+    }
+  }
+}
+
 // A cast of `input` from x (and relu2_input, for Relu2Gradient) on the device against the CPU's
 // cast of what it reads, act [rows, cols]: the bytes and the amax of amax(), quantize() and
 // quantize_transpose(), with and without the row-major copy.
@@ -347,20 +401,29 @@ void expect_cast_input_matches(cuda::CastInput input, Shape shape, const DeviceB
     cuda::amax(x.get(), n, device_amax.get(), nullptr, input, relu2_input);
     EXPECT_IDENTICAL(device_amax.download(), std::vector<float>{expected_amax}, where << " amax");
 
+    CastHealth expected_health;
+    quantize(act.data(), n, scale, format, expected.data(), nullptr, &expected_health);
+
     DeviceBuffer<float> device_scale(std::vector<float>{scale});
     DeviceBuffer<float> cast_amax(std::vector<float>{0.0f});
     DeviceBuffer<uint8_t> out(count), out_t(count);
+    DeviceBuffer<CastHealth> health(std::vector<CastHealth>(1));
     cuda::quantize(x.get(), n, device_scale.get(), format, out.get(), cast_amax.get(), nullptr,
-                   input, relu2_input);
+                   input, relu2_input, health.get());
     EXPECT_IDENTICAL(out.download(), expected, where << " cast");
     EXPECT_IDENTICAL(cast_amax.download(), std::vector<float>{expected_amax},
                      where << " cast amax");
+    expect_health(health, expected_health, ::testing::Message(where).GetString() + " cast");
 
     DeviceBuffer<uint8_t> both(count), both_t(count);
+    DeviceBuffer<CastHealth> both_health(std::vector<CastHealth>(1));
     cuda::quantize_transpose(x.get(), shape.rows, shape.cols, device_scale.get(), format,
-                             both.get(), both_t.get(), nullptr, nullptr, input, relu2_input);
+                             both.get(), both_t.get(), nullptr, nullptr, input, relu2_input,
+                             both_health.get());
     EXPECT_IDENTICAL(both.download(), expected, where << " cast + transpose");
     EXPECT_IDENTICAL(both_t.download(), expected_t, where << " cast + transpose, transposed");
+    expect_health(both_health, expected_health,
+                  ::testing::Message(where).GetString() + " cast + transpose");
     cuda::quantize_transpose(x.get(), shape.rows, shape.cols, device_scale.get(), format, nullptr,
                              out_t.get(), nullptr, nullptr, input, relu2_input);
     EXPECT_IDENTICAL(out_t.download(), expected_t, where << " transposed alone");

@@ -223,6 +223,41 @@ void check_quantize_transpose(TestRng& rng, Fp8Format format, Shape shape) {
   EXPECT_EQ(running, amplitude);
 }
 
+// Crafted values around each format's largest value and smallest subnormal: which saturate,
+// which underflow, which are neither (zero, NaN, the largest value itself, what rounds up to the
+// smallest subnormal), counted the same by quantize_transpose, and accumulated over calls.
+TEST(CastHealth, CountsSaturationAndUnderflowOnCraftedInputs) {
+  for (Fp8Format format : kDataFormats) {
+    SCOPED_TRACE(format_name(format));
+    const float top = format_max(format);
+    const float tiny = decode(1, format);  // the smallest positive subnormal
+    const float nan = std::numeric_limits<float>::quiet_NaN();
+    const float inf = std::numeric_limits<float>::infinity();
+    // With scale 2: the saturated are 0.6·top, −top, inf; the underflowed 0.2·tiny, −0.2·tiny
+    // and tiny/8 (scaled: below half the smallest subnormal).
+    const std::vector<float> x = {0.6f * top, -top, inf,   0.5f * top, 0.2f * tiny, -0.2f * tiny,
+                                  tiny / 8,   0.0f, -0.0f, nan,        0.3f * tiny, 1.0f};
+    const float scale = 2.0f;
+    std::vector<uint8_t> out(x.size()), out_t(x.size());
+    CastHealth health;
+    quantize(x.data(), std::ssize(x), scale, format, out.data(), nullptr, &health);
+    EXPECT_EQ(health.saturated, 3u);
+    EXPECT_EQ(health.underflow, 3u);
+    for (size_t i = 0; i < x.size(); ++i) {  // the counts describe the codes written
+      const float scaled = x[i] * scale;
+      if (cast_underflows(x[i], out[i])) {
+        EXPECT_EQ(decode(out[i], format), 0.0f) << i;
+      }
+      if (cast_saturates(scaled, top)) {
+        EXPECT_EQ(std::fabs(decode(out[i], format)), top) << i;
+      }
+    }
+    quantize_transpose(x.data(), 3, 4, scale, format, out.data(), out_t.data(), nullptr, &health);
+    EXPECT_EQ(health.saturated, 6u);  // accumulated
+    EXPECT_EQ(health.underflow, 6u);
+  }
+}
+
 TEST(QuantizeTranspose, OutTIsTheTransposeOnAwkwardShapes) {
   TestRng rng;
   SCOPED_TRACE(rng.trace());
