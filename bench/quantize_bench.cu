@@ -84,6 +84,7 @@ int run(int argc, char** argv) {
   bf16 *x = nullptr, *copy_target = nullptr;
   uint8_t *out = nullptr, *out_t = nullptr, *scales = nullptr, *scales_t = nullptr;
   float *scale = nullptr, *amax = nullptr;
+  fp8t::CastHealth* health = nullptr;
   const int64_t scale_bytes =
       (rows / 32 + 1) * (cols / 32 + 1) * 32;  // enough for every block grid
   FP8T_CUDA_CHECK(cudaMalloc(&x, n * sizeof(bf16)));
@@ -94,6 +95,8 @@ int run(int argc, char** argv) {
   FP8T_CUDA_CHECK(cudaMalloc(&scales_t, scale_bytes));
   FP8T_CUDA_CHECK(cudaMalloc(&scale, sizeof(float)));
   FP8T_CUDA_CHECK(cudaMalloc(&amax, sizeof(float)));
+  FP8T_CUDA_CHECK(cudaMalloc(&health, sizeof(fp8t::CastHealth)));
+  FP8T_CUDA_CHECK(cudaMemset(health, 0, sizeof(fp8t::CastHealth)));
   fill_random<<<1024, 256>>>(x, n, 12345u);
   FP8T_CUDA_CHECK_LAUNCH();
   const float one = 1.0f;
@@ -117,6 +120,14 @@ int run(int argc, char** argv) {
   measure("cast + transpose + amax (e4m3)", input_bytes + 2.0 * n, [&] {
     fp8t::cuda::quantize_transpose(x, rows, cols, scale, fp8t::Fp8Format::E4M3, out, out_t, amax,
                                    nullptr);
+  });
+  measure("cast + amax + saturation/underflow counts (e4m3)", input_bytes + n, [&] {
+    fp8t::cuda::quantize(x, n, scale, fp8t::Fp8Format::E4M3, out, amax, nullptr,
+                         fp8t::cuda::CastInput::Value, nullptr, health);
+  });
+  measure("cast + transpose + amax + counts (e4m3)", input_bytes + 2.0 * n, [&] {
+    fp8t::cuda::quantize_transpose(x, rows, cols, scale, fp8t::Fp8Format::E4M3, out, out_t, amax,
+                                   nullptr, fp8t::cuda::CastInput::Value, nullptr, health);
   });
   measure("cast + amax (e4m3fnuz, software)", input_bytes + n, [&] {
     fp8t::cuda::quantize(x, n, scale, fp8t::Fp8Format::E4M3FNUZ, out, amax, nullptr);
@@ -148,7 +159,7 @@ int run(int argc, char** argv) {
   for (void* pointer :
        {static_cast<void*>(x), static_cast<void*>(copy_target), static_cast<void*>(out),
         static_cast<void*>(out_t), static_cast<void*>(scales), static_cast<void*>(scales_t),
-        static_cast<void*>(scale), static_cast<void*>(amax)}) {
+        static_cast<void*>(scale), static_cast<void*>(amax), static_cast<void*>(health)}) {
     FP8T_CUDA_CHECK(cudaFree(pointer));
   }
   return 0;
