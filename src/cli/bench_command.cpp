@@ -86,32 +86,6 @@ struct Measurement {
   std::vector<gemm::CublasLtGemm::TuningRecord> tuning_records;
 };
 
-class Events {
- public:
-  explicit Events(int count) : events_(static_cast<size_t>(count)) {
-    for (cudaEvent_t& event : events_)
-      FP8T_CUDA_CHECK(cudaEventCreate(&event));
-  }
-  ~Events() {
-    for (cudaEvent_t event : events_)
-      cudaEventDestroy(event);
-  }
-  Events(const Events&) = delete;
-  Events& operator=(const Events&) = delete;
-  void record(int index, cudaStream_t stream) {
-    FP8T_CUDA_CHECK(cudaEventRecord(events_[static_cast<size_t>(index)], stream));
-  }
-  double ms(int from, int to) const {
-    float elapsed = 0.0f;
-    FP8T_CUDA_CHECK(cudaEventElapsedTime(&elapsed, events_[static_cast<size_t>(from)],
-                                         events_[static_cast<size_t>(to)]));
-    return elapsed;
-  }
-
- private:
-  std::vector<cudaEvent_t> events_;
-};
-
 // One measured run: BF16, or FP8 with a recipe, with or without FP8 attention, with or without
 // GEMM autotuning (unset: as training does).
 struct RunKind {
@@ -125,7 +99,7 @@ struct RunKind {
 // cache file in the cache folder), with `autotune`, when given, in place of FP8TRAIN_AUTOTUNE.
 gemm::GemmTuning bench_tuning(std::optional<bool> autotune) {
   gemm::GemmTuningRequest request;
-  request.gemm_tuning_cache = (train::cache_folder() / "gemm_tuning.json").string();
+  request.gemm_tuning_cache = train::default_gemm_tuning_cache().string();
   if (autotune) request.gemm_autotune = *autotune;
   return gemm::resolve_gemm_tuning(request, [autotune](const char* name) -> const char* {
     if (autotune && std::string_view(name) == "FP8TRAIN_AUTOTUNE") return nullptr;
@@ -133,9 +107,16 @@ gemm::GemmTuning bench_tuning(std::optional<bool> autotune) {
   });
 }
 
+// Without --gemm-autotune the runs follow training's selection: its log lines, once.
+void print_tuning_notes(const BenchTiming& timing) {
+  if (!timing.gemm_autotune.empty()) return;
+  for (const std::string& note : bench_tuning(std::nullopt).notes)
+    fmt::print("{}\n", note);
+}
+
 // ", autotuned" when the tuning times any GEMMs.
 std::string tuning_suffix(const gemm::GemmTuning& tuning) {
-  return tuning.autotune_bf16 || tuning.autotune_fp8 ? ", autotuned" : "";
+  return tuning.autotunes_any() ? ", autotuned" : "";
 }
 
 std::string run_name(const RunKind& run, const std::string& formats) {
@@ -167,7 +148,7 @@ struct StepParts {
 // and fills result's medians and peak memory.
 void time_steps(const BenchTiming& timing, cudaStream_t stream, const StepParts& parts,
                 Measurement& result) {
-  Events events(4);
+  TimingEvents events(4);
   std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms, issue_ms;
   std::array<std::vector<double>, kStepPhases> phase_ms;
   std::vector<double> other_ms;
@@ -556,10 +537,7 @@ int run_bench_gpt(const BenchGptOptions& options) {
 
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  if (options.timing.gemm_autotune.empty()) {
-    for (const std::string& note : bench_tuning(std::nullopt).notes)
-      fmt::print("{}\n", note);
-  }
+  print_tuning_notes(options.timing);
   const std::vector<Measurement> results = measure_runs(
       options.precisions, options.fp8_recipes, options.fp8_attention, options.timing.gemm_autotune,
       "tokens/s", [&](const RunKind& run) {
@@ -590,10 +568,7 @@ int run_bench_flux(const BenchFluxOptions& options) {
 
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  if (options.timing.gemm_autotune.empty()) {
-    for (const std::string& note : bench_tuning(std::nullopt).notes)
-      fmt::print("{}\n", note);
-  }
+  print_tuning_notes(options.timing);
   const std::vector<Measurement> results = measure_runs(
       options.precisions, options.fp8_recipes, options.fp8_attention, options.timing.gemm_autotune,
       "samples/s", [&](const RunKind& run) {
@@ -690,7 +665,7 @@ int run_tune(const TuneOptions& options) {
   TrainConfig config = load_train_config(options.config_args);
   config.run.gemm_autotune = true;
   const gemm::GemmTuning tuning = train::run_gemm_tuning(config);
-  if (!tuning.autotune_bf16 && !tuning.autotune_fp8) {
+  if (!tuning.autotunes_any()) {
     std::string why;
     for (const std::string& note : tuning.notes)
       why += (why.empty() ? "" : "; ") + note;

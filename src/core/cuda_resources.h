@@ -1,9 +1,10 @@
 // Small owners of CUDA resources the GPU engines and benchmarks share (CUDA builds only): a
-// stream, pinned host floats for results read after a synchronization, and the device memory in
-// use.
+// stream, timing events, pinned host floats for results read after a synchronization, and the
+// device memory in use.
 #pragma once
 
 #include <cstddef>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -28,6 +29,37 @@ class CudaStream {
 
  private:
   cudaStream_t stream_ = nullptr;
+};
+
+// Events recorded on a stream to time the work between them.
+class TimingEvents {
+ public:
+  explicit TimingEvents(int count) : events_(static_cast<size_t>(count)) {
+    for (cudaEvent_t& event : events_)
+      FP8T_CUDA_CHECK(cudaEventCreate(&event));
+  }
+  ~TimingEvents() {
+    for (cudaEvent_t event : events_)
+      cudaEventDestroy(event);
+  }
+  TimingEvents(const TimingEvents&) = delete;
+  TimingEvents& operator=(const TimingEvents&) = delete;
+  void record(int index, cudaStream_t stream) {
+    FP8T_CUDA_CHECK(cudaEventRecord(events_[static_cast<size_t>(index)], stream));
+  }
+  void synchronize(int index) const {
+    FP8T_CUDA_CHECK(cudaEventSynchronize(events_[static_cast<size_t>(index)]));
+  }
+  // Milliseconds from event `from` to event `to`, both recorded and complete.
+  double ms(int from, int to) const {
+    float elapsed = 0.0f;
+    FP8T_CUDA_CHECK(cudaEventElapsedTime(&elapsed, events_[static_cast<size_t>(from)],
+                                         events_[static_cast<size_t>(to)]));
+    return elapsed;
+  }
+
+ private:
+  std::vector<cudaEvent_t> events_;
 };
 
 // A few floats the device writes and the host reads after a synchronization.

@@ -19,6 +19,7 @@
 #include <fmt/format.h>
 
 #include "core/cuda_check.h"
+#include "core/cuda_resources.h"
 #include "core/device_buffer.h"
 #include "core/error.h"
 #include "core/phase_timer.h"
@@ -409,30 +410,6 @@ class ScratchMemory {
   void* data_ = nullptr;
 };
 
-class EventPair {
- public:
-  EventPair() {
-    FP8T_CUDA_CHECK(cudaEventCreate(&start_));
-    FP8T_CUDA_CHECK(cudaEventCreate(&stop_));
-  }
-  ~EventPair() {
-    cudaEventDestroy(start_);
-    cudaEventDestroy(stop_);
-  }
-  EventPair(const EventPair&) = delete;
-  EventPair& operator=(const EventPair&) = delete;
-  cudaEvent_t start() const { return start_; }
-  cudaEvent_t stop() const { return stop_; }
-  double ms() const {
-    float elapsed = 0.0f;
-    FP8T_CUDA_CHECK(cudaEventElapsedTime(&elapsed, start_, stop_));
-    return elapsed;
-  }
-
- private:
-  cudaEvent_t start_ = nullptr, stop_ = nullptr;
-};
-
 Layout make_layout(const Matrix& matrix, const Problem& problem) {
   cublasLtMatrixLayout_t raw_layout = nullptr;
   FP8T_CUBLASLT_CHECK(
@@ -704,7 +681,7 @@ struct CublasLtGemm::State {
       }
     }
     const double tolerance = agreement_tolerance(p.out_type);
-    const EventPair events;
+    TimingEvents events(2);
     for (int index = 0; index < offered; ++index) {
       CandidateTrial& result = trials[size_t(index)];
       if (!result.ran || !(result.relative_difference <= tolerance)) continue;
@@ -713,12 +690,12 @@ struct CublasLtGemm::State {
       trial.d.data = candidate.get();
       std::vector<double> times;
       for (int run = 0; run <= kTuneRuns && result.ran; ++run) {  // run 0 warms up
-        FP8T_CUDA_CHECK(cudaEventRecord(events.start(), stream));
+        events.record(0, stream);
         result.ran =
             launch(plan, plan.candidates[size_t(index)], trial, stream) == CUBLAS_STATUS_SUCCESS;
-        FP8T_CUDA_CHECK(cudaEventRecord(events.stop(), stream));
-        FP8T_CUDA_CHECK(cudaEventSynchronize(events.stop()));
-        if (run > 0) times.push_back(events.ms());
+        events.record(1, stream);
+        events.synchronize(1);
+        if (run > 0) times.push_back(events.ms(0, 1));
       }
       if (!result.ran) continue;
       std::sort(times.begin(), times.end());
@@ -839,7 +816,7 @@ CublasLtGemm::Counters CublasLtGemm::counters() const {
 void CublasLtGemm::configure_tuning(const GemmTuning& tuning) {
   state_->tuning = tuning;
   state_->tuning_cache.reset();
-  if ((tuning.autotune_bf16 || tuning.autotune_fp8) && !tuning.cache_path.empty()) {
+  if (tuning.autotunes_any() && !tuning.cache_path.empty()) {
     state_->tuning_cache = std::make_unique<GemmTuningCache>(tuning.cache_path, state_->identity());
   }
 }
@@ -855,12 +832,10 @@ std::string CublasLtGemm::tuning_summary() const {
     text += warning + "\n";
   const std::vector<TuningRecord>& records = state_->tuning_records;
   if (records.empty()) return text;
-  int timed = 0, from_file = 0, single = 0, changed = 0, no_scratch = 0;
+  int single = 0, changed = 0, no_scratch = 0;
   double heuristic_ms = 0.0, best_ms = 0.0;
   for (const TuningRecord& record : records) {
-    from_file += record.from_cache ? 1 : 0;
     single += record.candidates == 1 ? 1 : 0;
-    timed += !record.from_cache && !record.no_scratch && record.candidates > 1 ? 1 : 0;
     no_scratch += record.no_scratch ? 1 : 0;
     changed += record.winner != 0 ? 1 : 0;
     heuristic_ms += record.heuristic_ms;
@@ -870,7 +845,7 @@ std::string CublasLtGemm::tuning_summary() const {
       "GEMM autotuning: {} problems: {} timed now, {} from {}, {} with one candidate only; {} "
       "run another algorithm than the heuristic's first; one call of each takes {:.3f} ms in all "
       "against {:.3f} ms ({:+.1f} %)",
-      records.size(), timed, from_file,
+      records.size(), state_->counters.tuned, state_->counters.tuned_from_file,
       state_->tuning_cache ? state_->tuning_cache->path() : std::string("the cache file"), single,
       changed, best_ms, heuristic_ms,
       heuristic_ms > 0.0 ? 100.0 * (best_ms / heuristic_ms - 1.0) : 0.0);

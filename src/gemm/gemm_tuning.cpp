@@ -135,7 +135,7 @@ GemmTuning resolve_gemm_tuning(const GemmTuningRequest& request,
       on = false;
     }
   }
-  if (tuning.autotune_bf16 || tuning.autotune_fp8) {
+  if (tuning.autotunes_any()) {
     const bool both = tuning.autotune_bf16 && tuning.autotune_fp8;
     tuning.notes.push_back(fmt::format(
         "GEMM autotuning: on for {} ({}): each new GEMM problem times cuBLASLt's candidates "

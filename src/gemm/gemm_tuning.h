@@ -67,6 +67,7 @@ struct GemmTuning {
   bool autotune(GemmPrecision precision) const {
     return precision == GemmPrecision::Fp8 ? autotune_fp8 : autotune_bf16;
   }
+  bool autotunes_any() const { return autotune_bf16 || autotune_fp8; }
 };
 
 // Reads an environment variable; null when it is not set.

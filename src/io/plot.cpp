@@ -360,22 +360,22 @@ std::vector<double> moving_average(std::span<const double> values, int window) {
   return averages;
 }
 
+std::optional<double> value_at_step(const RunCurve& curve, int64_t step) {
+  const std::vector<int64_t>& steps = curve.steps;
+  if (steps.empty() || step < steps.front() || step > steps.back()) return std::nullopt;
+  const size_t j = size_t(std::lower_bound(steps.begin(), steps.end(), step) - steps.begin());
+  if (steps[j] == step) return curve.values[j];
+  const double t = double(step - steps[j - 1]) / double(steps[j] - steps[j - 1]);
+  return curve.values[j - 1] + t * (curve.values[j] - curve.values[j - 1]);
+}
+
 RunCurve relative_percent(const RunCurve& run, const RunCurve& reference) {
   RunCurve relative{run.name, {}, {}};
-  const std::vector<int64_t>& ref_steps = reference.steps;
   for (size_t i = 0; i < run.steps.size(); ++i) {
-    const int64_t step = run.steps[i];
-    if (ref_steps.empty() || step < ref_steps.front() || step > ref_steps.back()) continue;
-    const size_t j =
-        size_t(std::lower_bound(ref_steps.begin(), ref_steps.end(), step) - ref_steps.begin());
-    double base = reference.values[j];
-    if (ref_steps[j] != step) {
-      const double t = double(step - ref_steps[j - 1]) / double(ref_steps[j] - ref_steps[j - 1]);
-      base = reference.values[j - 1] + t * (reference.values[j] - reference.values[j - 1]);
-    }
-    if (base == 0.0) continue;
-    relative.steps.push_back(step);
-    relative.values.push_back(100.0 * (run.values[i] / base - 1.0));
+    const std::optional<double> base = value_at_step(reference, run.steps[i]);
+    if (!base || *base == 0.0) continue;
+    relative.steps.push_back(run.steps[i]);
+    relative.values.push_back(100.0 * (run.values[i] / *base - 1.0));
   }
   return relative;
 }

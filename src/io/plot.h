@@ -74,6 +74,10 @@ std::optional<RunCurve> read_logged_curve(const std::filesystem::path& run_folde
 // The mean of each value and the `window` − 1 before it (fewer at the start).
 std::vector<double> moving_average(std::span<const double> values, int window);
 
+// The curve's value at `step`, linearly interpolated between its logged steps; nothing outside
+// them.
+std::optional<double> value_at_step(const RunCurve& curve, int64_t step);
+
 // (run / reference − 1) in percent at each of the run's steps that the reference's steps span,
 // the reference linearly interpolated between its steps; steps where the reference is 0 are
 // left out. Named after the run.

@@ -13,21 +13,6 @@
 namespace fp8t::train {
 namespace {
 
-// The reference's value at `step`, linearly interpolated between its logged steps; none
-// outside them.
-std::optional<double> value_at(const io::RunCurve& curve, int64_t step) {
-  for (size_t i = 0; i < curve.steps.size(); ++i) {
-    if (curve.steps[i] == step) return curve.values[i];
-    if (curve.steps[i] > step) {
-      if (i == 0) return std::nullopt;
-      const double t =
-          double(step - curve.steps[i - 1]) / double(curve.steps[i] - curve.steps[i - 1]);
-      return curve.values[i - 1] + t * (curve.values[i] - curve.values[i - 1]);
-    }
-  }
-  return std::nullopt;
-}
-
 double percent(double value, double reference) {
   return 100.0 * (value / reference - 1.0);
 }
@@ -103,13 +88,13 @@ std::vector<LossComparison> compare_losses(const std::vector<io::RunCurve>& loss
     LossComparison comparison{.name = run.name};
     const std::vector<double> smoothed = io::moving_average(run.values, smooth);
     for (size_t i = run.steps.size(); i-- > 0;) {
-      const std::optional<double> at = value_at(reference, run.steps[i]);
+      const std::optional<double> at = io::value_at_step(reference, run.steps[i]);
       if (!at) continue;
       comparison.step = run.steps[i];
       comparison.loss = run.values[i];
       comparison.reference_loss = *at;
       comparison.smoothed_loss = smoothed[i];
-      comparison.smoothed_reference_loss = *value_at(smoothed_reference, run.steps[i]);
+      comparison.smoothed_reference_loss = *io::value_at_step(smoothed_reference, run.steps[i]);
       comparison.final_percent = percent(comparison.loss, comparison.reference_loss);
       comparison.smoothed_percent =
           percent(comparison.smoothed_loss, comparison.smoothed_reference_loss);

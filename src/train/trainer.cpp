@@ -160,11 +160,14 @@ void print_gemm_tuning_once(bool leader, const std::string& summary, bool& print
   if (leader) fmt::print("{}\n", summary);
 }
 
+fs::path default_gemm_tuning_cache() {
+  return cache_folder() / "gemm_tuning.json";
+}
+
 gemm::GemmTuning run_gemm_tuning(const TrainConfig& config) {
   const RunSection& run = config.run;
-  const std::string cache = run.gemm_tuning_cache.empty()
-                                ? (cache_folder() / "gemm_tuning.json").string()
-                                : run.gemm_tuning_cache;
+  const std::string cache =
+      run.gemm_tuning_cache.empty() ? default_gemm_tuning_cache().string() : run.gemm_tuning_cache;
   return gemm::resolve_gemm_tuning({.gemm_autotune = run.gemm_autotune,
                                     .gemm_backend = run.gemm_backend,
                                     .deterministic = run.deterministic,

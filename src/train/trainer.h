@@ -27,6 +27,10 @@ struct TrainOutcome {
 // ~/.cache/fp8train, else .fp8train-cache in the working folder.
 std::filesystem::path cache_folder();
 
+// Where autotuned GEMM choices persist unless gemm_tuning_cache names a file:
+// gemm_tuning.json in cache_folder().
+std::filesystem::path default_gemm_tuning_cache();
+
 // The GEMM selection the run's keys and the environment ask for (gemm/gemm_tuning.h), with the
 // cache file in cache_folder() unless gemm_tuning_cache names one. Throws fp8t::ConfigError for
 // a value that is not valid.

@@ -43,6 +43,18 @@ constexpr test::Tolerance kExact{1e-6, 1e-6, 0.0};
 constexpr AdamWHyperparameters kHyper{
     .lr = 1e-3, .beta1 = 0.9, .beta2 = 0.95, .eps = 1e-8, .weight_decay = 0.1};
 
+// One tensor of normal draws per spec.
+std::vector<std::vector<float>> normal_tensors(const std::vector<Spec>& specs, test::TestRng& rng) {
+  std::normal_distribution<float> normal;
+  std::vector<std::vector<float>> tensors;
+  for (const Spec& spec : specs) {
+    tensors.emplace_back(static_cast<size_t>(spec.numel()));
+    for (float& value : tensors.back())
+      value = normal(rng.engine());
+  }
+  return tensors;
+}
+
 std::vector<AdamWOptimizer::Parameter> parameters_of(const std::vector<Spec>& specs) {
   std::vector<AdamWOptimizer::Parameter> parameters;
   for (const Spec& spec : specs)
@@ -61,14 +73,8 @@ TEST(CudaAdamW, StepsMatchTheCpuOptimizer) {
   AdamWOptimizer cpu(parameters, kHyper);
   CudaAdamW gpu(layout, kHyper);
 
-  std::normal_distribution<float> normal;
-  std::vector<std::vector<float>> params, grads;
-  for (const Spec& spec : specs) {
-    params.emplace_back(static_cast<size_t>(spec.numel()));
-    grads.emplace_back(static_cast<size_t>(spec.numel()));
-    for (float& value : params.back())
-      value = normal(rng.engine());
-  }
+  std::vector<std::vector<float>> params = normal_tensors(specs, rng);
+  std::vector<std::vector<float>> grads;
   DeviceBuffer<float> device_params(static_cast<size_t>(layout.total_elements));  // poisoned
   DeviceBuffer<float> device_grads(static_cast<size_t>(layout.total_elements));
   const auto upload = [&](const std::vector<std::vector<float>>& values, float* device) {
@@ -83,9 +89,7 @@ TEST(CudaAdamW, StepsMatchTheCpuOptimizer) {
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
   for (int step = 0; step < 3; ++step) {
-    for (std::vector<float>& grad : grads)
-      for (float& value : grad)
-        value = normal(rng.engine());
+    grads = normal_tensors(specs, rng);
     upload(grads, device_grads.get());
     const double lr_multiplier = 1.0 - 0.2 * step;
     std::vector<float*> param_data;
@@ -127,16 +131,8 @@ TEST(CudaAdamW, ShardedStepsUpdateOnlyTheOwnedTensors) {
                                    {"w3", {32, 48}}};
   const DeviceParameterLayout layout = device_parameter_layout(specs);
   const std::vector<AdamWOptimizer::Parameter> parameters = parameters_of(specs);
-  std::normal_distribution<float> normal;
-  std::vector<std::vector<float>> start, grads;
-  for (const Spec& spec : specs) {
-    start.emplace_back(static_cast<size_t>(spec.numel()));
-    grads.emplace_back(static_cast<size_t>(spec.numel()));
-    for (float& value : start.back())
-      value = normal(rng.engine());
-    for (float& value : grads.back())
-      value = normal(rng.engine());
-  }
+  const std::vector<std::vector<float>> start = normal_tensors(specs, rng);
+  const std::vector<std::vector<float>> grads = normal_tensors(specs, rng);
   AdamWOptimizer cpu(parameters, kHyper);
   std::vector<std::vector<float>> expected = start;
   std::vector<float*> param_data;
