@@ -11,6 +11,7 @@
 #include <cstring>
 #include <functional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -132,18 +133,23 @@ int run(int argc, char** argv) {
   measure("cast + amax (e4m3fnuz, software)", input_bytes + n, [&] {
     fp8t::cuda::quantize(x, n, scale, fp8t::Fp8Format::E4M3FNUZ, out, amax, nullptr);
   });
-  measure("blockwise 1x128 + transposed", input_bytes + 2.0 * n, [&] {
-    fp8t::cuda::quantize_blocks(x, rows, cols, block_spec(fp8t::BlockScaling::Rows1x128), out,
-                                scales, out_t, scales_t, nullptr);
-  });
-  measure("blockwise 128x128 + transposed", input_bytes + 2.0 * n, [&] {
-    fp8t::cuda::quantize_blocks(x, rows, cols, block_spec(fp8t::BlockScaling::Tile128x128), out,
-                                scales, out_t, scales_t, nullptr);
-  });
-  measure("mxfp8 1x32 + transposed", input_bytes + 2.0 * n, [&] {
-    fp8t::cuda::quantize_blocks(x, rows, cols, block_spec(fp8t::BlockScaling::Mx1x32), out, scales,
-                                out_t, scales_t, nullptr);
-  });
+  const std::pair<const char*, fp8t::BlockScaling> block_casts[] = {
+      {"blockwise 1x128", fp8t::BlockScaling::Rows1x128},
+      {"blockwise 128x128", fp8t::BlockScaling::Tile128x128},
+      {"mxfp8 1x32", fp8t::BlockScaling::Mx1x32}};
+  for (const auto& [name, scaling] : block_casts) {
+    const fp8t::BlockQuantization spec = block_spec(scaling);
+    measure(std::string(name) + " + transposed", input_bytes + 2.0 * n, [&] {
+      fp8t::cuda::quantize_blocks(x, rows, cols, spec, out, scales, out_t, scales_t, nullptr);
+    });
+  }
+  for (const auto& [name, scaling] : block_casts) {
+    const fp8t::BlockQuantization spec = block_spec(scaling);
+    measure(std::string(name) + " + transposed + counts", input_bytes + 2.0 * n, [&] {
+      fp8t::cuda::quantize_blocks(x, rows, cols, spec, out, scales, out_t, scales_t, nullptr,
+                                  health);
+    });
+  }
 
   const double copy_rate = results[0].bytes / (results[0].median_us * 1e-6);
   std::printf("GPU: %s, %d SMs; tensor [%lld, %lld] bf16; median of %d\n", properties.name,

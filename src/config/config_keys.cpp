@@ -445,6 +445,23 @@ near-zero tensor or block from getting an enormous scale. 0 means no floor. Used
 error. With an epsilon above zero, an all-zero tensor gets scale max / epsilon (as in
 Transformer Engine); with epsilon 0 it gets scale 1.)";
 
+constexpr std::string_view kHealthDetails =
+    R"(On a statistics step (every `fp8_health_every` steps) the cast kernels count, for each
+FP8 linear and operand (input, weight, grad_output), the values that saturated at ±max and the
+non-zero values that underflowed to zero, beside the tensor's amax and scale (per-tensor
+recipes). The records go to RUN/fp8_health.jsonl and, with `tensorboard`, to the scalars
+`fp8/<linear>/<operand>/{amax,scale,saturated_fraction,underflow_fraction}`. A tensor trips when
+its saturated fraction exceeds `fp8_saturation_threshold`, its underflowed fraction
+`fp8_underflow_threshold`, its amax is not finite, or (delayed scaling, whose scale lags
+behind the amax) its amax grew more than `fp8_amax_jump_threshold` times since the last
+statistics step; each trip is a
+warning naming the linear, operand and numbers. With `fp8_auto_fallback: true` a linear with a
+tripping tensor at `fp8_fallback_after` statistics steps in a row moves to BF16: the run saves a
+checkpoint, rebuilds the model with that linear in BF16 and goes on; the decision and its
+evidence are logged and kept in the checkpoints' trainer_state.json, so a resume keeps it. On
+the GPU a statistics step casts each input in the linear instead of the norm before it (the
+counting casts), which costs a little time on that step only.)";
+
 constexpr std::string_view kWgradDetails =
     R"(The weight-gradient GEMM of each FP8 linear layer (dW = dYᵀ·X). `true`: in FP8, from the
 quantized grad_output and input like the other two GEMMs. `false`: in BF16 (dY and X rounded
@@ -529,8 +546,8 @@ std::vector<ConfigKey> build_keys() {
       "continues a stopped, preempted or killed run; never: only resume_from_step resumes."));
   keys.push_back(boolean_key(
       "overwrite", S::Run, [](auto& c) -> auto& { return c.run.overwrite; },
-      "A fresh run in a run folder that holds checkpoints deletes them; false: that is an "
-      "error."));
+      "A fresh run in a run folder that holds checkpoints deletes them and the run's logs "
+      "(metrics.jsonl, fp8_health.jsonl, event files); false: that is an error."));
   keys.push_back(integer_key(
       "save_every", S::Run, [](auto& c) -> auto& { return c.run.save_every; }, {-1},
       "Save a checkpoint every N steps; -1 or 0: only at the end (the final checkpoint is always "
@@ -547,6 +564,11 @@ std::vector<ConfigKey> build_keys() {
       "Write TensorBoard event files into the run folder beside metrics.jsonl: every step's "
       "loss, lr, grad norm, throughput, MFU, memory and validation loss as scalars "
       "(`tensorboard --logdir RUN_FOLDER`; docs/training.md)."));
+  keys.push_back(boolean_key(
+      "log_timers_to_tensorboard", S::Run,
+      [](auto& c) -> auto& { return c.run.log_timers_to_tensorboard; },
+      "Also each step's timers as scalars (timers/<name>_ms) and in metrics.jsonl (timers_ms): "
+      "the step, validation and, on the GPU, the step's GEMMs, attention and quantization."));
   keys.push_back(gpt_only(integer_key(
       "sample_tokens", S::Run, [](auto& c) -> auto& { return c.run.sample_tokens; }, {0},
       "Tokens to generate from the trained model at the end; 0: no sample.")));
@@ -876,6 +898,34 @@ std::vector<ConfigKey> build_keys() {
       "num_layers_at_end_in_bf16", S::Fp8,
       [](auto& c) -> auto& { return c.fp8.num_layers_at_end_in_bf16; }, {0, 1000},
       "With first_last_layers_bf16: blocks at the end kept in BF16."));
+  keys.push_back(integer_key(
+      "fp8_health_every", S::Fp8, [](auto& c) -> auto& { return c.fp8.health_every; }, {0},
+      "FP8 runs: every N steps, each FP8 tensor's amax, scale and saturated and underflowed "
+      "fractions into fp8_health.jsonl and TensorBoard, checked against the thresholds; 0: "
+      "never.",
+      kHealthDetails));
+  keys.push_back(number_key(
+      "fp8_saturation_threshold", S::Fp8,
+      [](auto& c) -> auto& { return c.fp8.saturation_threshold; }, {0, false, 1},
+      "Warn when more than this fraction of a tensor's values saturated at ±max."));
+  keys.push_back(number_key(
+      "fp8_underflow_threshold", S::Fp8, [](auto& c) -> auto& { return c.fp8.underflow_threshold; },
+      {0, false, 1},
+      "Warn when more than this fraction of a tensor's values (non-zero ones) underflowed to "
+      "zero."));
+  keys.push_back(number_key(
+      "fp8_amax_jump_threshold", S::Fp8, [](auto& c) -> auto& { return c.fp8.amax_jump_threshold; },
+      {1, true},
+      "Delayed scaling: warn when a tensor's amax grew more than this factor since the last "
+      "statistics step (its scale lags behind)."));
+  keys.push_back(boolean_key(
+      "fp8_auto_fallback", S::Fp8, [](auto& c) -> auto& { return c.fp8.auto_fallback; },
+      "Move a linear whose tensors trip a threshold at fp8_fallback_after statistics steps in a "
+      "row to BF16, for the rest of the run (resumes keep it).",
+      kHealthDetails));
+  keys.push_back(integer_key(
+      "fp8_fallback_after", S::Fp8, [](auto& c) -> auto& { return c.fp8.fallback_after; }, {1},
+      "fp8_auto_fallback: statistics steps in a row a linear must trip before it moves."));
   // flux
   keys.push_back(flux_only(choice_key(
       "sigma_sampler", S::Flux, [](auto& c) -> auto& { return c.flux.sigma.sampler; },

@@ -47,10 +47,11 @@ struct RunSection {
   int64_t save_every = -1;       // -1 or 0: a checkpoint only at the end
   int64_t keep_checkpoints = 0;  // 0: every checkpoint stays
   int64_t log_every = 1;
-  bool tensorboard = true;  // TensorBoard event files in the run folder
-  int64_t sample_tokens = 0;  // 0: no sample at the end
-  int64_t eval_every = 250;   // -1 or 0: no evaluation
-  int64_t eval_iters = 100;   // micro-batches per evaluation
+  bool tensorboard = true;                 // TensorBoard event files in the run folder
+  bool log_timers_to_tensorboard = false;  // per-phase step timers as scalars too
+  int64_t sample_tokens = 0;               // 0: no sample at the end
+  int64_t eval_every = 250;                // -1 or 0: no evaluation
+  int64_t eval_iters = 100;                // micro-batches per evaluation
   DeviceChoice device = DeviceChoice::Auto;
   // Several GPUs: sum each block's gradients over the ranks while the backward goes on.
   bool overlap_grad_reduce = false;
@@ -142,6 +143,14 @@ struct Fp8Section {
   bool first_last_layers_bf16 = false;
   int num_layers_at_start_in_bf16 = 1;
   int num_layers_at_end_in_bf16 = 1;
+  // FP8 health statistics, their warnings and the automatic fallback
+  // (train/fp8_health_monitor.h).
+  int64_t health_every = 100;  // 0: never
+  double saturation_threshold = 1e-3;
+  double underflow_threshold = 0.25;
+  double amax_jump_threshold = 16.0;
+  bool auto_fallback = false;
+  int64_t fallback_after = 3;
 };
 
 struct TrainConfig {

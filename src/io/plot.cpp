@@ -5,8 +5,14 @@
 #include <cmath>
 #include <cstdlib>
 #include <iterator>
+#include <limits>
 #include <map>
+#include <numeric>
 #include <optional>
+#include <set>
+#include <string>
+#include <tuple>
+#include <utility>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -77,6 +83,7 @@ constexpr Glyph kGlyphs[] = {
     {'/', {0x00, 0x01, 0x02, 0x04, 0x08, 0x10, 0x00}},
     {'=', {0x00, 0x00, 0x1F, 0x00, 0x1F, 0x00, 0x00}},
     {'?', {0x0E, 0x11, 0x01, 0x02, 0x04, 0x00, 0x04}},
+    {'\'', {0x0C, 0x04, 0x08, 0x00, 0x00, 0x00, 0x00}},
 };
 
 const Glyph& glyph(char c) {
@@ -229,6 +236,66 @@ int draw_legend(Canvas& canvas, std::span<const RunCurve> runs, int y) {
   return y;
 }
 
+// Calls take(record, line_number) with the JSON object on each line of the file, blank lines
+// skipped.
+template <typename Take>
+void for_each_record(const fs::path& path, Take&& take) {
+  const std::string text = read_file(path);
+  size_t line_number = 0;
+  for (size_t begin = 0; begin < text.size();) {
+    const size_t end = std::min(text.find('\n', begin), text.size());
+    const std::string_view line(text.data() + begin, end - begin);
+    begin = end + 1;
+    ++line_number;
+    if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
+    nlohmann::json record;
+    try {
+      record = nlohmann::json::parse(line);
+    } catch (const nlohmann::json::parse_error& error) {
+      throw Error(fmt::format("{}:{}: not JSON: {}", path.string(), line_number, error.what()));
+    }
+    if (!record.is_object()) {
+      throw Error(fmt::format("{}:{}: expected a JSON object, found {}", path.string(), line_number,
+                              record.type_name()));
+    }
+    take(record, line_number);
+  }
+}
+
+int64_t integer_step(const nlohmann::json& record, const fs::path& path, size_t line_number) {
+  const auto step = record.find("step");
+  if (step == record.end() || !step->is_number_integer()) {
+    throw Error(fmt::format("{}:{}: expected an integer 'step'", path.string(), line_number));
+  }
+  return step->get<int64_t>();
+}
+
+// record[key]: a number, or NaN for null (what JSON writers make of NaN and infinities).
+double number_field(const nlohmann::json& record, const std::string& key, const fs::path& path,
+                    size_t line_number) {
+  const auto value = record.find(key);
+  if (value == record.end()) {
+    throw Error(fmt::format("{}:{}: expected a field '{}'", path.string(), line_number, key));
+  }
+  if (value->is_null()) return std::numeric_limits<double>::quiet_NaN();
+  if (!value->is_number()) {
+    throw Error(fmt::format("{}:{}: '{}': expected a number, found {}", path.string(), line_number,
+                            key, value->dump()));
+  }
+  return value->get<double>();
+}
+
+std::string string_field(const nlohmann::json& record, const std::string& key, const fs::path& path,
+                         size_t line_number) {
+  const auto value = record.find(key);
+  if (value == record.end() || !value->is_string() ||
+      value->get_ref<const std::string&>().empty()) {
+    throw Error(
+        fmt::format("{}:{}: expected a non-empty string '{}'", path.string(), line_number, key));
+  }
+  return value->get<std::string>();
+}
+
 }  // namespace
 
 int text_width(std::string_view text, int scale) {
@@ -304,37 +371,13 @@ RunCurve read_run_curve(const fs::path& run_folder, const std::string& metric) {
 
 std::optional<RunCurve> read_logged_curve(const fs::path& run_folder, const std::string& metric) {
   const fs::path path = run_folder / "metrics.jsonl";
-  const std::string text = read_file(path);
   std::map<int64_t, double> by_step;  // a later line for the same step replaces the earlier one
-  size_t line_number = 0;
-  for (size_t begin = 0; begin < text.size();) {
-    const size_t end = std::min(text.find('\n', begin), text.size());
-    const std::string_view line(text.data() + begin, end - begin);
-    begin = end + 1;
-    ++line_number;
-    if (line.find_first_not_of(" \t\r") == std::string_view::npos) continue;
-    nlohmann::json record;
-    try {
-      record = nlohmann::json::parse(line);
-    } catch (const nlohmann::json::parse_error& error) {
-      throw Error(fmt::format("{}:{}: not JSON: {}", path.string(), line_number, error.what()));
-    }
-    if (!record.is_object()) {
-      throw Error(fmt::format("{}:{}: expected a JSON object, found {}", path.string(), line_number,
-                              record.type_name()));
-    }
+  for_each_record(path, [&](const nlohmann::json& record, size_t line_number) {
     const auto value = record.find(metric);
-    if (record.contains("event") || value == record.end() || value->is_null()) continue;
-    const auto step = record.find("step");
-    if (step == record.end() || !step->is_number_integer()) {
-      throw Error(fmt::format("{}:{}: expected an integer 'step'", path.string(), line_number));
-    }
-    if (!value->is_number()) {
-      throw Error(fmt::format("{}:{}: '{}': expected a number, found {}", path.string(),
-                              line_number, metric, value->dump()));
-    }
-    by_step[step->get<int64_t>()] = value->get<double>();
-  }
+    if (record.contains("event") || value == record.end() || value->is_null()) return;
+    by_step[integer_step(record, path, line_number)] =
+        number_field(record, metric, path, line_number);
+  });
   if (by_step.empty()) return std::nullopt;
   // The folder's name, also for "runs/a/" and ".".
   fs::path folder = fs::absolute(run_folder).lexically_normal();
@@ -433,6 +476,270 @@ Canvas draw_run_plot(std::span<const RunCurve> runs, std::string_view metric,
   for (size_t i = 0; i < relatives.size(); ++i) {
     if (!relatives[i].steps.empty()) draw_curve(canvas, relative, relatives[i], kRunColors[i + 1]);
   }
+  return canvas;
+}
+
+std::optional<Fp8HealthLog> read_fp8_health(const fs::path& run_folder) {
+  const fs::path path = run_folder / "fp8_health.jsonl";
+  if (!fs::exists(path)) return std::nullopt;
+  // Tensors are numbered as they first appear; their display order is settled at the end.
+  std::vector<Fp8HealthTensor> seen;
+  std::map<std::pair<std::string, std::string>, size_t> ids;
+  std::map<std::string, size_t> layer_order;
+  std::map<std::pair<size_t, int64_t>, Fp8HealthCell> cells;  // a later line replaces
+  std::set<int64_t> steps;
+  for_each_record(path, [&](const nlohmann::json& record, size_t line_number) {
+    const int64_t step = integer_step(record, path, line_number);
+    Fp8HealthTensor tensor{string_field(record, "layer", path, line_number),
+                           string_field(record, "operand", path, line_number)};
+    Fp8HealthCell cell;
+    cell.saturated_fraction = number_field(record, "saturated_fraction", path, line_number);
+    cell.underflow_fraction = number_field(record, "underflow_fraction", path, line_number);
+    cell.amax = number_field(record, "amax", path, line_number);
+    layer_order.try_emplace(tensor.layer, layer_order.size());
+    const auto [id, added] = ids.try_emplace({tensor.layer, tensor.operand}, seen.size());
+    if (added) seen.push_back(std::move(tensor));
+    cells[{id->second, step}] = cell;
+    steps.insert(step);
+  });
+
+  // A layer's operands in the order the linear uses them: forward (input, weight), backward.
+  const auto rank = [&](size_t id) {
+    constexpr std::string_view kOperands[] = {"input", "weight", "grad_output"};
+    const auto* operand = std::find(std::begin(kOperands), std::end(kOperands), seen[id].operand);
+    return std::tuple(layer_order.at(seen[id].layer), operand - std::begin(kOperands), id);
+  };
+  std::vector<size_t> order(seen.size());
+  std::iota(order.begin(), order.end(), size_t{0});
+  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) { return rank(a) < rank(b); });
+  Fp8HealthLog log;
+  log.steps.assign(steps.begin(), steps.end());
+  log.cells.resize(seen.size() * log.steps.size());
+  std::vector<size_t> row_of(seen.size());
+  for (size_t row = 0; row < order.size(); ++row) {
+    row_of[order[row]] = row;
+    log.tensors.push_back(seen[order[row]]);
+  }
+  for (const auto& [key, cell] : cells) {
+    const auto& [id, step] = key;
+    const auto column = std::lower_bound(log.steps.begin(), log.steps.end(), step);
+    log.cells[row_of[id] * log.steps.size() + size_t(column - log.steps.begin())] = cell;
+  }
+  return log;
+}
+
+namespace {
+
+constexpr int kHeatMapWidth = 960;
+constexpr int kMaxGridHeight = 1000;
+// Rows at least this tall each get a label: a glyph and 4 pixels between labels.
+constexpr int kLabelledRowHeight = kGlyphHeight + 4;
+constexpr int kMaxLabelWidth = 300;
+
+// The colour scale: log10 of the fraction from −6 (and below) to 0, through these colours at
+// 1e-6, 1e-4, 1e-2 and 1; the more of a tensor a cast loses, the darker its cell.
+constexpr double kLogFloor = -6.0;
+constexpr Rgb kScaleColors[] = {{255, 237, 160}, {245, 150, 50}, {200, 40, 50}, {60, 10, 80}};
+// Nothing lost: apart from the scale, which starts at small but non-zero fractions.
+constexpr Rgb kZeroColor{236, 236, 236};
+constexpr Rgb kMissingColor{185, 185, 185};
+constexpr Rgb kMissingHatch{110, 110, 110};
+
+// The colour `decades` above 1e-6 on the scale, linear between its colours.
+Rgb scale_color(double decades) {
+  constexpr size_t kSegments = std::size(kScaleColors) - 1;
+  const double position = std::clamp(decades / -kLogFloor, 0.0, 1.0) * double(kSegments);
+  const size_t segment = std::min(size_t(position), kSegments - 1);
+  const double t = position - double(segment);
+  const Rgb& a = kScaleColors[segment];
+  const Rgb& b = kScaleColors[segment + 1];
+  const auto mix = [t](uint8_t from, uint8_t to) {
+    return static_cast<uint8_t>(std::lround(from + t * (to - from)));
+  };
+  return {mix(a.r, b.r), mix(a.g, b.g), mix(a.b, b.b)};
+}
+
+void fill_cell(Canvas& canvas, int x0, int y0, int x1, int y1, double fraction) {
+  if (!std::isnan(fraction)) {
+    canvas.fill(x0, y0, x1, y1,
+                fraction <= 0.0 ? kZeroColor : scale_color(std::log10(fraction) - kLogFloor));
+    return;
+  }
+  canvas.fill(x0, y0, x1, y1, kMissingColor);
+  // Stripes fixed to the picture rather than the cell, so that neighbouring cells join up.
+  for (int y = y0; y < y1; ++y) {
+    for (int x = x0; x < x1; ++x) {
+      if ((x + y) % 4 == 0) canvas.set(x, y, kMissingHatch);
+    }
+  }
+}
+
+// A 1-pixel frame just outside the pixels x0 <= x < x1, y0 <= y < y1.
+void frame(Canvas& canvas, int x0, int y0, int x1, int y1) {
+  canvas.line(x0 - 1, y0 - 1, x1, y0 - 1, kInk);
+  canvas.line(x0 - 1, y1, x1, y1, kInk);
+  canvas.line(x0 - 1, y0 - 1, x0 - 1, y1, kInk);
+  canvas.line(x1, y0 - 1, x1, y1, kInk);
+}
+
+// The cells [first, last) that the pixels [from, to) show: with at least as many pixels as
+// cells, one cell per band; with fewer, each pixel shows the next cells, every cell in one band.
+struct Band {
+  size_t first, last;
+  int from, to;
+};
+
+std::vector<Band> bands(size_t cells, int pixels, int origin) {
+  std::vector<Band> result;
+  for (int p = 0; p < pixels; ++p) {
+    const size_t first = size_t(p) * cells / size_t(pixels);
+    const size_t last = std::max(first + 1, size_t(p + 1) * cells / size_t(pixels));
+    if (!result.empty() && result.back().first == first) {
+      result.back().to = origin + p + 1;
+    } else {
+      result.push_back({first, last, origin + p, origin + p + 1});
+    }
+  }
+  return result;
+}
+
+// The largest value in the rows × columns of two bands, NaN only when every one is.
+double largest(const FractionGrid& grid, const Band& rows, const Band& columns) {
+  double result = std::numeric_limits<double>::quiet_NaN();
+  for (size_t row = rows.first; row < rows.last; ++row) {
+    for (size_t column = columns.first; column < columns.last; ++column) {
+      const double value = grid.values[row * grid.steps.size() + column];
+      if (std::isnan(result) || value > result) result = value;
+    }
+  }
+  return result;
+}
+
+// The label, or its end after "..": the end of a layer name tells layers apart.
+std::string fit_label(const std::string& label, int max_width) {
+  if (text_width(label) <= max_width) return label;
+  const size_t keep = size_t((max_width + 1) / (kGlyphWidth + 1)) - 2;
+  return ".." + label.substr(label.size() - keep);
+}
+
+// The columns to label: those of round step numbers (about five), apart enough to read.
+std::vector<size_t> labelled_columns(std::span<const int64_t> steps) {
+  if (steps.front() == steps.back()) return {0};
+  std::vector<size_t> columns;
+  for (const double value : ticks(double(steps.front()), double(steps.back())).values) {
+    if (value != std::floor(value)) continue;
+    const auto at = std::lower_bound(steps.begin(), steps.end(), int64_t(value));
+    const size_t column = size_t(at - steps.begin());
+    if (at != steps.end() && (columns.empty() || columns.back() != column)) {
+      columns.push_back(column);
+    }
+  }
+  return columns;
+}
+
+// The legend's height: the colour bar, and under it two rows of tick labels ("1e-6", "or less").
+constexpr int kBarHeight = 12;
+constexpr int kLegendHeight = kBarHeight + 6 + 2 * kGlyphHeight + 4;
+
+// "fraction, log scale:", the colour bar with 1e-6 to 1 under it, and swatches for exactly 0
+// and no value, centred in a row from y.
+void draw_scale_legend(Canvas& canvas, int y) {
+  constexpr int kBarWidth = 301;  // 100 pixels per two decades: the ticks fall on pixels
+  constexpr int kSwatch = 12, kSpacing = 24;
+  constexpr std::string_view kCaption = "fraction, log scale:", kZero = "exactly 0",
+                             kMissing = "not logged";
+  const int width = text_width(kCaption) + 8 + kBarWidth + kSpacing + kSwatch + 4 +
+                    text_width(kZero) + kSpacing + kSwatch + 4 + text_width(kMissing);
+  int x = (kHeatMapWidth - width) / 2;
+  canvas.text(x, y + (kBarHeight - kGlyphHeight) / 2, kCaption, kInk);
+  x += text_width(kCaption) + 8;
+  for (int i = 0; i < kBarWidth; ++i) {
+    canvas.fill(x + i, y, x + i + 1, y + kBarHeight,
+                scale_color(-kLogFloor * double(i) / double(kBarWidth - 1)));
+  }
+  frame(canvas, x, y, x + kBarWidth, y + kBarHeight);
+  constexpr std::string_view kTicks[] = {"1e-6", "1e-4", "1e-2", "1"};
+  for (size_t i = 0; i < std::size(kTicks); ++i) {
+    const int tick = x + int(i) * (kBarWidth - 1) / int(std::size(kTicks) - 1);
+    canvas.line(tick, y + kBarHeight, tick, y + kBarHeight + 3, kInk);
+    canvas.text(tick - text_width(kTicks[i]) / 2, y + kBarHeight + 6, kTicks[i], kInk);
+  }
+  canvas.text(x - text_width("or less") / 2, y + kBarHeight + 6 + kGlyphHeight + 4, "or less",
+              kInk);
+  x += kBarWidth + kSpacing;
+  for (const auto& [name, fraction] :
+       {std::pair{kZero, 0.0}, std::pair{kMissing, std::numeric_limits<double>::quiet_NaN()}}) {
+    fill_cell(canvas, x, y, x + kSwatch, y + kBarHeight, fraction);
+    frame(canvas, x, y, x + kSwatch, y + kBarHeight);
+    canvas.text(x + kSwatch + 4, y + (kBarHeight - kGlyphHeight) / 2, name, kInk);
+    x += kSwatch + 4 + text_width(name) + kSpacing;
+  }
+}
+
+}  // namespace
+
+Canvas draw_fraction_heat_map(const FractionGrid& grid, std::string_view title,
+                              std::string_view row_title) {
+  const size_t rows = grid.row_labels.size(), columns = grid.steps.size();
+  FP8T_CHECK(rows > 0 && columns > 0 && grid.values.size() == rows * columns,
+             "expected a value for each of {} rows × {} steps, at least one, found {}", rows,
+             columns, grid.values.size());
+  // Rows tall enough for a label each while they fit, else thinner down to 1 pixel; beyond
+  // kMaxGridHeight rows a pixel row shows several.
+  const size_t max_height = kMaxGridHeight;
+  const size_t row_height = std::clamp(max_height / rows, size_t(1), size_t(kLabelledRowHeight));
+  const int grid_height = int(std::min(rows * row_height, max_height));
+  const double row_pitch = double(grid_height) / double(rows);
+  const size_t label_every = size_t(std::ceil(kLabelledRowHeight / row_pitch - 1e-9));
+  int label_width = 0;
+  for (size_t row = 0; row < rows; row += label_every) {
+    label_width =
+        std::max(label_width, text_width(fit_label(grid.row_labels[row], kMaxLabelWidth)));
+  }
+  const int grid_left = 10 + label_width + 8;
+  const size_t room = size_t(kHeatMapWidth - kRightMargin - grid_left);
+  // As many whole pixels per step as fit, so that every column is as wide as the others.
+  const int grid_width = int(columns <= room ? room / columns * columns : room);
+
+  const int title_scale = text_width(title, 2) <= kHeatMapWidth - 2 * kRightMargin ? 2 : 1;
+  const int legend_top = 10 + kGlyphHeight * title_scale + 14;
+  const int row_title_top = legend_top + kLegendHeight + 14;
+  const int grid_top = row_title_top + kGlyphHeight + 8;
+  const int grid_bottom = grid_top + grid_height;
+  Canvas canvas(kHeatMapWidth, grid_bottom + 22 + kGlyphHeight + 12);
+  canvas.text((kHeatMapWidth - text_width(title, title_scale)) / 2, 10, title, kInk, title_scale);
+  draw_scale_legend(canvas, legend_top);
+
+  for (const Band& row_band : bands(rows, grid_height, grid_top)) {
+    for (const Band& column_band : bands(columns, grid_width, grid_left)) {
+      fill_cell(canvas, column_band.from, row_band.from, column_band.to, row_band.to,
+                largest(grid, row_band, column_band));
+    }
+  }
+  frame(canvas, grid_left, grid_top, grid_left + grid_width, grid_bottom);
+
+  const std::string rows_title = label_every == 1
+                                     ? std::string(row_title)
+                                     : fmt::format("{}, 1 in {} labelled", row_title, label_every);
+  canvas.text(10, row_title_top, rows_title, kInk);
+  for (size_t row = 0; row < rows; row += label_every) {
+    const int y = grid_top + int((double(row) + 0.5) * row_pitch);
+    const std::string label = fit_label(grid.row_labels[row], kMaxLabelWidth);
+    canvas.line(grid_left - 5, y, grid_left - 2, y, kInk);
+    canvas.text(grid_left - 8 - text_width(label), y - kGlyphHeight / 2, label, kInk);
+  }
+  int labels_end = 0;  // where the last step label ends: the next must start beyond it
+  for (const size_t column : labelled_columns(grid.steps)) {
+    const int x = grid_left + int((double(column) + 0.5) * grid_width / double(columns));
+    const std::string label = fmt::format("{}", grid.steps[column]);
+    const int label_left = x - text_width(label) / 2;
+    if (label_left < labels_end + 8) continue;
+    canvas.line(x, grid_bottom + 1, x, grid_bottom + 4, kInk);
+    canvas.text(label_left, grid_bottom + 8, label, kInk);
+    labels_end = label_left + text_width(label);
+  }
+  canvas.text(grid_left + (grid_width - text_width("training step")) / 2, grid_bottom + 22,
+              "training step", kInk);
   return canvas;
 }
 

@@ -1020,4 +1020,12 @@ std::vector<std::pair<std::string, DelayedScaling*>> FluxModel::delayed_scalings
   return fp8_delayed_scalings(linears_);
 }
 
+void FluxModel::set_record_fp8_health(bool record) {
+  record_fp8_health(linears_, record);
+}
+
+std::vector<Fp8TensorHealth> FluxModel::take_fp8_health() {
+  return fp8t::take_fp8_health(linears_, linear_precision_);
+}
+
 }  // namespace fp8t

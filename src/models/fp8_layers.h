@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "numerics/scaling.h"
+#include "ops/fp8_health.h"
 #include "ops/fp8_linear.h"
 
 namespace fp8t {
@@ -40,15 +41,38 @@ void invalidate_fp8_weights(LinearMap& linears) {
 template <typename LinearMap>
 std::vector<std::pair<std::string, DelayedScaling*>> fp8_delayed_scalings(LinearMap& linears) {
   std::vector<std::pair<std::string, DelayedScaling*>> scalings;
-  constexpr std::pair<TensorRole, const char*> kRoles[] = {{TensorRole::Input, "input"},
-                                                           {TensorRole::Weight, "weight"},
-                                                           {TensorRole::GradOutput, "grad_output"}};
   for (auto& [name, layer] : linears) {
     if (!layer.fp8 || !layer.fp8->has_delayed_scaling()) continue;
-    for (const auto& [role, role_name] : kRoles)
-      scalings.emplace_back(name + "." + role_name, &layer.fp8->delayed_scaling(role));
+    for (TensorRole role : kTensorRoles) {
+      scalings.emplace_back(name + "." + tensor_role_name(role), &layer.fp8->delayed_scaling(role));
+    }
   }
   return scalings;
+}
+
+// The casts of every FP8 linear count their health (ops/fp8_health.h) while `record` holds.
+template <typename LinearMap>
+void record_fp8_health(LinearMap& linears, bool record) {
+  for (auto& [name, layer] : linears) {
+    if (layer.fp8) layer.fp8->set_record_health(record);
+  }
+}
+
+// What the FP8 linears' casts counted since the last call, one record per linear and operand,
+// the linears in the order of `order` (each element's `linear.name`: the model's order), and a
+// fresh count started.
+template <typename LinearMap, typename Decisions>
+std::vector<Fp8TensorHealth> take_fp8_health(LinearMap& linears, const Decisions& order) {
+  std::vector<Fp8TensorHealth> records;
+  for (const auto& decision : order) {
+    const auto found = linears.find(decision.linear.name);
+    if (found == linears.end() || !found->second.fp8) continue;
+    ops::Fp8Linear& fp8 = *found->second.fp8;
+    for (TensorRole role : kTensorRoles)
+      records.push_back({decision.linear.name, role, fp8.health(role)});
+    fp8.clear_health();
+  }
+  return records;
 }
 
 }  // namespace fp8t

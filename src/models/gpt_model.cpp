@@ -188,6 +188,14 @@ std::vector<std::pair<std::string, DelayedScaling*>> GptModel::delayed_scalings(
   return fp8_delayed_scalings(linears_);
 }
 
+void GptModel::set_record_fp8_health(bool record) {
+  record_fp8_health(linears_, record);
+}
+
+std::vector<Fp8TensorHealth> GptModel::take_fp8_health() {
+  return fp8t::take_fp8_health(linears_, linear_precision_);
+}
+
 void GptModel::attention_forward(int layer, const ops::AttentionShape& shape) {
   BlockActivations& block = activations_->blocks[static_cast<size_t>(layer)];
   const float* q = block.q.data<float>();

@@ -68,6 +68,10 @@ class GptModel {
   // Delayed scaling state of every FP8 linear by "<linear>.<input|weight|grad_output>", in a
   // fixed order; empty unless the recipe is delayed. For checkpoints.
   std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings();
+  // While on, the FP8 linears' casts count their health; take_fp8_health() returns the counts
+  // since the last call, per FP8 linear (in linear_precision()'s order) and operand.
+  void set_record_fp8_health(bool record);
+  std::vector<Fp8TensorHealth> take_fp8_health();
 
  private:
   struct Linear {

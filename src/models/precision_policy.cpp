@@ -56,6 +56,10 @@ std::optional<std::string> bf16_reason(const LinearSpec& linear, int n_layer,
       options.bf16_linears.end()) {
     return "non-finite gradients (nan_remedy: bf16_layer)";
   }
+  if (std::find(options.fallback_linears.begin(), options.fallback_linears.end(), linear.name) !=
+      options.fallback_linears.end()) {
+    return "FP8 health (fp8_auto_fallback)";
+  }
   if (options.recipe == ScalingRecipe::Blockwise && (in % 128 != 0 || out % 128 != 0)) {
     return "blockwise needs dims divisible by 128";
   }

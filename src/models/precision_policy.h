@@ -27,8 +27,10 @@ struct PrecisionOptions {
   bool first_last_layers_bf16 = false;
   int num_layers_at_start_in_bf16 = 1;
   int num_layers_at_end_in_bf16 = 1;
-  // Linears kept in BF16 by name: the NaN guard's bf16_layer remedy (train/nan_guard.h).
+  // Linears kept in BF16 by name: the NaN guard's bf16_layer remedy (train/nan_guard.h), and
+  // FP8 health's fp8_auto_fallback (train/fp8_health_monitor.h).
   std::vector<std::string> bf16_linears;
+  std::vector<std::string> fallback_linears;
 };
 
 // mode and recipe from the fp8 configuration; the filter options at their defaults.
@@ -62,7 +64,8 @@ struct LinearPrecision {
 
 // One decision per linear, in the order given. `n_layer` places the first/last blocks.
 // The first reason that applies is reported, checked in this order: fp8 none; the size filter
-// (min_dim, then require_divisible_by); gates; lm_head_fp8; first/last layers; bf16_linears; the
+// (min_dim, then require_divisible_by); gates; lm_head_fp8; first/last layers; bf16_linears;
+// fallback_linears; the
 // recipe's block sizes (blockwise 128, mxfp8 32).
 std::vector<LinearPrecision> decide_precision(const std::vector<LinearSpec>& linears, int n_layer,
                                               const PrecisionOptions& options);

@@ -1,6 +1,7 @@
 #include "numerics/quantize.h"
 
 #include <algorithm>
+#include <cmath>
 #include <vector>
 
 #include "core/error.h"
@@ -75,7 +76,7 @@ void dequantize(const uint8_t* q, int64_t count, float scale_inv, Fp8Format form
 
 template <typename T>
 void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantization& spec,
-                     uint8_t* out, void* scales) {
+                     uint8_t* out, void* scales, CastHealth* health) {
   check_shape(rows, cols);
   FP8T_CHECK(spec.format != Fp8Format::E8M0, "E8M0 is a scale format, not a data format");
   const BlockShape block = block_shape(spec.scaling);
@@ -100,10 +101,18 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
             scale_from_amax(amax_value, format_maximum, spec.power_of_2_scales, spec.amax_epsilon);
         static_cast<float*>(scales)[scale_index] = 1.0f / multiplier;
       }
+      // A NaN multiplier (an MX block holding a NaN) makes every code NaN: nothing to count.
+      CastHealth* block_health = std::isnan(multiplier) ? nullptr : health;
       for (int64_t r = r0; r < r1; ++r) {
         for (int64_t c = c0; c < c1; ++c) {
-          out[r * cols + c] =
-              encode(to_float(x[r * cols + c]) * multiplier, spec.format, Saturation::Saturate);
+          const float value = to_float(x[r * cols + c]);
+          const float scaled = value * multiplier;
+          const uint8_t code = encode(scaled, spec.format, Saturation::Saturate);
+          out[r * cols + c] = code;
+          if (block_health != nullptr) {
+            block_health->saturated += cast_saturates(scaled, format_maximum) ? 1 : 0;
+            block_health->underflow += cast_underflows(value, code) ? 1 : 0;
+          }
         }
       }
     }
@@ -113,9 +122,9 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
 template <typename T>
 void quantize_transpose_blocks(const T* x, int64_t rows, int64_t cols,
                                const BlockQuantization& spec, uint8_t* out, void* scales,
-                               uint8_t* out_t, void* scales_t) {
+                               uint8_t* out_t, void* scales_t, CastHealth* health) {
   check_shape(rows, cols);
-  quantize_blocks(x, rows, cols, spec, out, scales);
+  quantize_blocks(x, rows, cols, spec, out, scales, health);
   const std::vector<T> x_t = transposed(x, rows, cols);
   quantize_blocks(x_t.data(), cols, rows, spec, out_t, scales_t);
 }
@@ -143,9 +152,9 @@ void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const Block
   template void quantize_transpose<T>(const T*, int64_t, int64_t, float, Fp8Format, uint8_t*,      \
                                       uint8_t*, float*, CastHealth*);                              \
   template void quantize_blocks<T>(const T*, int64_t, int64_t, const BlockQuantization&, uint8_t*, \
-                                   void*);                                                         \
+                                   void*, CastHealth*);                                            \
   template void quantize_transpose_blocks<T>(const T*, int64_t, int64_t, const BlockQuantization&, \
-                                             uint8_t*, void*, uint8_t*, void*);
+                                             uint8_t*, void*, uint8_t*, void*, CastHealth*);
 
 FP8T_INSTANTIATE_QUANTIZE(float)
 FP8T_INSTANTIATE_QUANTIZE(bf16)

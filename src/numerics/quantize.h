@@ -94,18 +94,28 @@ struct BlockQuantization {
 // Per block: scale from the block's amax; out = encode_saturating(x * scale). The scale
 // tensor receives scale_inv (fp32) for blockwise, or the E8M0 code (one byte) for Mx1x32:
 // `scales` points to float or uint8_t storage accordingly.
+//
+// health (may be null): the cast's counts over the codes of `out`, rows·cols elements per
+// call, with `scaled` = x · its block's multiplier. A scale from the block's own amax keeps
+// finite values within ±max, except where an fp32 scale that is no power of two rounds up and
+// puts the amax an ulp above max. A block holding an infinity has the fp32 scale 1 (its values
+// beyond ±max saturate) or the E8M0 scale 2^127 (its finite values underflow). An MX block
+// holding a NaN has the NaN scale, which casts all its elements to NaN; the FNUZ formats encode
+// that as 0x80, the bits of -0 elsewhere, and such elements count as neither.
 template <typename T>
 void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantization& spec,
-                     uint8_t* out, void* scales);
+                     uint8_t* out, void* scales, CastHealth* health = nullptr);
 
 // Both the row-wise quantization of x and that of its transpose [cols, rows] (for dgrad and
 // wgrad). For Tile128x128 the transposed data is exactly the transpose of `out` and its
 // scales the transpose of `scales`; for 1xB blocks the transposed copy has its own blocks,
-// running along the original columns.
+// running along the original columns. health counts the codes of `out` as quantize_blocks()
+// does: the transposed copy holds the same values, cast again (in other blocks for 1xB), and
+// is not counted.
 template <typename T>
 void quantize_transpose_blocks(const T* x, int64_t rows, int64_t cols,
                                const BlockQuantization& spec, uint8_t* out, void* scales,
-                               uint8_t* out_t, void* scales_t);
+                               uint8_t* out_t, void* scales_t, CastHealth* health = nullptr);
 
 // x[i] = decode(q[i]) * scale_inv of its block.
 void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const BlockQuantization& spec,

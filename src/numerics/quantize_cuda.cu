@@ -522,11 +522,13 @@ __device__ void store_scale(void* scales, int64_t index, const BlockScaleResult&
 }
 
 // Quantizes one line (a tile row or column) of 128 values, held 4 per lane, into `line_out`
-// (element stride 1) with its block scales at scales[scale_base + block].
-template <Fp8Format kFormat>
+// (element stride 1) with its block scales at scales[scale_base + block]; with kHealth, adds
+// the line's counts to the lane's.
+template <Fp8Format kFormat, bool kHealth>
 __device__ void quantize_line(const float (&values)[4], int valid, uint32_t tile_amax_bits,
                               const BlockQuantization& spec, float format_maximum,
-                              uint8_t* line_out, void* scales, int64_t scale_base) {
+                              uint8_t* line_out, void* scales, int64_t scale_base,
+                              HealthCounts& counts) {
   const int lane = threadIdx.x % 32;
   uint32_t lane_amax[4];
 #pragma unroll
@@ -541,8 +543,13 @@ __device__ void quantize_line(const float (&values)[4], int valid, uint32_t tile
           block_scale(__reduce_max_sync(0xFFFFFFFFu, lane_amax[j]), spec, format_maximum);
       if (lane == 0) store_scale(scales, scale_base + j, result, spec);
       if (lane + 32 * j < valid) {
-        line_out[lane + 32 * j] =
-            fp8t::encode(__fmul_rn(values[j], result.multiplier), kFormat, Saturation::Saturate);
+        const float scaled = __fmul_rn(values[j], result.multiplier);
+        const uint8_t code = fp8t::encode(scaled, kFormat, Saturation::Saturate);
+        line_out[lane + 32 * j] = code;
+        // A NaN multiplier (the block holds a NaN) makes every code NaN: nothing to count.
+        if constexpr (kHealth) {
+          if (!isnan(result.multiplier)) count_cast<kFormat>(values[j], scaled, code, counts);
+        }
       }
     }
     return;
@@ -557,17 +564,20 @@ __device__ void quantize_line(const float (&values)[4], int valid, uint32_t tile
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     if (lane + 32 * j < valid) {
-      line_out[lane + 32 * j] =
-          fp8t::encode(__fmul_rn(values[j], result.multiplier), kFormat, Saturation::Saturate);
+      const float scaled = __fmul_rn(values[j], result.multiplier);
+      const uint8_t code = fp8t::encode(scaled, kFormat, Saturation::Saturate);
+      line_out[lane + 32 * j] = code;
+      if constexpr (kHealth) count_cast<kFormat>(values[j], scaled, code, counts);
     }
   }
 }
 
-template <typename T, Fp8Format kFormat>
+// With kHealth, the counts of `out`'s codes (not out_t's) are added to *health.
+template <typename T, Fp8Format kFormat, bool kHealth>
 __global__ void __launch_bounds__(kThreads)
     block_quantize_kernel(const T* __restrict__ x, int64_t rows, int64_t cols,
                           BlockQuantization spec, uint8_t* __restrict__ out, void* scales,
-                          uint8_t* __restrict__ out_t, void* scales_t) {
+                          uint8_t* __restrict__ out_t, void* scales_t, CastHealth* health) {
   extern __shared__ float tile[];  // [kBlockTile][kBlockPitch]
   __shared__ uint32_t warp_amax[kWarps];
   const int warp = threadIdx.x / 32;
@@ -598,6 +608,7 @@ __global__ void __launch_bounds__(kThreads)
   const BlockShape col_grid = scale_grid(spec.scaling, cols, rows);
   const int blocks_per_tile = kBlockTile / block_shape(spec.scaling).cols;  // along a line
 
+  HealthCounts counts;
   for (int r = warp; r < valid_rows; r += kWarps) {
     float values[4];
 #pragma unroll
@@ -609,9 +620,11 @@ __global__ void __launch_bounds__(kThreads)
             : (row0 + r) * row_grid.cols + int64_t(blockIdx.x) * blocks_per_tile;
     // A 128x128 tile has one scale: written once, by the first row's warp.
     void* row_scales = spec.scaling == BlockScaling::Tile128x128 && r != 0 ? nullptr : scales;
-    quantize_line<kFormat>(values, valid_cols, tile_amax, spec, format_maximum,
-                           out + (row0 + r) * cols + col0, row_scales, scale_base);
+    quantize_line<kFormat, kHealth>(values, valid_cols, tile_amax, spec, format_maximum,
+                                    out + (row0 + r) * cols + col0, row_scales, scale_base, counts);
   }
+  // Every thread gets here: a warp's rows are the same for all its lanes.
+  if constexpr (kHealth) publish_health(counts, health);
   if (out_t == nullptr) return;
   for (int c = warp; c < valid_cols; c += kWarps) {
     float values[4];
@@ -623,8 +636,8 @@ __global__ void __launch_bounds__(kThreads)
             ? int64_t(blockIdx.x) * col_grid.cols + blockIdx.y
             : (col0 + c) * col_grid.cols + int64_t(blockIdx.y) * blocks_per_tile;
     void* col_scales = spec.scaling == BlockScaling::Tile128x128 && c != 0 ? nullptr : scales_t;
-    quantize_line<kFormat>(values, valid_rows, tile_amax, spec, format_maximum,
-                           out_t + (col0 + c) * rows + row0, col_scales, scale_base);
+    quantize_line<kFormat, false>(values, valid_rows, tile_amax, spec, format_maximum,
+                                  out_t + (col0 + c) * rows + row0, col_scales, scale_base, counts);
   }
 }
 
@@ -780,7 +793,7 @@ void dequantize(const uint8_t* q, int64_t count, const float* scale_inv, Fp8Form
 template <typename T>
 void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantization& spec,
                      uint8_t* out, void* scales, uint8_t* out_t, void* scales_t,
-                     cudaStream_t stream) {
+                     cudaStream_t stream, CastHealth* health) {
   FP8T_CHECK(rows >= 0 && cols >= 0, "expected a non-negative shape, found [{}, {}]", rows, cols);
   check_pointers(rows * cols, x, out);
   check_pointers(rows * cols, scales, scales);
@@ -792,12 +805,15 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
   const dim3 grid(static_cast<unsigned>((cols + kBlockTile - 1) / kBlockTile),
                   static_cast<unsigned>(row_tiles));
   dispatch_data_format(spec.format, [&](auto format_constant) {
-    constexpr Fp8Format kFormat = decltype(format_constant)::value;
-    FP8T_CUDA_CHECK(cudaFuncSetAttribute(block_quantize_kernel<T, kFormat>,
-                                         cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         static_cast<int>(kBlockTileBytes)));
-    block_quantize_kernel<T, kFormat><<<grid, kThreads, kBlockTileBytes, stream>>>(
-        x, rows, cols, spec, out, scales, out_t, scales_t);
+    dispatch_health(health, [&](auto health_constant) {
+      constexpr Fp8Format kFormat = decltype(format_constant)::value;
+      constexpr bool kHealth = decltype(health_constant)::value;
+      FP8T_CUDA_CHECK(cudaFuncSetAttribute(block_quantize_kernel<T, kFormat, kHealth>,
+                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(kBlockTileBytes)));
+      block_quantize_kernel<T, kFormat, kHealth><<<grid, kThreads, kBlockTileBytes, stream>>>(
+          x, rows, cols, spec, out, scales, out_t, scales_t, health);
+    });
   });
   FP8T_CUDA_CHECK_LAUNCH();
 }
@@ -822,7 +838,7 @@ void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const Block
                                       uint8_t*, uint8_t*, float*, cudaStream_t, CastInput,         \
                                       const bf16*, CastHealth*);                                   \
   template void quantize_blocks<T>(const T*, int64_t, int64_t, const BlockQuantization&, uint8_t*, \
-                                   void*, uint8_t*, void*, cudaStream_t);
+                                   void*, uint8_t*, void*, cudaStream_t, CastHealth*);
 
 FP8T_INSTANTIATE_CUDA_QUANTIZE(float)
 FP8T_INSTANTIATE_CUDA_QUANTIZE(bf16)

@@ -59,13 +59,16 @@ template <typename Out>
 void dequantize(const uint8_t* q, int64_t count, const float* scale_inv, Fp8Format format, Out* out,
                 cudaStream_t stream);
 
-// Block scalings, layouts as in quantize.h. out_t and scales_t may be null (no transposed copy).
+// Block scalings, layouts as in quantize.h. out_t and scales_t may be null (no transposed copy);
+// out may not. health (a device CastHealth; may be null): the counts of quantize_blocks() in
+// quantize.h, those of `out`'s codes alone (rows·cols elements per call, with or without the
+// transposed copy), added to it as the cast goes.
 // dequantize_blocks stores float or bf16; with E8M0 (power-of-two) scales the bf16 values are
 // exact down to bf16's smallest subnormal (2^-133): what the emulated MXFP8 GEMMs multiply.
 template <typename T>
 void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantization& spec,
                      uint8_t* out, void* scales, uint8_t* out_t, void* scales_t,
-                     cudaStream_t stream);
+                     cudaStream_t stream, CastHealth* health = nullptr);
 
 template <typename Out>
 void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const BlockQuantization& spec,

@@ -41,6 +41,18 @@ void check_non_negative_finite(float value, const std::string& location) {
 
 }  // namespace
 
+const char* tensor_role_name(TensorRole role) {
+  switch (role) {
+    case TensorRole::Input:
+      return "input";
+    case TensorRole::Weight:
+      return "weight";
+    case TensorRole::GradOutput:
+      return "grad_output";
+  }
+  return "?";
+}
+
 std::string_view mode_name(Fp8Mode mode) {
   return name_of<Fp8Mode>(kFp8ModeNames, mode);
 }

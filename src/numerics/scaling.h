@@ -39,6 +39,10 @@ enum class AmaxComputeAlgo : uint8_t { Max, MostRecent };
 
 // The role of a quantized tensor in a linear layer; decides its format and block shape.
 enum class TensorRole : uint8_t { Input, Weight, GradOutput };
+inline constexpr TensorRole kTensorRoles[] = {TensorRole::Input, TensorRole::Weight,
+                                              TensorRole::GradOutput};
+// "input", "weight", "grad_output": how checkpoints and logs name the operands.
+const char* tensor_role_name(TensorRole role);
 
 struct Fp8Config {
   Fp8Mode mode = Fp8Mode::Hybrid;

@@ -1,5 +1,8 @@
 #include "ops/fp8_linear.h"
 
+#include <algorithm>
+#include <cmath>
+
 #include "core/error.h"
 #include "gemm/cpu_gemm.h"
 #include "ops/linear.h"
@@ -116,14 +119,17 @@ void Fp8Linear::quantize_operand(const float* src, int64_t rows, int64_t cols, T
   if (transposed != nullptr) prepare(*transposed, data_format, blocks, cols, rows);
   uint8_t* out_t = transposed != nullptr ? transposed->data.data() : nullptr;
 
+  Fp8OperandHealth* health = record_health_ ? &health_[static_cast<size_t>(role)] : nullptr;
+  CastHealth* counts = health != nullptr ? &health->counts : nullptr;
+  if (health != nullptr) health->elements += static_cast<uint64_t>(rows * cols);
   if (blocks) {
     const BlockQuantization spec{*blocks, data_format, config_.use_power_of_2_scales(),
                                  config_.amax_epsilon};
     if (transposed != nullptr) {
       quantize_transpose_blocks(src, rows, cols, spec, rowwise.data.data(), scale_storage(rowwise),
-                                out_t, scale_storage(*transposed));
+                                out_t, scale_storage(*transposed), counts);
     } else {
-      quantize_blocks(src, rows, cols, spec, rowwise.data.data(), scale_storage(rowwise));
+      quantize_blocks(src, rows, cols, spec, rowwise.data.data(), scale_storage(rowwise), counts);
     }
     return;
   }
@@ -131,24 +137,37 @@ void Fp8Linear::quantize_operand(const float* src, int64_t rows, int64_t cols, T
   // Per-tensor scale: delayed takes the current scale and records this tensor's amax for the
   // update at the end of the step; tensorwise derives it from this very tensor.
   const bool delayed = config_.recipe == ScalingRecipe::Delayed;
-  float recorded_amax = 0.0f;
-  float* amax_out = delayed ? &recorded_amax : nullptr;
+  float tensor_amax = 0.0f;
+  float* amax_out = delayed ? &tensor_amax : nullptr;
   float scale;
   if (delayed) {
     scale = delayed_scaling(role).scale();
   } else {
-    scale = scale_from_amax(amax(src, rows * cols), format_max(data_format),
-                            config_.use_power_of_2_scales(), config_.amax_epsilon);
+    tensor_amax = amax(src, rows * cols);
+    scale = scale_from_amax(tensor_amax, format_max(data_format), config_.use_power_of_2_scales(),
+                            config_.amax_epsilon);
   }
   if (transposed != nullptr) {
-    quantize_transpose(src, rows, cols, scale, data_format, rowwise.data.data(), out_t, amax_out);
+    quantize_transpose(src, rows, cols, scale, data_format, rowwise.data.data(), out_t, amax_out,
+                       counts);
   } else {
-    fp8t::quantize(src, rows * cols, scale, data_format, rowwise.data.data(), amax_out);
+    fp8t::quantize(src, rows * cols, scale, data_format, rowwise.data.data(), amax_out, counts);
   }
   const float scale_inv = 1.0f / scale;
   rowwise.scale_inv[0] = scale_inv;
   if (transposed != nullptr) transposed->scale_inv[0] = scale_inv;
-  if (delayed && record_amax_) delayed_scaling(role).record_amax(recorded_amax);
+  if (delayed && record_amax_) delayed_scaling(role).record_amax(tensor_amax);
+  if (health != nullptr) {
+    // The step's first cast of this tensor starts the amax; after it a NaN sticks, as in the
+    // scaling state.
+    const bool first = health->elements == static_cast<uint64_t>(rows * cols);
+    if (first || std::isnan(tensor_amax)) {
+      health->amax = tensor_amax;
+    } else if (!std::isnan(health->amax)) {
+      health->amax = std::max(health->amax, tensor_amax);
+    }
+    health->scale = scale;
+  }
 }
 
 void Fp8Linear::ensure_weight(const float* weight) {

@@ -13,6 +13,7 @@
 // the row-wise quantization; for per-tensor scales and 128x128 tiles they are the same).
 #pragma once
 
+#include <array>
 #include <cstdint>
 #include <optional>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "numerics/formats.h"
 #include "numerics/quantize.h"
 #include "numerics/scaling.h"
+#include "ops/fp8_health.h"
 
 namespace fp8t::ops {
 
@@ -68,6 +70,13 @@ class Fp8Linear {
   void invalidate_weight_cache();
   // Evaluation passes turn this off so that they leave delayed scaling's amax history alone.
   void set_record_amax(bool record) { record_amax_ = record; }
+  // While on, each tensor's first cast (x̂, Ŵ, dŷ; not the transposed copies made from the same
+  // values) adds to health(role): amax, scale, values, saturated and underflowed counts.
+  void set_record_health(bool record) { record_health_ = record; }
+  const Fp8OperandHealth& health(TensorRole role) const {
+    return health_[static_cast<size_t>(role)];
+  }
+  void clear_health() { health_ = {}; }
 
   int64_t in_features() const { return in_features_; }
   int64_t out_features() const { return out_features_; }
@@ -107,6 +116,8 @@ class Fp8Linear {
   bool fp8_wgrad_;
   std::vector<DelayedScaling> delayed_;  // indexed by TensorRole; empty unless delayed
   bool record_amax_ = true;
+  bool record_health_ = false;
+  std::array<Fp8OperandHealth, 3> health_;  // indexed by TensorRole
 
   // Weight cache: Ŵ, Ŵᵗ and their dequantized values for the CPU GEMMs.
   const float* cached_weight_ = nullptr;

@@ -117,6 +117,8 @@ class CpuEngine final : public TrainingEngine {
   std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() override {
     return model_.delayed_scalings();
   }
+  void set_record_fp8_health(bool record) override { model_.set_record_fp8_health(record); }
+  std::vector<Fp8TensorHealth> take_fp8_health() override { return model_.take_fp8_health(); }
   void to_host() override {}
   void gather_optimizer_state() override {
     if (sharded_)

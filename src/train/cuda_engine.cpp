@@ -211,6 +211,12 @@ class CudaEngine final : public TrainingEngine {
   std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() override {
     return model_.delayed_scalings();
   }
+  void set_record_fp8_health(bool record) override {
+    model_.set_record_fp8_health(record);
+  }
+  std::vector<Fp8TensorHealth> take_fp8_health() override {
+    return model_.take_fp8_health();
+  }
   void to_host() override {
     model_.download_parameters(host_parameters_);
     // Sharded, gather_optimizer_state() has brought the whole state already.

@@ -96,6 +96,8 @@ class FluxCpuEngine final : public FluxEngine {
   std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() override {
     return model_.delayed_scalings();
   }
+  void set_record_fp8_health(bool record) override { model_.set_record_fp8_health(record); }
+  std::vector<Fp8TensorHealth> take_fp8_health() override { return model_.take_fp8_health(); }
   void to_host() override {}
   void from_host() override { model_.weights_changed(); }
   void gather_optimizer_state() override {

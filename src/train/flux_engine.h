@@ -45,6 +45,11 @@ class FluxEngine {
   virtual FluxParameterSet& host_parameters() = 0;
   virtual std::vector<NamedTensor> host_optimizer_state() = 0;
   virtual std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() = 0;
+  // FP8 health statistics (ops/fp8_health.h): while on, the FP8 linears' casts count;
+  // take_fp8_health() returns this rank's counts since the last call, per FP8 linear and operand
+  // (none in BF16), and starts a fresh count.
+  virtual void set_record_fp8_health(bool record) = 0;
+  virtual std::vector<Fp8TensorHealth> take_fp8_health() = 0;
   virtual void to_host() = 0;
   virtual void from_host() = 0;
   // As TrainingEngine::gather_optimizer_state: every rank together, before a checkpoint's

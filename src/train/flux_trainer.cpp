@@ -17,7 +17,9 @@
 #include "train/checkpoint.h"
 #include "train/flux_batches.h"
 #include "train/flux_engine.h"
+#include "train/fp8_health_monitor.h"
 #include "train/run_log.h"
+#include "train/step_phase_times.h"
 #include "train/stop_signal.h"
 #include "train/training_engine.h"
 #include "train/training_loop.h"
@@ -168,7 +170,8 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   FluxEngineSetup setup;
   setup.model = model_config;
   const bool cuda = use_cuda(config.run.device);
-  setup.precision = model_precision(config, cuda);
+  const ModelPrecision configured_precision = model_precision(config, cuda);
+  setup.precision = configured_precision;
   setup.batch = batch;
   setup.img_tokens = img_tokens;
   setup.txt_tokens = txt_tokens;
@@ -177,8 +180,22 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   if (several) setup.communicator = &communicator;
   setup.shard_optimizer_state = config.run.shard_optimizer_state;
   setup.gemm_tuning = gemm_tuning;
-  const std::unique_ptr<FluxEngine> engine =
-      cuda ? make_flux_cuda_engine(setup) : make_flux_cpu_engine(setup);
+  Fp8HealthMonitor health(config.fp8, configured_precision.fp8.mode != Fp8Mode::None);
+  // The engine, with the FP8 fallbacks in force, and the checkpoints' views of its model,
+  // optimizer and FP8 state; built again when a fallback changes the precision.
+  std::unique_ptr<FluxEngine> engine;
+  ScalingStateBuffers scaling({});
+  CheckpointContents contents;
+  const auto build_engine = [&] {
+    engine.reset();  // its memory goes before the new one takes any
+    setup.precision = health.precision(configured_precision);
+    engine = cuda ? make_flux_cuda_engine(setup) : make_flux_cpu_engine(setup);
+    scaling = ScalingStateBuffers(engine->delayed_scalings());
+    contents.model = model_tensors(engine->host_parameters());
+    contents.optimizer = engine->host_optimizer_state();
+    contents.fp8_scaling = scaling.tensors();
+  };
+  build_engine();
   const optim::LrSchedule schedule = config.lr_schedule();
 
   if (leader) {
@@ -206,18 +223,17 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
         config.flux.cfg_dropout, engine->device_name());
   }
 
-  // Checkpoint contents: views of the model's, the optimizer's and the FP8 state.
-  ScalingStateBuffers scaling(engine->delayed_scalings());
-  CheckpointContents contents;
-  contents.model = model_tensors(engine->host_parameters());
-  contents.optimizer = engine->host_optimizer_state();
-  contents.fp8_scaling = scaling.tensors();
-
   // The data position is the step: every batch is a function of the seed and its step.
   int64_t step = 0;
   double seconds_before = 0.0;
-  if (const std::optional<nlohmann::json> state =
-          resume_run(config, run_folder, contents, scaling)) {
+  if (std::optional<nlohmann::json> state = resume_run(config, run_folder, contents, scaling)) {
+    health.resume(state->value("fp8_health", nlohmann::json::object()).get<Fp8HealthState>());
+    if (health.changes_precision()) {  // the checkpoint again, into an engine built with them
+      fmt::print("FP8 health: linears moved to BF16 so far: {}\n", health.describe_fallbacks());
+      build_engine();
+      state =
+          resume_from_checkpoint(run_folder, state->at("step").get<int64_t>(), contents, scaling);
+    }
     step = state->at("step").get<int64_t>();
     seconds_before = state->value("train_seconds", 0.0);
   } else {
@@ -235,10 +251,11 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     engine->gather_optimizer_state();
     if (!leader) return;
     engine->to_host();
-    save_run_checkpoint(
-        run_folder, config, at_step,
-        {{"train_seconds", train_seconds}, {"samples_seen", at_step * samples_per_step}}, scaling,
-        contents);
+    save_run_checkpoint(run_folder, config, at_step,
+                        {{"train_seconds", train_seconds},
+                         {"samples_seen", at_step * samples_per_step},
+                         {"fp8_health", health.state()}},
+                        scaling, contents);
   };
 
   // Validation: the same held-out pictures, σ and noise at every evaluation.
@@ -272,6 +289,8 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   loop.memory_bytes = resident_memory_bytes;
   loop.peak_memory_bytes = [&] { return engine->peak_memory_bytes(); };
   bool gemm_tuning_printed = false;
+  StepPhaseTimes phase_times(cuda && config.run.log_timers_to_tensorboard);
+  std::vector<Fp8Fallback> fallbacks;  // decided by the step, applied after it
   // Rank r's micro-batch m is the step's m·R + r of A·R: the step sees one process's batches.
   loop.train_step = [&](int64_t at_step) {
     for (int64_t micro = 0; micro < accumulation; ++micro) {
@@ -279,15 +298,38 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
                              micro_batches[size_t(micro)]);
     }
     const double multiplier = optim::lr_multiplier(schedule, at_step);
+    const bool statistics = health.due(at_step + 1);
+    engine->set_record_fp8_health(statistics);
+    phase_times.begin();
     const StepResult result =
         engine->train_step(micro_batches, config.optimizer.clip_grad, multiplier);
+    phase_times.end();
+    if (statistics) {
+      engine->set_record_fp8_health(false);
+      fallbacks = judge_fp8_health(at_step + 1, engine->take_fp8_health(), health, log,
+                                   several ? &communicator : nullptr);
+    }
     print_gemm_tuning_once(leader, engine->gemm_tuning_summary(), gemm_tuning_printed);
     return StepReport{result, engine->lr(), multiplier};
   };
+  loop.timers = config.run.log_timers_to_tensorboard;
+  loop.phase_times = [&] { return phase_times.last(); };
   loop.validation_loss = validation_loss;
   loop.save = save;
   if (several) loop.stop_signal = [&] { return communicator.max(StopSignal::received()); };
-  loop.after_step = [&](int64_t steps_done) {
+  loop.after_step = [&](int64_t steps_done, double train_seconds) {
+    if (!fallbacks.empty()) {  // fp8_auto_fallback: as the GPT trainer
+      log_fp8_fallbacks(fallbacks, log);
+      fallbacks.clear();
+      save(steps_done, train_seconds);
+      communicator.barrier();  // the leader has written it
+      build_engine();
+      resume_from_checkpoint(run_folder, steps_done, contents, scaling);
+      engine->from_host();
+      log.event("fp8_fallback",
+                fmt::format("FP8 health: precision from step {}: {}", steps_done + 1,
+                            flux_precision_summary(engine->linear_precision())));
+    }
     const int64_t every = config.run.sample_every;
     if (grid && every > 0 && steps_done % every == 0 && steps_done < total_steps) {
       write_grid(steps_done);

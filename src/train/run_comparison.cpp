@@ -2,7 +2,10 @@
 
 #include <cmath>
 #include <optional>
+#include <string>
+#include <string_view>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -72,6 +75,90 @@ std::string image_of(const io::Canvas& canvas, const std::string& what) {
   return fmt::format(
       "<img alt=\"{}\" src=\"data:image/png;base64,{}\">", escape_html(what),
       io::base64_encode(io::encode_png(canvas.width(), canvas.height(), canvas.rgb(), what)));
+}
+
+// The FP8 health fractions the report shows: which, the picture's title, and the summary's
+// words for its peak and for none at all.
+struct HealthFraction {
+  double io::Fp8HealthCell::*field;
+  const char* title;
+  const char* peak;
+  const char* none;
+};
+constexpr HealthFraction kSaturated{&io::Fp8HealthCell::saturated_fraction,
+                                    "saturated at the FP8 maximum, fraction of the tensor's values",
+                                    "highest saturation", "no value saturated"};
+constexpr HealthFraction kUnderflow{&io::Fp8HealthCell::underflow_fraction,
+                                    "underflow to zero, fraction of the tensor's values",
+                                    "highest underflow", "no value underflowed"};
+
+// "h.0.attn.c_q input": the first part of the dotted layer names left out when they all share
+// it (the GPT's "transformer.", beside its "lm_head"), so that the labels start where the
+// layers differ.
+std::vector<std::string> row_labels(const std::vector<io::Fp8HealthTensor>& tensors) {
+  std::string shared;
+  for (const io::Fp8HealthTensor& tensor : tensors) {
+    const size_t dot = tensor.layer.find('.');
+    if (dot == std::string::npos) continue;
+    const std::string_view first(tensor.layer.data(), dot + 1);
+    if (shared.empty()) shared = first;
+    if (first != shared || tensor.layer.size() == first.size()) {
+      shared.clear();
+      break;
+    }
+  }
+  std::vector<std::string> labels;
+  for (const io::Fp8HealthTensor& tensor : tensors) {
+    const bool shortened = !shared.empty() && tensor.layer.starts_with(shared);
+    labels.push_back(
+        fmt::format("{} {}", tensor.layer.substr(shortened ? shared.size() : 0), tensor.operand));
+  }
+  return labels;
+}
+
+io::FractionGrid fraction_grid(const io::Fp8HealthLog& log, const HealthFraction& fraction) {
+  io::FractionGrid grid{row_labels(log.tensors), log.steps, {}};
+  for (const io::Fp8HealthCell& cell : log.cells)
+    grid.values.push_back(cell.*fraction.field);
+  return grid;
+}
+
+// "highest saturation: transformer.h.3.mlp.c_proj grad_output at step 40, 0.00123 of its
+// values (amax 812)": the largest fraction, at its earliest step, of the first tensor there.
+std::string peak_line(const io::Fp8HealthLog& log, const HealthFraction& fraction) {
+  double peak = 0.0;
+  size_t peak_tensor = 0, peak_step = 0;
+  for (size_t step = 0; step < log.steps.size(); ++step) {
+    for (size_t tensor = 0; tensor < log.tensors.size(); ++tensor) {
+      const double value = log.cell(tensor, step).*fraction.field;
+      if (value > peak) {  // false for NaN: not logged
+        peak = value;
+        peak_tensor = tensor;
+        peak_step = step;
+      }
+    }
+  }
+  if (peak == 0.0) return fmt::format("{} at any logged step", fraction.none);
+  const double amax = log.cell(peak_tensor, peak_step).amax;
+  return fmt::format("{}: {} {} at step {}, {:.3g} of its values{}", fraction.peak,
+                     log.tensors[peak_tensor].layer, log.tensors[peak_tensor].operand,
+                     log.steps[peak_step], peak,
+                     std::isnan(amax) ? "" : fmt::format(" (amax {:.3g})", amax));
+}
+
+// "FP8 health: RUN" with the peaks and the heat-maps of underflow and saturation.
+std::string health_section(const std::string& run, const io::Fp8HealthLog& log) {
+  std::string html = fmt::format("<h2>FP8 health: {}</h2>\n", escape_html(run));
+  if (log.tensors.empty()) return html + "<p>fp8_health.jsonl holds no statistics yet.</p>\n";
+  html += fmt::format("<p>{}; {}.</p>\n", escape_html(peak_line(log, kSaturated)),
+                      escape_html(peak_line(log, kUnderflow)));
+  for (const HealthFraction& fraction : {kUnderflow, kSaturated}) {
+    const std::string title = fmt::format("{}: {}", run, fraction.title);
+    const io::Canvas heat_map =
+        io::draw_fraction_heat_map(fraction_grid(log, fraction), title, "tensor (layer, operand)");
+    html += image_of(heat_map, title) + "\n";
+  }
+  return html;
 }
 
 }  // namespace
@@ -168,9 +255,15 @@ ComparisonReport compare_runs(const std::vector<std::filesystem::path>& run_fold
     html += fmt::format("<h2>{}</h2>\n{}\n", escape_html(title),
                         image_of(io::draw_run_plot(curves, metric.field, title), title));
   }
-  html +=
-      "<p>FP8 health per layer: these runs' metrics hold no per-layer FP8 statistics.</p>\n"
-      "</body></html>\n";
+  bool any_health = false;
+  for (size_t i = 0; i < run_folders.size(); ++i) {
+    const std::optional<io::Fp8HealthLog> health = io::read_fp8_health(run_folders[i]);
+    if (!health) continue;
+    html += health_section(losses[i].name, *health);
+    any_health = true;
+  }
+  if (!any_health) html += "<p>FP8 health: no run logged fp8_health.jsonl.</p>\n";
+  html += "</body></html>\n";
   report.html = std::move(html);
   return report;
 }

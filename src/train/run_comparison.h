@@ -44,7 +44,11 @@ struct ComparisonReport {
 // the first the reference: the verdicts and a table of last values, then the loss (smoothed),
 // validation loss, grad norm, throughput and memory curves each with the runs relative to the
 // first. A metric no run logged is left out; a metric only some logged is drawn for those.
-// Throws fp8t::Error naming the folder whose metrics.jsonl is missing or unreadable.
+// Then for each run with an fp8_health.jsonl (FP8 runs) a section "FP8 health: RUN": the
+// tensors with the highest saturated and underflow fractions, and the heat-maps of the two
+// fractions over tensors × statistics steps. Throws fp8t::Error naming the folder whose
+// metrics.jsonl is missing or unreadable, or the line of an fp8_health.jsonl that does not
+// parse.
 ComparisonReport compare_runs(const std::vector<std::filesystem::path>& run_folders, int smooth,
                               double tolerance);
 

@@ -9,6 +9,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "train/fp8_health_monitor.h"
 
 namespace fp8t::train {
 
@@ -65,7 +66,10 @@ double available_memory_bytes() {
 
 RunLog::RunLog(const std::filesystem::path& run_folder, bool terminal, bool writes,
                bool tensorboard)
-    : jsonl_path_(run_folder / "metrics.jsonl"), terminal_(terminal && writes), writes_(writes) {
+    : jsonl_path_(run_folder / "metrics.jsonl"),
+      health_path_(run_folder / "fp8_health.jsonl"),
+      terminal_(terminal && writes),
+      writes_(writes) {
   if (!writes) return;
   jsonl_.open(jsonl_path_, std::ios::app);
   if (!jsonl_) throw Error(fmt::format("{}: cannot open for writing", jsonl_path_.string()));
@@ -88,6 +92,8 @@ std::vector<std::pair<std::string, float>> RunLog::tensorboard_scalars(const Ste
   }
   if (m.mfu) values.emplace_back("perf/mfu", static_cast<float>(*m.mfu));
   if (m.val_loss) values.emplace_back("val/loss", static_cast<float>(*m.val_loss));
+  for (const auto& [name, milliseconds] : m.timers_ms)
+    values.emplace_back("timers/" + name + "_ms", static_cast<float>(milliseconds));
   return values;
 }
 
@@ -133,6 +139,12 @@ void RunLog::step(const StepMetrics& m, bool print) {
       {"val_loss", optional_number(m.val_loss)},
   };
   if (m.samples_per_second) record["samples_per_second"] = *m.samples_per_second;
+  if (!m.timers_ms.empty()) {
+    nlohmann::json timers = nlohmann::json::object();
+    for (const auto& [name, milliseconds] : m.timers_ms)
+      timers[name] = milliseconds;
+    record["timers_ms"] = timers;
+  }
   jsonl_ << record.dump() << '\n' << std::flush;
   if (!jsonl_) throw Error(fmt::format("{}: cannot write", jsonl_path_.string()));
   if (tensorboard_) tensorboard_->scalars(m.step, tensorboard_scalars(m));
@@ -154,6 +166,23 @@ void RunLog::event(const std::string& kind, const std::string& message) {
   clear_bar();
   fmt::print("{}\n", message);
   std::fflush(stdout);
+}
+
+void RunLog::fp8_health(int64_t step, const std::vector<Fp8TensorHealth>& records) {
+  if (!writes_) return;
+  if (!health_.is_open()) {
+    health_.open(health_path_, std::ios::app);
+    if (!health_) throw Error(fmt::format("{}: cannot open for writing", health_path_.string()));
+  }
+  std::vector<std::pair<std::string, float>> scalars;
+  for (const Fp8TensorHealth& record : records) {
+    health_ << health_line(step, record).dump() << '\n';
+    const auto more = health_scalars(record);
+    scalars.insert(scalars.end(), more.begin(), more.end());
+  }
+  health_ << std::flush;
+  if (!health_) throw Error(fmt::format("{}: cannot write", health_path_.string()));
+  if (tensorboard_) tensorboard_->scalars(step, scalars);
 }
 
 void RunLog::clear_bar() {

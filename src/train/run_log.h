@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "io/tfevents.h"
+#include "ops/fp8_health.h"
 
 namespace fp8t::train {
 
@@ -34,6 +35,9 @@ struct StepMetrics {
   double memory_bytes = 0.0;  // resident (CPU) or allocated (GPU)
   double eta_seconds = 0.0;
   std::optional<double> val_loss;
+  // log_timers_to_tensorboard: milliseconds by timer ("step", "validation", "gemm", ...), as
+  // TensorBoard's timers/<name>_ms and the JSON line's timers_ms.
+  std::vector<std::pair<std::string, double>> timers_ms;
 };
 
 // Seconds per step from the recent steps (the first steps are slower and fade out).
@@ -78,12 +82,15 @@ class RunLog {
   // Any other message: printed without breaking the progress bar, and kept in the JSONL as
   // {"event": ...}.
   void event(const std::string& kind, const std::string& message);
+  // A statistics step's FP8 health records: lines of RUN/fp8_health.jsonl (appended, as
+  // metrics.jsonl) and TensorBoard scalars (train/fp8_health_monitor.h).
+  void fp8_health(int64_t step, const std::vector<Fp8TensorHealth>& records);
 
   static std::string step_line(const StepMetrics& metrics);
   // The TensorBoard scalars of a step, by tag: train/loss, train/lr, train/lr_multiplier,
   // train/grad_norm, val/loss (steps that evaluate), perf/tokens_per_second or (Flux)
   // perf/samples_per_second, perf/step_seconds, perf/flops_per_second, perf/mfu (GPUs),
-  // memory/bytes.
+  // memory/bytes, and timers/<name>_ms for the step's timers.
   static std::vector<std::pair<std::string, float>> tensorboard_scalars(const StepMetrics& metrics);
 
  private:
@@ -92,6 +99,8 @@ class RunLog {
 
   std::ofstream jsonl_;
   std::filesystem::path jsonl_path_;
+  std::ofstream health_;  // opened at the first statistics step
+  std::filesystem::path health_path_;
   std::unique_ptr<io::TfEventsWriter> tensorboard_;
   bool terminal_;
   bool writes_;

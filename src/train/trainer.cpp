@@ -21,8 +21,10 @@
 #include "tokenizer/bpe_tokenizer.h"
 #include "train/checkpoint.h"
 #include "train/flux_trainer.h"
+#include "train/fp8_health_monitor.h"
 #include "train/nan_guard.h"
 #include "train/run_log.h"
+#include "train/step_phase_times.h"
 #include "train/stop_signal.h"
 #include "train/training_engine.h"
 #include "train/training_loop.h"
@@ -253,14 +255,15 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   setup.gemm_tuning = gemm_tuning;
   const ModelPrecision configured_precision = model_precision(config, cuda);
   NanGuard guard(config.run, model_config);
-  // The engine, with the guard's remedies in force, and the checkpoints' views of its model,
-  // optimizer and FP8 state; built again when a restore changes the precision.
+  Fp8HealthMonitor health(config.fp8, configured_precision.fp8.mode != Fp8Mode::None);
+  // The engine, with the guard's remedies and the FP8 fallbacks in force, and the checkpoints'
+  // views of its model, optimizer and FP8 state; built again when they change the precision.
   std::unique_ptr<TrainingEngine> engine;
   ScalingStateBuffers scaling({});
   CheckpointContents contents;
   const auto build_engine = [&] {
     engine.reset();  // its memory goes before the new one takes any
-    setup.precision = guard.precision(configured_precision);
+    setup.precision = health.precision(guard.precision(configured_precision));
     engine = cuda ? make_cuda_engine(setup) : make_cpu_engine(setup);
     scaling = ScalingStateBuffers(engine->delayed_scalings());
     contents.model = model_buffers(engine->host_parameters());
@@ -296,11 +299,16 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   double seconds_before = 0.0;  // training time of the steps before a resume
   if (std::optional<nlohmann::json> state = resume_run(config, run_folder, contents, scaling)) {
     guard.resume(state->value("nan_guard", nlohmann::json::object()).get<NanGuardState>());
+    health.resume(state->value("fp8_health", nlohmann::json::object()).get<Fp8HealthState>());
     if (guard.state().restores > 0) {
       fmt::print("NaN guard: {} restore(s) so far; remedies in force: {}\n", guard.state().restores,
                  guard.describe_remedies());
     }
-    if (guard.changes_precision()) {  // the checkpoint again, into an engine built with them
+    if (health.changes_precision()) {
+      fmt::print("FP8 health: linears moved to BF16 so far: {}\n", health.describe_fallbacks());
+    }
+    if (guard.changes_precision() || health.changes_precision()) {
+      // The checkpoint again, into an engine built with them.
       build_engine();
       state =
           resume_from_checkpoint(run_folder, state->at("step").get<int64_t>(), contents, scaling);
@@ -328,7 +336,8 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
                         {{"data_position", loader.position()},
                          {"train_seconds", train_seconds},
                          {"tokens_seen", at_step * tokens_per_step},
-                         {"nan_guard", guard.state()}},
+                         {"nan_guard", guard.state()},
+                         {"fp8_health", health.state()}},
                         scaling, contents);
   };
 
@@ -390,6 +399,8 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   loop.peak_memory_bytes = [&] { return engine->peak_memory_bytes(); };
   std::vector<int64_t> nan_inject_steps = config.run.nan_inject_steps;  // each one once
   bool gemm_tuning_printed = false;
+  StepPhaseTimes phase_times(cuda && config.run.log_timers_to_tensorboard);
+  std::vector<Fp8Fallback> fallbacks;  // decided by the step, applied after it
   loop.train_step = [&](int64_t at_step) {
     if (std::erase(nan_inject_steps, at_step + 1) > 0) {
       engine->inject_nan(config.run.nan_inject_parameter);
@@ -397,8 +408,17 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
     optim::StepSchedule step_schedule = optim::nanochat_step_schedule(schedule, at_step);
     if (adamw) step_schedule = {.lr_multiplier = optim::lr_multiplier(schedule, at_step)};
     step_schedule.lr_multiplier *= guard.lr_scale();
+    const bool statistics = health.due(at_step + 1);
+    engine->set_record_fp8_health(statistics);
+    phase_times.begin();
     const StepResult result =
         engine->train_step(loader, accumulation, config.optimizer.clip_grad, step_schedule);
+    phase_times.end();
+    if (statistics) {
+      engine->set_record_fp8_health(false);
+      fallbacks = judge_fp8_health(at_step + 1, engine->take_fp8_health(), health, log,
+                                   several ? &communicator : nullptr);
+    }
     print_gemm_tuning_once(leader, engine->gemm_tuning_summary(), gemm_tuning_printed);
     StepReport report{result, main_lr(engine->optimizer_groups()), step_schedule.lr_multiplier};
     if (result.finite()) {
@@ -408,9 +428,25 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
     }
     return report;
   };
+  loop.timers = config.run.log_timers_to_tensorboard;
+  loop.phase_times = [&] { return phase_times.last(); };
   loop.validation_loss = validation_loss;
   loop.save = save;
   loop.after_bad_step = restore_last_good;
+  // fp8_auto_fallback: the step saved with the decision, then loaded into an engine built with
+  // the linears in BF16 (a fresh engine, as a resume has).
+  loop.after_step = [&](int64_t steps_done, double train_seconds) {
+    if (fallbacks.empty()) return;
+    log_fp8_fallbacks(fallbacks, log);
+    fallbacks.clear();
+    save(steps_done, train_seconds);
+    communicator.barrier();  // the leader has written it
+    build_engine();
+    resume_from_checkpoint(run_folder, steps_done, contents, scaling);
+    engine->from_host();
+    log.event("fp8_fallback", fmt::format("FP8 health: precision from step {}: {}", steps_done + 1,
+                                          precision_summary(engine->linear_precision())));
+  };
   const LoopOutcome done = run_training_loop(loop, step, seconds_before, log, run_folder);
   TrainOutcome outcome;
   outcome.steps_done = done.steps_done;

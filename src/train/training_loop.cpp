@@ -41,7 +41,14 @@ fs::path open_run_folder(const TrainConfig& config) {
                       run_folder.string(), steps.back(), steps.back()));
     }
     fs::remove_all(run_folder / "checkpoints", error);
+    // The logs of the run given up, which a new start would otherwise append to.
     fs::remove(run_folder / "metrics.jsonl", error);
+    fs::remove(run_folder / "fp8_health.jsonl", error);
+    for (const fs::directory_entry& entry : fs::directory_iterator(run_folder, error)) {
+      if (entry.path().filename().string().starts_with("events.out.tfevents.")) {
+        fs::remove(entry.path(), error);
+      }
+    }
   }
   save_train_config(config, run_folder / "config.yaml");
   return run_folder;
@@ -183,15 +190,28 @@ LoopOutcome run_training_loop(const TrainingLoop& loop, int64_t steps_done, doub
     metrics.memory_bytes = loop.memory_bytes();
     metrics.eta_seconds = timer.eta_seconds(loop.total_steps - step);
     const bool last = step == loop.total_steps;
+    if (loop.timers) {
+      metrics.timers_ms.emplace_back("step", 1e3 * seconds);
+      if (loop.phase_times) {
+        for (const auto& phase : loop.phase_times())
+          metrics.timers_ms.push_back(phase);
+      }
+    }
     if (loop.eval_every > 0 && (step % loop.eval_every == 0 || last)) {
+      const Clock::time_point validation_start = Clock::now();
       metrics.val_loss = loop.validation_loss();
+      if (loop.timers) {
+        metrics.timers_ms.emplace_back(
+            "validation",
+            1e3 * std::chrono::duration<double>(Clock::now() - validation_start).count());
+      }
     }
     log.step(metrics, step % loop.log_every == 0 || last || metrics.val_loss);
     outcome.last_loss = report.result.loss;
     if (metrics.val_loss) outcome.last_val_loss = metrics.val_loss;
 
     if (saved_on_schedule(step)) loop.save(step, train_seconds);
-    if (loop.after_step) loop.after_step(step);
+    if (loop.after_step) loop.after_step(step, train_seconds);
     if (bad && loop.after_bad_step) step = loop.after_bad_step(step).value_or(step);
     const int stop = loop.stop_signal ? loop.stop_signal() : StopSignal::received();
     if (stop != 0) {

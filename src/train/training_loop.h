@@ -98,11 +98,15 @@ struct TrainingLoop {
   std::function<StepReport(int64_t step)> train_step;
   std::function<std::optional<double>()> validation_loss;
   std::function<void(int64_t steps_done, double train_seconds)> save;
-  // After each step's log line and checkpoint; may be empty.
-  std::function<void(int64_t steps_done)> after_step;
+  // After each step's log line and checkpoint, with the training time so far; may be empty.
+  std::function<void(int64_t steps_done, double train_seconds)> after_step;
   // After a bad step's log line and checkpoint: the steps done to go on from (a restored
   // checkpoint's), or nothing to go on as before. May be empty.
   std::function<std::optional<int64_t>(int64_t steps_done)> after_bad_step;
+  // log_timers_to_tensorboard: each step's metrics carry its timers (the step, validation and,
+  // from phase_times when set, the device's milliseconds per kind of work since its last call).
+  bool timers = false;
+  std::function<std::vector<std::pair<std::string, double>>()> phase_times;
   // The stop signal received so far (0: none); empty: this process's. Several ranks must agree
   // on it, so that all stop after the same step.
   std::function<int()> stop_signal;

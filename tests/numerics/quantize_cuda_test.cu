@@ -645,6 +645,87 @@ TEST(CudaQuantize, BlockScalingWithoutTransposeLeavesNothingElse) {
   }
 }
 
+// Magnitudes from 1e-8 to 1e3, either sign, so that every block holds values that underflow;
+// with a few infinities (the only values that saturate under E8M0 and power-of-two scales) and
+// NaNs (an MX block's NaN scale, whose codes count as neither).
+template <typename T>
+std::vector<T> wide_magnitude_tensor(size_t count) {
+  std::uniform_real_distribution<float> decimal_exponent(-8.0f, 3.0f);
+  std::bernoulli_distribution negative(0.5);
+  std::vector<T> x(count);
+  for (T& value : x) {
+    const float magnitude = std::pow(10.0f, decimal_exponent(rng()));
+    value = from_float<T>(negative(rng()) ? -magnitude : magnitude);
+  }
+  std::uniform_int_distribution<size_t> position(0, count - 1);
+  const float inf = std::numeric_limits<float>::infinity();
+  for (size_t i = 0; i < count / 512 + 1; ++i)
+    x[position(rng())] = from_float<T>(i % 2 == 0 ? inf : -inf);
+  for (size_t i = 0; i < count / 2048 + 1; ++i)
+    x[position(rng())] = from_float<T>(std::numeric_limits<float>::quiet_NaN());
+  return x;
+}
+
+// The block casts' saturation and underflow counts, those of the row-wise codes, equal the
+// CPU's with and without the transposed copy, on full and edge tiles, and add up over calls;
+// the codes and scales are still the CPU's.
+TYPED_TEST(CudaQuantize, BlockCastHealthCountsMatchTheCpu) {
+  std::vector<Shape> shapes = {{5, 160}, {217, 256}, {128, 384}, {1, 1}, {130, 129}};
+  std::uniform_int_distribution<int64_t> extent(1, 700);
+  for (int i = 0; i < 3; ++i)
+    shapes.push_back({extent(rng()), extent(rng())});
+  for (const Shape shape : shapes) {
+    const size_t count = static_cast<size_t>(shape.rows * shape.cols);
+    const std::vector<TypeParam> x = wide_magnitude_tensor<TypeParam>(count);
+    DeviceBuffer<TypeParam> device_x(x);
+    for (BlockScaling scaling : kBlockScalings) {
+      for (Fp8Format format : kDataFormats) {
+        for (bool power_of_2 : {false, true}) {
+          if (scaling == BlockScaling::Mx1x32 && !power_of_2) continue;
+          const BlockQuantization spec{scaling, format, power_of_2, 0.0f};
+          const ScaleBuffers grid(scaling, shape.rows, shape.cols);
+          const ScaleBuffers grid_t(scaling, shape.cols, shape.rows);
+          const std::string where =
+              fmt::format("{} {}{} [{}, {}]", scaling_name(scaling), format_name(format),
+                          power_of_2 ? " pow2" : "", shape.rows, shape.cols);
+          std::vector<uint8_t> expected(count), expected_t(count), expected_scales(grid.bytes),
+              expected_scales_t(grid_t.bytes);
+          CastHealth expected_health;
+          quantize_transpose_blocks(x.data(), shape.rows, shape.cols, spec, expected.data(),
+                                    expected_scales.data(), expected_t.data(),
+                                    expected_scales_t.data(), &expected_health);
+          if (count >= 4096) {  // the test must see both kinds
+            EXPECT_GT(expected_health.saturated, 0u) << where;
+            EXPECT_GT(expected_health.underflow, 0u) << where;
+          }
+
+          DeviceBuffer<uint8_t> out(count), out_t(count), scales(grid.bytes),
+              scales_t(grid_t.bytes);
+          DeviceBuffer<CastHealth> health(std::vector<CastHealth>(1));
+          cuda::quantize_blocks(device_x.get(), shape.rows, shape.cols, spec, out.get(),
+                                scales.get(), out_t.get(), scales_t.get(), nullptr, health.get());
+          EXPECT_IDENTICAL(out.download(), expected, where);
+          EXPECT_IDENTICAL(scales.download(), expected_scales, where << " scales");
+          EXPECT_IDENTICAL(out_t.download(), expected_t, where << " transposed");
+          EXPECT_IDENTICAL(scales_t.download(), expected_scales_t, where << " transposed scales");
+          expect_health(health, expected_health, where + " with the transposed copy");
+
+          DeviceBuffer<uint8_t> alone(count), alone_scales(grid.bytes);
+          cuda::quantize_blocks(device_x.get(), shape.rows, shape.cols, spec, alone.get(),
+                                alone_scales.get(), nullptr, nullptr, nullptr, health.get());
+          EXPECT_IDENTICAL(alone.download(), expected, where << " without the transposed copy");
+          EXPECT_IDENTICAL(alone_scales.download(), expected_scales,
+                           where << " scales without the transposed copy");
+          CastHealth twice = expected_health;
+          twice.saturated *= 2;
+          twice.underflow *= 2;
+          expect_health(health, twice, where + " twice");
+        }
+      }
+    }
+  }
+}
+
 TEST(CudaQuantize, RejectsBadArguments) {
   DeviceBuffer<float> x(16);
   DeviceBuffer<uint8_t> out(16);

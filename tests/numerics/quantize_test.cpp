@@ -577,6 +577,74 @@ TEST_P(BlockRecipe, OutlierChangesOnlyItsOwnBlock) {
   }
 }
 
+// The counts a block cast must make, from the independent computation of the blocks'
+// multipliers and the format model: beyond ±max after scaling, or non-zero and encoded to zero
+// (a NaN code is not zero, whatever its bits).
+CastHealth expected_health(const std::vector<float>& values, Shape shape,
+                           const BlockQuantization& spec) {
+  const std::vector<ExpectedBlock> blocks = expected_blocks(values, shape, spec);
+  const double top = test::max_finite(spec.format);
+  CastHealth health;
+  for (int64_t r = 0; r < shape.rows; ++r) {
+    for (int64_t c = 0; c < shape.cols; ++c) {
+      const float value = values[r * shape.cols + c];
+      const float scaled = value * blocks[block_index(r, c, shape, spec.scaling)].multiplier;
+      const uint8_t code = reference_encode(scaled, spec.format, Saturation::Saturate);
+      health.saturated += std::fabs(scaled) > top ? 1 : 0;
+      health.underflow +=
+          value != 0.0f && !std::isnan(value) && test::expected_value(code, spec.format) == 0.0 ? 1
+                                                                                                : 0;
+    }
+  }
+  return health;
+}
+
+void expect_health_equal(const CastHealth& got, const CastHealth& expected, const char* what) {
+  EXPECT_EQ(got.saturated, expected.saturated) << what << ": saturated";
+  EXPECT_EQ(got.underflow, expected.underflow) << what << ": underflow";
+}
+
+template <typename T>
+void check_block_cast_health(const Input<T>& input, Shape shape, const BlockQuantization& spec) {
+  const CastHealth expected = expected_health(input.values, shape, spec);
+  BlockOutput out = block_output(shape, spec.scaling);
+  CastHealth health;
+  quantize_blocks(input.data.data(), shape.rows, shape.cols, spec, out.data.data(),
+                  out.scale_storage(is_mx(spec)), &health);
+  expect_health_equal(health, expected, "quantize_blocks");
+  const BlockOutput without = run_quantize_blocks(input.data, shape, spec);
+  EXPECT_EQ(out.data, without.data);
+  EXPECT_EQ(out.scales, without.scales);
+  EXPECT_EQ(out.codes, without.codes);
+
+  // The transposed copy is not counted: the same counts, whatever its blocks hold.
+  BlockOutput out_t = block_output(Shape{shape.cols, shape.rows}, spec.scaling);
+  CastHealth transposed_health;
+  quantize_transpose_blocks(input.data.data(), shape.rows, shape.cols, spec, out.data.data(),
+                            out.scale_storage(is_mx(spec)), out_t.data.data(),
+                            out_t.scale_storage(is_mx(spec)), &transposed_health);
+  expect_health_equal(transposed_health, expected, "quantize_transpose_blocks");
+  EXPECT_EQ(out.data, without.data);
+}
+
+TEST_P(BlockRecipe, CastHealthCountsTheRowWiseCodesAndChangesNothing) {
+  TestRng rng;
+  SCOPED_TRACE(rng.trace());
+  for (Fp8Format format : kDataFormats) {
+    const float amplitude = tie_amplitude(rng, format, 40);
+    std::vector<float> values = block_varying_values(rng, format, amplitude);
+    if (count() > 100) {  // one block with a NaN, one with an inf
+      values[static_cast<size_t>(rng.uniform_int(0, int(count() - 1)))] = kNan;
+      values[static_cast<size_t>(rng.uniform_int(0, int(count() - 1)))] = -kInf;
+    }
+    for (const BlockQuantization& spec : specs(format, amplitude)) {
+      SCOPED_TRACE(case_name(format, shape()) + (spec.power_of_2_scales ? " pow2" : " epsilon"));
+      check_block_cast_health(make_input<float>(values), shape(), spec);
+      check_block_cast_health(make_input<bf16>(values), shape(), spec);
+    }
+  }
+}
+
 std::string block_recipe_name(const testing::TestParamInfo<BlockRecipe::ParamType>& info) {
   const char* const names[] = {"Rows1x128", "Tile128x128", "Mx1x32"};
   const Shape shape = std::get<1>(info.param);
@@ -591,6 +659,88 @@ INSTANTIATE_TEST_SUITE_P(
                      testing::Values(Shape{128, 256}, Shape{256, 384}, Shape{5, 160},
                                      Shape{217, 300}, Shape{1, 1}, Shape{130, 129})),
     block_recipe_name);
+
+// The first fp32 above 1 whose scale under fp32 scales that are no power of two (top / amax,
+// rounded to nearest) puts the amax itself above top.
+float amax_whose_scale_rounds_up(float top) {
+  float amax = 1.0f;
+  while (!(amax * scale_from_amax(amax, top, false, 0.0f) > top) && amax < 2.0f)
+    amax = std::nextafter(amax, 2.0f);
+  return amax;
+}
+
+// Block b's values at distinct elements of that block, zeros elsewhere: 1xB blocks are the rows
+// of [blocks, B]; 128x128 tiles lie side by side in [128, 128·blocks], each value on its own row.
+std::pair<Shape, std::vector<float>> place_blocks(BlockScaling scaling,
+                                                  const std::vector<std::vector<float>>& blocks) {
+  const BlockShape block = spec_block(scaling);
+  const auto count = static_cast<int64_t>(blocks.size());
+  const Shape shape = block.rows == 1 ? Shape{count, block.cols} : Shape{block.rows, count * 128};
+  std::vector<float> values(static_cast<size_t>(shape.rows * shape.cols), 0.0f);
+  for (int64_t b = 0; b < count; ++b) {
+    for (int64_t k = 0; k < std::ssize(blocks[b]); ++k) {
+      const int64_t r = block.rows == 1 ? b : k * 37 % 128;
+      const int64_t c = block.rows == 1 ? k : b * 128 + k;
+      values[r * shape.cols + c] = blocks[b][k];
+    }
+  }
+  return {shape, values};
+}
+
+// Crafted blocks whose counts are known under each scaling (top: the format's max; tiny: its
+// smallest subnormal):
+//  0. amax 16·top: every scaling multiplies by 2^-4 exactly. 0.2·tiny, the tie -0.5·tiny (to the
+//     even code, zero) and two fp32 subnormals underflow once scaled; 0.6·tiny rounds up to tiny;
+//     nothing saturates.
+//  1. ±inf: an fp32 scale is 1: ±inf, 2·top and -1.5·top saturate, 0.2·tiny underflows. The
+//     E8M0 scale is 2^127: ±inf saturate, the five finite non-zero values underflow.
+//  2. a NaN: an fp32 scale is 1: 2·top saturates, 0.2·tiny underflows. The E8M0 scale is NaN:
+//     every code is NaN (0x80 in FNUZ, the bits of -0 elsewhere) and counts as neither.
+//  3. ±amax where top / amax rounds up in fp32: the amax lands above top under fp32 scales that
+//     are no power of two; rounded down to a power of two, or up to an E8M0 scale (the rule
+//     rounds log2(amax / top) up), the scale keeps it within. Only infinities saturate there.
+TEST(BlockCastHealth, CountsSaturationAndUnderflowOnCraftedBlocks) {
+  const float denorm_min = std::numeric_limits<float>::denorm_min();
+  for (Fp8Format format : kDataFormats) {
+    const float top = format_max(format);
+    const float tiny = decode(1, format);
+    const float rounded = amax_whose_scale_rounds_up(top);
+    ASSERT_GT(rounded * scale_from_amax(rounded, top, false, 0.0f), top) << format_name(format);
+    const std::vector<std::vector<float>> blocks = {
+        {16 * top, -16 * top, 8 * top, 16 * 0.2f * tiny, -8 * tiny, 16 * 0.6f * tiny, 1e-38f,
+         denorm_min, 0.0f, -0.0f},
+        {kInf, -kInf, 2 * top, -1.5f * top, top, 0.2f * tiny, 1.0f, 0.0f},
+        {kNan, 2 * top, 0.2f * tiny, 1.0f},
+        {rounded, -rounded}};
+    struct Case {
+      BlockQuantization spec;
+      CastHealth expected;
+    };
+    const Case cases[] = {
+        {{BlockScaling::Rows1x128, format, true, 0.0f}, {5, 6}},
+        {{BlockScaling::Rows1x128, format, false, 0.0f}, {7, 6}},
+        {{BlockScaling::Tile128x128, format, true, 0.0f}, {5, 6}},
+        {{BlockScaling::Tile128x128, format, false, 0.0f}, {7, 6}},
+        {{BlockScaling::Mx1x32, format, true, 0.0f}, {2, 9}},
+    };
+    for (const Case& c : cases) {
+      SCOPED_TRACE(std::string(format_name(format)) + " block " +
+                   std::to_string(spec_block(c.spec.scaling).rows) + "x" +
+                   std::to_string(spec_block(c.spec.scaling).cols) +
+                   (c.spec.power_of_2_scales ? " pow2" : ""));
+      const auto [shape, values] = place_blocks(c.spec.scaling, blocks);
+      expect_health_equal(expected_health(values, shape, c.spec), c.expected, "model");
+      check_block_cast_health(make_input<float>(values), shape, c.spec);
+
+      // Counts accumulate over calls.
+      BlockOutput out = block_output(shape, c.spec.scaling);
+      CastHealth health = c.expected;
+      quantize_blocks(values.data(), shape.rows, shape.cols, c.spec, out.data.data(),
+                      out.scale_storage(is_mx(c.spec)), &health);
+      expect_health_equal(health, {2 * c.expected.saturated, 2 * c.expected.underflow}, "twice");
+    }
+  }
+}
 
 TEST(QuantizeBlocks, E8M0IsNotADataFormat) {
   const std::vector<float> x(64, 1.0f);

@@ -47,6 +47,7 @@ struct CudaFluxModel::Linear {
   float* bias = nullptr;
   float* grad_weight = nullptr;
   float* grad_bias = nullptr;
+  int fp8_index = -1;  // its CudaLinearScalings index; -1 outside FP8
 };
 
 // The joint attention of a block over [txt; img]: [B·L, C] = [B, L, H, D] unless noted.
@@ -210,13 +211,16 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
     setup.fp8_wgrad = precision_.fp8_wgrad;
     if (decision.fp8) {
       setup.scaling = buffers_->scalings.floats(fp8_index);
+      setup.health = buffers_->scalings.health(fp8_index);
       buffers_->scalings.add(spec.name, fp8_index, fp8_index);
-      ++fp8_index;
     }
     Linear linear{
         std::make_unique<kernels::CudaLinear>(setup, buffers_->gemm, buffers_->fp8_scratch),
-        parameter(spec.name + ".weight"), parameter(spec.name + ".bias"),
-        gradient(spec.name + ".weight"), gradient(spec.name + ".bias")};
+        parameter(spec.name + ".weight"),
+        parameter(spec.name + ".bias"),
+        gradient(spec.name + ".weight"),
+        gradient(spec.name + ".bias"),
+        decision.fp8 ? fp8_index++ : -1};
     memory_.linear_copies += linear.layer->device_bytes();
     buffers_->linears.emplace(spec.name, std::move(linear));
   }
@@ -230,7 +234,16 @@ CudaFluxModel::~CudaFluxModel() {
 
 void CudaFluxModel::end_step() {
   weights_ready_ = false;
+  keep_cuda_fp8_health(buffers_->linears, buffers_->scalings, fp8_health_, stream_);
   buffers_->scalings.end_step(stream_);
+}
+
+void CudaFluxModel::set_record_fp8_health(bool record) {
+  record_cuda_fp8_health(buffers_->linears, buffers_->scalings, fp8_health_, record, stream_);
+}
+
+std::vector<Fp8TensorHealth> CudaFluxModel::take_fp8_health() {
+  return take_cuda_fp8_health(buffers_->linears, buffers_->scalings, fp8_health_, stream_);
 }
 
 void CudaFluxModel::scalings_changed() {

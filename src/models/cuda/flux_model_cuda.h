@@ -21,6 +21,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "models/cuda/fp8_health_cuda.h"
 #include "models/cuda/linear_scalings.h"
 #include "models/flux_config.h"
 #include "models/flux_model.h"
@@ -92,6 +93,11 @@ class CudaFluxModel {
   // loads it. After load_state on these, call scalings_changed().
   std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings();
   void scalings_changed();
+  // FP8 health (ops/fp8_health.h): while on, the FP8 linears' casts count (fused input casts
+  // give way to counting ones); take_fp8_health() returns the last counted step's records, per
+  // FP8 linear (in linear_precision()'s order) and operand (synchronizes).
+  void set_record_fp8_health(bool record);
+  std::vector<Fp8TensorHealth> take_fp8_health();
   // The FP8 linears' device scaling floats (data parallelism max-reduces their amaxes).
   CudaLinearScalings& scalings();
 
@@ -139,6 +145,7 @@ class CudaFluxModel {
   FluxPrecision precision_;
   cudaStream_t stream_;
   bool weights_ready_ = false;
+  CudaFp8HealthRecording fp8_health_;
   bool training_ = true;
   std::vector<FluxLinearPrecision> linear_precision_;
   optim::DeviceParameterLayout layout_;

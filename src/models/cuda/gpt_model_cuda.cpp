@@ -51,6 +51,7 @@ struct PinnedBuffer {
 struct CudaGptModel::Linear {
   std::string weight;  // parameter name
   std::unique_ptr<kernels::CudaLinear> layer;
+  int fp8_index = -1;  // its CudaLinearScalings index; -1 outside FP8
 };
 
 // What one block saves for backward.
@@ -215,7 +216,9 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
         }
       }
       setup.scaling = buffers_->scalings.floats(index);
+      setup.health = buffers_->scalings.health(index);
       buffers_->scalings.add(name, index, input_index);
+      linear.fp8_index = index;
     }
     linear.layer =
         std::make_unique<kernels::CudaLinear>(setup, buffers_->gemm, buffers_->fp8_scratch);
@@ -450,7 +453,16 @@ void CudaGptModel::prepare_weights() {
 
 void CudaGptModel::end_step() {
   weights_ready_ = false;
+  keep_cuda_fp8_health(buffers_->linears, buffers_->scalings, fp8_health_, stream_);
   buffers_->scalings.end_step(stream_);
+}
+
+void CudaGptModel::set_record_fp8_health(bool record) {
+  record_cuda_fp8_health(buffers_->linears, buffers_->scalings, fp8_health_, record, stream_);
+}
+
+std::vector<Fp8TensorHealth> CudaGptModel::take_fp8_health() {
+  return take_cuda_fp8_health(buffers_->linears, buffers_->scalings, fp8_health_, stream_);
 }
 
 CudaLinearScalings& CudaGptModel::scalings() {

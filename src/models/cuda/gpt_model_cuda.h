@@ -21,6 +21,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "models/cuda/fp8_health_cuda.h"
 #include "models/cuda/linear_scalings.h"
 #include "models/gpt_config.h"
 #include "models/gpt_memory.h"
@@ -118,6 +119,11 @@ class CudaGptModel {
   // loads it. After load_state on these, call scalings_changed().
   std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings();
   void scalings_changed();
+  // FP8 health (ops/fp8_health.h): while on, the FP8 linears' casts count (fused input casts
+  // give way to counting ones); take_fp8_health() returns the last counted step's records, per
+  // FP8 linear (in linear_precision()'s order) and operand (synchronizes).
+  void set_record_fp8_health(bool record);
+  std::vector<Fp8TensorHealth> take_fp8_health();
   // The device floats of every FP8 linear's scaling (CudaLinearScalings::device_floats).
   CudaLinearScalings& scalings();
 
@@ -145,6 +151,7 @@ class CudaGptModel {
   cudaStream_t stream_;
   bool training_ = true;
   bool weights_ready_ = false;
+  CudaFp8HealthRecording fp8_health_;
   std::vector<LinearPrecision> linear_precision_;
   optim::DeviceParameterLayout layout_;
   GradientsReady gradients_ready_;

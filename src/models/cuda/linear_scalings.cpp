@@ -13,6 +13,7 @@ namespace kernels = ops::cuda;
 void CudaLinearScalings::take(DeviceArena& arena, int linears) {
   host_.assign(static_cast<size_t>(linears) * kernels::kLinearScalingFloats, 0.0f);
   device_ = linears > 0 ? arena.take<float>(host_.size()) : nullptr;
+  health_ = linears > 0 ? arena.take<CastHealth>(static_cast<size_t>(linears) * 3) : nullptr;
 }
 
 void CudaLinearScalings::initialize() {
@@ -33,6 +34,7 @@ float* CudaLinearScalings::floats(int index) const {
 }
 
 void CudaLinearScalings::add(const std::string& name, int index, int input_index) {
+  added_.push_back({name, index, input_index});
   if (config_.recipe != ScalingRecipe::Delayed) return;
   Linear linear{index, input_index, {}};
   for (TensorRole role : {TensorRole::Input, TensorRole::Weight, TensorRole::GradOutput}) {
@@ -40,6 +42,57 @@ void CudaLinearScalings::add(const std::string& name, int index, int input_index
                               format_max(config_.format_for(role, family_)), role);
   }
   delayed_.emplace(name, std::move(linear));
+}
+
+CastHealth* CudaLinearScalings::health(int index) const {
+  FP8T_CHECK(index >= 0 && size_t(index + 1) * kernels::kLinearScalingFloats <= host_.size(),
+             "expected an FP8 linear index below {}, found {}",
+             host_.size() / kernels::kLinearScalingFloats, index);
+  return health_ + 3 * index;
+}
+
+void CudaLinearScalings::clear_health(cudaStream_t stream) {
+  const size_t linears = host_.size() / kernels::kLinearScalingFloats;
+  if (linears == 0) return;
+  FP8T_CUDA_CHECK(cudaMemsetAsync(health_, 0, 3 * linears * sizeof(CastHealth), stream));
+}
+
+std::vector<Fp8TensorHealth> CudaLinearScalings::read_health(
+    const std::vector<std::array<uint64_t, 3>>& elements, cudaStream_t stream) {
+  const size_t linears = host_.size() / kernels::kLinearScalingFloats;
+  std::vector<Fp8TensorHealth> records;
+  if (linears == 0) return records;
+  FP8T_CHECK(elements.size() == linears, "expected the values cast by {} FP8 linears, found {}",
+             linears, elements.size());
+  std::vector<CastHealth> counts(3 * linears);
+  std::vector<float> floats(host_.size());
+  FP8T_CUDA_CHECK(cudaMemcpyAsync(counts.data(), health_, counts.size() * sizeof(CastHealth),
+                                  cudaMemcpyDeviceToHost, stream));
+  FP8T_CUDA_CHECK(cudaMemcpyAsync(floats.data(), device_, floats.size() * sizeof(float),
+                                  cudaMemcpyDeviceToHost, stream));
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const bool per_tensor =
+      config_.recipe == ScalingRecipe::Delayed || config_.recipe == ScalingRecipe::Tensorwise;
+  for (const Added& linear : added_) {
+    for (TensorRole role : kTensorRoles) {
+      const auto r = static_cast<size_t>(role);
+      const auto caster =
+          static_cast<size_t>(role == TensorRole::Input ? linear.input_index : linear.index);
+      Fp8TensorHealth record;
+      record.layer = linear.name;
+      record.role = role;
+      record.health.elements = elements[caster][r];
+      record.health.counts = counts[3 * caster + r];
+      if (per_tensor) {
+        const float* slots = floats.data() + caster * kernels::kLinearScalingFloats +
+                             r * kernels::kScalingFloatsPerRole;
+        record.health.amax = slots[kernels::kAmaxSlot];
+        record.health.scale = slots[kernels::kScaleSlot];
+      }
+      records.push_back(std::move(record));
+    }
+  }
+  return records;
 }
 
 void CudaLinearScalings::end_step(cudaStream_t stream) {
@@ -79,10 +132,9 @@ void CudaLinearScalings::scalings_changed(cudaStream_t stream) {
 
 std::vector<std::pair<std::string, DelayedScaling*>> CudaLinearScalings::delayed_scalings() {
   std::vector<std::pair<std::string, DelayedScaling*>> scalings;
-  constexpr const char* kRoles[] = {"input", "weight", "grad_output"};
   for (auto& [name, linear] : delayed_) {  // std::map: ordered by name, as the CPU's
     for (size_t role = 0; role < linear.roles.size(); ++role)
-      scalings.emplace_back(name + "." + kRoles[role], &linear.roles[role]);
+      scalings.emplace_back(name + "." + tensor_role_name(kTensorRoles[role]), &linear.roles[role]);
   }
   return scalings;
 }

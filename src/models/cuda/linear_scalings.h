@@ -6,6 +6,8 @@
 // into the histories and uploads the new scales with the amaxes cleared.
 #pragma once
 
+#include <array>
+#include <cstdint>
 #include <map>
 #include <string>
 #include <utility>
@@ -15,6 +17,7 @@
 
 #include "core/device_arena.h"
 #include "numerics/scaling.h"
+#include "ops/fp8_health.h"
 
 namespace fp8t {
 
@@ -30,10 +33,21 @@ class CudaLinearScalings {
   void initialize();
   // The floats of linear `index` (0 .. linears − 1).
   float* floats(int index) const;
-  // Delayed scaling only (a no-op otherwise): the histories of linear `name`, whose floats are
-  // `index`; its input amax is recorded in the floats of `input_index` (its own, or those of the
-  // linear whose input cast it shares).
+  // Linear `name`, whose floats are `index`; its input is cast by linear `input_index` (itself,
+  // or the linear whose input cast it shares), whose floats record that amax. Delayed scaling:
+  // the linear's histories too.
   void add(const std::string& name, int index, int input_index);
+
+  // FP8 health (ops/fp8_health.h): the 3 device counters of linear `index`, by TensorRole,
+  // which its casts add to while they count.
+  CastHealth* health(int index) const;
+  void clear_health(cudaStream_t stream);
+  // Every added linear's records, in the order added (synchronizes): the counters, and the
+  // amax and scale slots for the per-tensor recipes (delayed: before end_step clears the
+  // amaxes). elements[index]: the values linear `index` cast per role; a shared input's
+  // records are its caster's.
+  std::vector<Fp8TensorHealth> read_health(const std::vector<std::array<uint64_t, 3>>& elements,
+                                           cudaStream_t stream);
 
   // Every linear's device floats (scales, inverse scales and the step's amaxes), for data
   // parallelism: max-reduced over the ranks before end_step, every rank folds the largest amax
@@ -57,8 +71,16 @@ class CudaLinearScalings {
 
   Fp8Config config_;
   Fp8Family family_;
+  struct Added {
+    std::string name;
+    int index = 0;
+    int input_index = 0;
+  };
+
   float* device_ = nullptr;
   std::vector<float> host_;
+  CastHealth* health_ = nullptr;  // 3 per linear
+  std::vector<Added> added_;
   std::map<std::string, Linear> delayed_;
 };
 

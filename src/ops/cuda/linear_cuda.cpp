@@ -142,14 +142,19 @@ size_t CudaLinear::device_bytes() const {
 template <typename T>
 void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole role, uint8_t* out,
                           uint8_t* out_t, ScaleSource source, bool record_amax, cudaStream_t stream,
-                          float* scales, float* scales_t, const bf16* y) {
+                          float* scales, float* scales_t, const bf16* y, bool first_cast) {
   const PhaseScope timed(StepPhase::Quantization, stream);
   const Fp8Config& config = setup_.fp8_config;
   const Fp8Format format = config.format_for(role, setup_.family);
+  CastHealth* health = nullptr;
+  if (record_health_ && first_cast) {
+    health = setup_.health + static_cast<int>(role);
+    health_elements_[static_cast<size_t>(role)] += static_cast<uint64_t>(rows * cols);
+  }
   if (mx()) {  // E8M0 bytes straight into the scale buffers: only the dequantization reads them
     const BlockQuantization spec{BlockScaling::Mx1x32, format};
     fp8t::cuda::quantize_blocks(x, rows, cols, spec, out, scales, out_t,
-                                out_t != nullptr ? scales_t : nullptr, stream);
+                                out_t != nullptr ? scales_t : nullptr, stream, health);
     return;
   }
   if (blockwise()) {
@@ -157,7 +162,7 @@ void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole rol
     const BlockQuantization spec{tiles ? BlockScaling::Tile128x128 : BlockScaling::Rows1x128,
                                  format, config.use_power_of_2_scales(), config.amax_epsilon};
     fp8t::cuda::quantize_blocks(x, rows, cols, spec, out, scratch_.grid, out_t,
-                                out_t != nullptr ? scratch_.grid_t : nullptr, stream);
+                                out_t != nullptr ? scratch_.grid_t : nullptr, stream, health);
     // Grids: 1x128 [rows, ceil(cols / 128)] and its transpose's [cols, ceil(rows / 128)];
     // 128x128 [ceil(rows / 128), ceil(cols / 128)] and the transposed tiles'.
     const GridLayout layout = tiles ? GridLayout::PaddedRows : GridLayout::Transposed;
@@ -182,9 +187,10 @@ void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole rol
   }
   if (out_t != nullptr) {
     fp8t::cuda::quantize_transpose(x, rows, cols, scale, format, out, out_t, recorded, stream,
-                                   input, relu2_input);
+                                   input, relu2_input, health);
   } else {
-    fp8t::cuda::quantize(x, rows * cols, scale, format, out, recorded, stream, input, relu2_input);
+    fp8t::cuda::quantize(x, rows * cols, scale, format, out, recorded, stream, input, relu2_input,
+                         health);
   }
 }
 
@@ -206,7 +212,8 @@ void CudaLinear::tensorwise_scale(const T* x, int64_t count, TensorRole role, bo
 
 FusedCast CudaLinear::fused_input_cast(bool record_amax, cudaStream_t stream) {
   FusedCast cast;
-  if (!setup_.fp8 || blockwise() || mx() || setup_.input_from != nullptr || setup_.input_relu2) {
+  if (!setup_.fp8 || blockwise() || mx() || setup_.input_from != nullptr || setup_.input_relu2 ||
+      record_health_) {
     return cast;
   }
   cast.format = setup_.fp8_config.format_for(TensorRole::Input, setup_.family);
@@ -238,7 +245,7 @@ void CudaLinear::cast_input_t(const bf16* x, int64_t first_row, int64_t rows, cu
   const bool blocks = blockwise() || mx();
   quantize(x, rows, setup_.in_features, TensorRole::Input, blocks ? scratch_.input : nullptr,
            scratch_.input_t, ScaleSource::Reuse, /*record_amax=*/false, stream,
-           scratch_.input_scales, scratch_.input_t_scales);
+           scratch_.input_scales, scratch_.input_t_scales, nullptr, /*first_cast=*/false);
   holder = {this, first_row, rows};
 }
 
@@ -467,10 +474,10 @@ void CudaLinear::mx_backward(int64_t tokens, const gemm::GemmOutput& grad_input,
 
 template void CudaLinear::quantize<float>(const float*, int64_t, int64_t, TensorRole, uint8_t*,
                                           uint8_t*, ScaleSource, bool, cudaStream_t, float*, float*,
-                                          const bf16*);
+                                          const bf16*, bool);
 template void CudaLinear::quantize<bf16>(const bf16*, int64_t, int64_t, TensorRole, uint8_t*,
                                          uint8_t*, ScaleSource, bool, cudaStream_t, float*, float*,
-                                         const bf16*);
+                                         const bf16*, bool);
 
 }  // namespace fp8t::ops::cuda
 

@@ -21,6 +21,7 @@
 // multiplied by a BF16 GEMM with fp32 accumulation. The numbers are MXFP8's; the speed is not.
 #pragma once
 
+#include <array>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -101,6 +102,9 @@ struct LinearSetup {
   bool bias = false;
   // FP8: kLinearScalingFloats device floats, 16-byte aligned, owned by the caller.
   float* scaling = nullptr;
+  // FP8: 3 device counters (by TensorRole), owned by the caller, that the casts add their
+  // saturated and underflowed values to while set_record_health(true).
+  CastHealth* health = nullptr;
   // FP8: a layer that quantizes the same input just before this one (q, k and v read the same
   // normed activations): its x̂, x̂ᵗ and input scale serve this layer too, instead of a second
   // cast. The same numbers as casting again: the input and its amax are the same, so
@@ -151,6 +155,14 @@ class CudaLinear {
   void backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* dx, bool accumulate_dx,
                 float* dweight, bool record_amax, cudaStream_t stream, const bf16* y = nullptr);
 
+  // FP8 health (ops/fp8_health.h): while on, the first cast of each tensor (x̂ in forward, Ŵ in
+  // prepare_weight, dŷ in backward; not backward's x̂ᵗ, made again from the same values) adds its
+  // counts to setup.health and its values to health_elements(); inputs are then cast here, not
+  // fused into the norm before (fused_input_cast gives nothing), as those casts do not count.
+  void set_record_health(bool record) { record_health_ = record && setup_.fp8; }
+  const std::array<uint64_t, 3>& health_elements() const { return health_elements_; }
+  void clear_health_elements() { health_elements_ = {}; }
+
   bool fp8() const { return setup_.fp8; }
   bool input_relu2() const { return setup_.input_relu2; }
   bool output_relu2() const { return setup_.output_relu2; }
@@ -174,10 +186,13 @@ class CudaLinear {
   // Quantizes x [rows, cols] for `role` into out (may be null for per-tensor recipes) and, when
   // not null, out_t [cols, rows]. Block recipes: their scales land in scales and scales_t, in
   // the GEMMs' layouts. y: the forward's output rows beside x, for output_relu2's GradOutput.
+  // `first_cast`: false for a second cast of values already cast (x̂ᵗ in backward), which FP8
+  // health does not count again.
   template <typename T>
   void quantize(const T* x, int64_t rows, int64_t cols, TensorRole role, uint8_t* out,
                 uint8_t* out_t, ScaleSource source, bool record_amax, cudaStream_t stream,
-                float* scales = nullptr, float* scales_t = nullptr, const bf16* y = nullptr);
+                float* scales = nullptr, float* scales_t = nullptr, const bf16* y = nullptr,
+                bool first_cast = true);
   // Tensorwise: the role's scale from the amax of x [count] (measured here, or already in the
   // slot when amax_measured), on the device.
   template <typename T>
@@ -231,6 +246,8 @@ class CudaLinear {
   // the blocks).
   std::unique_ptr<DeviceBuffer<float>> weight_scales_, weight_t_scales_;
   InputCast input_cast_ = InputCast::None;
+  bool record_health_ = false;
+  std::array<uint64_t, 3> health_elements_{};  // by TensorRole
 };
 
 }  // namespace fp8t::ops::cuda
