@@ -17,8 +17,14 @@ rm -rf "$dest" && mkdir -p "$dest/lib"
 binaries=(build-gpu/src/fp8train build-gpu/tests/fp8train_tests build-gpu/tests/fp8train_gpu_tests
           build-gpu/bench/quantize_bench build-gpu/bench/gemm_bench)
 cp "${binaries[@]}" "$dest/"
-# The C++ libraries from Debian's packages; glibc, libstdc++ and the driver come from the host.
-ldd "${binaries[@]}" | awk '/=> \// {print $3}' | sort -u | grep -E 'libyaml-cpp|libfmt|libgtest|libgmock|libopenblas|libgfortran|libquadmath|libpcre2|libpng16' |
+# Every library the binaries load except the host's own: glibc's, libstdc++ and libgcc_s (they
+# go with the host's loader) and the CUDA driver and toolkit libraries (matched to its driver).
+# The rest comes along: Debian's C++ libraries, and libcurl with its TLS, compression and
+# authentication libraries, a list that depends on how Debian builds libcurl and that a list of
+# names here would miss as it changes.
+host_libs='/(libc|libm|libmvec|libpthread|libdl|librt|libresolv|libutil|libanl|libstdc\+\+|libgcc_s'
+host_libs+='|libcuda|libcudart|libcublas|libcublasLt|libcudnn[a-z_]*|libnvrtc[a-z-]*|libnvJitLink|libnccl)\.so'
+ldd "${binaries[@]}" | awk '/=> \// {print $3}' | sort -u | grep -Ev "$host_libs" |
   xargs -r -I{} cp -L {} "$dest/lib/"
 cp scripts/gpu_check.sh "$dest/"
 cp -r tests/data "$dest/data"  # the golden files some GPU tests compare with

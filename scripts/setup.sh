@@ -7,6 +7,7 @@ packages=(
   build-essential cmake ninja-build clang-format
   libfmt-dev libyaml-cpp-dev libcli11-dev nlohmann-json3-dev libgtest-dev libgmock-dev
   libopenblas-dev libpcre2-dev libpng-dev zlib1g-dev pkg-config
+  libcurl4-openssl-dev  # HTTP(S) to MLflow tracking servers
   libopenmpi-dev openmpi-bin  # several processes: MPI collectives and mpirun
   clang-19 libclang-rt-19-dev  # scripts/fuzz.sh: libFuzzer and the sanitizers' runtimes
   fortunes  # the English text the default training job learns from
@@ -32,12 +33,13 @@ if ((${#missing[@]} > 0)); then
   DEBIAN_FRONTEND=noninteractive "${sudo_cmd[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"
 fi
 
-# The checkpoint tests read our safetensors files with the reference Python package, and the
-# event-file test reads TensorBoard scalars with TensorBoard's own reader.
-if ! python3 -c "import safetensors.numpy, tensorboard" 2>/dev/null; then
-  echo "setup: installing the Python packages safetensors, numpy and tensorboard"
-  python3 -m pip install --quiet safetensors numpy tensorboard ||
-    python3 -m pip install --quiet --break-system-packages safetensors numpy tensorboard
+# The checkpoint tests read our safetensors files with the reference Python package, the
+# event-file test reads TensorBoard scalars with TensorBoard's own reader, and the MLflow test
+# runs a tracking server and reads runs back with MLflow's client.
+if ! python3 -c "import safetensors.numpy, tensorboard, mlflow" 2>/dev/null; then
+  echo "setup: installing the Python packages safetensors, numpy, tensorboard and mlflow"
+  python3 -m pip install --quiet safetensors numpy tensorboard mlflow ||
+    python3 -m pip install --quiet --break-system-packages safetensors numpy tensorboard mlflow
 fi
 
 # The cuDNN frontend's headers (attention on the GPU) come from its Python package.

@@ -26,6 +26,8 @@ constexpr std::pair<std::string_view, DeviceChoice> kDevices[] = {
     {"auto", DeviceChoice::Auto}, {"cpu", DeviceChoice::Cpu}, {"cuda", DeviceChoice::Cuda}};
 constexpr std::pair<std::string_view, ResumeChoice> kResumeChoices[] = {
     {"never", ResumeChoice::Never}, {"auto", ResumeChoice::Auto}};
+constexpr std::pair<std::string_view, Tracker> kTrackers[] = {
+    {"jsonl", Tracker::Jsonl}, {"tensorboard", Tracker::Tensorboard}, {"mlflow", Tracker::Mlflow}};
 constexpr std::pair<std::string_view, NanRemedy> kNanRemedies[] = {
     {"lower_lr", NanRemedy::LowerLr},
     {"fp8_margin", NanRemedy::Fp8Margin},
@@ -47,6 +49,14 @@ std::string_view name_in(Choices<Enum> choices, Enum value) {
     if (candidate == value) return name;
   }
   return "?";
+}
+
+template <typename Enum>
+std::optional<Enum> value_in(Choices<Enum> choices, std::string_view name) {
+  for (const auto& [candidate, value] : choices) {
+    if (candidate == name) return value;
+  }
+  return std::nullopt;
 }
 
 template <typename Enum>
@@ -445,6 +455,19 @@ near-zero tensor or block from getting an enormous scale. 0 means no floor. Used
 error. With an epsilon above zero, an all-zero tensor gets scale max / epsilon (as in
 Transformer Engine); with epsilon 0 it gets scale 1.)";
 
+constexpr std::string_view kTrackerDetails =
+    R"(`jsonl` writes metrics.jsonl (a line per step and the run's events) and, for FP8 runs,
+fp8_health.jsonl; `fp8train compare`, `plot` and `convergence` read them. `tensorboard` writes
+event files beside them (`tensorboard --logdir RUN_FOLDER`). `mlflow` logs to the MLflow tracking
+server named by the environment variable `MLFLOW_TRACKING_URI` (http:// or https://): the run,
+named after `run`, goes into `experiment`, with the resolved configuration as params, tags
+(git commit, device, precision, FP8 recipe), the metrics of every step under TensorBoard's
+names, a final summary, and the status FINISHED, KILLED (stopped by a signal) or FAILED. A
+resumed run continues the same MLflow run (its id is kept in the checkpoints). The values are
+sent from a thread of their own, so a slow or stopped server never holds training up; the log
+says when the server stops answering and, at the end, what could not be delivered. A server
+that cannot be reached at the start is an error before the first step. docs/tracking.md.)";
+
 constexpr std::string_view kHealthDetails =
     R"(On a statistics step (every `fp8_health_every` steps) the cast kernels count, for each
 FP8 linear and operand (input, weight, grad_output), the values that saturated at ±max and the
@@ -559,11 +582,17 @@ std::vector<ConfigKey> build_keys() {
   keys.push_back(integer_key(
       "log_every", S::Run, [](auto& c) -> auto& { return c.run.log_every; }, {1},
       "Print the loss, throughput and MFU every N steps."));
-  keys.push_back(boolean_key(
-      "tensorboard", S::Run, [](auto& c) -> auto& { return c.run.tensorboard; },
-      "Write TensorBoard event files into the run folder beside metrics.jsonl: every step's "
-      "loss, lr, grad norm, throughput, MFU, memory and validation loss as scalars "
-      "(`tensorboard --logdir RUN_FOLDER`; docs/training.md)."));
+  keys.push_back(list_key(
+      "tracker", S::Run, [](auto& c) -> auto& { return c.run.tracker; },
+      names_of(Choices<Tracker>(kTrackers)),
+      [](std::string_view item) { return value_in(Choices<Tracker>(kTrackers), item); },
+      [](Tracker tracker) { return std::string(name_in(Choices<Tracker>(kTrackers), tracker)); },
+      "Where the metrics go: jsonl (metrics.jsonl, fp8_health.jsonl), tensorboard (event files "
+      "in the run folder), mlflow (the server at MLFLOW_TRACKING_URI); several at once.",
+      kTrackerDetails));
+  keys.push_back(string_key(
+      "experiment", S::Run, [](auto& c) -> auto& { return c.run.experiment; },
+      "tracker mlflow: the experiment the run goes into, created when missing."));
   keys.push_back(boolean_key(
       "log_timers_to_tensorboard", S::Run,
       [](auto& c) -> auto& { return c.run.log_timers_to_tensorboard; },
@@ -631,12 +660,7 @@ std::vector<ConfigKey> build_keys() {
   keys.push_back(gpt_only(list_key(
       "nan_remedy", S::Run, [](auto& c) -> auto& { return c.run.nan_remedy; },
       names_of(Choices<NanRemedy>(kNanRemedies)),
-      [](std::string_view item) -> std::optional<NanRemedy> {
-        for (const auto& [name, remedy] : kNanRemedies) {
-          if (name == item) return remedy;
-        }
-        return std::nullopt;
-      },
+      [](std::string_view item) { return value_in(Choices<NanRemedy>(kNanRemedies), item); },
       [](NanRemedy remedy) {
         return std::string(name_in(Choices<NanRemedy>(kNanRemedies), remedy));
       },

@@ -3,6 +3,7 @@
 // writes and documents them), with conversions to the settings each component takes.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <filesystem>
 #include <string>
@@ -24,6 +25,12 @@ enum class DeviceChoice : uint8_t { Auto, Cpu, Cuda };
 enum class ResumeChoice : uint8_t { Never, Auto };
 // The key `nan_remedy`: what the NaN guard changes when it restores a checkpoint after
 // nan_restore_after bad steps in a row (train/nan_guard.h).
+// The key `tracker`: where a run's metrics go (train/run_trackers.h).
+enum class Tracker : uint8_t {
+  Jsonl,        // metrics.jsonl and fp8_health.jsonl in the run folder
+  Tensorboard,  // TensorBoard event files in the run folder
+  Mlflow,       // the MLflow tracking server at MLFLOW_TRACKING_URI
+};
 enum class NanRemedy : uint8_t {
   LowerLr,    // every lr times nan_lr_factor for the rest of the run
   Fp8Margin,  // fp8_margin + 1 (delayed scaling)
@@ -47,11 +54,15 @@ struct RunSection {
   int64_t save_every = -1;       // -1 or 0: a checkpoint only at the end
   int64_t keep_checkpoints = 0;  // 0: every checkpoint stays
   int64_t log_every = 1;
-  bool tensorboard = true;                 // TensorBoard event files in the run folder
-  bool log_timers_to_tensorboard = false;  // per-phase step timers as scalars too
-  int64_t sample_tokens = 0;               // 0: no sample at the end
-  int64_t eval_every = 250;                // -1 or 0: no evaluation
-  int64_t eval_iters = 100;                // micro-batches per evaluation
+  std::vector<Tracker> tracker = {Tracker::Jsonl, Tracker::Tensorboard};
+  std::string experiment = "fp8train";     // MLflow's experiment
+  bool log_timers_to_tensorboard = false;  // per-phase step timers as metrics too
+  bool tracks(Tracker which) const {
+    return std::find(tracker.begin(), tracker.end(), which) != tracker.end();
+  }
+  int64_t sample_tokens = 0;  // 0: no sample at the end
+  int64_t eval_every = 250;   // -1 or 0: no evaluation
+  int64_t eval_iters = 100;   // micro-batches per evaluation
   DeviceChoice device = DeviceChoice::Auto;
   // Several GPUs: sum each block's gradients over the ranks while the backward goes on.
   bool overlap_grad_reduce = false;

@@ -6,6 +6,7 @@
 #include "core/device_arena.h"
 #include "core/error.h"
 #include "numerics/float_bits.h"
+#include "numerics/quantize.h"
 #include "ops/fp8_linear_layout.h"
 #include "optim/cuda/device_parameters.h"
 
@@ -152,7 +153,8 @@ size_t workspace_bytes(const FluxConfig& config, const Dims& d) {
   return ws.bytes();
 }
 
-// The scaling floats and the shared quantization scratch (ops/cuda/linear_cuda.h
+// The scaling floats, the FP8 health counters (models/cuda/linear_scalings.h) and the shared
+// quantization scratch (ops/cuda/linear_cuda.h
 // take_fp8_scratch) of the FP8 linears, in the scratch arena. The backward's three operands
 // (x̂ᵗ, dŷ, dŷᵗ) hold max_tokens rows of backward_width bytes, and at least 128 rows of the
 // widest layer: wider layers run their backward in chunks of rows.
@@ -160,6 +162,7 @@ size_t fp8_scratch_bytes(ScalingRecipe recipe, int64_t fp8_count, int64_t max_to
                          int64_t max_in, int64_t max_out, int64_t backward_width) {
   ArenaBytes scratch;
   scratch.take<float>(fp8_count * ops::kLinearScalingFloats);
+  scratch.take<CastHealth>(fp8_count * 3);     // FP8 health's counters, by TensorRole
   scratch.take<uint8_t>(max_tokens * max_in);  // x̂
   const int64_t backward = ops::fp8_backward_elements(max_tokens, max_in, max_out, backward_width);
   for (int buffer = 0; buffer < 3; ++buffer)

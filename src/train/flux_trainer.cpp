@@ -19,6 +19,7 @@
 #include "train/flux_engine.h"
 #include "train/fp8_health_monitor.h"
 #include "train/run_log.h"
+#include "train/run_trackers.h"
 #include "train/step_phase_times.h"
 #include "train/stop_signal.h"
 #include "train/training_engine.h"
@@ -226,7 +227,8 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   // The data position is the step: every batch is a function of the seed and its step.
   int64_t step = 0;
   double seconds_before = 0.0;
-  if (std::optional<nlohmann::json> state = resume_run(config, run_folder, contents, scaling)) {
+  std::optional<nlohmann::json> resumed = resume_run(config, run_folder, contents, scaling);
+  if (std::optional<nlohmann::json>& state = resumed) {
     health.resume(state->value("fp8_health", nlohmann::json::object()).get<Fp8HealthState>());
     if (health.changes_precision()) {  // the checkpoint again, into an engine built with them
       fmt::print("FP8 health: linears moved to BF16 so far: {}\n", health.describe_fallbacks());
@@ -243,6 +245,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   FP8T_CHECK(step <= total_steps, "the checkpoint is at step {}, past train_iters {}", step,
              total_steps);
 
+  TrackedRun tracked(config, resumed, engine->device_name(), describe(setup.precision.fp8), leader);
   const auto save = [&](int64_t at_step, double train_seconds) {
     if (several && !scaling.empty()) {
       check_same_scaling_on_every_rank(scaling, communicator, at_step);
@@ -251,11 +254,11 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     engine->gather_optimizer_state();
     if (!leader) return;
     engine->to_host();
-    save_run_checkpoint(run_folder, config, at_step,
-                        {{"train_seconds", train_seconds},
-                         {"samples_seen", at_step * samples_per_step},
-                         {"fp8_health", health.state()}},
-                        scaling, contents);
+    nlohmann::json trainer_state = {{"train_seconds", train_seconds},
+                                    {"samples_seen", at_step * samples_per_step},
+                                    {"fp8_health", health.state()}};
+    tracked.add_to(trainer_state);
+    save_run_checkpoint(run_folder, config, at_step, std::move(trainer_state), scaling, contents);
   };
 
   // Validation: the same held-out pictures, σ and noise at every evaluation.
@@ -270,7 +273,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     return sum / double(config.run.eval_iters);
   };
 
-  RunLog log(run_folder, ::isatty(STDERR_FILENO) != 0, /*writes=*/leader, config.run.tensorboard);
+  RunLog log(run_folder, tracked.log_outputs(::isatty(STDERR_FILENO) != 0));
   const auto write_grid = [&](int64_t at_step) {
     const fs::path path = flux_sample_grid_path(run_folder, at_step);
     fs::create_directories(path.parent_path());
@@ -342,6 +345,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   outcome.last_val_loss = done.last_val_loss;
   outcome.stop_signal = done.stop_signal;
   if (outcome.stop_signal == 0 && grid) outcome.sample_grid = write_grid(outcome.steps_done);
+  tracked.finish(done, log);
   return outcome;
 }
 

@@ -10,10 +10,17 @@
 
 #include "core/error.h"
 #include "train/fp8_health_monitor.h"
+#include "train/mlflow_tracker.h"
 
 namespace fp8t::train {
 
 namespace {
+
+// MLflow takes the TensorBoard scalars, under the same names.
+std::vector<std::pair<std::string, double>> as_metrics(
+    const std::vector<std::pair<std::string, float>>& scalars) {
+  return {scalars.begin(), scalars.end()};
+}
 
 // A "Field:   123 kB" line of a /proc file, in bytes.
 double proc_kib(const char* file, const std::string& field) {
@@ -64,16 +71,19 @@ double available_memory_bytes() {
   return proc_kib("/proc/meminfo", "MemAvailable");
 }
 
-RunLog::RunLog(const std::filesystem::path& run_folder, bool terminal, bool writes,
-               bool tensorboard)
+RunLog::RunLog(const std::filesystem::path& run_folder, const RunLogOutputs& outputs)
     : jsonl_path_(run_folder / "metrics.jsonl"),
       health_path_(run_folder / "fp8_health.jsonl"),
-      terminal_(terminal && writes),
-      writes_(writes) {
-  if (!writes) return;
-  jsonl_.open(jsonl_path_, std::ios::app);
-  if (!jsonl_) throw Error(fmt::format("{}: cannot open for writing", jsonl_path_.string()));
-  if (tensorboard) tensorboard_ = std::make_unique<io::TfEventsWriter>(run_folder);
+      mlflow_(outputs.writes ? outputs.mlflow : nullptr),
+      terminal_(outputs.terminal && outputs.writes),
+      writes_(outputs.writes),
+      jsonl_on_(outputs.jsonl && outputs.writes) {
+  if (!writes_) return;
+  if (jsonl_on_) {
+    jsonl_.open(jsonl_path_, std::ios::app);
+    if (!jsonl_) throw Error(fmt::format("{}: cannot open for writing", jsonl_path_.string()));
+  }
+  if (outputs.tensorboard) tensorboard_ = std::make_unique<io::TfEventsWriter>(run_folder);
 }
 
 std::vector<std::pair<std::string, float>> RunLog::tensorboard_scalars(const StepMetrics& m) {
@@ -145,9 +155,15 @@ void RunLog::step(const StepMetrics& m, bool print) {
       timers[name] = milliseconds;
     record["timers_ms"] = timers;
   }
-  jsonl_ << record.dump() << '\n' << std::flush;
-  if (!jsonl_) throw Error(fmt::format("{}: cannot write", jsonl_path_.string()));
-  if (tensorboard_) tensorboard_->scalars(m.step, tensorboard_scalars(m));
+  if (jsonl_on_) {
+    jsonl_ << record.dump() << '\n' << std::flush;
+    if (!jsonl_) throw Error(fmt::format("{}: cannot write", jsonl_path_.string()));
+  }
+  if (tensorboard_ || mlflow_) {
+    const std::vector<std::pair<std::string, float>> scalars = tensorboard_scalars(m);
+    if (tensorboard_) tensorboard_->scalars(m.step, scalars);
+    if (mlflow_) mlflow_->log_metrics(m.step, as_metrics(scalars));
+  }
   if (print) {
     clear_bar();
     fmt::print("{}\n", step_line(m));
@@ -158,31 +174,36 @@ void RunLog::step(const StepMetrics& m, bool print) {
 
 void RunLog::event(const std::string& kind, const std::string& message) {
   if (!writes_) return;
-  // Generated text can end inside a multi-byte character: store U+FFFD for broken bytes.
-  jsonl_ << nlohmann::json{{"event", kind}, {"message", message}}.dump(
-                -1, ' ', false, nlohmann::json::error_handler_t::replace)
-         << '\n'
-         << std::flush;
+  if (jsonl_on_) {
+    // Generated text can end inside a multi-byte character: store U+FFFD for broken bytes.
+    jsonl_ << nlohmann::json{{"event", kind}, {"message", message}}.dump(
+                  -1, ' ', false, nlohmann::json::error_handler_t::replace)
+           << '\n'
+           << std::flush;
+  }
   clear_bar();
   fmt::print("{}\n", message);
   std::fflush(stdout);
 }
 
 void RunLog::fp8_health(int64_t step, const std::vector<Fp8TensorHealth>& records) {
-  if (!writes_) return;
-  if (!health_.is_open()) {
+  if (!writes_ || records.empty()) return;  // no linear in FP8
+  if (jsonl_on_ && !health_.is_open()) {
     health_.open(health_path_, std::ios::app);
     if (!health_) throw Error(fmt::format("{}: cannot open for writing", health_path_.string()));
   }
   std::vector<std::pair<std::string, float>> scalars;
   for (const Fp8TensorHealth& record : records) {
-    health_ << health_line(step, record).dump() << '\n';
+    if (jsonl_on_) health_ << health_line(step, record).dump() << '\n';
     const auto more = health_scalars(record);
     scalars.insert(scalars.end(), more.begin(), more.end());
   }
-  health_ << std::flush;
-  if (!health_) throw Error(fmt::format("{}: cannot write", health_path_.string()));
+  if (jsonl_on_) {
+    health_ << std::flush;
+    if (!health_) throw Error(fmt::format("{}: cannot write", health_path_.string()));
+  }
   if (tensorboard_) tensorboard_->scalars(step, scalars);
+  if (mlflow_) mlflow_->log_metrics(step, as_metrics(scalars));
 }
 
 void RunLog::clear_bar() {

@@ -63,15 +63,24 @@ double peak_resident_memory_bytes();
 // MemAvailable of /proc/meminfo; 0 when unknown.
 double available_memory_bytes();
 
+class MlflowTracker;
+
+// Where a run's log goes besides the terminal (the `tracker` key).
+struct RunLogOutputs {
+  bool writes = true;     // false: a silent log, for the ranks of a data-parallel job but 0
+  bool terminal = false;  // a progress bar on stderr between the step lines
+  // RUN/metrics.jsonl (and fp8_health.jsonl), appended to: a resumed run continues them.
+  bool jsonl = true;
+  // A new TensorBoard event file in RUN (a resumed run adds one; TensorBoard reads them as one
+  // run), with the scalars of tensorboard_scalars() at each step.
+  bool tensorboard = false;
+  // The same values as metrics of an MLflow run (train/mlflow_tracker.h); not owned.
+  MlflowTracker* mlflow = nullptr;
+};
+
 class RunLog {
  public:
-  // Appends to RUN/metrics.jsonl (a resumed run continues the same file). `terminal`: draw a
-  // progress bar on stderr between the step lines. `writes` false: a silent log, for the ranks
-  // of a data-parallel job other than rank 0. `tensorboard`: also a new TensorBoard event file
-  // in RUN (a resumed run adds one; TensorBoard reads them as one run), with the scalars of
-  // tensorboard_scalars() at each step.
-  RunLog(const std::filesystem::path& run_folder, bool terminal, bool writes = true,
-         bool tensorboard = false);
+  RunLog(const std::filesystem::path& run_folder, const RunLogOutputs& outputs);
   ~RunLog();
   RunLog(const RunLog&) = delete;
   RunLog& operator=(const RunLog&) = delete;
@@ -102,8 +111,10 @@ class RunLog {
   std::ofstream health_;  // opened at the first statistics step
   std::filesystem::path health_path_;
   std::unique_ptr<io::TfEventsWriter> tensorboard_;
+  MlflowTracker* mlflow_;
   bool terminal_;
   bool writes_;
+  bool jsonl_on_;
   bool bar_drawn_ = false;
 };
 

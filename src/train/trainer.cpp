@@ -24,6 +24,7 @@
 #include "train/fp8_health_monitor.h"
 #include "train/nan_guard.h"
 #include "train/run_log.h"
+#include "train/run_trackers.h"
 #include "train/step_phase_times.h"
 #include "train/stop_signal.h"
 #include "train/training_engine.h"
@@ -297,7 +298,8 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
 
   int64_t step = 0;
   double seconds_before = 0.0;  // training time of the steps before a resume
-  if (std::optional<nlohmann::json> state = resume_run(config, run_folder, contents, scaling)) {
+  std::optional<nlohmann::json> resumed = resume_run(config, run_folder, contents, scaling);
+  if (std::optional<nlohmann::json>& state = resumed) {
     guard.resume(state->value("nan_guard", nlohmann::json::object()).get<NanGuardState>());
     health.resume(state->value("fp8_health", nlohmann::json::object()).get<Fp8HealthState>());
     if (guard.state().restores > 0) {
@@ -324,6 +326,7 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   FP8T_CHECK(step <= total_steps, "the checkpoint is at step {}, past train_iters {}", step,
              total_steps);
 
+  TrackedRun tracked(config, resumed, engine->device_name(), describe(setup.precision.fp8), leader);
   const auto save = [&](int64_t at_step, double train_seconds) {
     if (several && !scaling.empty()) {
       check_same_scaling_on_every_rank(scaling, communicator, at_step);
@@ -332,13 +335,13 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
     engine->gather_optimizer_state();
     if (!leader) return;
     engine->to_host();
-    save_run_checkpoint(run_folder, config, at_step,
-                        {{"data_position", loader.position()},
-                         {"train_seconds", train_seconds},
-                         {"tokens_seen", at_step * tokens_per_step},
-                         {"nan_guard", guard.state()},
-                         {"fp8_health", health.state()}},
-                        scaling, contents);
+    nlohmann::json trainer_state = {{"data_position", loader.position()},
+                                    {"train_seconds", train_seconds},
+                                    {"tokens_seen", at_step * tokens_per_step},
+                                    {"nan_guard", guard.state()},
+                                    {"fp8_health", health.state()}};
+    tracked.add_to(trainer_state);
+    save_run_checkpoint(run_folder, config, at_step, std::move(trainer_state), scaling, contents);
   };
 
   // Validation: the same batches from the start of the validation shards at every evaluation.
@@ -352,7 +355,7 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
     return sum / double(config.run.eval_iters);
   };
 
-  RunLog log(run_folder, ::isatty(STDERR_FILENO) != 0, /*writes=*/leader, config.run.tensorboard);
+  RunLog log(run_folder, tracked.log_outputs(::isatty(STDERR_FILENO) != 0));
 
   // After nan_restore_after bad steps in a row: the last good checkpoint, with the remedies.
   const auto restore_last_good = [&](int64_t steps_done) -> std::optional<int64_t> {
@@ -467,6 +470,7 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
     outcome.sample = prompt_text + tokenizer.decode(generated);
     log.event("sample", fmt::format("sample: {}", outcome.sample));
   }
+  tracked.finish(done, log);
   return outcome;
 }
 

@@ -124,11 +124,13 @@ TEST(FluxMemory, Fp8TensorwiseAddsOnlyTheSharedQuantizationScratch) {
       plan_flux_memory(config, micro_batch(1), precision_for(Fp8Mode::Hybrid));
   // All 8 block linears of each double block and 2 of each single block run in FP8: each keeps
   // Ŵ and Ŵᵗ, a byte per weight each, as many bytes as the bf16 copy it replaces. What is added:
-  // 12 scaling floats per FP8 linear, x̂ [T, C + M] (linear2's input is the widest) over the
-  // joint sequence's T = 4608 rows, and the backward's x̂ᵗ, dŷ and dŷᵗ of [T, M] each (the
-  // MLP's width: linear1 and linear2 run their backward in chunks of rows).
+  // 12 scaling floats and 3 FP8 health counters (16 bytes each) per FP8 linear, x̂ [T, C + M]
+  // (linear2's input is the widest) over the joint sequence's T = 4608 rows, and the backward's
+  // x̂ᵗ, dŷ and dŷᵗ of [T, M] each (the MLP's width: linear1 and linear2 run their backward in
+  // chunks of rows).
   const size_t fp8_linears = 8 * 19 + 2 * 38;
-  const size_t scaling = (fp8_linears * 12 * kFloat + 255) / 256 * 256;
+  const auto aligned = [](size_t bytes) { return (bytes + 255) / 256 * 256; };
+  const size_t scaling = aligned(fp8_linears * 12 * kFloat) + aligned(fp8_linears * 3 * 16);
   const size_t T = 4608, C = 3072, M = 4 * C;
   EXPECT_EQ(fp8.linear_copies, bf16.linear_copies + scaling + T * (C + M) + 3 * T * M);
   // FP8 linears save nothing beside the bf16 activations.
