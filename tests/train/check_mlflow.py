@@ -11,7 +11,9 @@ Starts `mlflow server` on 127.0.0.1 (a free port, a temporary SQLite store), the
 2. resumes it to step 9 (--resume=auto): the same MLflow run, its loss history now to step 9;
 3. points MLFLOW_TRACKING_URI at a closed port: the run stops before its first step with an
    error naming the URI;
-4. stops the server while a 40-step run trains: the run still finishes (exit status 0) and its
+4. a run that fails (a NaN injected with nan_restore_after 1 and no checkpoint to restore)
+   ends FAILED, and one stopped by SIGINT ends KILLED;
+5. stops the server while a 40-step run trains: the run still finishes (exit status 0) and its
    output says that MLflow could not be reached and what was not delivered.
 Prints "ok: ..." and exits 0, exits 1 with the first problem, or 77 (skipped) when the mlflow
 package is not installed.
@@ -203,6 +205,45 @@ def check_wrong_uri(fp8train: str, root: Path, runs: Path) -> None:
         fail(f"a closed port: the run trained before stopping:\n{result.stdout}")
 
 
+def run_named(client: MlflowClient, name: str):
+    experiment = client.get_experiment_by_name(EXPERIMENT)
+    found = client.search_runs([experiment.experiment_id],
+                               filter_string=f"attributes.run_name = '{name}'")
+    return found[0] if found else None
+
+
+def check_failed_and_killed(client: MlflowClient, fp8train: str, root: Path, runs: Path,
+                            uri: str) -> None:
+    result = train(train_command(fp8train, root, runs, "tiny-failed", "--train-iters=6",
+                                 "--nan-inject-steps=2",
+                                 "--nan-inject-parameter=transformer.h.1.mlp.c_fc.weight",
+                                 "--nan-restore-after=1"), uri)
+    if result.returncode == 0:
+        fail(f"the run with a NaN and nothing to restore: exit status 0:\n{result.stdout}")
+    run = run_named(client, "tiny-failed")
+    if run is None or run.info.status != "FAILED":
+        fail(f"the run that failed: MLflow status {run and run.info.status}, expected FAILED")
+
+    command = train_command(fp8train, root, runs, "tiny-killed", "--train-iters=200",
+                            "--eval-every=0", "--sample-tokens=0")
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True, env=dict(os.environ, MLFLOW_TRACKING_URI=uri))
+    deadline = time.monotonic() + RUN_TIMEOUT
+    while True:  # SIGINT once a loss has arrived: the run has trained a step
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            fail(f"the 200-step run: no loss arrived in MLflow:\n{process.communicate()[0]}")
+        time.sleep(0.5)
+        run = run_named(client, "tiny-killed")
+        if run is not None and mlflow_history(client, run.info.run_id, "train/loss"):
+            break
+    process.send_signal(signal.SIGINT)
+    output = process.communicate(timeout=RUN_TIMEOUT)[0]
+    status = client.get_run(run.info.run_id).info.status
+    if "stopped by signal" not in output or status != "KILLED":
+        fail(f"the run stopped by SIGINT: MLflow status {status}, expected KILLED:\n{output}")
+
+
 def check_outage(client: MlflowClient, server: Server, fp8train: str, root: Path,
                  runs: Path) -> str:
     command = train_command(fp8train, root, runs, "tiny-outage", "--train-iters=40",
@@ -254,11 +295,13 @@ def main() -> None:
             run_id = check_first_run(client, fp8train, root, runs, server.uri)
             check_resume(client, fp8train, root, runs, server.uri, run_id)
             check_wrong_uri(fp8train, root, runs)
+            check_failed_and_killed(client, fp8train, root, runs, server.uri)
             outage = check_outage(client, server, fp8train, root, runs)
         finally:
             server.stop()
     print(f"ok: run {run_id}: params, tags, status and loss history of 6 steps, resumed to 9 in "
-          f"the same run; a closed port stops the start; {outage}, the run finished and said "
+          f"the same run; a closed port stops the start; failed and interrupted runs end FAILED "
+          f"and KILLED; {outage}, the run finished and said "
           f"what was not delivered")
 
 
