@@ -162,7 +162,7 @@ size_t fp8_scratch_bytes(ScalingRecipe recipe, int64_t fp8_count, int64_t max_to
                          int64_t max_in, int64_t max_out, int64_t backward_width) {
   ArenaBytes scratch;
   scratch.take<float>(fp8_count * ops::kLinearScalingFloats);
-  scratch.take<CastHealth>(fp8_count * 3);     // FP8 health's counters, by TensorRole
+  scratch.take<CastHealth>(fp8_count * ops::kHealthCountersPerLinear);
   scratch.take<uint8_t>(max_tokens * max_in);  // x̂
   const int64_t backward = ops::fp8_backward_elements(max_tokens, max_in, max_out, backward_width);
   for (int buffer = 0; buffer < 3; ++buffer)

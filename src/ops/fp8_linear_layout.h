@@ -20,6 +20,8 @@ inline constexpr int kLinearScalingFloats = 3 * kScalingFloatsPerRole;
 inline constexpr int kScaleInvSlot = 0;
 inline constexpr int kScaleSlot = 1;
 inline constexpr int kAmaxSlot = 2;
+// FP8 health's counters of one FP8 linear (a CastHealth per TensorRole, in the same order).
+inline constexpr int kHealthCountersPerLinear = 3;
 
 inline constexpr int64_t kScaleBlock = 128;   // blockwise: 1x128 blocks, 128x128 weight tiles
 inline constexpr int64_t kMxScaleBlock = 32;  // MXFP8: 1x32 blocks of E8M0 scales

@@ -447,6 +447,17 @@ class BlockRecipe : public testing::TestWithParam<std::tuple<BlockScaling, Shape
     }
     return values;
   }
+
+  // block_varying_values with, in tensors of more than 100 values, one block holding a NaN and
+  // one an inf.
+  std::vector<float> values_with_specials(TestRng& rng, Fp8Format format, float amplitude) const {
+    std::vector<float> values = block_varying_values(rng, format, amplitude);
+    if (count() > 100) {
+      values[static_cast<size_t>(rng.uniform_int(0, int(count() - 1)))] = kNan;
+      values[static_cast<size_t>(rng.uniform_int(0, int(count() - 1)))] = -kInf;
+    }
+    return values;
+  }
 };
 
 TEST_P(BlockRecipe, ScaleGridCountsPartialBlocks) {
@@ -463,11 +474,7 @@ TEST_P(BlockRecipe, ScalesAndDataMatchIndependentComputation) {
   SCOPED_TRACE(rng.trace());
   for (Fp8Format format : kDataFormats) {
     const float amplitude = tie_amplitude(rng, format, 40);
-    std::vector<float> values = block_varying_values(rng, format, amplitude);
-    if (count() > 100) {  // one block with a NaN, one with an inf
-      values[static_cast<size_t>(rng.uniform_int(0, int(count() - 1)))] = kNan;
-      values[static_cast<size_t>(rng.uniform_int(0, int(count() - 1)))] = -kInf;
-    }
+    const std::vector<float> values = values_with_specials(rng, format, amplitude);
     const Input<bf16> as_bf16 = make_input<bf16>(values);
     for (const BlockQuantization& spec : specs(format, amplitude)) {
       SCOPED_TRACE(case_name(format, shape()) + (spec.power_of_2_scales ? " pow2" : " epsilon"));
@@ -632,11 +639,7 @@ TEST_P(BlockRecipe, CastHealthCountsTheRowWiseCodesAndChangesNothing) {
   SCOPED_TRACE(rng.trace());
   for (Fp8Format format : kDataFormats) {
     const float amplitude = tie_amplitude(rng, format, 40);
-    std::vector<float> values = block_varying_values(rng, format, amplitude);
-    if (count() > 100) {  // one block with a NaN, one with an inf
-      values[static_cast<size_t>(rng.uniform_int(0, int(count() - 1)))] = kNan;
-      values[static_cast<size_t>(rng.uniform_int(0, int(count() - 1)))] = -kInf;
-    }
+    const std::vector<float> values = values_with_specials(rng, format, amplitude);
     for (const BlockQuantization& spec : specs(format, amplitude)) {
       SCOPED_TRACE(case_name(format, shape()) + (spec.power_of_2_scales ? " pow2" : " epsilon"));
       check_block_cast_health(make_input<float>(values), shape(), spec);

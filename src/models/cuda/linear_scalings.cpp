@@ -13,7 +13,10 @@ namespace kernels = ops::cuda;
 void CudaLinearScalings::take(DeviceArena& arena, int linears) {
   host_.assign(static_cast<size_t>(linears) * kernels::kLinearScalingFloats, 0.0f);
   device_ = linears > 0 ? arena.take<float>(host_.size()) : nullptr;
-  health_ = linears > 0 ? arena.take<CastHealth>(static_cast<size_t>(linears) * 3) : nullptr;
+  health_ =
+      linears > 0
+          ? arena.take<CastHealth>(static_cast<size_t>(linears) * ops::kHealthCountersPerLinear)
+          : nullptr;
 }
 
 void CudaLinearScalings::initialize() {
@@ -26,10 +29,17 @@ void CudaLinearScalings::initialize() {
       cudaMemcpy(device_, host_.data(), host_.size() * sizeof(float), cudaMemcpyHostToDevice));
 }
 
+size_t CudaLinearScalings::linears() const {
+  return host_.size() / kernels::kLinearScalingFloats;
+}
+
+void CudaLinearScalings::check_index(int index) const {
+  FP8T_CHECK(index >= 0 && size_t(index) < linears(),
+             "expected an FP8 linear index below {}, found {}", linears(), index);
+}
+
 float* CudaLinearScalings::floats(int index) const {
-  FP8T_CHECK(index >= 0 && size_t(index + 1) * kernels::kLinearScalingFloats <= host_.size(),
-             "expected an FP8 linear index below {}, found {}",
-             host_.size() / kernels::kLinearScalingFloats, index);
+  check_index(index);
   return device_ + index * kernels::kLinearScalingFloats;
 }
 
@@ -37,7 +47,7 @@ void CudaLinearScalings::add(const std::string& name, int index, int input_index
   added_.push_back({name, index, input_index});
   if (config_.recipe != ScalingRecipe::Delayed) return;
   Linear linear{index, input_index, {}};
-  for (TensorRole role : {TensorRole::Input, TensorRole::Weight, TensorRole::GradOutput}) {
+  for (TensorRole role : kTensorRoles) {
     linear.roles.emplace_back(config_.amax_history_len, config_.amax_compute_algo, config_.margin,
                               format_max(config_.format_for(role, family_)), role);
   }
@@ -45,26 +55,23 @@ void CudaLinearScalings::add(const std::string& name, int index, int input_index
 }
 
 CastHealth* CudaLinearScalings::health(int index) const {
-  FP8T_CHECK(index >= 0 && size_t(index + 1) * kernels::kLinearScalingFloats <= host_.size(),
-             "expected an FP8 linear index below {}, found {}",
-             host_.size() / kernels::kLinearScalingFloats, index);
-  return health_ + 3 * index;
+  check_index(index);
+  return health_ + ops::kHealthCountersPerLinear * index;
 }
 
 void CudaLinearScalings::clear_health(cudaStream_t stream) {
-  const size_t linears = host_.size() / kernels::kLinearScalingFloats;
-  if (linears == 0) return;
-  FP8T_CUDA_CHECK(cudaMemsetAsync(health_, 0, 3 * linears * sizeof(CastHealth), stream));
+  if (linears() == 0) return;
+  FP8T_CUDA_CHECK(cudaMemsetAsync(
+      health_, 0, ops::kHealthCountersPerLinear * linears() * sizeof(CastHealth), stream));
 }
 
 std::vector<Fp8TensorHealth> CudaLinearScalings::read_health(
     const std::vector<std::array<uint64_t, 3>>& elements, cudaStream_t stream) {
-  const size_t linears = host_.size() / kernels::kLinearScalingFloats;
   std::vector<Fp8TensorHealth> records;
-  if (linears == 0) return records;
-  FP8T_CHECK(elements.size() == linears, "expected the values cast by {} FP8 linears, found {}",
-             linears, elements.size());
-  std::vector<CastHealth> counts(3 * linears);
+  if (linears() == 0) return records;
+  FP8T_CHECK(elements.size() == linears(), "expected the values cast by {} FP8 linears, found {}",
+             linears(), elements.size());
+  std::vector<CastHealth> counts(ops::kHealthCountersPerLinear * linears());
   std::vector<float> floats(host_.size());
   FP8T_CUDA_CHECK(cudaMemcpyAsync(counts.data(), health_, counts.size() * sizeof(CastHealth),
                                   cudaMemcpyDeviceToHost, stream));
@@ -82,7 +89,7 @@ std::vector<Fp8TensorHealth> CudaLinearScalings::read_health(
       record.layer = linear.name;
       record.role = role;
       record.health.elements = elements[caster][r];
-      record.health.counts = counts[3 * caster + r];
+      record.health.counts = counts[ops::kHealthCountersPerLinear * caster + r];
       if (per_tensor) {
         const float* slots = floats.data() + caster * kernels::kLinearScalingFloats +
                              r * kernels::kScalingFloatsPerRole;

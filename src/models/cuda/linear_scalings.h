@@ -71,6 +71,9 @@ class CudaLinearScalings {
 
   Fp8Config config_;
   Fp8Family family_;
+  size_t linears() const;
+  void check_index(int index) const;
+
   struct Added {
     std::string name;
     int index = 0;
