@@ -15,6 +15,7 @@
 #include "models/gpt_config.h"
 #include "models/gpt_memory.h"
 #include "models/precision_policy.h"
+#include "models/recompute.h"
 #include "numerics/scaling.h"
 
 namespace fp8t::cli {
@@ -190,6 +191,17 @@ int run_model_summary(const ModelSummaryOptions& options) {
   fmt::print("  {:<18}{}\n", "activations", gibibytes(plan.activations));
   fmt::print("  {:<18}{}\n", "workspace", gibibytes(plan.workspace));
   fmt::print("  {:<18}{}\n", "total", gibibytes(plan.total()));
+  fmt::print("activations with recompute_granularity (model.md#activation-recompute):\n");
+  const RecomputeOptions full_per_block{RecomputeGranularity::Full, RecomputeMethod::Uniform, 1};
+  for (const auto& [name, recompute] :
+       {std::pair{"none", RecomputeOptions{}},
+        std::pair{"selective",
+                  RecomputeOptions{RecomputeGranularity::Selective, RecomputeMethod::Uniform, 1}},
+        std::pair{"full, uniform, 1", full_per_block}}) {
+    fmt::print("  {:<18}{}\n", name,
+               gibibytes(GptActivations::planned_bytes(config, options.batch, config.sequence_len,
+                                                       DType::F32, recompute)));
+  }
   return kExitOk;
 }
 

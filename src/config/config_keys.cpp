@@ -38,6 +38,12 @@ constexpr std::pair<std::string_view, optim::LrDecayStyle> kDecayStyles[] = {
     {"nanochat", optim::LrDecayStyle::Nanochat},
     {"cosine", optim::LrDecayStyle::Cosine},
     {"constant", optim::LrDecayStyle::Constant}};
+constexpr std::pair<std::string_view, RecomputeGranularity> kRecomputeGranularities[] = {
+    {"none", RecomputeGranularity::None},
+    {"selective", RecomputeGranularity::Selective},
+    {"full", RecomputeGranularity::Full}};
+constexpr std::pair<std::string_view, RecomputeMethod> kRecomputeMethods[] = {
+    {"uniform", RecomputeMethod::Uniform}, {"block", RecomputeMethod::Block}};
 constexpr std::pair<std::string_view, SigmaSampler> kSigmaSamplers[] = {
     {kSigmaSamplerNames[0], SigmaSampler::LogitNormal},
     {kSigmaSamplerNames[1], SigmaSampler::Uniform},
@@ -780,6 +786,29 @@ std::vector<ConfigKey> build_keys() {
       "seed", S::Training, [](auto& c) -> auto& { return c.training.seed; }, {0},
       "Seed of the parameter initialization and the data order (Flux: also of the noise, σ and "
       "guidance dropout of each step, and of the sample grids)."));
+  keys.push_back(choice_key(
+      "recompute_granularity", S::Training,
+      [](auto& c) -> auto& { return c.training.recompute.granularity; },
+      Choices<RecomputeGranularity>(kRecomputeGranularities),
+      "Activation recompute, to trade compute for activation memory ([model.md](model.md#"
+      "activation-recompute)). none: the forward saves what the backward reads; selective: the "
+      "outputs of cheap element-wise steps (relu² and GELU, the residual sums) are computed "
+      "again in the backward, GEMM inputs and attention statistics stay saved; full: the blocks "
+      "that recompute_method picks save only their input and run their forward again just "
+      "before their backward. Losses and gradients are the same, bit for bit."));
+  keys.push_back(choice_key(
+      "recompute_method", S::Training, [](auto& c) -> auto& { return c.training.recompute.method; },
+      Choices<RecomputeMethod>(kRecomputeMethods),
+      "Which blocks recompute_granularity: full recomputes. uniform: every block, in groups of "
+      "recompute_num_layers consecutive blocks (each group saves its first input and its last "
+      "output, and holds one group's activations during its backward); block: only the first "
+      "recompute_num_layers blocks, one at a time, the others save everything. Flux counts its "
+      "double blocks first, then its single blocks; a group never spans both."));
+  keys.push_back(integer_key(
+      "recompute_num_layers", S::Training,
+      [](auto& c) -> auto& { return c.training.recompute.num_layers; }, {1},
+      "recompute_method: uniform: blocks per group; block: how many of the first blocks "
+      "recompute (at most the model's blocks)."));
   // optimizer
   keys.push_back(choice_key(
       "optimizer", S::Optimizer, [](auto& c) -> auto& { return c.optimizer.kind; },

@@ -14,6 +14,7 @@
 #include "models/flux_objective.h"
 #include "models/gpt_config.h"
 #include "models/precision_policy.h"
+#include "models/recompute.h"
 #include "numerics/scaling.h"
 #include "optim/gpt_optimizer.h"
 #include "optim/schedule.h"
@@ -117,6 +118,9 @@ struct TrainingSection {
   int64_t global_batch_size = 0;  // sequences per optimizer step; 0: micro_batch_size x world
   int64_t train_iters = 1000;
   int64_t seed = 42;
+  // Activation recompute (models/recompute.h): recompute_granularity, recompute_method,
+  // recompute_num_layers.
+  RecomputeOptions recompute;
 };
 
 struct OptimizerSection {

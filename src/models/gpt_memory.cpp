@@ -41,7 +41,7 @@ void ParameterSet::fill_zero() {
 
 template <typename Visit>
 void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, DType dtype,
-                           Visit&& visit_tensor) {
+                           const RecomputeOptions& recompute, Visit&& visit_tensor) {
   const int64_t B = batch, T = seq, C = config.n_embd, H = config.n_head, Hkv = config.n_kv_head;
   const int64_t D = config.head_dim();
   visit_tensor(embedding, dtype, {B, T, C});
@@ -49,28 +49,61 @@ void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, 
   visit_tensor(embedding_norm, dtype, {B, T, C});
   visit_tensor(smear_gate, dtype, {B, T});
   visit_tensor(x0, dtype, {B, T, C});
-  blocks.resize(static_cast<size_t>(config.n_layer));
-  for (int layer = 0; layer < config.n_layer; ++layer) {
-    BlockActivations& block = blocks[static_cast<size_t>(layer)];
-    visit_tensor(block.input, dtype, {B, T, C});
+  bool any_value_embedding = false;
+  for (int layer = 0; layer < config.n_layer; ++layer)
+    any_value_embedding = any_value_embedding || config.has_value_embedding(layer);
+  const auto visit_block = [&](BlockActivations& block, bool temporaries, bool value_gate) {
+    if (temporaries) visit_tensor(block.input, dtype, {B, T, C});
     visit_tensor(block.attn_rstd, dtype, {B, T});
     visit_tensor(block.attn_norm, dtype, {B, T, C});
-    visit_tensor(block.q_rotated, dtype, {B, T, H, D});
-    visit_tensor(block.k_rotated, dtype, {B, T, Hkv, D});
     visit_tensor(block.q_rstd, dtype, {B, T, H});
     visit_tensor(block.k_rstd, dtype, {B, T, Hkv});
     visit_tensor(block.q, dtype, {B, T, H, D});
     visit_tensor(block.k, dtype, {B, T, Hkv, D});
     visit_tensor(block.v, dtype, {B, T, Hkv, D});
-    if (config.has_value_embedding(layer)) visit_tensor(block.value_gate, dtype, {B, T, Hkv});
+    if (value_gate) visit_tensor(block.value_gate, dtype, {B, T, Hkv});
     visit_tensor(block.logsumexp, dtype, {B, H, T});
     visit_tensor(block.attn_out, dtype, {B, T, C});
-    visit_tensor(block.mid, dtype, {B, T, C});
+    if (temporaries) visit_tensor(block.mid, dtype, {B, T, C});
     visit_tensor(block.mlp_rstd, dtype, {B, T});
     visit_tensor(block.mlp_norm, dtype, {B, T, C});
     visit_tensor(block.fc, dtype, {B, T, 4 * C});
-    visit_tensor(block.fc_act, dtype, {B, T, 4 * C});
-    visit_tensor(block.output, dtype, {B, T, C});
+    if (temporaries) visit_tensor(block.fc_act, dtype, {B, T, 4 * C});
+  };
+
+  const bool selective = recompute.granularity == RecomputeGranularity::Selective;
+  BlockActivations shared;  // selective: input, mid and fc_act of every block
+  if (selective) {
+    visit_tensor(shared.input, dtype, {B, T, C});
+    visit_tensor(shared.mid, dtype, {B, T, C});
+    visit_tensor(shared.fc_act, dtype, {B, T, 4 * C});
+  }
+  const std::vector<RecomputeGroup> groups = recompute_groups(recompute, config.n_layer);
+  const std::vector<int> slots = recompute_slots(groups, config.n_layer);
+  std::vector<BlockActivations> places(static_cast<size_t>(recompute_slot_count(groups)));
+  for (BlockActivations& place : places) {
+    visit_block(place, true, any_value_embedding);
+    visit_tensor(place.output, dtype, {B, T, C});
+  }
+  blocks.resize(static_cast<size_t>(config.n_layer));
+  for (int layer = 0; layer < config.n_layer; ++layer) {
+    BlockActivations& block = blocks[static_cast<size_t>(layer)];
+    const int slot = slots[static_cast<size_t>(layer)];
+    if (slot < 0) {
+      visit_block(block, !selective, config.has_value_embedding(layer));
+      if (selective) {
+        block.input = shared.input;
+        block.mid = shared.mid;
+        block.fc_act = shared.fc_act;
+      }
+      visit_tensor(block.output, dtype, {B, T, C});
+      continue;
+    }
+    block = places[static_cast<size_t>(slot)];
+    if (!config.has_value_embedding(layer)) block.value_gate = TensorView();
+    const bool last_of_group = recompute_group_of(groups, layer)->end == layer + 1;
+    if (last_of_group || layer == config.backout_layer())
+      visit_tensor(block.output, dtype, {B, T, C});
   }
   visit_tensor(final_input, dtype, {B, T, C});
   visit_tensor(final_rstd, dtype, {B, T});
@@ -79,10 +112,10 @@ void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, 
 }
 
 size_t GptActivations::planned_bytes(const GptConfig& config, int64_t batch, int64_t seq,
-                                     DType dtype) {
+                                     DType dtype, const RecomputeOptions& recompute) {
   GptActivations sizing;
   size_t bytes = 0;
-  sizing.visit(config, batch, seq, dtype,
+  sizing.visit(config, batch, seq, dtype, recompute,
                [&](TensorView&, DType tensor_dtype, std::initializer_list<int64_t> shape) {
                  int64_t count = 1;
                  for (int64_t dim : shape)
@@ -93,8 +126,8 @@ size_t GptActivations::planned_bytes(const GptConfig& config, int64_t batch, int
 }
 
 GptActivations::GptActivations(Arena& arena, const GptConfig& config, int64_t batch, int64_t seq,
-                               DType dtype) {
-  visit(config, batch, seq, dtype,
+                               DType dtype, const RecomputeOptions& recompute) {
+  visit(config, batch, seq, dtype, recompute,
         [&](TensorView& slot, DType tensor_dtype, std::initializer_list<int64_t> shape) {
           slot = arena.allocate(tensor_dtype, shape);
         });
@@ -131,7 +164,8 @@ GptWorkspace::GptWorkspace(Arena& arena, const GptConfig& config, int64_t tokens
   });
 }
 
-GptMemoryPlan plan_gpt_memory(const GptConfig& config, int64_t batch, int64_t seq) {
+GptMemoryPlan plan_gpt_memory(const GptConfig& config, int64_t batch, int64_t seq,
+                              const RecomputeOptions& recompute) {
   GptMemoryPlan plan;
   plan.parameters = ParameterSet::planned_bytes(config, DType::F32);
   plan.gradients = plan.parameters;
@@ -145,7 +179,7 @@ GptMemoryPlan plan_gpt_memory(const GptConfig& config, int64_t batch, int64_t se
       plan.optimizer_state += 2 * Arena::footprint(DType::F32, spec.numel());
     }
   }
-  plan.activations = GptActivations::planned_bytes(config, batch, seq, DType::F32);
+  plan.activations = GptActivations::planned_bytes(config, batch, seq, DType::F32, recompute);
   plan.workspace = GptWorkspace::planned_bytes(config, batch * seq);
   return plan;
 }

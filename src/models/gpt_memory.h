@@ -11,6 +11,7 @@
 #include "core/arena.h"
 #include "core/tensor.h"
 #include "models/gpt_config.h"
+#include "models/recompute.h"
 
 namespace fp8t {
 
@@ -30,13 +31,13 @@ class ParameterSet {
   std::map<std::string, TensorView> tensors_;
 };
 
-// The activations of one block that backward needs. Shapes: [B, T, C] unless noted.
+// The activations of one block. Shapes: [B, T, C] unless noted. input, mid and fc_act are
+// forward temporaries the backward does not read except fc_act (plain mlp.c_proj's wgrad), which
+// selective recompute computes again; output is the next block's input.
 struct BlockActivations {
   TensorView input;       // after the resid/x0 mix
   TensorView attn_rstd;   // [B, T]
   TensorView attn_norm;   // input of c_q, c_k, c_v and the value gate
-  TensorView q_rotated;   // [B, T, H, D] before the QK norm
-  TensorView k_rotated;   // [B, T, Hkv, D]
   TensorView q_rstd;      // [B, T, H]
   TensorView k_rstd;      // [B, T, Hkv]
   TensorView q;           // [B, T, H, D] normed and scaled: the attention's inputs
@@ -53,6 +54,12 @@ struct BlockActivations {
   TensorView output;      // after the MLP residual
 };
 
+// Where the blocks' activations live under activation recompute (models/recompute.h):
+// - none: every block has its own;
+// - selective: input, mid and fc_act are one buffer shared by every block;
+// - full: a recomputed block uses the buffers of its place in its group, shared with the same
+//   place of the other groups, and has its own output only when it is the last of its group or
+//   the backout layer (whose output the final mix reads); the other blocks have their own.
 struct GptActivations {
   TensorView embedding;       // wte lookup
   TensorView embedding_rstd;  // [B, T]
@@ -65,16 +72,18 @@ struct GptActivations {
   TensorView final_norm;   // input of lm_head
   TensorView logits;       // [B, T, padded vocab], f32 always; gradients overwrite it
 
-  static size_t planned_bytes(const GptConfig& config, int64_t batch, int64_t seq, DType dtype);
-  GptActivations(Arena& arena, const GptConfig& config, int64_t batch, int64_t seq, DType dtype);
+  static size_t planned_bytes(const GptConfig& config, int64_t batch, int64_t seq, DType dtype,
+                              const RecomputeOptions& recompute = {});
+  GptActivations(Arena& arena, const GptConfig& config, int64_t batch, int64_t seq, DType dtype,
+                 const RecomputeOptions& recompute = {});
 
  private:
   GptActivations() = default;
-  // Calls visit(slot, dtype, shape) for every tensor above, in one place for sizing and
-  // allocation.
+  // Calls visit(slot, dtype, shape) for every tensor that takes memory, in one place for sizing
+  // and allocation, then points the blocks that share buffers at them.
   template <typename Visit>
   void visit(const GptConfig& config, int64_t batch, int64_t seq, DType dtype,
-             Visit&& visit_tensor);
+             const RecomputeOptions& recompute, Visit&& visit_tensor);
 };
 
 // Temporaries of one forward and backward, planned like the activations.
@@ -112,6 +121,7 @@ struct GptMemoryPlan {
 // The CPU path: f32 parameters, gradients and activations; optimizer state as the MuonAdamW
 // optimizer keeps it (Muon for the block matrices: a momentum and a NorMuon second moment of
 // max(rows, cols); AdamW for the rest: two moments).
-GptMemoryPlan plan_gpt_memory(const GptConfig& config, int64_t batch, int64_t seq);
+GptMemoryPlan plan_gpt_memory(const GptConfig& config, int64_t batch, int64_t seq,
+                              const RecomputeOptions& recompute = {});
 
 }  // namespace fp8t

@@ -33,25 +33,26 @@ void add(float* out, const float* a, const float* b, int64_t n) {
 }  // namespace
 
 GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
-                   const GptPrecision& precision)
-    : config_(config), batch_(batch), seq_(seq), precision_(precision) {
+                   const GptPrecision& precision, const RecomputeOptions& recompute)
+    : config_(config), batch_(batch), seq_(seq), precision_(precision), recompute_(recompute) {
   config_.validate();
   FP8T_CHECK(batch >= 1, "expected a batch of at least 1, found {}", batch);
   FP8T_CHECK(seq >= 2 && seq <= config_.sequence_len,
              "expected a sequence of 2 to {} tokens, found {}", config_.sequence_len, seq);
   const int64_t tokens = batch * seq;
+  recompute_groups_ = recompute_groups(recompute_, config_.n_layer);
   parameter_arena_ =
       std::make_unique<Arena>("parameters", ParameterSet::planned_bytes(config_, DType::F32));
   gradient_arena_ =
       std::make_unique<Arena>("gradients", ParameterSet::planned_bytes(config_, DType::F32));
   activation_arena_ = std::make_unique<Arena>(
-      "activations", GptActivations::planned_bytes(config_, batch, seq, DType::F32));
+      "activations", GptActivations::planned_bytes(config_, batch, seq, DType::F32, recompute_));
   workspace_arena_ =
       std::make_unique<Arena>("workspace", GptWorkspace::planned_bytes(config_, tokens));
   parameters_ = std::make_unique<ParameterSet>(*parameter_arena_, config_, DType::F32);
   gradients_ = std::make_unique<ParameterSet>(*gradient_arena_, config_, DType::F32);
-  activations_ =
-      std::make_unique<GptActivations>(*activation_arena_, config_, batch, seq, DType::F32);
+  activations_ = std::make_unique<GptActivations>(*activation_arena_, config_, batch, seq,
+                                                  DType::F32, recompute_);
   workspace_ = std::make_unique<GptWorkspace>(*workspace_arena_, config_, tokens);
   parameters_->fill_zero();
   gradients_->fill_zero();
@@ -177,6 +178,7 @@ void GptModel::end_step() {
 }
 
 void GptModel::set_training(bool training) {
+  training_ = training;
   record_fp8_amaxes(linears_, training);
 }
 
@@ -189,6 +191,7 @@ std::vector<std::pair<std::string, DelayedScaling*>> GptModel::delayed_scalings(
 }
 
 void GptModel::set_record_fp8_health(bool record) {
+  recording_fp8_health_ = record;
   record_fp8_health(linears_, record);
 }
 
@@ -231,15 +234,154 @@ void GptModel::attention_backward(int layer, const ops::AttentionShape& shape) {
   }
 }
 
-double GptModel::forward(const int32_t* idx, const int32_t* targets) {
+void GptModel::block_forward(int layer, const float* residual) {
   const int64_t B = batch_, T = seq_, N = B * T, C = config_.n_embd;
   const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
+  const int64_t vocab = config_.padded_vocab();
+  GptActivations& act = *activations_;
+  GptWorkspace& ws = *workspace_;
+  BlockActivations& block = act.blocks[static_cast<size_t>(layer)];
+  const std::string prefix = fmt::format("transformer.h.{}.", layer);
+  ops::residual_mix_forward(block.input.data<float>(), residual, act.x0.data<float>(),
+                            scalar("resid_lambdas", layer), scalar("x0_lambdas", layer), N * C);
+  ops::rmsnorm_forward(block.attn_norm.data<float>(), block.attn_rstd.data<float>(),
+                       block.input.data<float>(), N, C);
+  const float* attn_norm = block.attn_norm.data<float>();
+  linear_forward(linear(prefix + "attn.c_q"), attn_norm, ws.q_lin.data<float>());
+  linear_forward(linear(prefix + "attn.c_k"), attn_norm, ws.k_lin.data<float>());
+  linear_forward(linear(prefix + "attn.c_v"), attn_norm, block.v.data<float>());
+  if (config_.has_value_embedding(layer)) {
+    ops::embedding_forward(ws.value_embed.data<float>(), idx_.data(),
+                           parameter(fmt::format("value_embeds.{}.weight", layer)), N, vocab,
+                           Hkv * D);
+    ops::value_gate_forward(block.v.data<float>(), block.value_gate.data<float>(), attn_norm,
+                            ws.value_embed.data<float>(), parameter(prefix + "attn.ve_gate.weight"),
+                            {N, C, Hkv, D, kValueGateChannels});
+  }
+  // Rotary into dq_rot and dk_rot (the backward's, free here), then the QK norm.
+  ops::rotary_forward(ws.dq_rot.data<float>(), ws.q_lin.data<float>(), rotary_cos_.data(),
+                      rotary_sin_.data(), B, T, H, D);
+  ops::rotary_forward(ws.dk_rot.data<float>(), ws.k_lin.data<float>(), rotary_cos_.data(),
+                      rotary_sin_.data(), B, T, Hkv, D);
+  ops::rmsnorm_forward(block.q.data<float>(), block.q_rstd.data<float>(), ws.dq_rot.data<float>(),
+                       N * H, D);
+  ops::rmsnorm_forward(block.k.data<float>(), block.k_rstd.data<float>(), ws.dk_rot.data<float>(),
+                       N * Hkv, D);
+  attention_forward(layer, {B, T, H, Hkv, D, config_.window(layer)});
+  linear_forward(linear(prefix + "attn.c_proj"), block.attn_out.data<float>(),
+                 ws.branch.data<float>());
+  add(block.mid.data<float>(), block.input.data<float>(), ws.branch.data<float>(), N * C);
+
+  ops::rmsnorm_forward(block.mlp_norm.data<float>(), block.mlp_rstd.data<float>(),
+                       block.mid.data<float>(), N, C);
+  linear_forward(linear(prefix + "mlp.c_fc"), block.mlp_norm.data<float>(), block.fc.data<float>());
+  ops::relu2_forward(block.fc_act.data<float>(), block.fc.data<float>(), N * 4 * C);
+  linear_forward(linear(prefix + "mlp.c_proj"), block.fc_act.data<float>(),
+                 ws.branch.data<float>());
+  add(block.output.data<float>(), block.mid.data<float>(), ws.branch.data<float>(), N * C);
+}
+
+void GptModel::block_backward(int layer) {
+  const int64_t B = batch_, T = seq_, N = B * T, C = config_.n_embd;
+  const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
+  const int64_t vocab = config_.padded_vocab();
+  GptActivations& act = *activations_;
+  GptWorkspace& ws = *workspace_;
+  BlockActivations& block = act.blocks[static_cast<size_t>(layer)];
+  const std::string prefix = fmt::format("transformer.h.{}.", layer);
+  float* dx = ws.dx.data<float>();  // d output of this block
+  if (layer == config_.backout_layer()) add(dx, dx, ws.dbackout.data<float>(), N * C);
+
+  // MLP: output = mid + c_proj(relu²(c_fc(norm(mid))))
+  // Selective recompute shares fc_act among the blocks: this block's relu²(fc) again.
+  if (recompute_.granularity == RecomputeGranularity::Selective)
+    ops::relu2_forward(block.fc_act.data<float>(), block.fc.data<float>(), N * 4 * C);
+  zero(ws.dfc_act);
+  linear_backward(linear(prefix + "mlp.c_proj"), dx, block.fc_act.data<float>(),
+                  ws.dfc_act.data<float>());
+  zero(ws.dfc);
+  ops::relu2_backward(ws.dfc.data<float>(), ws.dfc_act.data<float>(), block.fc.data<float>(),
+                      N * 4 * C);
+  zero(ws.dnorm);
+  linear_backward(linear(prefix + "mlp.c_fc"), ws.dfc.data<float>(), block.mlp_norm.data<float>(),
+                  ws.dnorm.data<float>());
+  copy(ws.dbranch, ws.dx);  // d mid
+  ops::rmsnorm_backward(ws.dbranch.data<float>(), ws.dnorm.data<float>(),
+                        block.mlp_norm.data<float>(), block.mlp_rstd.data<float>(), N, C);
+  const float* dmid = ws.dbranch.data<float>();
+
+  // Attention: mid = input + c_proj(attention(q, k, v))
+  zero(ws.dattn_out);
+  linear_backward(linear(prefix + "attn.c_proj"), dmid, block.attn_out.data<float>(),
+                  ws.dattn_out.data<float>());
+  for (TensorView* view : {&ws.dq, &ws.dk, &ws.dv, &ws.dq_rot, &ws.dk_rot, &ws.dq_lin, &ws.dk_lin})
+    zero(*view);
+  attention_backward(layer, {B, T, H, Hkv, D, config_.window(layer)});
+  ops::rmsnorm_backward(ws.dq_rot.data<float>(), ws.dq.data<float>(), block.q.data<float>(),
+                        block.q_rstd.data<float>(), N * H, D);
+  ops::rmsnorm_backward(ws.dk_rot.data<float>(), ws.dk.data<float>(), block.k.data<float>(),
+                        block.k_rstd.data<float>(), N * Hkv, D);
+  ops::rotary_backward(ws.dq_lin.data<float>(), ws.dq_rot.data<float>(), rotary_cos_.data(),
+                       rotary_sin_.data(), B, T, H, D);
+  ops::rotary_backward(ws.dk_lin.data<float>(), ws.dk_rot.data<float>(), rotary_cos_.data(),
+                       rotary_sin_.data(), B, T, Hkv, D);
+  zero(ws.dnorm);  // d attn_norm, from q, k, v and the value gate
+  const float* attn_norm = block.attn_norm.data<float>();
+  if (config_.has_value_embedding(layer)) {
+    const std::string table = fmt::format("value_embeds.{}.weight", layer);
+    ops::embedding_forward(ws.value_embed.data<float>(), idx_.data(), parameter(table), N, vocab,
+                           Hkv * D);
+    zero(ws.dvalue_embed);
+    ops::value_gate_backward(ws.dnorm.data<float>(), gradient(prefix + "attn.ve_gate.weight"),
+                             ws.dvalue_embed.data<float>(), ws.dv.data<float>(), attn_norm,
+                             ws.value_embed.data<float>(),
+                             parameter(prefix + "attn.ve_gate.weight"),
+                             block.value_gate.data<float>(), {N, C, Hkv, D, kValueGateChannels});
+    ops::embedding_backward(gradient(table), ws.dvalue_embed.data<float>(), idx_.data(), N, vocab,
+                            Hkv * D);
+  }
+  linear_backward(linear(prefix + "attn.c_q"), ws.dq_lin.data<float>(), attn_norm,
+                  ws.dnorm.data<float>());
+  linear_backward(linear(prefix + "attn.c_k"), ws.dk_lin.data<float>(), attn_norm,
+                  ws.dnorm.data<float>());
+  linear_backward(linear(prefix + "attn.c_v"), ws.dv.data<float>(), attn_norm,
+                  ws.dnorm.data<float>());
+  ops::rmsnorm_backward(ws.dbranch.data<float>(), ws.dnorm.data<float>(), attn_norm,
+                        block.attn_rstd.data<float>(), N, C);  // dbranch: d input
+
+  // input = resid_lambda * previous + x0_lambda * x0
+  const float* previous = layer > 0
+                              ? act.blocks[static_cast<size_t>(layer - 1)].output.data<float>()
+                              : act.x0.data<float>();
+  zero(ws.dx_next);
+  ops::residual_mix_backward(ws.dx_next.data<float>(), ws.dx0.data<float>(),
+                             gradient("resid_lambdas") + layer, gradient("x0_lambdas") + layer,
+                             ws.dbranch.data<float>(), previous, act.x0.data<float>(),
+                             scalar("resid_lambdas", layer), scalar("x0_lambdas", layer), N * C);
+  copy(ws.dx, ws.dx_next);
+}
+
+void GptModel::recompute_group(const RecomputeGroup& group) {
+  record_fp8_amaxes(linears_, false);
+  record_fp8_health(linears_, false);
+  const GptActivations& act = *activations_;
+  for (int layer = group.first; layer < group.end; ++layer) {
+    const float* residual = layer > 0
+                                ? act.blocks[static_cast<size_t>(layer - 1)].output.data<float>()
+                                : act.x0.data<float>();
+    block_forward(layer, residual);
+  }
+  record_fp8_amaxes(linears_, training_);
+  record_fp8_health(linears_, recording_fp8_health_);
+}
+
+double GptModel::forward(const int32_t* idx, const int32_t* targets) {
+  const int64_t B = batch_, T = seq_, N = B * T, C = config_.n_embd;
   const int64_t vocab = config_.padded_vocab();
   check_tokens(config_, idx, targets, N);
   std::copy(idx, idx + N, idx_.begin());
   std::copy(targets, targets + N, targets_.begin());
   GptActivations& act = *activations_;
-  GptWorkspace& ws = *workspace_;
 
   ops::embedding_forward(act.embedding.data<float>(), idx, parameter("transformer.wte.weight"), N,
                          vocab, C);
@@ -251,48 +393,8 @@ double GptModel::forward(const int32_t* idx, const int32_t* targets) {
 
   const float* residual = act.x0.data<float>();
   for (int layer = 0; layer < config_.n_layer; ++layer) {
-    BlockActivations& block = act.blocks[static_cast<size_t>(layer)];
-    const std::string prefix = fmt::format("transformer.h.{}.", layer);
-    ops::residual_mix_forward(block.input.data<float>(), residual, act.x0.data<float>(),
-                              scalar("resid_lambdas", layer), scalar("x0_lambdas", layer), N * C);
-    ops::rmsnorm_forward(block.attn_norm.data<float>(), block.attn_rstd.data<float>(),
-                         block.input.data<float>(), N, C);
-    const float* attn_norm = block.attn_norm.data<float>();
-    linear_forward(linear(prefix + "attn.c_q"), attn_norm, ws.q_lin.data<float>());
-    linear_forward(linear(prefix + "attn.c_k"), attn_norm, ws.k_lin.data<float>());
-    linear_forward(linear(prefix + "attn.c_v"), attn_norm, block.v.data<float>());
-    if (config_.has_value_embedding(layer)) {
-      ops::embedding_forward(ws.value_embed.data<float>(), idx,
-                             parameter(fmt::format("value_embeds.{}.weight", layer)), N, vocab,
-                             Hkv * D);
-      ops::value_gate_forward(block.v.data<float>(), block.value_gate.data<float>(), attn_norm,
-                              ws.value_embed.data<float>(),
-                              parameter(prefix + "attn.ve_gate.weight"),
-                              {N, C, Hkv, D, kValueGateChannels});
-    }
-    // Rotary, then the QK norm; dq_rot and dk_rot hold the rotated q and k until backward.
-    ops::rotary_forward(ws.dq_rot.data<float>(), ws.q_lin.data<float>(), rotary_cos_.data(),
-                        rotary_sin_.data(), B, T, H, D);
-    ops::rotary_forward(ws.dk_rot.data<float>(), ws.k_lin.data<float>(), rotary_cos_.data(),
-                        rotary_sin_.data(), B, T, Hkv, D);
-    ops::rmsnorm_forward(block.q.data<float>(), block.q_rstd.data<float>(), ws.dq_rot.data<float>(),
-                         N * H, D);
-    ops::rmsnorm_forward(block.k.data<float>(), block.k_rstd.data<float>(), ws.dk_rot.data<float>(),
-                         N * Hkv, D);
-    attention_forward(layer, {B, T, H, Hkv, D, config_.window(layer)});
-    linear_forward(linear(prefix + "attn.c_proj"), block.attn_out.data<float>(),
-                   ws.branch.data<float>());
-    add(block.mid.data<float>(), block.input.data<float>(), ws.branch.data<float>(), N * C);
-
-    ops::rmsnorm_forward(block.mlp_norm.data<float>(), block.mlp_rstd.data<float>(),
-                         block.mid.data<float>(), N, C);
-    linear_forward(linear(prefix + "mlp.c_fc"), block.mlp_norm.data<float>(),
-                   block.fc.data<float>());
-    ops::relu2_forward(block.fc_act.data<float>(), block.fc.data<float>(), N * 4 * C);
-    linear_forward(linear(prefix + "mlp.c_proj"), block.fc_act.data<float>(),
-                   ws.branch.data<float>());
-    add(block.output.data<float>(), block.mid.data<float>(), ws.branch.data<float>(), N * C);
-    residual = block.output.data<float>();
+    block_forward(layer, residual);
+    residual = act.blocks[static_cast<size_t>(layer)].output.data<float>();
   }
   const BlockActivations& backout = act.blocks[static_cast<size_t>(config_.backout_layer())];
   ops::backout_forward(act.final_input.data<float>(), residual, backout.output.data<float>(),
@@ -306,7 +408,6 @@ double GptModel::forward(const int32_t* idx, const int32_t* targets) {
 
 void GptModel::backward() {
   const int64_t B = batch_, T = seq_, N = B * T, C = config_.n_embd;
-  const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
   const int64_t vocab = config_.padded_vocab();
   GptActivations& act = *activations_;
   GptWorkspace& ws = *workspace_;
@@ -329,76 +430,9 @@ void GptModel::backward() {
   zero(ws.dx0);
 
   for (int layer = config_.n_layer - 1; layer >= 0; --layer) {
-    BlockActivations& block = act.blocks[static_cast<size_t>(layer)];
-    const std::string prefix = fmt::format("transformer.h.{}.", layer);
-    float* dx = ws.dx.data<float>();  // d output of this block
-    if (layer == config_.backout_layer()) add(dx, dx, ws.dbackout.data<float>(), N * C);
-
-    // MLP: output = mid + c_proj(relu²(c_fc(norm(mid))))
-    zero(ws.dfc_act);
-    linear_backward(linear(prefix + "mlp.c_proj"), dx, block.fc_act.data<float>(),
-                    ws.dfc_act.data<float>());
-    zero(ws.dfc);
-    ops::relu2_backward(ws.dfc.data<float>(), ws.dfc_act.data<float>(), block.fc.data<float>(),
-                        N * 4 * C);
-    zero(ws.dnorm);
-    linear_backward(linear(prefix + "mlp.c_fc"), ws.dfc.data<float>(), block.mlp_norm.data<float>(),
-                    ws.dnorm.data<float>());
-    copy(ws.dbranch, ws.dx);  // d mid
-    ops::rmsnorm_backward(ws.dbranch.data<float>(), ws.dnorm.data<float>(),
-                          block.mlp_norm.data<float>(), block.mlp_rstd.data<float>(), N, C);
-    const float* dmid = ws.dbranch.data<float>();
-
-    // Attention: mid = input + c_proj(attention(q, k, v))
-    zero(ws.dattn_out);
-    linear_backward(linear(prefix + "attn.c_proj"), dmid, block.attn_out.data<float>(),
-                    ws.dattn_out.data<float>());
-    for (TensorView* view :
-         {&ws.dq, &ws.dk, &ws.dv, &ws.dq_rot, &ws.dk_rot, &ws.dq_lin, &ws.dk_lin})
-      zero(*view);
-    attention_backward(layer, {B, T, H, Hkv, D, config_.window(layer)});
-    ops::rmsnorm_backward(ws.dq_rot.data<float>(), ws.dq.data<float>(), block.q.data<float>(),
-                          block.q_rstd.data<float>(), N * H, D);
-    ops::rmsnorm_backward(ws.dk_rot.data<float>(), ws.dk.data<float>(), block.k.data<float>(),
-                          block.k_rstd.data<float>(), N * Hkv, D);
-    ops::rotary_backward(ws.dq_lin.data<float>(), ws.dq_rot.data<float>(), rotary_cos_.data(),
-                         rotary_sin_.data(), B, T, H, D);
-    ops::rotary_backward(ws.dk_lin.data<float>(), ws.dk_rot.data<float>(), rotary_cos_.data(),
-                         rotary_sin_.data(), B, T, Hkv, D);
-    zero(ws.dnorm);  // d attn_norm, from q, k, v and the value gate
-    const float* attn_norm = block.attn_norm.data<float>();
-    if (config_.has_value_embedding(layer)) {
-      const std::string table = fmt::format("value_embeds.{}.weight", layer);
-      ops::embedding_forward(ws.value_embed.data<float>(), idx_.data(), parameter(table), N, vocab,
-                             Hkv * D);
-      zero(ws.dvalue_embed);
-      ops::value_gate_backward(ws.dnorm.data<float>(), gradient(prefix + "attn.ve_gate.weight"),
-                               ws.dvalue_embed.data<float>(), ws.dv.data<float>(), attn_norm,
-                               ws.value_embed.data<float>(),
-                               parameter(prefix + "attn.ve_gate.weight"),
-                               block.value_gate.data<float>(), {N, C, Hkv, D, kValueGateChannels});
-      ops::embedding_backward(gradient(table), ws.dvalue_embed.data<float>(), idx_.data(), N, vocab,
-                              Hkv * D);
-    }
-    linear_backward(linear(prefix + "attn.c_q"), ws.dq_lin.data<float>(), attn_norm,
-                    ws.dnorm.data<float>());
-    linear_backward(linear(prefix + "attn.c_k"), ws.dk_lin.data<float>(), attn_norm,
-                    ws.dnorm.data<float>());
-    linear_backward(linear(prefix + "attn.c_v"), ws.dv.data<float>(), attn_norm,
-                    ws.dnorm.data<float>());
-    ops::rmsnorm_backward(ws.dbranch.data<float>(), ws.dnorm.data<float>(), attn_norm,
-                          block.attn_rstd.data<float>(), N, C);  // dbranch: d input
-
-    // input = resid_lambda * previous + x0_lambda * x0
-    const float* previous = layer > 0
-                                ? act.blocks[static_cast<size_t>(layer - 1)].output.data<float>()
-                                : act.x0.data<float>();
-    zero(ws.dx_next);
-    ops::residual_mix_backward(ws.dx_next.data<float>(), ws.dx0.data<float>(),
-                               gradient("resid_lambdas") + layer, gradient("x0_lambdas") + layer,
-                               ws.dbranch.data<float>(), previous, act.x0.data<float>(),
-                               scalar("resid_lambdas", layer), scalar("x0_lambdas", layer), N * C);
-    copy(ws.dx, ws.dx_next);
+    const RecomputeGroup* group = recompute_group_of(recompute_groups_, layer);
+    if (group != nullptr && group->end == layer + 1) recompute_group(*group);
+    block_backward(layer);
   }
   // The first block's previous residual is x0 itself.
   add(ws.dx0.data<float>(), ws.dx0.data<float>(), ws.dx.data<float>(), N * C);

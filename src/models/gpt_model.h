@@ -15,6 +15,7 @@
 #include "models/gpt_config.h"
 #include "models/gpt_memory.h"
 #include "models/precision_policy.h"
+#include "models/recompute.h"
 #include "ops/attention_fp8.h"
 #include "ops/fp8_linear.h"
 #include "ops/linear.h"
@@ -34,7 +35,10 @@ void check_tokens(const GptConfig& config, const int32_t* idx, const int32_t* ta
 
 class GptModel {
  public:
-  GptModel(const GptConfig& config, int64_t batch, int64_t seq, const GptPrecision& precision);
+  // recompute: which activations the forward saves and which the backward computes again
+  // (models/recompute.h); the results are the same either way.
+  GptModel(const GptConfig& config, int64_t batch, int64_t seq, const GptPrecision& precision,
+           const RecomputeOptions& recompute = {});
 
   const GptConfig& config() const { return config_; }
   ParameterSet& parameters() { return *parameters_; }
@@ -85,6 +89,13 @@ class GptModel {
   // The attention of a block: ops/attention.h, or ops/attention_fp8.h with fp8_attention.
   void attention_forward(int layer, const ops::AttentionShape& shape);
   void attention_backward(int layer, const ops::AttentionShape& shape);
+  // One block: from the previous block's output (x0 for the first) to this block's output.
+  // The backward reads ws.dx (d output) and leaves d input of the next lower block there.
+  void block_forward(int layer, const float* residual);
+  void block_backward(int layer);
+  // Full recompute: the forward of the group's blocks again, from its saved input, without
+  // recording FP8 amaxes or health a second time.
+  void recompute_group(const RecomputeGroup& group);
   float scalar(const std::string& name, int index = 0);
   float* parameter(const std::string& name);
   float* gradient(const std::string& name);
@@ -92,6 +103,10 @@ class GptModel {
   GptConfig config_;
   int64_t batch_, seq_;
   GptPrecision precision_;
+  RecomputeOptions recompute_;
+  std::vector<RecomputeGroup> recompute_groups_;  // full recompute's; empty otherwise
+  bool training_ = true;
+  bool recording_fp8_health_ = false;
   std::vector<int32_t> idx_, targets_;  // of the last forward, [B * T]
   std::unique_ptr<Arena> parameter_arena_, gradient_arena_, activation_arena_, workspace_arena_;
   std::unique_ptr<ParameterSet> parameters_, gradients_;

@@ -24,8 +24,9 @@ class CpuEngine final : public TrainingEngine {
  public:
   explicit CpuEngine(const EngineSetup& setup)
       : communicator_(setup.communicator),
-        plan_(plan_gpt_memory(setup.model, setup.batch, setup.seq)),
-        model_((check_memory_fits(plan_), setup.model), setup.batch, setup.seq, setup.precision),
+        plan_(plan_gpt_memory(setup.model, setup.batch, setup.seq, setup.recompute)),
+        model_((check_memory_fits(plan_), setup.model), setup.batch, setup.seq, setup.precision,
+               setup.recompute),
         sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
         optimizer_(setup.model, setup.optimizer, setup.tokens_per_step,
                    sharded_ ? setup.communicator->rank() : 0,

@@ -54,6 +54,19 @@ void check_gpu_precision(const ModelPrecision& precision) {
   }
 }
 
+namespace {
+
+// The GPU path saves neither the residual sums nor relu²(fc) (models/cuda/gpt_model_cuda.h):
+// it recomputes selectively whatever the key says. Full recompute is the CPU path's only.
+void check_gpu_recompute(const RecomputeOptions& recompute) {
+  if (recompute.granularity != RecomputeGranularity::Full) return;
+  throw ConfigError(
+      "recompute_granularity: full is not available on the GPU path of the GPT yet; use "
+      "selective or none (the GPU path saves the same activations under both), or device: cpu");
+}
+
+}  // namespace
+
 #if FP8TRAIN_WITH_CUDA
 
 namespace {
@@ -338,6 +351,7 @@ GpuInfo training_gpu(const distributed::Communicator* communicator) {
 
 std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
   check_gpu_precision(setup.precision);
+  check_gpu_recompute(setup.recompute);
   return std::make_unique<CudaEngine>(setup, training_gpu(setup.communicator));
 }
 
@@ -351,6 +365,7 @@ GpuInfo training_gpu(const distributed::Communicator*) {
 
 std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
   check_gpu_precision(setup.precision);
+  check_gpu_recompute(setup.recompute);
   training_gpu();  // throws: no CUDA in this build
   return nullptr;
 }

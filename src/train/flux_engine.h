@@ -16,6 +16,7 @@
 #include "distributed/communicator.h"
 #include "gemm/gemm_tuning.h"
 #include "models/flux_model.h"
+#include "models/recompute.h"
 #include "optim/adamw.h"
 #include "train/flux_batches.h"
 #include "train/training_loop.h"
@@ -62,7 +63,8 @@ class FluxEngine {
 struct FluxEngineSetup {
   FluxConfig model;
   ModelPrecision precision;
-  int64_t batch = 0;  // samples per micro-batch
+  RecomputeOptions recompute;  // activation recompute (models/recompute.h)
+  int64_t batch = 0;           // samples per micro-batch
   int64_t img_tokens = 0;
   int64_t txt_tokens = 0;
   std::vector<float> img_ids;  // [img_tokens, 3], the same for every sample

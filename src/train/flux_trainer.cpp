@@ -13,6 +13,7 @@
 
 #include "core/error.h"
 #include "models/flux_model.h"
+#include "models/recompute.h"
 #include "optim/schedule.h"
 #include "train/checkpoint.h"
 #include "train/flux_batches.h"
@@ -180,6 +181,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   setup.adamw = config.optimizer_settings().adamw;
   if (several) setup.communicator = &communicator;
   setup.shard_optimizer_state = config.run.shard_optimizer_state;
+  setup.recompute = config.training.recompute;
   setup.gemm_tuning = gemm_tuning;
   Fp8HealthMonitor health(config.fp8, configured_precision.fp8.mode != Fp8Mode::None);
   // The engine, with the FP8 fallbacks in force, and the checkpoints' views of its model,
@@ -213,6 +215,9 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
         batch, img_tokens, txt_tokens, accumulation, ranks_note(communicator), samples_per_step,
         total_steps);
     fmt::print("memory plan: {}\n", engine->memory_plan());
+    fmt::print("activation recompute: {}\n",
+               recompute_summary(setup.recompute,
+                                 model_config.double_blocks + model_config.single_blocks));
     if (several && setup.shard_optimizer_state) print_zero1_note(communicator.size(), cuda);
     for (const std::string& note : setup.gemm_tuning.notes)
       fmt::print("{}\n", note);

@@ -17,6 +17,7 @@
 #include "models/gpt_memory.h"
 #include "models/gpt_model.h"
 #include "models/gpt_sampling.h"
+#include "models/recompute.h"
 #include "optim/gpt_optimizer.h"
 #include "tokenizer/bpe_tokenizer.h"
 #include "train/checkpoint.h"
@@ -253,6 +254,7 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   if (several) setup.communicator = &communicator;
   setup.overlap_grad_reduce = config.run.overlap_grad_reduce;
   setup.shard_optimizer_state = config.run.shard_optimizer_state;
+  setup.recompute = config.training.recompute;
   setup.gemm_tuning = gemm_tuning;
   const ModelPrecision configured_precision = model_precision(config, cuda);
   NanGuard guard(config.run, model_config);
@@ -290,6 +292,8 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
         "step; {} steps\n",
         batch, seq, accumulation, ranks_note(communicator), tokens_per_step, total_steps);
     fmt::print("memory plan: {}\n", engine->memory_plan());
+    fmt::print("activation recompute: {}\n",
+               recompute_summary(setup.recompute, model_config.n_layer));
     if (several && setup.shard_optimizer_state) print_zero1_note(ranks, cuda);
     for (const std::string& note : setup.gemm_tuning.notes)
       fmt::print("{}\n", note);

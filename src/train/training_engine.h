@@ -18,6 +18,7 @@
 #include "gemm/gemm_tuning.h"
 #include "models/gpt_memory.h"
 #include "models/gpt_model.h"
+#include "models/recompute.h"
 #include "optim/gpt_optimizer.h"
 #include "platform/device_info.h"
 #include "train/training_loop.h"
@@ -78,6 +79,7 @@ class TrainingEngine {
 struct EngineSetup {
   GptConfig model;
   GptPrecision precision;
+  RecomputeOptions recompute;  // activation recompute (models/recompute.h)
   int64_t batch = 0;
   int64_t seq = 0;
   optim::OptimizerSettings optimizer;

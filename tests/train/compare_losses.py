@@ -1,6 +1,6 @@
-"""Each step's loss as an interrupted run last logged it (a restart repeats the steps after its
-checkpoint) against an uninterrupted run's: every step present, every loss equal.
-Usage: compare_losses.py STRAIGHT_METRICS INTERRUPTED_METRICS STEPS"""
+"""Each step's loss as a run last logged it (an interrupted run's restart repeats the steps after
+its checkpoint) against a reference run's: every step present, every loss equal.
+Usage: compare_losses.py REFERENCE_METRICS METRICS STEPS"""
 import json
 import sys
 
@@ -14,12 +14,12 @@ def losses(path):
     return found
 
 
-straight, interrupted, steps = losses(sys.argv[1]), losses(sys.argv[2]), int(sys.argv[3])
-missing = [s for s in range(1, steps + 1) if s not in interrupted]
-differ = [(s, straight[s], interrupted[s]) for s in range(1, steps + 1)
-          if s in interrupted and interrupted[s] != straight[s]]
+reference, run, steps = losses(sys.argv[1]), losses(sys.argv[2]), int(sys.argv[3])
+missing = [s for s in range(1, steps + 1) if s not in run]
+differ = [(s, reference[s], run[s]) for s in range(1, steps + 1)
+          if s in run and run[s] != reference[s]]
 if missing or differ:
-    print(f"FAIL: steps missing {missing[:5]}, losses differing (step, straight, interrupted) "
-          f"{differ[:5]}")
+    print(f"FAIL: {sys.argv[2]}: steps missing {missing[:5]}, losses differing (step, reference, "
+          f"run) {differ[:5]}")
     sys.exit(1)
-print(f"PASS: {steps} steps through the kills, every loss equal to the uninterrupted run's")
+print(f"PASS: {sys.argv[2]}: {steps} steps, every loss equal to the reference run's")

@@ -1,0 +1,78 @@
+#include "models/recompute.h"
+
+#include <algorithm>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+
+namespace fp8t {
+
+std::vector<RecomputeGroup> recompute_groups(const RecomputeOptions& options, int blocks) {
+  if (options.granularity != RecomputeGranularity::Full) return {};
+  const int count = options.num_layers;
+  if (count < 1) {
+    throw ConfigError(
+        fmt::format("recompute_num_layers: expected at least 1 under recompute_granularity: "
+                    "full, found {}",
+                    count));
+  }
+  std::vector<RecomputeGroup> groups;
+  if (options.method == RecomputeMethod::Block) {
+    if (count > blocks) {
+      throw ConfigError(fmt::format(
+          "recompute_num_layers: {} blocks to recompute under recompute_method: block, but the "
+          "model has {}",
+          count, blocks));
+    }
+    for (int block = 0; block < count; ++block)
+      groups.push_back({block, block + 1});
+    return groups;
+  }
+  for (int first = 0; first < blocks; first += count)
+    groups.push_back({first, std::min(first + count, blocks)});
+  return groups;
+}
+
+std::vector<int> recompute_slots(const std::vector<RecomputeGroup>& groups, int blocks) {
+  std::vector<int> slots(static_cast<size_t>(blocks), -1);
+  for (const RecomputeGroup& group : groups) {
+    for (int block = group.first; block < group.end; ++block)
+      slots[static_cast<size_t>(block)] = block - group.first;
+  }
+  return slots;
+}
+
+int recompute_slot_count(const std::vector<RecomputeGroup>& groups) {
+  int count = 0;
+  for (const RecomputeGroup& group : groups)
+    count = std::max(count, group.end - group.first);
+  return count;
+}
+
+const RecomputeGroup* recompute_group_of(const std::vector<RecomputeGroup>& groups, int block) {
+  for (const RecomputeGroup& group : groups) {
+    if (block >= group.first && block < group.end) return &group;
+  }
+  return nullptr;
+}
+
+std::string recompute_summary(const RecomputeOptions& options, int blocks) {
+  switch (options.granularity) {
+    case RecomputeGranularity::None:
+      return "none";
+    case RecomputeGranularity::Selective:
+      return "selective";
+    case RecomputeGranularity::Full:
+      break;
+  }
+  const std::vector<RecomputeGroup> groups = recompute_groups(options, blocks);
+  if (options.method == RecomputeMethod::Block) {
+    return fmt::format("full, block: the first {} of {} blocks, one at a time", groups.size(),
+                       blocks);
+  }
+  return fmt::format("full, uniform: every block, in groups of {} consecutive block(s)",
+                     recompute_slot_count(groups));
+}
+
+}  // namespace fp8t
