@@ -93,7 +93,13 @@ struct RunKind {
   ScalingRecipe recipe = ScalingRecipe::Tensorwise;
   bool fp8_attention = false;
   std::optional<bool> autotune;
+  bool full_recompute = false;  // uniform, one block per group
 };
+
+RecomputeOptions bench_recompute(const RunKind& run) {
+  if (!run.full_recompute) return {};
+  return {RecomputeGranularity::Full, RecomputeMethod::Uniform, 1};
+}
 
 // The GEMM selection of a run: training's (the environment over gemm_autotune's default, the
 // cache file in the cache folder), with `autotune`, when given, in place of FP8TRAIN_AUTOTUNE.
@@ -120,10 +126,11 @@ std::string tuning_suffix(const gemm::GemmTuning& tuning) {
 }
 
 std::string run_name(const RunKind& run, const std::string& formats) {
-  if (!run.fp8) return "bf16";
-  return fmt::format("fp8 {} {}{}{}", formats, recipe_name(run.recipe),
+  const char* recompute = run.full_recompute ? ", full recompute" : "";
+  if (!run.fp8) return fmt::format("bf16{}", recompute);
+  return fmt::format("fp8 {} {}{}{}{}", formats, recipe_name(run.recipe),
                      run.recipe == ScalingRecipe::Mxfp8 ? " (emulated)" : "",
-                     run.fp8_attention ? " + fp8 attention" : "");
+                     run.fp8_attention ? " + fp8 attention" : "", recompute);
 }
 
 ModelPrecision bench_precision(const RunKind& run, const std::string& formats) {
@@ -216,12 +223,13 @@ struct BenchRanks {
 };
 
 Measurement measure(const BenchGptOptions& options, const GptConfig& config,
-                    const GptPrecision& precision, const std::string& name,
-                    const gemm::GemmTuning& tuning, const BenchRanks& ranks, cudaStream_t stream) {
+                    const GptPrecision& precision, const RecomputeOptions& recompute,
+                    const std::string& name, const gemm::GemmTuning& tuning,
+                    const BenchRanks& ranks, cudaStream_t stream) {
   const int64_t batch = options.batch, seq = options.sequence_len, tokens = batch * seq;
   Measurement result;
   result.name = name + tuning_suffix(tuning);
-  CudaGptModel model(config, batch, seq, precision, stream);
+  CudaGptModel model(config, batch, seq, precision, stream, {}, recompute);
   model.gemm().configure_tuning(tuning);
   const optim::GptOptimizer host_optimizer(config, optim::OptimizerSettings{}, tokens,
                                            ranks.shard_rank(), ranks.shard_count());
@@ -314,8 +322,8 @@ template <typename Measure>
 std::vector<Measurement> measure_runs(const std::vector<std::string>& precisions,
                                       const std::vector<std::string>& fp8_recipes,
                                       const std::vector<std::string>& fp8_attention,
-                                      const std::vector<std::string>& gemm_autotune,
-                                      const char* unit, const Measure& measure_run) {
+                                      const BenchTiming& timing, const char* unit,
+                                      const Measure& measure_run) {
   std::vector<RunKind> runs;
   for (const std::string& precision : precisions) {
     if (precision != "fp8") {
@@ -334,15 +342,25 @@ std::vector<Measurement> measure_runs(const std::vector<std::string>& precisions
                         .autotune = std::nullopt});
     }
   }
-  if (!gemm_autotune.empty()) {  // each run in each autotuning setting
+  if (!timing.gemm_autotune.empty()) {  // each run in each autotuning setting
     std::vector<RunKind> tuned_runs;
     for (const RunKind& run : runs) {
-      for (const std::string& setting : gemm_autotune) {
+      for (const std::string& setting : timing.gemm_autotune) {
         tuned_runs.push_back(run);
         tuned_runs.back().autotune = setting == "on";
       }
     }
     runs = std::move(tuned_runs);
+  }
+  if (!timing.recompute.empty()) {  // each run in each recompute setting
+    std::vector<RunKind> recompute_runs;
+    for (const RunKind& run : runs) {
+      for (const std::string& setting : timing.recompute) {
+        recompute_runs.push_back(run);
+        recompute_runs.back().full_recompute = setting == "full";
+      }
+    }
+    runs = std::move(recompute_runs);
   }
   std::vector<Measurement> results;
   for (const RunKind& run : runs) {
@@ -390,13 +408,13 @@ void print_results(const std::vector<Measurement>& results, const char* unit,
 // W-FLUX535's step: random latents, text and pooled embeddings and σ, the rectified-flow loss,
 // AdamW with Primus' settings (lr 1e-4, wd 0.01, betas 0.9 / 0.999) and clipping at 1.0.
 Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& config,
-                         const FluxPrecision& precision, const std::string& name,
-                         const gemm::GemmTuning& tuning, const BenchRanks& ranks,
-                         cudaStream_t stream) {
+                         const FluxPrecision& precision, const RecomputeOptions& recompute,
+                         const std::string& name, const gemm::GemmTuning& tuning,
+                         const BenchRanks& ranks, cudaStream_t stream) {
   const int64_t B = options.batch, Li = options.img_tokens, Lt = options.txt_tokens;
   Measurement result;
   result.name = name + tuning_suffix(tuning);
-  CudaFluxModel model(config, B, Li, Lt, precision, stream);
+  CudaFluxModel model(config, B, Li, Lt, precision, stream, recompute);
   model.gemm().configure_tuning(tuning);
   const optim::AdamWHyperparameters adamw{.lr = 1e-4, .weight_decay = 0.01};
   const optim::AdamWOptimizer host_optimizer(train::flux_optimized_parameters(config), adamw,
@@ -539,9 +557,9 @@ int run_bench_gpt(const BenchGptOptions& options) {
   FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   print_tuning_notes(options.timing);
   const std::vector<Measurement> results = measure_runs(
-      options.precisions, options.fp8_recipes, options.fp8_attention, options.timing.gemm_autotune,
-      "tokens/s", [&](const RunKind& run) {
-        return measure(options, config, bench_precision(run, options.fp8),
+      options.precisions, options.fp8_recipes, options.fp8_attention, options.timing, "tokens/s",
+      [&](const RunKind& run) {
+        return measure(options, config, bench_precision(run, options.fp8), bench_recompute(run),
                        run_name(run, options.fp8), bench_tuning(run.autotune), ranks, stream);
       });
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
@@ -569,12 +587,13 @@ int run_bench_flux(const BenchFluxOptions& options) {
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   print_tuning_notes(options.timing);
-  const std::vector<Measurement> results = measure_runs(
-      options.precisions, options.fp8_recipes, options.fp8_attention, options.timing.gemm_autotune,
-      "samples/s", [&](const RunKind& run) {
-        return measure_flux(options, config, bench_precision(run, options.fp8),
-                            run_name(run, options.fp8), bench_tuning(run.autotune), ranks, stream);
-      });
+  const std::vector<Measurement> results =
+      measure_runs(options.precisions, options.fp8_recipes, options.fp8_attention, options.timing,
+                   "samples/s", [&](const RunKind& run) {
+                     return measure_flux(options, config, bench_precision(run, options.fp8),
+                                         bench_recompute(run), run_name(run, options.fp8),
+                                         bench_tuning(run.autotune), ranks, stream);
+                   });
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
   print_results(results, "samples/s", options.timing);
   return kExitOk;
@@ -607,7 +626,7 @@ void tune_on_gpu(const TrainConfig& config, const gemm::GemmTuning& tuning) {
     fmt::print("tune: {}, micro-batch {} of {} image + {} text tokens, {}; one step on {}\n",
                config.model.name, flux.batch, flux.img_tokens, flux.txt_tokens,
                describe(precision.fp8), gpus[0].name);
-    result = measure_flux(flux, model, precision, config.model.name, tuning, {}, stream);
+    result = measure_flux(flux, model, precision, {}, config.model.name, tuning, {}, stream);
   } else {
     BenchGptOptions gpt;
     gpt.batch = config.training.micro_batch_size;
@@ -616,7 +635,7 @@ void tune_on_gpu(const TrainConfig& config, const gemm::GemmTuning& tuning) {
     const GptConfig model = config.gpt_config();
     fmt::print("tune: GPT depth {}, micro-batch {} x {} tokens, {}; one step on {}\n",
                model.n_layer, gpt.batch, gpt.sequence_len, describe(precision.fp8), gpus[0].name);
-    result = measure(gpt, model, precision, "gpt", tuning, {}, stream);
+    result = measure(gpt, model, precision, {}, "gpt", tuning, {}, stream);
   }
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
   fmt::print(

@@ -103,6 +103,9 @@ struct BenchTiming {
   // GEMM autotuning for each run, each setting in turn ("off", "on"); empty: as training does
   // (on, unless FP8TRAIN_AUTOTUNE=0 or FP8TRAIN_GEMM_BACKEND pins a backend).
   std::vector<std::string> gemm_autotune;
+  // Activation recompute for each run, each setting in turn ("none"; "full": uniform, one block
+  // per group); empty: none.
+  std::vector<std::string> recompute;
 };
 
 struct BenchGptOptions {

@@ -115,24 +115,32 @@ int run_flux_summary(const ModelSummaryOptions& options) {
       "{:.1f} GiB\n",
       micro_batch.batch, micro_batch.img_tokens, micro_batch.txt_tokens, in_gib(reserve),
       capacity_gib);
-  fmt::print(
-      "| GPUs | parameters | gradients | AdamW moments | activations | workspace | linear copies | "
-      "total | fits |\n|---|---|---|---|---|---|---|---|---|\n");
-  for (const int gpus : options.gpus) {
-    const FluxMemoryPlan plan = plan_flux_memory(config, micro_batch, precision, gpus);
-    std::string fits;
-    if (flux_fits(config, micro_batch, plan, capacity)) {
-      fits = fmt::format("yes, {:.2f} free", in_gib(capacity - plan.total() - reserve));
-    } else {
-      const std::optional<FluxConfig> largest =
-          largest_fitting_flux(config, micro_batch, precision, gpus, capacity);
-      fits = largest ? fmt::format("no; {} fit", blocks_text(*largest)) : "no; not one block fits";
+  const auto print_table = [&](const RecomputeOptions& recompute) {
+    fmt::print(
+        "| GPUs | parameters | gradients | AdamW moments | activations | workspace | linear copies "
+        "| total | fits |\n|---|---|---|---|---|---|---|---|---|\n");
+    for (const int gpus : options.gpus) {
+      const FluxMemoryPlan plan = plan_flux_memory(config, micro_batch, precision, gpus, recompute);
+      std::string fits;
+      if (flux_fits(config, micro_batch, plan, capacity)) {
+        fits = fmt::format("yes, {:.2f} free", in_gib(capacity - plan.total() - reserve));
+      } else {
+        const std::optional<FluxConfig> largest =
+            largest_fitting_flux(config, micro_batch, precision, gpus, capacity, recompute);
+        fits =
+            largest ? fmt::format("no; {} fit", blocks_text(*largest)) : "no; not one block fits";
+      }
+      fmt::print("| {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {} |\n",
+                 gpus, in_gib(plan.parameters), in_gib(plan.gradients),
+                 in_gib(plan.optimizer_state), in_gib(plan.activations), in_gib(plan.workspace),
+                 in_gib(plan.linear_copies), in_gib(plan.total()), fits);
     }
-    fmt::print("| {} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {:.2f} | {} |\n", gpus,
-               in_gib(plan.parameters), in_gib(plan.gradients), in_gib(plan.optimizer_state),
-               in_gib(plan.activations), in_gib(plan.workspace), in_gib(plan.linear_copies),
-               in_gib(plan.total()), fits);
-  }
+  };
+  print_table({});
+  fmt::print(
+      "\nwith recompute_granularity: full, recompute_method: uniform, recompute_num_layers: 1 "
+      "(each block saves only its input; model.md#activation-recompute):\n");
+  print_table({RecomputeGranularity::Full, RecomputeMethod::Uniform, 1});
   return kExitOk;
 }
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "core/device_arena.h"
 #include "core/error.h"
@@ -64,7 +65,8 @@ Dims dims_of(const FluxConfig& config, const FluxMicroBatch& micro_batch) {
 }
 
 // The saved activations, tensor by tensor in lay_out()'s order.
-size_t activation_bytes(const FluxConfig& config, const Dims& d) {
+size_t activation_bytes(const FluxConfig& config, const Dims& d,
+                        const RecomputeOptions& recompute) {
   ArenaBytes act;
   act.take<bf16>(d.B * d.Li * d.Cin);  // img
   act.take<bf16>(d.B * d.Lt * d.ctx);  // txt
@@ -84,7 +86,7 @@ size_t activation_bytes(const FluxConfig& config, const Dims& d) {
     act.take<float>(d.N * d.H);        // k's rstd
     act.take<float>(d.B * d.H * d.L);  // softmax statistics
   };
-  for (int block = 0; block < config.double_blocks; ++block) {
+  const auto double_block = [&] {
     for (const int64_t rows : {d.B * d.Li, d.B * d.Lt}) {
       act.take<bf16>(d.B * 6 * d.C);        // modulation
       for (int view = 0; view < 7; ++view)  // norm1, modulated1, attn, proj, norm2, ...
@@ -95,8 +97,8 @@ size_t activation_bytes(const FluxConfig& config, const Dims& d) {
       act.take<bf16>(rows * d.M);  // after GELU
     }
     attention();
-  }
-  for (int block = 0; block < config.single_blocks; ++block) {
+  };
+  const auto single_block = [&] {
     act.take<bf16>(d.B * 3 * d.C);          // modulation
     act.take<bf16>(d.N * d.C);              // normed
     act.take<bf16>(d.N * d.C);              // modulated
@@ -105,7 +107,27 @@ size_t activation_bytes(const FluxConfig& config, const Dims& d) {
     attention();
     act.take<bf16>(d.N * (d.C + d.M));  // linear2's input
     act.take<bf16>(d.N * d.C);          // linear2's output
+  };
+  // Full recompute: the blocks outside the groups save their own; those in groups share one set
+  // per place in a group; each group saves its input (the streams, or the joint sequence).
+  const FluxRecomputeGroups groups =
+      flux_recompute_groups(recompute, config.double_blocks, config.single_blocks);
+  const auto sets = [](const std::vector<RecomputeGroup>& stack, int blocks) {
+    int recomputed = 0;
+    for (const RecomputeGroup& group : stack)
+      recomputed += group.end - group.first;
+    return blocks - recomputed + recompute_slot_count(stack);
+  };
+  for (int set = 0; set < sets(groups.doubles, config.double_blocks); ++set)
+    double_block();
+  for (size_t group = 0; group < groups.doubles.size(); ++group) {
+    act.take<bf16>(d.B * d.Li * d.C);
+    act.take<bf16>(d.B * d.Lt * d.C);
   }
+  for (int set = 0; set < sets(groups.singles, config.single_blocks); ++set)
+    single_block();
+  for (size_t group = 0; group < groups.singles.size(); ++group)
+    act.take<bf16>(d.N * d.C);
   act.take<bf16>(d.B * 2 * d.C);       // final modulation
   act.take<bf16>(d.B * d.Li * d.C);    // final normed
   act.take<bf16>(d.B * d.Li * d.C);    // final modulated
@@ -208,7 +230,8 @@ size_t linear_copy_bytes(const FluxConfig& config, const FluxMicroBatch& micro_b
 }  // namespace
 
 FluxMemoryPlan plan_flux_memory(const FluxConfig& config, const FluxMicroBatch& micro_batch,
-                                const FluxPrecision& precision, int gpus) {
+                                const FluxPrecision& precision, int gpus,
+                                const RecomputeOptions& recompute) {
   config.validate();
   FP8T_CHECK(micro_batch.batch >= 1 && micro_batch.img_tokens >= 1 && micro_batch.txt_tokens >= 1,
              "expected a batch, image and text tokens of at least 1, found {}, {}, {}",
@@ -222,7 +245,7 @@ FluxMemoryPlan plan_flux_memory(const FluxConfig& config, const FluxMicroBatch& 
   const auto shard_elements = static_cast<size_t>((layout.total_elements + gpus - 1) / gpus);
   plan.optimizer_state =
       2 * round_up(shard_elements * sizeof(float), optim::DeviceParameterLayout::kAlignmentBytes);
-  plan.activations = activation_bytes(config, dims);
+  plan.activations = activation_bytes(config, dims, recompute);
   plan.workspace = workspace_bytes(config, dims);
   plan.linear_copies = linear_copy_bytes(config, micro_batch, precision);
   return plan;
@@ -241,7 +264,8 @@ bool flux_fits(const FluxConfig& config, const FluxMicroBatch& micro_batch,
 std::optional<FluxConfig> largest_fitting_flux(const FluxConfig& config,
                                                const FluxMicroBatch& micro_batch,
                                                const FluxPrecision& precision, int gpus,
-                                               size_t capacity_bytes) {
+                                               size_t capacity_bytes,
+                                               const RecomputeOptions& recompute) {
   // With double blocks, their count steps and the single blocks follow in proportion; without,
   // the single blocks step alone. Memory grows with each block, so the first fit is the largest.
   const bool by_double = config.double_blocks > 0;
@@ -254,7 +278,8 @@ std::optional<FluxConfig> largest_fitting_flux(const FluxConfig& config,
     } else {
       candidate.single_blocks = step;
     }
-    const FluxMemoryPlan plan = plan_flux_memory(candidate, micro_batch, precision, gpus);
+    const FluxMemoryPlan plan =
+        plan_flux_memory(candidate, micro_batch, precision, gpus, recompute);
     if (flux_fits(candidate, micro_batch, plan, capacity_bytes)) return candidate;
   }
   return std::nullopt;

@@ -12,6 +12,7 @@
 
 #include "models/flux_config.h"
 #include "models/flux_model.h"
+#include "models/recompute.h"
 
 namespace fp8t {
 
@@ -43,9 +44,10 @@ inline constexpr double kH200MemoryGib = 139.8;
 // 1/gpus of the AdamW moments (ceil(elements / gpus) of the parameter buffer, rounded up to the
 // arenas' alignment). The FP8 linears are those of decide_flux_precision(config,
 // precision.policy), run with precision.fp8.recipe; FP8 linears keep no saved input: they share
-// the scratch's transposed input.
+// the scratch's transposed input. Full recompute saves the activations of fewer blocks.
 FluxMemoryPlan plan_flux_memory(const FluxConfig& config, const FluxMicroBatch& micro_batch,
-                                const FluxPrecision& precision, int gpus = 1);
+                                const FluxPrecision& precision, int gpus = 1,
+                                const RecomputeOptions& recompute = {});
 
 // What a GPU needs beyond the plan: the CUDA context with the kernels, cuBLASLt's workspace,
 // cuDNN's attention workspace (which grows with the micro-batch's tokens) and, with several
@@ -66,6 +68,7 @@ bool flux_fits(const FluxConfig& config, const FluxMicroBatch& micro_batch,
 std::optional<FluxConfig> largest_fitting_flux(const FluxConfig& config,
                                                const FluxMicroBatch& micro_batch,
                                                const FluxPrecision& precision, int gpus,
-                                               size_t capacity_bytes);
+                                               size_t capacity_bytes,
+                                               const RecomputeOptions& recompute = {});
 
 }  // namespace fp8t

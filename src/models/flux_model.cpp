@@ -35,6 +35,17 @@ struct FluxDims {
   int double_blocks, single_blocks;
 };
 
+// What the activations hold under a recompute setting.
+struct FluxSaving {
+  bool selective = false;  // GELU's outputs shared among the blocks, computed again in backward
+  // Per block, the set of activations it saves into: the blocks that save their own come
+  // first, one set each, then one set per place in a full recompute group, which the groups
+  // share (models/recompute.h).
+  std::vector<int> double_set, single_set;
+  int double_sets = 0, single_sets = 0;
+  int double_groups = 0, single_groups = 0;  // full recompute: each saves its input
+};
+
 // One MLPEmbedder (time_in, vector_in, guidance_in), [B, ·].
 struct FluxEmbedderActivations {
   TensorView input;   // the in_layer's input: the sinusoid of t or guidance, or a copy of y
@@ -60,7 +71,7 @@ struct FluxStreamActivations {
   TensorView norm2_rstd, norm2;
   TensorView modulated2;  // mlp.0's input
   TensorView mlp_hidden;  // [B, L_s, M] before GELU
-  TensorView mlp_act;     // [B, L_s, M]: mlp.2's input
+  TensorView mlp_act;     // [B, L_s, M]: mlp.2's input; shared under selective recompute
   TensorView mlp_out;     // the second gated branch
 };
 
@@ -76,8 +87,15 @@ struct FluxSingleActivations {
   TensorView modulated;  // linear1's input
   FluxAttentionActivations attention;
   TensorView mlp_hidden;  // [B, L, M] before GELU
-  TensorView linear2_in;  // [B, L, C + M]: the attention output, then GELU(mlp_hidden)
+  TensorView linear2_in;  // [B, L, C + M]: the attention output, then GELU(mlp_hidden); shared
+                          // under selective recompute
+  TensorView attn;        // selective recompute: [B, L, C] the attention output, kept apart
   TensorView out;         // linear2's output: the gated branch
+};
+
+// Full recompute: the residual streams a group of double blocks starts from.
+struct FluxDoubleGroupInput {
+  TensorView img, txt;  // [B, L_img, C], [B, L_txt, C]
 };
 
 // What forward saves for backward.
@@ -86,15 +104,27 @@ struct FluxActivations {
   FluxEmbedderActivations time_in, vector_in, guidance_in;
   TensorView vec;      // [B, C]
   TensorView vec_act;  // [B, C] SiLU(vec): the input of every modulation
+  // Per block: the views of its set (bind_blocks()).
   std::vector<FluxDoubleActivations> double_blocks;
   std::vector<FluxSingleActivations> single_blocks;
-  TensorView final_mod;  // [B, 2C]: shift, scale
+  std::vector<FluxDoubleActivations> double_sets;  // as FluxSaving numbers them
+  std::vector<FluxSingleActivations> single_sets;
+  // Full recompute: per group, the input of its first block.
+  std::vector<FluxDoubleGroupInput> double_group_inputs;
+  std::vector<TensorView> single_group_inputs;  // [B, L, C]
+  // Selective recompute: GELU's outputs, shared among the blocks.
+  TensorView mlp_act;     // [B · max(L_img, L_txt), M]: of a double block's stream
+  TensorView linear2_in;  // [B, L, C + M]: of a single block
+  TensorView final_mod;   // [B, 2C]: shift, scale
   TensorView final_norm_rstd, final_norm;
   TensorView final_modulated;  // [B, L_img, C]: final_layer.linear's input
 
-  // Calls tensor(slot, shape) for every tensor above, in one place for sizing and allocation.
+  // Calls tensor(slot, shape) for every tensor above but the per-block views, in one place for
+  // sizing and allocation.
   template <typename Visit>
-  void visit(const FluxDims& d, Visit&& tensor);
+  void visit(const FluxDims& d, const FluxSaving& saving, Visit&& tensor);
+  // Points every block at its set and, under selective recompute, at the shared buffers.
+  void bind_blocks(const FluxDims& d, const FluxSaving& saving);
 };
 
 // Temporaries of one forward and backward. N = B·L rows hold any stream's tokens.
@@ -120,7 +150,7 @@ struct FluxWorkspace {
 };
 
 template <typename Visit>
-void FluxActivations::visit(const FluxDims& d, Visit&& tensor) {
+void FluxActivations::visit(const FluxDims& d, const FluxSaving& saving, Visit&& tensor) {
   const int64_t B = d.batch, Li = d.img_tokens, Lt = d.txt_tokens, L = d.tokens;
   const int64_t C = d.hidden, H = d.heads, D = d.head_dim, M = d.mlp_hidden;
   tensor(img, {B, Li, d.in_channels});
@@ -142,8 +172,8 @@ void FluxActivations::visit(const FluxDims& d, Visit&& tensor) {
     tensor(saved.k_rstd, {B, L, H});
     tensor(saved.lse, {B, H, L});
   };
-  double_blocks.resize(static_cast<size_t>(d.double_blocks));
-  for (FluxDoubleActivations& block : double_blocks) {
+  double_sets.resize(static_cast<size_t>(saving.double_sets));
+  for (FluxDoubleActivations& block : double_sets) {
     for (const auto& [stream, Ls] : {std::pair{&block.img, Li}, std::pair{&block.txt, Lt}}) {
       tensor(stream->mod, {B, 6 * C});
       for (TensorView* view : {&stream->norm1_rstd, &stream->norm2_rstd})
@@ -153,24 +183,55 @@ void FluxActivations::visit(const FluxDims& d, Visit&& tensor) {
         tensor(*view, {B, Ls, C});
       }
       tensor(stream->mlp_hidden, {B, Ls, M});
-      tensor(stream->mlp_act, {B, Ls, M});
+      if (!saving.selective) tensor(stream->mlp_act, {B, Ls, M});
     }
     attention(block.attention);
   }
-  single_blocks.resize(static_cast<size_t>(d.single_blocks));
-  for (FluxSingleActivations& block : single_blocks) {
+  single_sets.resize(static_cast<size_t>(saving.single_sets));
+  for (FluxSingleActivations& block : single_sets) {
     tensor(block.mod, {B, 3 * C});
     tensor(block.norm_rstd, {B, L});
     for (TensorView* view : {&block.norm, &block.modulated, &block.out})
       tensor(*view, {B, L, C});
     attention(block.attention);
     tensor(block.mlp_hidden, {B, L, M});
-    tensor(block.linear2_in, {B, L, C + M});
+    if (saving.selective) {
+      tensor(block.attn, {B, L, C});
+    } else {
+      tensor(block.linear2_in, {B, L, C + M});
+    }
   }
+  double_group_inputs.resize(static_cast<size_t>(saving.double_groups));
+  for (FluxDoubleGroupInput& input : double_group_inputs) {
+    tensor(input.img, {B, Li, C});
+    tensor(input.txt, {B, Lt, C});
+  }
+  single_group_inputs.resize(static_cast<size_t>(saving.single_groups));
+  for (TensorView& input : single_group_inputs)
+    tensor(input, {B, L, C});
+  if (saving.selective && d.double_blocks > 0) tensor(mlp_act, {B * std::max(Li, Lt), M});
+  if (saving.selective && d.single_blocks > 0) tensor(linear2_in, {B, L, C + M});
   tensor(final_mod, {B, 2 * C});
   tensor(final_norm_rstd, {B, Li});
   tensor(final_norm, {B, Li, C});
   tensor(final_modulated, {B, Li, C});
+}
+
+void FluxActivations::bind_blocks(const FluxDims& d, const FluxSaving& saving) {
+  double_blocks.clear();
+  for (const int set : saving.double_set)
+    double_blocks.push_back(double_sets[static_cast<size_t>(set)]);
+  single_blocks.clear();
+  for (const int set : saving.single_set)
+    single_blocks.push_back(single_sets[static_cast<size_t>(set)]);
+  if (!saving.selective) return;
+  const int64_t B = d.batch, M = d.mlp_hidden;
+  for (FluxDoubleActivations& block : double_blocks) {
+    block.img.mlp_act = TensorView(mlp_act.raw(), DType::F32, {B, d.img_tokens, M});
+    block.txt.mlp_act = TensorView(mlp_act.raw(), DType::F32, {B, d.txt_tokens, M});
+  }
+  for (FluxSingleActivations& block : single_blocks)
+    block.linear2_in = linear2_in;
 }
 
 template <typename Visit>
@@ -217,11 +278,50 @@ FluxDims flux_dims(const FluxConfig& config, int64_t batch, int64_t img_tokens,
           config.single_blocks};
 }
 
-template <typename Tensors>
-size_t planned_bytes(const FluxDims& dims) {
+// Numbers the sets of saved activations of a stack of blocks (FluxSaving); returns their count.
+int number_activation_sets(const std::vector<RecomputeGroup>& groups, int blocks,
+                           std::vector<int>& set_of_block) {
+  const std::vector<int> slots = recompute_slots(groups, blocks);
+  const auto own = static_cast<int>(std::count(slots.begin(), slots.end(), -1));
+  int next_own = 0;
+  for (const int slot : slots)
+    set_of_block.push_back(slot < 0 ? next_own++ : own + slot);
+  return own + recompute_slot_count(groups);
+}
+
+FluxSaving flux_saving(const FluxConfig& config, RecomputeGranularity granularity,
+                       const FluxRecomputeGroups& groups) {
+  FluxSaving saving;
+  saving.selective = granularity == RecomputeGranularity::Selective;
+  saving.double_sets =
+      number_activation_sets(groups.doubles, config.double_blocks, saving.double_set);
+  saving.single_sets =
+      number_activation_sets(groups.singles, config.single_blocks, saving.single_set);
+  saving.double_groups = static_cast<int>(groups.doubles.size());
+  saving.single_groups = static_cast<int>(groups.singles.size());
+  return saving;
+}
+
+// The index of the group that starts, or ends, at `block`; -1 when none does.
+int group_starting_at(const std::vector<RecomputeGroup>& groups, int block) {
+  for (size_t group = 0; group < groups.size(); ++group) {
+    if (groups[group].first == block) return static_cast<int>(group);
+  }
+  return -1;
+}
+
+int group_ending_at(const std::vector<RecomputeGroup>& groups, int block) {
+  for (size_t group = 0; group < groups.size(); ++group) {
+    if (groups[group].end == block + 1) return static_cast<int>(group);
+  }
+  return -1;
+}
+
+template <typename Tensors, typename... Layout>
+size_t planned_bytes(const Layout&... layout) {
   Tensors sizing;
   size_t bytes = 0;
-  sizing.visit(dims, [&](TensorView&, std::initializer_list<int64_t> shape) {
+  sizing.visit(layout..., [&](TensorView&, std::initializer_list<int64_t> shape) {
     int64_t count = 1;
     for (int64_t extent : shape)
       count *= extent;
@@ -230,10 +330,10 @@ size_t planned_bytes(const FluxDims& dims) {
   return bytes;
 }
 
-template <typename Tensors>
-std::unique_ptr<Tensors> allocate(Arena& arena, const FluxDims& dims) {
+template <typename Tensors, typename... Layout>
+std::unique_ptr<Tensors> allocate(Arena& arena, const Layout&... layout) {
   auto tensors = std::make_unique<Tensors>();
-  tensors->visit(dims, [&](TensorView& slot, std::initializer_list<int64_t> shape) {
+  tensors->visit(layout..., [&](TensorView& slot, std::initializer_list<int64_t> shape) {
     slot = arena.allocate(DType::F32, shape);
   });
   return tensors;
@@ -287,6 +387,16 @@ void copy_tokens(float* to, const TokenRows& to_rows, const float* from, const T
                   to + (b * to_rows.per_sample + to_rows.first + t) * to_rows.stride);
     }
   }
+}
+
+// A single block's linear2 input: per token the attention output [B, L, C], then GELU of the
+// MLP's hidden values [B, L, M].
+void fill_linear2_input(float* linear2_in, const float* attn, const float* mlp_hidden,
+                        const FluxDims& d) {
+  const int64_t L = d.tokens, C = d.hidden, M = d.mlp_hidden;
+  copy_tokens(linear2_in, {L, 0, C + M}, attn, {L, 0, C}, d.batch, L, C);
+  for (int64_t row = 0; row < d.batch * L; ++row)
+    ops::gelu_tanh_forward(linear2_in + row * (C + M) + C, mlp_hidden + row * M, M);
 }
 
 // out[b, t, h, :] = normed[b, t, h, :] · the QK-norm scale of token t's stream: the text's for
@@ -532,26 +642,33 @@ double flux_flops_per_sample(const FluxConfig& config, int64_t img_tokens, int64
 }
 
 FluxModel::FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens,
-                     int64_t txt_tokens, const FluxPrecision& precision)
+                     int64_t txt_tokens, const FluxPrecision& precision,
+                     const RecomputeOptions& recompute)
     : config_(config),
       batch_(batch),
       img_tokens_(img_tokens),
       txt_tokens_(txt_tokens),
-      precision_(precision) {
+      precision_(precision),
+      recompute_(recompute) {
   config_.validate();
   FP8T_CHECK(batch >= 1, "expected a batch of at least 1, found {}", batch);
   FP8T_CHECK(img_tokens >= 1 && txt_tokens >= 1,
              "expected at least one image and one text token, found {} and {}", img_tokens,
              txt_tokens);
+  recompute_groups_ =
+      flux_recompute_groups(recompute_, config_.double_blocks, config_.single_blocks);
   const FluxDims dims = flux_dims(config_, batch, img_tokens, txt_tokens);
+  const FluxSaving saving = flux_saving(config_, recompute_.granularity, recompute_groups_);
   const size_t parameter_bytes = FluxParameterSet::planned_bytes(config_, DType::F32);
   parameter_arena_ = std::make_unique<Arena>("parameters", parameter_bytes);
   gradient_arena_ = std::make_unique<Arena>("gradients", parameter_bytes);
-  activation_arena_ = std::make_unique<Arena>("activations", planned_bytes<FluxActivations>(dims));
+  activation_arena_ =
+      std::make_unique<Arena>("activations", planned_bytes<FluxActivations>(dims, saving));
   workspace_arena_ = std::make_unique<Arena>("workspace", planned_bytes<FluxWorkspace>(dims));
   parameters_ = std::make_unique<FluxParameterSet>(*parameter_arena_, config_, DType::F32);
   gradients_ = std::make_unique<FluxParameterSet>(*gradient_arena_, config_, DType::F32);
-  activations_ = allocate<FluxActivations>(*activation_arena_, dims);
+  activations_ = allocate<FluxActivations>(*activation_arena_, dims, saving);
+  activations_->bind_blocks(dims, saving);
   workspace_ = allocate<FluxWorkspace>(*workspace_arena_, dims);
   parameters_->fill_zero();
   gradients_->fill_zero();
@@ -584,6 +701,15 @@ FluxModel::FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens
 }
 
 FluxModel::~FluxModel() = default;
+
+size_t FluxModel::planned_activation_bytes(const FluxConfig& config, int64_t batch,
+                                           int64_t img_tokens, int64_t txt_tokens,
+                                           const RecomputeOptions& recompute) {
+  const FluxRecomputeGroups groups =
+      flux_recompute_groups(recompute, config.double_blocks, config.single_blocks);
+  return planned_bytes<FluxActivations>(flux_dims(config, batch, img_tokens, txt_tokens),
+                                        flux_saving(config, recompute.granularity, groups));
+}
 
 void FluxModel::init_weights(uint64_t seed) {
   init_flux_weights(*parameters_, config_, seed);
@@ -782,6 +908,9 @@ void FluxModel::double_block_backward(int block) {
     zero(ws.d_branch);
     ops::gated_residual_backward(data(ws.d_branch), s.dmod + 5 * C, s.dx, data(a.mlp_out),
                                  mod + 5 * C, 6 * C, shape);
+    // Selective recompute shares mlp_act among the blocks: this stream's GELU again.
+    if (recompute_.granularity == RecomputeGranularity::Selective)
+      ops::gelu_tanh_forward(data(a.mlp_act), data(a.mlp_hidden), rows * M);
     zero(ws.d_mlp_act);
     linear_backward(linear(s.prefix + "_mlp.2"), data(ws.d_branch), data(a.mlp_act),
                     data(ws.d_mlp_act));
@@ -851,12 +980,11 @@ void FluxModel::single_block_forward(int block) {
   copy_tokens(data(a.attention.v), joint, data(ws.projection) + 2 * C, projection, B, L, C);
   copy_tokens(data(a.mlp_hidden), {L, 0, M}, data(ws.projection) + 3 * C, projection, B, L, M);
   attention_forward(a.attention, config_.double_blocks + block, prefix + ".norm", prefix + ".norm");
-  float* linear2_in = data(a.linear2_in);
-  copy_tokens(linear2_in, {L, 0, C + M}, data(ws.attn), joint, B, L, C);
-  for (int64_t row = 0; row < N; ++row) {
-    ops::gelu_tanh_forward(linear2_in + row * (C + M) + C, data(a.mlp_hidden) + row * M, M);
-  }
-  linear_forward(linear(prefix + ".linear2"), linear2_in, data(a.out));
+  // Selective recompute shares linear2_in among the blocks: the attention output is kept apart.
+  if (recompute_.granularity == RecomputeGranularity::Selective)
+    std::copy_n(data(ws.attn), N * C, data(a.attn));
+  fill_linear2_input(data(a.linear2_in), data(ws.attn), data(a.mlp_hidden), d);
+  linear_forward(linear(prefix + ".linear2"), data(a.linear2_in), data(a.out));
   ops::gated_residual_forward(x, data(a.out), mod + 2 * C, 3 * C, shape);
 }
 
@@ -875,6 +1003,8 @@ void FluxModel::single_block_backward(int block) {
   zero(ws.d_branch);
   ops::gated_residual_backward(data(ws.d_branch), dmod + 2 * C, dx, data(a.out), mod + 2 * C, 3 * C,
                                shape);
+  if (recompute_.granularity == RecomputeGranularity::Selective)
+    fill_linear2_input(data(a.linear2_in), data(a.attn), data(a.mlp_hidden), d);
   zero(ws.d_linear2_in);
   linear_backward(linear(prefix + ".linear2"), data(ws.d_branch), data(a.linear2_in),
                   data(ws.d_linear2_in));
@@ -940,14 +1070,26 @@ void FluxModel::forward(const FluxInputs& inputs, float* prediction) {
   ops::flux_rope_tables(rope_cos_.data(), rope_sin_.data(), ids_.data(), L, config_.axes_dim,
                         config_.rope_theta);
 
-  for (int block = 0; block < config_.double_blocks; ++block)
+  // Full recompute: the blocks update the streams in place, so a group's input is kept apart.
+  for (int block = 0; block < config_.double_blocks; ++block) {
+    if (const int group = group_starting_at(recompute_groups_.doubles, block); group >= 0) {
+      const FluxDoubleGroupInput& input = act.double_group_inputs[static_cast<size_t>(group)];
+      std::copy_n(data(ws.img), input.img.numel(), data(input.img));
+      std::copy_n(data(ws.txt), input.txt.numel(), data(input.txt));
+    }
     double_block_forward(block);
+  }
   if (config_.single_blocks > 0) {
     const TokenRows img{Li, 0, C}, txt{Lt, 0, C};
     copy_tokens(data(ws.joint), {L, 0, C}, data(ws.txt), txt, B, Lt, C);
     copy_tokens(data(ws.joint), {L, Lt, C}, data(ws.img), img, B, Li, C);
-    for (int block = 0; block < config_.single_blocks; ++block)
+    for (int block = 0; block < config_.single_blocks; ++block) {
+      if (const int group = group_starting_at(recompute_groups_.singles, block); group >= 0) {
+        const TensorView& input = act.single_group_inputs[static_cast<size_t>(group)];
+        std::copy_n(data(ws.joint), input.numel(), data(input));
+      }
       single_block_forward(block);
+    }
     copy_tokens(data(ws.img), img, data(ws.joint), {L, Lt, C}, B, Li, C);
   }
 
@@ -986,13 +1128,19 @@ void FluxModel::backward(const float* grad_prediction) {
     const TokenRows img{Li, 0, C}, txt{Lt, 0, C};
     zero(ws.d_joint);  // the text's tokens do not reach the prediction but through attention
     copy_tokens(data(ws.d_joint), {L, Lt, C}, data(ws.d_img), img, B, Li, C);
-    for (int block = config_.single_blocks - 1; block >= 0; --block)
+    for (int block = config_.single_blocks - 1; block >= 0; --block) {
+      if (const int group = group_ending_at(recompute_groups_.singles, block); group >= 0)
+        rerun_single_group(group);
       single_block_backward(block);
+    }
     copy_tokens(data(ws.d_txt), txt, data(ws.d_joint), {L, 0, C}, B, Lt, C);
     copy_tokens(data(ws.d_img), img, data(ws.d_joint), {L, Lt, C}, B, Li, C);
   }
-  for (int block = config_.double_blocks - 1; block >= 0; --block)
+  for (int block = config_.double_blocks - 1; block >= 0; --block) {
+    if (const int group = group_ending_at(recompute_groups_.doubles, block); group >= 0)
+      rerun_double_group(group);
     double_block_backward(block);
+  }
   // The inputs are not trained: no dx for img_in and txt_in.
   linear_backward(linear("img_in"), data(ws.d_img), data(act.img), nullptr);
   linear_backward(linear("txt_in"), data(ws.d_txt), data(act.txt), nullptr);
@@ -1004,11 +1152,44 @@ void FluxModel::backward(const float* grad_prediction) {
   embedder_backward("vector_in", act.vector_in, data(ws.d_vec));
 }
 
+// The backward reads only saved activations: the workspace's streams are free for the rerun.
+void FluxModel::rerun_double_group(int group) {
+  const FluxDoubleGroupInput& input = activations_->double_group_inputs[static_cast<size_t>(group)];
+  std::copy_n(data(input.img), input.img.numel(), data(workspace_->img));
+  std::copy_n(data(input.txt), input.txt.numel(), data(workspace_->txt));
+  const RecomputeGroup& blocks = recompute_groups_.doubles[static_cast<size_t>(group)];
+  pause_fp8_recording();
+  for (int block = blocks.first; block < blocks.end; ++block)
+    double_block_forward(block);
+  resume_fp8_recording();
+}
+
+void FluxModel::rerun_single_group(int group) {
+  const TensorView& input = activations_->single_group_inputs[static_cast<size_t>(group)];
+  std::copy_n(data(input), input.numel(), data(workspace_->joint));
+  const RecomputeGroup& blocks = recompute_groups_.singles[static_cast<size_t>(group)];
+  pause_fp8_recording();
+  for (int block = blocks.first; block < blocks.end; ++block)
+    single_block_forward(block);
+  resume_fp8_recording();
+}
+
+void FluxModel::pause_fp8_recording() {
+  record_fp8_amaxes(linears_, false);
+  record_fp8_health(linears_, false);
+}
+
+void FluxModel::resume_fp8_recording() {
+  record_fp8_amaxes(linears_, training_);
+  record_fp8_health(linears_, recording_fp8_health_);
+}
+
 void FluxModel::end_step() {
   end_fp8_step(linears_);
 }
 
 void FluxModel::set_training(bool training) {
+  training_ = training;
   record_fp8_amaxes(linears_, training);
 }
 
@@ -1021,6 +1202,7 @@ std::vector<std::pair<std::string, DelayedScaling*>> FluxModel::delayed_scalings
 }
 
 void FluxModel::set_record_fp8_health(bool record) {
+  recording_fp8_health_ = record;
   record_fp8_health(linears_, record);
 }
 

@@ -1,7 +1,7 @@
 // The Flux MMDiT on the CPU path (MODELS.md §2; BFL flux1's Flux.forward): an explicit forward
 // that saves what backward needs, and an explicit backward (no autograd graph), as the GPT's.
-// Memory is planned from the configuration and the token counts and taken once, at
-// construction: parameters, gradients, saved activations and a workspace.
+// Memory is planned from the configuration, the token counts and the recompute setting and taken
+// once, at construction: parameters, gradients, saved activations and a workspace.
 #pragma once
 
 #include <cstdint>
@@ -15,6 +15,7 @@
 #include "core/tensor.h"
 #include "models/flux_config.h"
 #include "models/precision_policy.h"
+#include "models/recompute.h"
 #include "numerics/scaling.h"
 #include "ops/attention_fp8.h"
 #include "ops/fp8_linear.h"
@@ -104,9 +105,17 @@ struct FluxAttentionActivations;
 
 class FluxModel {
  public:
+  // recompute: which activations the forward saves and which the backward computes again
+  // (models/recompute.h; full recompute groups as flux_recompute_groups forms them); the
+  // results are the same either way. Throws ConfigError for a bad recompute_num_layers.
   FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens, int64_t txt_tokens,
-            const FluxPrecision& precision);
+            const FluxPrecision& precision, const RecomputeOptions& recompute = {});
   ~FluxModel();
+
+  // The bytes of the activation arena such a model takes.
+  static size_t planned_activation_bytes(const FluxConfig& config, int64_t batch,
+                                         int64_t img_tokens, int64_t txt_tokens,
+                                         const RecomputeOptions& recompute = {});
 
   const FluxConfig& config() const { return config_; }
   FluxParameterSet& parameters() { return *parameters_; }
@@ -120,8 +129,9 @@ class FluxModel {
   void forward(const FluxInputs& inputs, float* prediction);
   // Adds d(loss)/d(parameter) to the gradients, given d(loss)/d(prediction) of the last
   // forward (zero the gradients first with zero_gradients()). The saved activations are only
-  // read: backward may run again on the same forward (with fp8_attention, with the gradient
-  // scales the previous backward measured).
+  // read (what recompute computes again comes out the same each time): backward may run again
+  // on the same forward (with fp8_attention, with the gradient scales the previous backward
+  // measured).
   void backward(const float* grad_prediction);
   void zero_gradients() { gradients_->fill_zero(); }
 
@@ -177,10 +187,21 @@ class FluxModel {
   void double_block_backward(int block);
   void single_block_forward(int block);
   void single_block_backward(int block);
+  // Full recompute: the forward of a group's blocks again, from the group's saved input, just
+  // before the backward of its last block; the FP8 linears record no amax and count no health
+  // meanwhile, so that the FP8 state is that of one forward.
+  void rerun_double_group(int group);
+  void rerun_single_group(int group);
+  void pause_fp8_recording();
+  void resume_fp8_recording();
 
   FluxConfig config_;
   int64_t batch_, img_tokens_, txt_tokens_;
   FluxPrecision precision_;
+  RecomputeOptions recompute_;
+  FluxRecomputeGroups recompute_groups_;  // full recompute's; empty otherwise
+  bool training_ = true;
+  bool recording_fp8_health_ = false;
   std::unique_ptr<Arena> parameter_arena_, gradient_arena_, activation_arena_, workspace_arena_;
   std::unique_ptr<FluxParameterSet> parameters_, gradients_;
   std::unique_ptr<FluxActivations> activations_;

@@ -34,6 +34,25 @@ std::vector<RecomputeGroup> recompute_groups(const RecomputeOptions& options, in
   return groups;
 }
 
+FluxRecomputeGroups flux_recompute_groups(const RecomputeOptions& options, int double_blocks,
+                                          int single_blocks) {
+  FluxRecomputeGroups groups;
+  if (options.granularity != RecomputeGranularity::Full) return groups;
+  if (options.method == RecomputeMethod::Block) {
+    for (const RecomputeGroup& group : recompute_groups(options, double_blocks + single_blocks)) {
+      if (group.first < double_blocks) {
+        groups.doubles.push_back(group);
+      } else {
+        groups.singles.push_back({group.first - double_blocks, group.end - double_blocks});
+      }
+    }
+    return groups;
+  }
+  groups.doubles = recompute_groups(options, double_blocks);
+  groups.singles = recompute_groups(options, single_blocks);
+  return groups;
+}
+
 std::vector<int> recompute_slots(const std::vector<RecomputeGroup>& groups, int blocks) {
   std::vector<int> slots(static_cast<size_t>(blocks), -1);
   for (const RecomputeGroup& group : groups) {

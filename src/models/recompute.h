@@ -41,6 +41,15 @@ struct RecomputeGroup {
 // `blocks` under the block method.
 std::vector<RecomputeGroup> recompute_groups(const RecomputeOptions& options, int blocks);
 
+// The Flux's groups: of its double blocks and of its single blocks, a group never spanning both;
+// the block method counts the double blocks first (the first recompute_num_layers of all).
+struct FluxRecomputeGroups {
+  std::vector<RecomputeGroup> doubles;
+  std::vector<RecomputeGroup> singles;  // numbered among the single blocks
+};
+FluxRecomputeGroups flux_recompute_groups(const RecomputeOptions& options, int double_blocks,
+                                          int single_blocks);
+
 // Per block: -1 when it saves its own activations, else its place in its group. Blocks with the
 // same place in different groups never hold saved activations at the same time, so they can
 // share one set of buffers; the number of sets is recompute_slot_count().

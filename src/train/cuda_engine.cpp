@@ -54,19 +54,6 @@ void check_gpu_precision(const ModelPrecision& precision) {
   }
 }
 
-namespace {
-
-// The GPU path saves neither the residual sums nor relu²(fc) (models/cuda/gpt_model_cuda.h):
-// it recomputes selectively whatever the key says. Full recompute is the CPU path's only.
-void check_gpu_recompute(const RecomputeOptions& recompute) {
-  if (recompute.granularity != RecomputeGranularity::Full) return;
-  throw ConfigError(
-      "recompute_granularity: full is not available on the GPU path of the GPT yet; use "
-      "selective or none (the GPU path saves the same activations under both), or device: cpu");
-}
-
-}  // namespace
-
 #if FP8TRAIN_WITH_CUDA
 
 namespace {
@@ -83,9 +70,11 @@ class CudaEngine final : public TrainingEngine {
         host_optimizer_(setup.model, setup.optimizer, setup.tokens_per_step,
                         sharded_ ? setup.communicator->rank() : 0,
                         sharded_ ? setup.communicator->size() : 1),
-        model_(setup.model, setup.batch, setup.seq, setup.precision, stream_.get(),
-               [&](const CudaGptMemory& planned, const optim::DeviceParameterLayout& layout,
-                   size_t lendable) { check_fits(setup, planned, layout, lendable); }),
+        model_(
+            setup.model, setup.batch, setup.seq, setup.precision, stream_.get(),
+            [&](const CudaGptMemory& planned, const optim::DeviceParameterLayout& layout,
+                size_t lendable) { check_fits(setup, planned, layout, lendable); },
+            setup.recompute),
         optimizer_(host_optimizer_, model_.layout(), model_.gemm(),
                    model_.scratch_between_steps().data(), model_.scratch_between_steps().size()),
         norm_host_(1),
@@ -351,7 +340,6 @@ GpuInfo training_gpu(const distributed::Communicator* communicator) {
 
 std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
   check_gpu_precision(setup.precision);
-  check_gpu_recompute(setup.recompute);
   return std::make_unique<CudaEngine>(setup, training_gpu(setup.communicator));
 }
 
@@ -365,7 +353,6 @@ GpuInfo training_gpu(const distributed::Communicator*) {
 
 std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
   check_gpu_precision(setup.precision);
-  check_gpu_recompute(setup.recompute);
   training_gpu();  // throws: no CUDA in this build
   return nullptr;
 }

@@ -19,7 +19,10 @@ class FluxCpuEngine final : public FluxEngine {
   explicit FluxCpuEngine(const FluxEngineSetup& setup)
       : communicator_(setup.communicator),
         img_ids_(setup.img_ids),
-        model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision),
+        model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision,
+               setup.recompute),
+        activation_bytes_(FluxModel::planned_activation_bytes(
+            setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.recompute)),
         sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
         optimizer_(flux_optimized_parameters(setup.model), setup.adamw,
                    sharded_ ? setup.communicator->rank() : 0,
@@ -40,9 +43,10 @@ class FluxCpuEngine final : public FluxEngine {
 
   std::string memory_plan() const override {
     const auto parameters = double(FluxParameterSet::planned_bytes(model_.config(), DType::F32));
-    return fmt::format("parameters {}, gradients {}, optimizer {}, plus activations",
+    return fmt::format("parameters {}, gradients {}, optimizer {}, activations {}",
                        format_bytes(parameters), format_bytes(parameters),
-                       format_bytes(double(optimizer_.state_bytes())));
+                       format_bytes(double(optimizer_.state_bytes())),
+                       format_bytes(double(activation_bytes_)));
   }
   double peak_memory_bytes() const override { return peak_resident_memory_bytes(); }
   const std::vector<FluxLinearPrecision>& linear_precision() const override {
@@ -127,7 +131,8 @@ class FluxCpuEngine final : public FluxEngine {
   distributed::Communicator* communicator_;
   std::vector<float> img_ids_;
   FluxModel model_;
-  bool sharded_;  // ZeRO-1: this rank updates its share of the parameters
+  size_t activation_bytes_;  // as recompute plans them
+  bool sharded_;             // ZeRO-1: this rank updates its share of the parameters
   optim::AdamWOptimizer optimizer_;
   std::vector<float> prediction_, grad_prediction_;
   std::vector<float*> parameter_data_;

@@ -41,7 +41,7 @@ class FluxCudaEngine final : public FluxEngine {
         communicator_(setup.communicator),
         img_ids_(setup.img_ids),
         model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision,
-               stream_.get()),
+               stream_.get(), setup.recompute),
         sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
         host_arena_("parameters (host mirror)",
                     FluxParameterSet::planned_bytes(setup.model, DType::F32)),
@@ -215,8 +215,9 @@ class FluxCudaEngine final : public FluxEngine {
 void check_flux_fits(const FluxEngineSetup& setup, const GpuInfo& gpu) {
   const auto plan_for = [&](int64_t batch) {
     const FluxMicroBatch micro_batch{batch, setup.img_tokens, setup.txt_tokens};
-    return std::pair(plan_flux_memory(setup.model, micro_batch, setup.precision),
-                     double(flux_runtime_reserve_bytes(setup.model, micro_batch)));
+    return std::pair(
+        plan_flux_memory(setup.model, micro_batch, setup.precision, 1, setup.recompute),
+        double(flux_runtime_reserve_bytes(setup.model, micro_batch)));
   };
   const int64_t most = ops::cuda::flux_max_batch(setup.model.hidden_size);
   if (setup.batch > most) {

@@ -13,9 +13,11 @@
 
 #include "core/arena.h"
 #include "models/cuda/flux_model_cuda.h"
+#include "models/flux_memory.h"
 #include "models/flux_model.h"
 #include "models/flux_objective.h"
 #include "models/golden.h"
+#include "models/recompute_checks.h"
 #include "numerics/test_util.h"
 #include "ops/gpu_compare.h"
 
@@ -243,6 +245,80 @@ TEST_F(FluxModelGpuDelayed, MatchesTheCpuModelAfterTwoWarmUpSteps) {
 
   expect_steps_match(models, config, random_batch(config, rng_), Fp8Mode::Hybrid);
 }
+
+// Full recompute against the same GPU model without it, over two steps (the second counting FP8
+// health): the same losses and predictions, gradients up to the order of atomic sums, the same
+// FP8 health counts and delayed-scaling state, fewer saved activations, and the memory plan
+// (models/flux_memory.h) counting what the model takes. Three double and two single blocks, so
+// that groups of two end inside each stack and the block method crosses from one to the other.
+class FluxRecomputeGpu : public test::StreamTest,
+                         public ::testing::WithParamInterface<std::pair<Fp8Mode, ScalingRecipe>> {};
+
+TEST_P(FluxRecomputeGpu, GivesTheLossesGradientsAndFp8StateOfTheModelWithout) {
+  const auto [mode, recipe] = GetParam();
+  FluxConfig config = small_config();
+  config.double_blocks = 3;
+  config.single_blocks = 2;
+  const FluxPrecision precision = precision_for(mode, recipe);
+  SCOPED_TRACE(rng_.trace());
+  Arena arena("parameters", FluxParameterSet::planned_bytes(config, DType::F32));
+  FluxParameterSet parameters(arena, config, DType::F32);
+  randomize(parameters, config, rng_);
+  const FluxMicroBatch micro_batch{
+      .batch = kBatch, .img_tokens = kImgTokens, .txt_tokens = kTxtTokens};
+  for (const RecomputeOptions& recompute :
+       {RecomputeOptions{RecomputeGranularity::Full, RecomputeMethod::Uniform, 1},
+        RecomputeOptions{RecomputeGranularity::Full, RecomputeMethod::Uniform, 2},
+        RecomputeOptions{RecomputeGranularity::Full, RecomputeMethod::Block, 4}}) {
+    SCOPED_TRACE(recompute_summary(recompute, 5));
+    CudaFluxModel plain(config, kBatch, kImgTokens, kTxtTokens, precision, stream_);
+    CudaFluxModel recomputing(config, kBatch, kImgTokens, kTxtTokens, precision, stream_,
+                              recompute);
+    EXPECT_LT(recomputing.memory().activations, plain.memory().activations);
+    EXPECT_EQ(plan_flux_memory(config, micro_batch, precision, 1, recompute).activations,
+              recomputing.memory().activations);
+    plain.upload_parameters(parameters);
+    recomputing.upload_parameters(parameters);
+    for (int step = 1; step <= 2; ++step) {
+      SCOPED_TRACE(fmt::format("step {}", step));
+      const Batch batch = random_batch(config, rng_);
+      plain.set_record_fp8_health(step == 2);
+      recomputing.set_record_fp8_health(step == 2);
+      const Step want = gpu_step(plain, batch);
+      const Step got = gpu_step(recomputing, batch);
+      EXPECT_EQ(got.loss, want.loss);
+      EXPECT_EQ(got.prediction, want.prediction);
+      Arena want_arena("gradients", FluxParameterSet::planned_bytes(config, DType::F32));
+      Arena got_arena("gradients", FluxParameterSet::planned_bytes(config, DType::F32));
+      FluxParameterSet want_gradients(want_arena, config, DType::F32);
+      FluxParameterSet got_gradients(got_arena, config, DType::F32);
+      plain.download_gradients(want_gradients);
+      recomputing.download_gradients(got_gradients);
+      for (const FluxParam& param : flux_parameters(config)) {
+        EXPECT_LT(testing::relative_error(got_gradients[param.name].data<float>(),
+                                          want_gradients[param.name].data<float>(), param.numel()),
+                  1e-5)
+            << param.name;
+      }
+      plain.end_step();
+      recomputing.end_step();
+      if (step == 2 && mode != Fp8Mode::None)
+        testing::expect_same_fp8_health(plain.take_fp8_health(), recomputing.take_fp8_health());
+    }
+    testing::expect_same_delayed_scalings(plain.delayed_scalings(), recomputing.delayed_scalings());
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Precisions, FluxRecomputeGpu,
+    ::testing::Values(std::make_pair(Fp8Mode::None, ScalingRecipe::Tensorwise),
+                      std::make_pair(Fp8Mode::Hybrid, ScalingRecipe::Tensorwise),
+                      std::make_pair(Fp8Mode::Hybrid, ScalingRecipe::Delayed),
+                      std::make_pair(Fp8Mode::Hybrid, ScalingRecipe::Blockwise)),
+    [](const auto& test_param) {
+      return fmt::format("{}_{}", mode_name(test_param.param.first),
+                         recipe_name(test_param.param.second));
+    });
 
 }  // namespace
 }  // namespace fp8t

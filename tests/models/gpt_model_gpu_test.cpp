@@ -21,6 +21,7 @@
 #include "models/cuda/gpt_model_cuda.h"
 #include "models/golden.h"
 #include "models/gpt_model.h"
+#include "models/recompute_checks.h"
 #include "numerics/test_util.h"
 #include "ops/gpu_compare.h"
 
@@ -380,6 +381,76 @@ TEST(GptModelGpu, Fp8AttentionMatchesTheCpuEmulation) {
   }
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
 }
+
+// Full recompute (models/recompute.h) against the same model without it, over two steps, the
+// second counting FP8 health: the same losses (the forward's kernels are deterministic), the same
+// gradients up to the order of atomic sums (embedding and attention backward), the same FP8
+// health counts and delayed-scaling state, and fewer saved activations.
+class GptRecomputeGpu : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
+
+TEST_P(GptRecomputeGpu, GivesTheLossesGradientsAndFp8StateOfTheModelWithout) {
+  const auto [mode, recipe] = GetParam();
+  const GptConfig config = small_config();
+  const GptPrecision precision = precision_for(mode, recipe);
+  test::TestRng rng;
+  Arena arena("parameters", ParameterSet::planned_bytes(config, DType::F32));
+  ParameterSet parameters(arena, config, DType::F32);
+  {
+    GptModel cpu(config, kBatch, kSeq, GptPrecision::fp32_reference());
+    init_with_gradient_everywhere(cpu, config, rng);
+    for (const ParamSpec& spec : gpt_parameters(config)) {
+      std::memcpy(parameters[spec.name].raw(), cpu.parameters()[spec.name].raw(),
+                  parameters[spec.name].bytes());
+    }
+  }
+  cudaStream_t stream = nullptr;
+  FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
+  for (const RecomputeOptions& recompute :
+       {RecomputeOptions{RecomputeGranularity::Full, RecomputeMethod::Uniform, 1},
+        RecomputeOptions{RecomputeGranularity::Full, RecomputeMethod::Uniform, 3},
+        RecomputeOptions{RecomputeGranularity::Full, RecomputeMethod::Block, 2}}) {
+    SCOPED_TRACE(recompute_summary(recompute, config.n_layer));
+    CudaGptModel plain(config, kBatch, kSeq, precision, stream);
+    CudaGptModel recomputing(config, kBatch, kSeq, precision, stream, {}, recompute);
+    EXPECT_LT(recomputing.memory().activations, plain.memory().activations);
+    plain.upload_parameters(parameters);
+    recomputing.upload_parameters(parameters);
+    for (int step = 1; step <= 2; ++step) {
+      SCOPED_TRACE(fmt::format("step {}", step));
+      const Tokens tokens = random_tokens(rng, config);
+      plain.set_record_fp8_health(step == 2);
+      recomputing.set_record_fp8_health(step == 2);
+      plain.zero_gradients();
+      recomputing.zero_gradients();
+      plain.forward(tokens.idx.data(), tokens.targets.data(), true);
+      plain.backward();
+      recomputing.forward(tokens.idx.data(), tokens.targets.data(), true);
+      recomputing.backward();
+      EXPECT_EQ(recomputing.loss_value(), plain.loss_value());
+      int identical = 0;
+      for (const ParamSpec& spec : gpt_parameters(config)) {
+        const std::vector<float> want = gradient_of(plain, config, spec.name);
+        const std::vector<float> got = gradient_of(recomputing, config, spec.name);
+        EXPECT_LT(relative_error(got.data(), want.data(), std::ssize(want)), 1e-5) << spec.name;
+        identical += got == want;
+      }
+      if (test::verbose())
+        fmt::print("{} of {} gradients bit-identical\n", identical, gpt_parameters(config).size());
+      plain.end_step();
+      recomputing.end_step();
+      if (step == 2 && mode != Fp8Mode::None)
+        testing::expect_same_fp8_health(plain.take_fp8_health(), recomputing.take_fp8_health());
+    }
+    testing::expect_same_delayed_scalings(plain.delayed_scalings(), recomputing.delayed_scalings());
+  }
+  FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+INSTANTIATE_TEST_SUITE_P(Precisions, GptRecomputeGpu,
+                         ::testing::Values(std::pair{Fp8Mode::None, ScalingRecipe::Tensorwise},
+                                           std::pair{Fp8Mode::Hybrid, ScalingRecipe::Tensorwise},
+                                           std::pair{Fp8Mode::Hybrid, ScalingRecipe::Delayed},
+                                           std::pair{Fp8Mode::Hybrid, ScalingRecipe::Blockwise}));
 
 }  // namespace
 }  // namespace fp8t

@@ -15,6 +15,7 @@
 #include "models/gpt_memory.h"
 #include "models/gpt_model.h"
 #include "models/recompute.h"
+#include "models/recompute_checks.h"
 
 namespace fp8t {
 namespace {
@@ -81,52 +82,12 @@ GptConfig five_block_config(int n_embd) {
   return config;
 }
 
-enum class Numbers { Fp32, Delayed, Tensorwise, Blockwise, DelayedFp8Attention };
+using testing::name_of;
+using testing::Numbers;
+using testing::precision_of;
 
-std::string name_of(Numbers numbers) {
-  switch (numbers) {
-    case Numbers::Fp32:
-      return "fp32";
-    case Numbers::Delayed:
-      return "delayed";
-    case Numbers::Tensorwise:
-      return "tensorwise";
-    case Numbers::Blockwise:
-      return "blockwise";
-    case Numbers::DelayedFp8Attention:
-      return "delayed_fp8_attention";
-  }
-  return "?";
-}
-
-GptPrecision precision_of(Numbers numbers) {
-  GptPrecision precision = GptPrecision::fp32_reference();
-  if (numbers == Numbers::Fp32) return precision;
-  precision.fp8.mode = Fp8Mode::Hybrid;
-  precision.fp8.recipe = numbers == Numbers::Tensorwise  ? ScalingRecipe::Tensorwise
-                         : numbers == Numbers::Blockwise ? ScalingRecipe::Blockwise
-                                                         : ScalingRecipe::Delayed;
-  precision.policy = precision_options(precision.fp8);
-  precision.policy.min_dim = 16;
-  precision.policy.require_divisible_by = 16;
-  precision.fp8_attention = numbers == Numbers::DelayedFp8Attention;
-  precision.other_linears = ops::LinearOperands::Bf16;
-  return precision;
-}
-
-std::string name_of(const RecomputeOptions& options) {
-  constexpr const char* kGranularities[] = {"none", "selective", "full"};
-  const std::string granularity = kGranularities[static_cast<int>(options.granularity)];
-  if (options.granularity != RecomputeGranularity::Full) return granularity;
-  return fmt::format("{}_{}_{}", granularity,
-                     options.method == RecomputeMethod::Block ? "block" : "uniform",
-                     options.num_layers);
-}
-
-struct Setting {
-  Numbers numbers;
-  RecomputeOptions recompute;
-};
+using Setting = testing::RecomputeSetting;
+using testing::test_name;
 
 class GptRecompute : public ::testing::TestWithParam<Setting> {};
 
@@ -194,18 +155,8 @@ TEST_P(GptRecompute, GivesTheLossesGradientsAndFp8StateOfARunWithoutIt) {
       EXPECT_GT(norm, 0.0) << spec.name << ": a gradient that cannot differ";
       EXPECT_EQ(std::memcmp(actual.raw(), expected.raw(), expected.bytes()), 0) << spec.name;
     }
-    if (step == 2) {
-      const std::vector<Fp8TensorHealth> expected = plain.take_fp8_health();
-      const std::vector<Fp8TensorHealth> actual = recomputing.take_fp8_health();
-      ASSERT_EQ(actual.size(), expected.size());
-      for (size_t i = 0; i < expected.size(); ++i) {
-        SCOPED_TRACE(expected[i].layer);
-        EXPECT_EQ(actual[i].health.elements, expected[i].health.elements);
-        EXPECT_GT(expected[i].health.elements, 0u);
-        EXPECT_EQ(actual[i].health.counts.saturated, expected[i].health.counts.saturated);
-        EXPECT_EQ(actual[i].health.counts.underflow, expected[i].health.counts.underflow);
-      }
-    }
+    if (step == 2 && setting.numbers != Numbers::Fp32)
+      testing::expect_same_fp8_health(plain.take_fp8_health(), recomputing.take_fp8_health());
     // The update an optimizer would make, the same on both.
     for (const ParamSpec& spec : gpt_parameters(config)) {
       float* weights = plain.parameters()[spec.name].data<float>();
@@ -217,16 +168,9 @@ TEST_P(GptRecompute, GivesTheLossesGradientsAndFp8StateOfARunWithoutIt) {
     plain.end_step();
     recomputing.end_step();
   }
-  const auto expected = plain.delayed_scalings();
-  const auto actual = recomputing.delayed_scalings();
-  ASSERT_EQ(actual.size(), expected.size());
-  for (size_t i = 0; i < expected.size(); ++i) {
-    SCOPED_TRACE(expected[i].first);
-    EXPECT_EQ(actual[i].second->history(), expected[i].second->history());
-    EXPECT_EQ(actual[i].second->scale(), expected[i].second->scale());
-  }
+  testing::expect_same_delayed_scalings(plain.delayed_scalings(), recomputing.delayed_scalings());
   if (setting.numbers == Numbers::Delayed) {
-    EXPECT_FALSE(expected.empty());
+    EXPECT_FALSE(plain.delayed_scalings().empty());
   }
 }
 
@@ -247,10 +191,6 @@ std::vector<Setting> settings() {
   out.push_back({Numbers::DelayedFp8Attention,
                  {RecomputeGranularity::Selective, RecomputeMethod::Uniform, 1}});
   return out;
-}
-
-std::string test_name(const ::testing::TestParamInfo<Setting>& setting) {
-  return name_of(setting.param.numbers) + "_" + name_of(setting.param.recompute);
 }
 
 INSTANTIATE_TEST_SUITE_P(GptModel, GptRecompute, ::testing::ValuesIn(settings()), test_name);

@@ -5,6 +5,9 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <type_traits>
+#include <utility>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -109,6 +112,10 @@ struct CudaFluxModel::Buffers {
   bf16 *vec = nullptr, *vec_act = nullptr;
   std::vector<DoubleBlock> doubles;
   std::vector<SingleBlock> singles;
+  // Full recompute: per group, its input saved by the forward (the img and txt streams of a
+  // group of double blocks; the joint sequence of a group of single blocks).
+  std::vector<std::pair<bf16*, bf16*>> double_group_inputs;
+  std::vector<bf16*> single_group_inputs;
   bf16 *final_mod = nullptr, *final_normed = nullptr, *final_modulated = nullptr;
   float* final_rstd = nullptr;
   bf16* prediction = nullptr;
@@ -147,15 +154,22 @@ struct CudaFluxModel::Buffers {
 
 CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens,
                              int64_t txt_tokens, const FluxPrecision& precision,
-                             cudaStream_t stream)
+                             cudaStream_t stream, const RecomputeOptions& recompute)
     : config_(config),
       batch_(batch),
       img_tokens_(img_tokens),
       txt_tokens_(txt_tokens),
       tokens_(img_tokens + txt_tokens),
       precision_(precision),
-      stream_(stream) {
+      stream_(stream),
+      recompute_(flux_recompute_groups(recompute, config.double_blocks, config.single_blocks)) {
   config_.validate();
+  if ((!recompute_.doubles.empty() || !recompute_.singles.empty()) && precision_.fp8_attention) {
+    throw ConfigError(
+        "recompute_granularity: full does not combine with fp8_dot_product_attention on the GPU "
+        "path (a rerun of the FP8 attention's forward would change the scales its backward "
+        "reads); use one of the two");
+  }
   FP8T_CHECK(batch >= 1 && img_tokens >= 1 && txt_tokens >= 1,
              "expected a batch, image and text tokens of at least 1, found {}, {}, {}", batch,
              img_tokens, txt_tokens);
@@ -295,8 +309,7 @@ void CudaFluxModel::lay_out() {
       a.fp8.floats = act.take<float>(size_t(kernels::kAttentionFp8Floats));
     }
   };
-  b.doubles.resize(size_t(config_.double_blocks));
-  for (DoubleBlock& block : b.doubles) {
+  const auto take_double = [&](DoubleBlock& block) {
     for (auto [stream, rows] : {std::pair{&block.img, B * Li}, std::pair{&block.txt, B * Lt}}) {
       stream->mod = act.take<bf16>(B * 6 * C);
       for (bf16** view : {&stream->norm1, &stream->modulated1, &stream->attn, &stream->proj,
@@ -309,9 +322,8 @@ void CudaFluxModel::lay_out() {
       stream->mlp_act = act.take<bf16>(rows * M);
     }
     attention(block.attention);
-  }
-  b.singles.resize(size_t(config_.single_blocks));
-  for (SingleBlock& block : b.singles) {
+  };
+  const auto take_single = [&](SingleBlock& block) {
     block.mod = act.take<bf16>(B * 3 * C);
     block.normed = act.take<bf16>(N * C);
     block.modulated = act.take<bf16>(N * C);
@@ -320,7 +332,34 @@ void CudaFluxModel::lay_out() {
     attention(block.attention);
     block.linear2_in = act.take<bf16>(N * (C + M));
     block.out = act.take<bf16>(N * C);
-  }
+  };
+  // Full recompute: the blocks at the same place of their groups share one set of saved
+  // activations, and each group saves its input.
+  const auto take_blocks = [&](auto& blocks, int count, const std::vector<RecomputeGroup>& groups,
+                               const auto& take_block) {
+    using Block = typename std::remove_reference_t<decltype(blocks)>::value_type;
+    std::vector<Block> places(size_t(recompute_slot_count(groups)));
+    for (Block& place : places)
+      take_block(place);
+    const std::vector<int> slots = recompute_slots(groups, count);
+    blocks.resize(size_t(count));
+    for (int block = 0; block < count; ++block) {
+      const int slot = slots[size_t(block)];
+      if (slot < 0) {
+        take_block(blocks[size_t(block)]);
+      } else {
+        blocks[size_t(block)] = places[size_t(slot)];
+      }
+    }
+  };
+  take_blocks(b.doubles, config_.double_blocks, recompute_.doubles, take_double);
+  b.double_group_inputs.clear();
+  for (size_t group = 0; group < recompute_.doubles.size(); ++group)
+    b.double_group_inputs.emplace_back(act.take<bf16>(B * Li * C), act.take<bf16>(B * Lt * C));
+  take_blocks(b.singles, config_.single_blocks, recompute_.singles, take_single);
+  b.single_group_inputs.clear();
+  for (size_t group = 0; group < recompute_.singles.size(); ++group)
+    b.single_group_inputs.push_back(act.take<bf16>(N * C));
   b.final_mod = act.take<bf16>(B * 2 * C);
   b.final_normed = act.take<bf16>(B * Li * C);
   b.final_modulated = act.take<bf16>(B * Li * C);
@@ -450,7 +489,7 @@ void CudaFluxModel::prepare_weights() {
 }
 
 void CudaFluxModel::linear_forward(const std::string& name, const bf16* x, int64_t rows, bf16* y) {
-  linear(name).layer->forward(x, rows, y, training_, stream_);
+  linear(name).layer->forward(x, rows, y, training_ && !rerunning_, stream_);
 }
 
 void CudaFluxModel::linear_backward(const std::string& name, const bf16* dy, const bf16* x,
@@ -681,13 +720,17 @@ void CudaFluxModel::forward(const FluxInputs& inputs, const float* target, bool 
   }
   kernels::silu_forward(b.vec_act, b.vec, B * C, stream_);
 
-  for (int block = 0; block < config_.double_blocks; ++block)
+  for (int block = 0; block < config_.double_blocks; ++block) {
+    save_group_input(true, block);
     double_block_forward(block);
+  }
   // The single blocks run on [txt; img].
   into_joint(b.x_joint, b.x_txt, C, 0, Lt);
   into_joint(b.x_joint, b.x_img, C, Lt, Li);
-  for (int block = 0; block < config_.single_blocks; ++block)
+  for (int block = 0; block < config_.single_blocks; ++block) {
+    save_group_input(false, block);
     single_block_forward(block);
+  }
 
   // The final layer on the image tokens, read in place from the joint sequence.
   linear_forward("final_layer.adaLN_modulation.1", b.vec_act, B, b.final_mod);
@@ -700,6 +743,51 @@ void CudaFluxModel::forward(const FluxInputs& inputs, const float* target, bool 
   kernels::flow_mse_forward_backward(b.loss, b.dpred, b.prediction, b.target, count, grad_scale,
                                      b.reduction, stream_);
   b.forward_has_gradient = with_gradient;
+}
+
+void CudaFluxModel::copy_group_input(bool doubles, size_t group, bool save) {
+  Buffers& b = *buffers_;
+  const auto copy = [&](bf16* saved, bf16* live, int64_t tokens) {
+    const size_t bytes = size_t(batch_ * tokens * config_.hidden_size) * sizeof(bf16);
+    FP8T_CUDA_CHECK(cudaMemcpyAsync(save ? saved : live, save ? live : saved, bytes,
+                                    cudaMemcpyDeviceToDevice, stream_));
+  };
+  if (doubles) {
+    copy(b.double_group_inputs[group].first, b.x_img, img_tokens_);
+    copy(b.double_group_inputs[group].second, b.x_txt, txt_tokens_);
+  } else {
+    copy(b.single_group_inputs[group], b.x_joint, tokens_);
+  }
+}
+
+void CudaFluxModel::save_group_input(bool doubles, int block) {
+  const std::vector<RecomputeGroup>& groups = doubles ? recompute_.doubles : recompute_.singles;
+  for (size_t group = 0; group < groups.size(); ++group) {
+    if (groups[group].first == block) copy_group_input(doubles, group, true);
+  }
+}
+
+void CudaFluxModel::rerun_group_ending_at(bool doubles, int block) {
+  Buffers& b = *buffers_;
+  const std::vector<RecomputeGroup>& groups = doubles ? recompute_.doubles : recompute_.singles;
+  for (size_t group = 0; group < groups.size(); ++group) {
+    if (groups[group].end != block + 1) continue;
+    // The backward reads neither the streams nor the joint sequence: they take the input back.
+    copy_group_input(doubles, group, false);
+    rerunning_ = true;
+    for (auto& [name, linear] : b.linears)
+      linear.layer->set_record_health(false);
+    for (int rerun = groups[group].first; rerun < groups[group].end; ++rerun) {
+      if (doubles) {
+        double_block_forward(rerun);
+      } else {
+        single_block_forward(rerun);
+      }
+    }
+    for (auto& [name, linear] : b.linears)
+      linear.layer->set_record_health(fp8_health_.on);
+    rerunning_ = false;
+  }
 }
 
 void CudaFluxModel::joint_attention_forward(AttentionSaved& a) {
@@ -819,12 +907,16 @@ void CudaFluxModel::backward() {
   kernels::cast_to_bf16(b.dmod, b.dmod_img, B * 2 * C, stream_);
   linear_backward("final_layer.adaLN_modulation.1", b.dmod, b.vec_act, B, b.d_vec_act, true);
 
-  for (int block = config_.single_blocks - 1; block >= 0; --block)
+  for (int block = config_.single_blocks - 1; block >= 0; --block) {
+    rerun_group_ending_at(false, block);
     single_block_backward(block);
+  }
   out_of_joint(b.d_txt, C, b.d_joint, 0, Lt);
   out_of_joint(b.d_img, C, b.d_joint, Lt, Li);
-  for (int block = config_.double_blocks - 1; block >= 0; --block)
+  for (int block = config_.double_blocks - 1; block >= 0; --block) {
+    rerun_group_ending_at(true, block);
     double_block_backward(block);
+  }
 
   // The inputs are not trained: the first linears need no dx.
   linear_backward("img_in", b.d_img, b.img, B * Li, nullptr, false);

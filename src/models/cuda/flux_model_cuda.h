@@ -13,6 +13,7 @@
 // back once per step by end_step().
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -25,6 +26,7 @@
 #include "models/cuda/linear_scalings.h"
 #include "models/flux_config.h"
 #include "models/flux_model.h"
+#include "models/recompute.h"
 #include "numerics/scaling.h"
 #include "optim/cuda/device_parameters.h"
 
@@ -47,9 +49,13 @@ struct CudaFluxMemory {
 class CudaFluxModel {
  public:
   // Runs on the current CUDA device. batch · (img_tokens + txt_tokens), batch · img_tokens and
-  // batch · txt_tokens must be multiples of 16 (the FP8 GEMMs' rows).
+  // batch · txt_tokens must be multiples of 16 (the FP8 GEMMs' rows). recompute: full reruns
+  // the forward of the groups of blocks flux_recompute_groups picks (models/recompute.h) from
+  // their saved input, before their backward; not with fp8_attention, whose saved scales a
+  // rerun would change. Selective saves what none saves here.
   CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens, int64_t txt_tokens,
-                const FluxPrecision& precision, cudaStream_t stream);
+                const FluxPrecision& precision, cudaStream_t stream,
+                const RecomputeOptions& recompute = {});
   ~CudaFluxModel();
   CudaFluxModel(const CudaFluxModel&) = delete;
   CudaFluxModel& operator=(const CudaFluxModel&) = delete;
@@ -139,6 +145,14 @@ class CudaFluxModel {
   void double_block_backward(int block);
   void single_block_forward(int block);
   void single_block_backward(int block);
+  // Full recompute: before the first block of a group runs forward, its input (the streams, or
+  // the joint sequence) is saved; before the backward of a group's last block, the group's
+  // forward runs again from it, recording no amax and counting no FP8 health.
+  void save_group_input(bool doubles, int block);
+  void rerun_group_ending_at(bool doubles, int block);
+  // A group's input from the forward's streams (or joint sequence) into its saved copy (save),
+  // or back.
+  void copy_group_input(bool doubles, size_t group, bool save);
 
   FluxConfig config_;
   int64_t batch_, img_tokens_, txt_tokens_, tokens_;
@@ -147,6 +161,8 @@ class CudaFluxModel {
   bool weights_ready_ = false;
   CudaFp8HealthRecording fp8_health_;
   bool training_ = true;
+  FluxRecomputeGroups recompute_;
+  bool rerunning_ = false;  // inside rerun_group_ending_at
   std::vector<FluxLinearPrecision> linear_precision_;
   optim::DeviceParameterLayout layout_;
   float* parameters_ = nullptr;

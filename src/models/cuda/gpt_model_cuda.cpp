@@ -121,12 +121,13 @@ struct CudaGptModel::Buffers {
 
 CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
                            const GptPrecision& precision, cudaStream_t stream,
-                           const PlanCheck& check_plan)
+                           const PlanCheck& check_plan, const RecomputeOptions& recompute)
     : config_(config),
       batch_(batch),
       seq_(seq),
       tokens_(batch * seq),
       precision_(precision),
+      recompute_groups_(recompute_groups(recompute, config.n_layer)),
       stream_(stream) {
   config_.validate();
   FP8T_CHECK(batch >= 1, "expected a batch of at least 1, found {}", batch);
@@ -135,6 +136,12 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
   FP8T_CHECK(tokens_ % 16 == 0,
              "the GPU path needs batch x sequence to be a multiple of 16, found {} x {}", batch,
              seq);
+  if (!recompute_groups_.empty() && precision_.fp8_attention) {
+    throw ConfigError(
+        "recompute_granularity: full does not combine with fp8_dot_product_attention on the GPU "
+        "path (a rerun of the FP8 attention's forward would change the scales its backward "
+        "reads); use one of the two");
+  }
   buffers_ = std::make_unique<Buffers>(static_cast<size_t>(tokens_), precision_);
   linear_precision_ = decide_precision(config_, precision_.policy);
 
@@ -285,8 +292,9 @@ void CudaGptModel::lay_out() {
   const bool fp8_attention = precision_.fp8_attention;
   bf16* v_work = fp8_attention ? ws.take<bf16>(N * Hkv * D) : nullptr;
   bf16* attn_out_work = fp8_attention ? ws.take<bf16>(N * H * D) : nullptr;
-  for (int index = 0; index < config_.n_layer; ++index) {
-    Layer& layer = b.layers[static_cast<size_t>(index)];
+  // Everything a block saves but its output; a shared place of full recompute takes a value
+  // gate when any block has one.
+  const auto take_layer = [&](Layer& layer, bool value_gate) {
     layer.attn_norm = act.take<bf16>(N * C);
     layer.attn_rstd = act.take<float>(N);
     layer.q = act.take<bf16>(N * H * D);
@@ -294,7 +302,7 @@ void CudaGptModel::lay_out() {
     layer.v = fp8_attention ? v_work : act.take<bf16>(N * Hkv * D);
     layer.q_rstd = act.take<float>(N * H);
     layer.k_rstd = act.take<float>(N * Hkv);
-    layer.value_gate = config_.has_value_embedding(index) ? act.take<float>(N * Hkv) : nullptr;
+    layer.value_gate = value_gate ? act.take<float>(N * Hkv) : nullptr;
     layer.stats = act.take<float>(N * H);
     layer.attn_out = fp8_attention ? attn_out_work : act.take<bf16>(N * H * D);
     if (fp8_attention) {
@@ -308,7 +316,30 @@ void CudaGptModel::lay_out() {
     layer.mlp_norm = act.take<bf16>(N * C);
     layer.mlp_rstd = act.take<float>(N);
     layer.fc = act.take<bf16>(N * 4 * C);
-    layer.output = act.take<bf16>(N * C);
+  };
+  // Full recompute: the blocks at the same place of their groups share one set, and only a
+  // group's last block (and the backout layer, which the final mix reads) keeps its output.
+  const std::vector<int> slots = recompute_slots(recompute_groups_, config_.n_layer);
+  std::vector<Layer> places(static_cast<size_t>(recompute_slot_count(recompute_groups_)));
+  bool any_value_embedding = false;
+  for (int index = 0; index < config_.n_layer; ++index)
+    any_value_embedding = any_value_embedding || config_.has_value_embedding(index);
+  for (Layer& place : places) {
+    take_layer(place, any_value_embedding);
+    place.output = act.take<bf16>(N * C);
+  }
+  for (int index = 0; index < config_.n_layer; ++index) {
+    Layer& layer = b.layers[static_cast<size_t>(index)];
+    const int slot = slots[static_cast<size_t>(index)];
+    if (slot < 0) {
+      take_layer(layer, config_.has_value_embedding(index));
+      layer.output = act.take<bf16>(N * C);
+      continue;
+    }
+    layer = places[static_cast<size_t>(slot)];
+    if (!config_.has_value_embedding(index)) layer.value_gate = nullptr;
+    const bool last_of_group = recompute_group_of(recompute_groups_, index)->end == index + 1;
+    if (last_of_group || index == config_.backout_layer()) layer.output = act.take<bf16>(N * C);
   }
   b.final_norm = act.take<bf16>(N * C);
   b.final_rstd = act.take<float>(N);
@@ -328,16 +359,12 @@ void CudaGptModel::lay_out() {
   // What lives in one phase of a step only takes turns in one region: the forward's temporaries
   // (until lm_head's forward), the logits (from there to the end of lm_head's backward), the
   // backward's temporaries (after it), and between steps the optimizer's workspace
-  // (scratch_between_steps). fc_act and value_embed serve forward and backward both.
+  // (scratch_between_steps). fc_act and value_embed serve forward and backward both. Under full
+  // recompute the forward runs inside the backward too: its temporaries follow the backward's.
   const auto lay_out_region = [&](uint8_t* base) {
     RegionPieces both(base, 0);
     b.fc_act = both.take<bf16>(N * 4 * C);
     b.value_embed = both.take<bf16>(N * Hkv * D);
-    RegionPieces forward(base, both.end());
-    b.input = forward.take<bf16>(N * C);
-    b.mid = forward.take<bf16>(N * C);
-    b.q_lin = forward.take<bf16>(N * H * D);
-    b.k_lin = forward.take<bf16>(N * Hkv * D);
     RegionPieces backward(base, both.end());
     b.dres = backward.take<bf16>(N * C);
     b.dres_next = backward.take<bf16>(N * C);
@@ -351,6 +378,11 @@ void CudaGptModel::lay_out() {
     b.dk_lin = backward.take<bf16>(N * Hkv * D);
     b.dvalue_embed = backward.take<bf16>(N * Hkv * D);
     b.dfc_act = backward.take<bf16>(N * 4 * C);
+    RegionPieces forward(base, recompute_groups_.empty() ? both.end() : backward.end());
+    b.input = forward.take<bf16>(N * C);
+    b.mid = forward.take<bf16>(N * C);
+    b.q_lin = forward.take<bf16>(N * H * D);
+    b.k_lin = forward.take<bf16>(N * Hkv * D);
     RegionPieces logits(base, 0);
     b.logits = logits.take<bf16>(N * vocab);
     return std::max({forward.end(), backward.end(), logits.end()});
@@ -477,9 +509,56 @@ std::vector<std::pair<std::string, DelayedScaling*>> CudaGptModel::delayed_scali
   return buffers_->scalings.delayed_scalings();
 }
 
-void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with_gradient) {
+void CudaGptModel::block_forward(int index, bool record) {
   const int64_t B = batch_, T = seq_, N = tokens_, C = config_.n_embd;
   const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
+  const int64_t vocab = config_.padded_vocab();
+  Buffers& b = *buffers_;
+  cudaStream_t s = stream_;
+  const kernels::RotaryShape q_shape{B, T, H, D}, k_shape{B, T, Hkv, D};
+  const bf16* previous = index > 0 ? b.layers[static_cast<size_t>(index - 1)].output : b.x0;
+  Layer& layer = b.layers[static_cast<size_t>(index)];
+  const std::string prefix = fmt::format("transformer.h.{}.", index);
+  kernels::residual_mix_forward(b.input, previous, b.x0, parameter("resid_lambdas") + index,
+                                parameter("x0_lambdas") + index, N * C, s);
+  kernels::CudaLinear& c_q = *linear(prefix + "attn.c_q").layer;
+  kernels::rmsnorm_forward(layer.attn_norm, layer.attn_rstd, b.input, N, C, kEps, s,
+                           c_q.fused_input_cast(record, s));
+  c_q.forward(layer.attn_norm, N, b.q_lin, record, s);
+  linear(prefix + "attn.c_k").layer->forward(layer.attn_norm, N, b.k_lin, record, s);
+  linear(prefix + "attn.c_v").layer->forward(layer.attn_norm, N, layer.v, record, s);
+  if (config_.has_value_embedding(index)) {
+    kernels::embedding_forward(b.value_embed, b.idx,
+                               embedding_table(fmt::format("value_embeds.{}.weight", index)), N,
+                               vocab, Hkv * D, s);
+    kernels::value_gate_forward(layer.v, layer.value_gate, layer.attn_norm, b.value_embed,
+                                parameter(prefix + "attn.ve_gate.weight"),
+                                {N, C, Hkv, D, kValueGateChannels}, s);
+  }
+  kernels::rotary_rmsnorm_forward(layer.q, layer.q_rstd, b.q_lin, b.rotary_cos, b.rotary_sin,
+                                  q_shape, kEps, s);
+  kernels::rotary_rmsnorm_forward(layer.k, layer.k_rstd, b.k_lin, b.rotary_cos, b.rotary_sin,
+                                  k_shape, kEps, s);
+  const ops::AttentionShape shape{B, T, H, Hkv, D, config_.window(index)};
+  if (b.fp8_attention) {
+    b.fp8_attention->forward(layer.attn_out, layer.stats, layer.q, layer.k, layer.v,
+                             layer.fp8_attention, shape, config_.attention_scale(), s);
+  } else {
+    b.attention.forward(layer.attn_out, layer.stats, layer.q, layer.k, layer.v, shape,
+                        config_.attention_scale(), s);
+  }
+  // The residual adds happen in the projections' GEMM epilogues.
+  linear(prefix + "attn.c_proj").layer->forward(layer.attn_out, N, b.mid, record, s, b.input);
+  kernels::CudaLinear& c_fc = *linear(prefix + "mlp.c_fc").layer;
+  kernels::rmsnorm_forward(layer.mlp_norm, layer.mlp_rstd, b.mid, N, C, kEps, s,
+                           c_fc.fused_input_cast(record, s));
+  c_fc.forward(layer.mlp_norm, N, layer.fc, record, s);
+  kernels::CudaLinear& mlp_proj = *linear(prefix + "mlp.c_proj").layer;
+  mlp_proj.forward(mlp_activation(layer.fc, mlp_proj), N, layer.output, record, s, b.mid);
+}
+
+void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with_gradient) {
+  const int64_t B = batch_, T = seq_, N = tokens_, C = config_.n_embd;
   const int64_t vocab = config_.padded_vocab();
   Buffers& b = *buffers_;
   check_tokens(config_, idx, targets, N);
@@ -501,49 +580,9 @@ void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with
   kernels::rmsnorm_forward(b.embedding_norm, b.embedding_rstd, b.input, N, C, kEps, s);
   kernels::smear_forward(b.x0, b.smear_gate, b.embedding_norm, parameter("smear_gate.weight"),
                          parameter("smear_lambda"), {B, T, C, kSmearGateChannels}, s);
-  const kernels::RotaryShape q_shape{B, T, H, D}, k_shape{B, T, Hkv, D};
-  const bf16* previous = b.x0;
-  for (int index = 0; index < config_.n_layer; ++index) {
-    Layer& layer = b.layers[static_cast<size_t>(index)];
-    const std::string prefix = fmt::format("transformer.h.{}.", index);
-    kernels::residual_mix_forward(b.input, previous, b.x0, parameter("resid_lambdas") + index,
-                                  parameter("x0_lambdas") + index, N * C, s);
-    kernels::CudaLinear& c_q = *linear(prefix + "attn.c_q").layer;
-    kernels::rmsnorm_forward(layer.attn_norm, layer.attn_rstd, b.input, N, C, kEps, s,
-                             c_q.fused_input_cast(record, s));
-    c_q.forward(layer.attn_norm, N, b.q_lin, record, s);
-    linear(prefix + "attn.c_k").layer->forward(layer.attn_norm, N, b.k_lin, record, s);
-    linear(prefix + "attn.c_v").layer->forward(layer.attn_norm, N, layer.v, record, s);
-    if (config_.has_value_embedding(index)) {
-      kernels::embedding_forward(b.value_embed, b.idx,
-                                 embedding_table(fmt::format("value_embeds.{}.weight", index)), N,
-                                 vocab, Hkv * D, s);
-      kernels::value_gate_forward(layer.v, layer.value_gate, layer.attn_norm, b.value_embed,
-                                  parameter(prefix + "attn.ve_gate.weight"),
-                                  {N, C, Hkv, D, kValueGateChannels}, s);
-    }
-    kernels::rotary_rmsnorm_forward(layer.q, layer.q_rstd, b.q_lin, b.rotary_cos, b.rotary_sin,
-                                    q_shape, kEps, s);
-    kernels::rotary_rmsnorm_forward(layer.k, layer.k_rstd, b.k_lin, b.rotary_cos, b.rotary_sin,
-                                    k_shape, kEps, s);
-    const ops::AttentionShape shape{B, T, H, Hkv, D, config_.window(index)};
-    if (b.fp8_attention) {
-      b.fp8_attention->forward(layer.attn_out, layer.stats, layer.q, layer.k, layer.v,
-                               layer.fp8_attention, shape, config_.attention_scale(), s);
-    } else {
-      b.attention.forward(layer.attn_out, layer.stats, layer.q, layer.k, layer.v, shape,
-                          config_.attention_scale(), s);
-    }
-    // The residual adds happen in the projections' GEMM epilogues.
-    linear(prefix + "attn.c_proj").layer->forward(layer.attn_out, N, b.mid, record, s, b.input);
-    kernels::CudaLinear& c_fc = *linear(prefix + "mlp.c_fc").layer;
-    kernels::rmsnorm_forward(layer.mlp_norm, layer.mlp_rstd, b.mid, N, C, kEps, s,
-                             c_fc.fused_input_cast(record, s));
-    c_fc.forward(layer.mlp_norm, N, layer.fc, record, s);
-    kernels::CudaLinear& mlp_proj = *linear(prefix + "mlp.c_proj").layer;
-    mlp_proj.forward(mlp_activation(layer.fc, mlp_proj), N, layer.output, record, s, b.mid);
-    previous = layer.output;
-  }
+  for (int index = 0; index < config_.n_layer; ++index)
+    block_forward(index, record);
+  const bf16* previous = b.layers.back().output;
   const Layer& backout = b.layers[static_cast<size_t>(config_.backout_layer())];
   kernels::backout_forward(b.input, previous, backout.output, parameter("backout_lambda"), N * C,
                            s);
@@ -613,6 +652,16 @@ void CudaGptModel::backward() {
   const kernels::RotaryShape q_shape{B, T, H, D}, k_shape{B, T, Hkv, D};
   bool dx0_written = false;
   for (int index = config_.n_layer - 1; index >= 0; --index) {
+    const RecomputeGroup* group = recompute_group_of(recompute_groups_, index);
+    if (group != nullptr && group->end == index + 1) {
+      // The group's forward again, neither recording amaxes nor counting FP8 health twice.
+      for (auto& [name, linear] : b.linears)
+        linear.layer->set_record_health(false);
+      for (int rerun = group->first; rerun < group->end; ++rerun)
+        block_forward(rerun, false);
+      for (auto& [name, linear] : b.linears)
+        linear.layer->set_record_health(fp8_health_.on);
+    }
     Layer& layer = b.layers[static_cast<size_t>(index)];
     const std::string prefix = fmt::format("transformer.h.{}.", index);
     if (index == backout_layer) kernels::add_forward(b.dres, b.dres, b.dbackout, N * C, s);

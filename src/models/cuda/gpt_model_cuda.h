@@ -27,6 +27,7 @@
 #include "models/gpt_memory.h"
 #include "models/gpt_model.h"
 #include "models/precision_policy.h"
+#include "models/recompute.h"
 #include "numerics/float_bits.h"
 #include "numerics/scaling.h"
 #include "optim/cuda/device_parameters.h"
@@ -60,8 +61,12 @@ class CudaGptModel {
                          size_t scratch_between_steps)>;
 
   // Runs on the current CUDA device. fp8 recipes: delayed and tensorwise (OCP formats).
+  // recompute: full reruns the forward of the groups it picks before their backward
+  // (models/recompute.h); the path saves what selective leaves whatever the setting. Full
+  // recompute does not combine with fp8_attention, whose saved state a rerun would change.
   CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq, const GptPrecision& precision,
-               cudaStream_t stream, const PlanCheck& check_plan = {});
+               cudaStream_t stream, const PlanCheck& check_plan = {},
+               const RecomputeOptions& recompute = {});
   ~CudaGptModel();
   CudaGptModel(const CudaGptModel&) = delete;
   CudaGptModel& operator=(const CudaGptModel&) = delete;
@@ -133,6 +138,9 @@ class CudaGptModel {
   struct Buffers;
   // Takes every device tensor from its arena: run once to plan, once more to allocate.
   void lay_out();
+  // One block's forward, from the previous block's output (x0 for the first); `record` as the
+  // linears' forward takes it.
+  void block_forward(int index, bool record);
   void prepare_weights();
   Linear& linear(const std::string& name);
   // What mlp.c_proj reads: the hidden layer fc itself when it casts relu²(fc) on its own, else
@@ -148,6 +156,7 @@ class CudaGptModel {
   GptConfig config_;
   int64_t batch_, seq_, tokens_;
   GptPrecision precision_;
+  std::vector<RecomputeGroup> recompute_groups_;  // full recompute's; empty otherwise
   cudaStream_t stream_;
   bool training_ = true;
   bool weights_ready_ = false;
