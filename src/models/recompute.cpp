@@ -90,8 +90,8 @@ std::string recompute_summary(const RecomputeOptions& options, int blocks) {
     return fmt::format("full, block: the first {} of {} blocks, one at a time", groups.size(),
                        blocks);
   }
-  return fmt::format("full, uniform: every block, in groups of {} consecutive block(s)",
-                     recompute_slot_count(groups));
+  return fmt::format("full, uniform: every block, in groups of up to {} consecutive block(s)",
+                     options.num_layers);
 }
 
 }  // namespace fp8t
