@@ -342,26 +342,22 @@ std::vector<Measurement> measure_runs(const std::vector<std::string>& precisions
                         .autotune = std::nullopt});
     }
   }
-  if (!timing.gemm_autotune.empty()) {  // each run in each autotuning setting
-    std::vector<RunKind> tuned_runs;
+  // Each run in each setting given (none: as it is), `apply` setting it.
+  const auto in_each = [&runs](const std::vector<std::string>& settings, const auto& apply) {
+    if (settings.empty()) return;
+    std::vector<RunKind> expanded;
     for (const RunKind& run : runs) {
-      for (const std::string& setting : timing.gemm_autotune) {
-        tuned_runs.push_back(run);
-        tuned_runs.back().autotune = setting == "on";
+      for (const std::string& setting : settings) {
+        expanded.push_back(run);
+        apply(expanded.back(), setting);
       }
     }
-    runs = std::move(tuned_runs);
-  }
-  if (!timing.recompute.empty()) {  // each run in each recompute setting
-    std::vector<RunKind> recompute_runs;
-    for (const RunKind& run : runs) {
-      for (const std::string& setting : timing.recompute) {
-        recompute_runs.push_back(run);
-        recompute_runs.back().full_recompute = setting == "full";
-      }
-    }
-    runs = std::move(recompute_runs);
-  }
+    runs = std::move(expanded);
+  };
+  in_each(timing.gemm_autotune,
+          [](RunKind& run, const std::string& setting) { run.autotune = setting == "on"; });
+  in_each(timing.recompute,
+          [](RunKind& run, const std::string& setting) { run.full_recompute = setting == "full"; });
   std::vector<Measurement> results;
   for (const RunKind& run : runs) {
     const Measurement result = measure_run(run);

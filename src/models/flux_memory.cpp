@@ -112,19 +112,13 @@ size_t activation_bytes(const FluxConfig& config, const Dims& d,
   // per place in a group; each group saves its input (the streams, or the joint sequence).
   const FluxRecomputeGroups groups =
       flux_recompute_groups(recompute, config.double_blocks, config.single_blocks);
-  const auto sets = [](const std::vector<RecomputeGroup>& stack, int blocks) {
-    int recomputed = 0;
-    for (const RecomputeGroup& group : stack)
-      recomputed += group.end - group.first;
-    return blocks - recomputed + recompute_slot_count(stack);
-  };
-  for (int set = 0; set < sets(groups.doubles, config.double_blocks); ++set)
+  for (int set = 0; set < recompute_saved_sets(groups.doubles, config.double_blocks); ++set)
     double_block();
   for (size_t group = 0; group < groups.doubles.size(); ++group) {
     act.take<bf16>(d.B * d.Li * d.C);
     act.take<bf16>(d.B * d.Lt * d.C);
   }
-  for (int set = 0; set < sets(groups.singles, config.single_blocks); ++set)
+  for (int set = 0; set < recompute_saved_sets(groups.singles, config.single_blocks); ++set)
     single_block();
   for (size_t group = 0; group < groups.singles.size(); ++group)
     act.take<bf16>(d.N * d.C);

@@ -278,43 +278,28 @@ FluxDims flux_dims(const FluxConfig& config, int64_t batch, int64_t img_tokens,
           config.single_blocks};
 }
 
-// Numbers the sets of saved activations of a stack of blocks (FluxSaving); returns their count.
-int number_activation_sets(const std::vector<RecomputeGroup>& groups, int blocks,
-                           std::vector<int>& set_of_block) {
+// The set of saved activations each block of a stack saves into (FluxSaving numbers them).
+std::vector<int> activation_sets_of_blocks(const std::vector<RecomputeGroup>& groups, int blocks) {
   const std::vector<int> slots = recompute_slots(groups, blocks);
   const auto own = static_cast<int>(std::count(slots.begin(), slots.end(), -1));
+  std::vector<int> set_of_block;
   int next_own = 0;
   for (const int slot : slots)
     set_of_block.push_back(slot < 0 ? next_own++ : own + slot);
-  return own + recompute_slot_count(groups);
+  return set_of_block;
 }
 
 FluxSaving flux_saving(const FluxConfig& config, RecomputeGranularity granularity,
                        const FluxRecomputeGroups& groups) {
   FluxSaving saving;
   saving.selective = granularity == RecomputeGranularity::Selective;
-  saving.double_sets =
-      number_activation_sets(groups.doubles, config.double_blocks, saving.double_set);
-  saving.single_sets =
-      number_activation_sets(groups.singles, config.single_blocks, saving.single_set);
+  saving.double_set = activation_sets_of_blocks(groups.doubles, config.double_blocks);
+  saving.single_set = activation_sets_of_blocks(groups.singles, config.single_blocks);
+  saving.double_sets = recompute_saved_sets(groups.doubles, config.double_blocks);
+  saving.single_sets = recompute_saved_sets(groups.singles, config.single_blocks);
   saving.double_groups = static_cast<int>(groups.doubles.size());
   saving.single_groups = static_cast<int>(groups.singles.size());
   return saving;
-}
-
-// The index of the group that starts, or ends, at `block`; -1 when none does.
-int group_starting_at(const std::vector<RecomputeGroup>& groups, int block) {
-  for (size_t group = 0; group < groups.size(); ++group) {
-    if (groups[group].first == block) return static_cast<int>(group);
-  }
-  return -1;
-}
-
-int group_ending_at(const std::vector<RecomputeGroup>& groups, int block) {
-  for (size_t group = 0; group < groups.size(); ++group) {
-    if (groups[group].end == block + 1) return static_cast<int>(group);
-  }
-  return -1;
 }
 
 template <typename Tensors, typename... Layout>
@@ -1072,7 +1057,8 @@ void FluxModel::forward(const FluxInputs& inputs, float* prediction) {
 
   // Full recompute: the blocks update the streams in place, so a group's input is kept apart.
   for (int block = 0; block < config_.double_blocks; ++block) {
-    if (const int group = group_starting_at(recompute_groups_.doubles, block); group >= 0) {
+    if (const int group = recompute_group_starting_at(recompute_groups_.doubles, block);
+        group >= 0) {
       const FluxDoubleGroupInput& input = act.double_group_inputs[static_cast<size_t>(group)];
       std::copy_n(data(ws.img), input.img.numel(), data(input.img));
       std::copy_n(data(ws.txt), input.txt.numel(), data(input.txt));
@@ -1084,7 +1070,8 @@ void FluxModel::forward(const FluxInputs& inputs, float* prediction) {
     copy_tokens(data(ws.joint), {L, 0, C}, data(ws.txt), txt, B, Lt, C);
     copy_tokens(data(ws.joint), {L, Lt, C}, data(ws.img), img, B, Li, C);
     for (int block = 0; block < config_.single_blocks; ++block) {
-      if (const int group = group_starting_at(recompute_groups_.singles, block); group >= 0) {
+      if (const int group = recompute_group_starting_at(recompute_groups_.singles, block);
+          group >= 0) {
         const TensorView& input = act.single_group_inputs[static_cast<size_t>(group)];
         std::copy_n(data(ws.joint), input.numel(), data(input));
       }
@@ -1129,7 +1116,7 @@ void FluxModel::backward(const float* grad_prediction) {
     zero(ws.d_joint);  // the text's tokens do not reach the prediction but through attention
     copy_tokens(data(ws.d_joint), {L, Lt, C}, data(ws.d_img), img, B, Li, C);
     for (int block = config_.single_blocks - 1; block >= 0; --block) {
-      if (const int group = group_ending_at(recompute_groups_.singles, block); group >= 0)
+      if (const int group = recompute_group_ending_at(recompute_groups_.singles, block); group >= 0)
         rerun_single_group(group);
       single_block_backward(block);
     }
@@ -1137,7 +1124,7 @@ void FluxModel::backward(const float* grad_prediction) {
     copy_tokens(data(ws.d_img), img, data(ws.d_joint), {L, Lt, C}, B, Li, C);
   }
   for (int block = config_.double_blocks - 1; block >= 0; --block) {
-    if (const int group = group_ending_at(recompute_groups_.doubles, block); group >= 0)
+    if (const int group = recompute_group_ending_at(recompute_groups_.doubles, block); group >= 0)
       rerun_double_group(group);
     double_block_backward(block);
   }
@@ -1158,30 +1145,20 @@ void FluxModel::rerun_double_group(int group) {
   std::copy_n(data(input.img), input.img.numel(), data(workspace_->img));
   std::copy_n(data(input.txt), input.txt.numel(), data(workspace_->txt));
   const RecomputeGroup& blocks = recompute_groups_.doubles[static_cast<size_t>(group)];
-  pause_fp8_recording();
+  pause_fp8_recording(linears_);
   for (int block = blocks.first; block < blocks.end; ++block)
     double_block_forward(block);
-  resume_fp8_recording();
+  resume_fp8_recording(linears_, training_, recording_fp8_health_);
 }
 
 void FluxModel::rerun_single_group(int group) {
   const TensorView& input = activations_->single_group_inputs[static_cast<size_t>(group)];
   std::copy_n(data(input), input.numel(), data(workspace_->joint));
   const RecomputeGroup& blocks = recompute_groups_.singles[static_cast<size_t>(group)];
-  pause_fp8_recording();
+  pause_fp8_recording(linears_);
   for (int block = blocks.first; block < blocks.end; ++block)
     single_block_forward(block);
-  resume_fp8_recording();
-}
-
-void FluxModel::pause_fp8_recording() {
-  record_fp8_amaxes(linears_, false);
-  record_fp8_health(linears_, false);
-}
-
-void FluxModel::resume_fp8_recording() {
-  record_fp8_amaxes(linears_, training_);
-  record_fp8_health(linears_, recording_fp8_health_);
+  resume_fp8_recording(linears_, training_, recording_fp8_health_);
 }
 
 void FluxModel::end_step() {

@@ -192,8 +192,6 @@ class FluxModel {
   // meanwhile, so that the FP8 state is that of one forward.
   void rerun_double_group(int group);
   void rerun_single_group(int group);
-  void pause_fp8_recording();
-  void resume_fp8_recording();
 
   FluxConfig config_;
   int64_t batch_, img_tokens_, txt_tokens_;

@@ -58,6 +58,21 @@ void record_fp8_health(LinearMap& linears, bool record) {
   }
 }
 
+// A recompute's rerun of a forward: the FP8 linears record no amax and count no health, then
+// resume as `training` and `recording_health` say, so that a step's FP8 state is that of one
+// forward.
+template <typename LinearMap>
+void pause_fp8_recording(LinearMap& linears) {
+  record_fp8_amaxes(linears, false);
+  record_fp8_health(linears, false);
+}
+
+template <typename LinearMap>
+void resume_fp8_recording(LinearMap& linears, bool training, bool recording_health) {
+  record_fp8_amaxes(linears, training);
+  record_fp8_health(linears, recording_health);
+}
+
 // What the FP8 linears' casts counted since the last call, one record per linear and operand,
 // the linears in the order of `order` (each element's `linear.name`: the model's order), and a
 // fresh count started.

@@ -49,9 +49,6 @@ void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, 
   visit_tensor(embedding_norm, dtype, {B, T, C});
   visit_tensor(smear_gate, dtype, {B, T});
   visit_tensor(x0, dtype, {B, T, C});
-  bool any_value_embedding = false;
-  for (int layer = 0; layer < config.n_layer; ++layer)
-    any_value_embedding = any_value_embedding || config.has_value_embedding(layer);
   const auto visit_block = [&](BlockActivations& block, bool temporaries, bool value_gate) {
     if (temporaries) visit_tensor(block.input, dtype, {B, T, C});
     visit_tensor(block.attn_rstd, dtype, {B, T});
@@ -82,7 +79,8 @@ void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, 
   const std::vector<int> slots = recompute_slots(groups, config.n_layer);
   std::vector<BlockActivations> places(static_cast<size_t>(recompute_slot_count(groups)));
   for (BlockActivations& place : places) {
-    visit_block(place, true, any_value_embedding);
+    // A value gate in every place: the last block has a value embedding at any depth.
+    visit_block(place, true, true);
     visit_tensor(place.output, dtype, {B, T, C});
   }
   blocks.resize(static_cast<size_t>(config.n_layer));
@@ -101,7 +99,7 @@ void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, 
     }
     block = places[static_cast<size_t>(slot)];
     if (!config.has_value_embedding(layer)) block.value_gate = TensorView();
-    const bool last_of_group = recompute_group_of(groups, layer)->end == layer + 1;
+    const bool last_of_group = recompute_group_ending_at(groups, layer) >= 0;
     if (last_of_group || layer == config.backout_layer())
       visit_tensor(block.output, dtype, {B, T, C});
   }

@@ -234,7 +234,13 @@ void GptModel::attention_backward(int layer, const ops::AttentionShape& shape) {
   }
 }
 
-void GptModel::block_forward(int layer, const float* residual) {
+const float* GptModel::previous_output(int layer) const {
+  const GptActivations& act = *activations_;
+  return layer > 0 ? act.blocks[static_cast<size_t>(layer - 1)].output.data<float>()
+                   : act.x0.data<float>();
+}
+
+void GptModel::block_forward(int layer) {
   const int64_t B = batch_, T = seq_, N = B * T, C = config_.n_embd;
   const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
   const int64_t vocab = config_.padded_vocab();
@@ -242,7 +248,7 @@ void GptModel::block_forward(int layer, const float* residual) {
   GptWorkspace& ws = *workspace_;
   BlockActivations& block = act.blocks[static_cast<size_t>(layer)];
   const std::string prefix = fmt::format("transformer.h.{}.", layer);
-  ops::residual_mix_forward(block.input.data<float>(), residual, act.x0.data<float>(),
+  ops::residual_mix_forward(block.input.data<float>(), previous_output(layer), act.x0.data<float>(),
                             scalar("resid_lambdas", layer), scalar("x0_lambdas", layer), N * C);
   ops::rmsnorm_forward(block.attn_norm.data<float>(), block.attn_rstd.data<float>(),
                        block.input.data<float>(), N, C);
@@ -350,29 +356,19 @@ void GptModel::block_backward(int layer) {
                         block.attn_rstd.data<float>(), N, C);  // dbranch: d input
 
   // input = resid_lambda * previous + x0_lambda * x0
-  const float* previous = layer > 0
-                              ? act.blocks[static_cast<size_t>(layer - 1)].output.data<float>()
-                              : act.x0.data<float>();
   zero(ws.dx_next);
   ops::residual_mix_backward(ws.dx_next.data<float>(), ws.dx0.data<float>(),
                              gradient("resid_lambdas") + layer, gradient("x0_lambdas") + layer,
-                             ws.dbranch.data<float>(), previous, act.x0.data<float>(),
+                             ws.dbranch.data<float>(), previous_output(layer), act.x0.data<float>(),
                              scalar("resid_lambdas", layer), scalar("x0_lambdas", layer), N * C);
   copy(ws.dx, ws.dx_next);
 }
 
 void GptModel::recompute_group(const RecomputeGroup& group) {
-  record_fp8_amaxes(linears_, false);
-  record_fp8_health(linears_, false);
-  const GptActivations& act = *activations_;
-  for (int layer = group.first; layer < group.end; ++layer) {
-    const float* residual = layer > 0
-                                ? act.blocks[static_cast<size_t>(layer - 1)].output.data<float>()
-                                : act.x0.data<float>();
-    block_forward(layer, residual);
-  }
-  record_fp8_amaxes(linears_, training_);
-  record_fp8_health(linears_, recording_fp8_health_);
+  pause_fp8_recording(linears_);
+  for (int layer = group.first; layer < group.end; ++layer)
+    block_forward(layer);
+  resume_fp8_recording(linears_, training_, recording_fp8_health_);
 }
 
 double GptModel::forward(const int32_t* idx, const int32_t* targets) {
@@ -391,14 +387,11 @@ double GptModel::forward(const int32_t* idx, const int32_t* targets) {
                      act.embedding_norm.data<float>(), parameter("smear_gate.weight"),
                      scalar("smear_lambda"), {B, T, C, kSmearGateChannels});
 
-  const float* residual = act.x0.data<float>();
-  for (int layer = 0; layer < config_.n_layer; ++layer) {
-    block_forward(layer, residual);
-    residual = act.blocks[static_cast<size_t>(layer)].output.data<float>();
-  }
+  for (int layer = 0; layer < config_.n_layer; ++layer)
+    block_forward(layer);
   const BlockActivations& backout = act.blocks[static_cast<size_t>(config_.backout_layer())];
-  ops::backout_forward(act.final_input.data<float>(), residual, backout.output.data<float>(),
-                       scalar("backout_lambda"), N * C);
+  ops::backout_forward(act.final_input.data<float>(), previous_output(config_.n_layer),
+                       backout.output.data<float>(), scalar("backout_lambda"), N * C);
   ops::rmsnorm_forward(act.final_norm.data<float>(), act.final_rstd.data<float>(),
                        act.final_input.data<float>(), N, C);
   linear_forward(linear("lm_head"), act.final_norm.data<float>(), act.logits.data<float>());
@@ -430,8 +423,8 @@ void GptModel::backward() {
   zero(ws.dx0);
 
   for (int layer = config_.n_layer - 1; layer >= 0; --layer) {
-    const RecomputeGroup* group = recompute_group_of(recompute_groups_, layer);
-    if (group != nullptr && group->end == layer + 1) recompute_group(*group);
+    if (const int group = recompute_group_ending_at(recompute_groups_, layer); group >= 0)
+      recompute_group(recompute_groups_[static_cast<size_t>(group)]);
     block_backward(layer);
   }
   // The first block's previous residual is x0 itself.

@@ -89,9 +89,12 @@ class GptModel {
   // The attention of a block: ops/attention.h, or ops/attention_fp8.h with fp8_attention.
   void attention_forward(int layer, const ops::AttentionShape& shape);
   void attention_backward(int layer, const ops::AttentionShape& shape);
-  // One block: from the previous block's output (x0 for the first) to this block's output.
-  // The backward reads ws.dx (d output) and leaves d input of the next lower block there.
-  void block_forward(int layer, const float* residual);
+  // The residual a block starts from: the previous block's output, x0 for the first (for
+  // n_layer, the last block's output).
+  const float* previous_output(int layer) const;
+  // One block: from previous_output(layer) to this block's output. The backward reads ws.dx
+  // (d output) and leaves d input of the next lower block there.
+  void block_forward(int layer);
   void block_backward(int layer);
   // Full recompute: the forward of the group's blocks again, from its saved input, without
   // recording FP8 amaxes or health a second time.

@@ -69,11 +69,25 @@ int recompute_slot_count(const std::vector<RecomputeGroup>& groups) {
   return count;
 }
 
-const RecomputeGroup* recompute_group_of(const std::vector<RecomputeGroup>& groups, int block) {
-  for (const RecomputeGroup& group : groups) {
-    if (block >= group.first && block < group.end) return &group;
+int recompute_group_starting_at(const std::vector<RecomputeGroup>& groups, int block) {
+  for (size_t group = 0; group < groups.size(); ++group) {
+    if (groups[group].first == block) return static_cast<int>(group);
   }
-  return nullptr;
+  return -1;
+}
+
+int recompute_group_ending_at(const std::vector<RecomputeGroup>& groups, int block) {
+  for (size_t group = 0; group < groups.size(); ++group) {
+    if (groups[group].end == block + 1) return static_cast<int>(group);
+  }
+  return -1;
+}
+
+int recompute_saved_sets(const std::vector<RecomputeGroup>& groups, int blocks) {
+  int recomputed = 0;
+  for (const RecomputeGroup& group : groups)
+    recomputed += group.end - group.first;
+  return blocks - recomputed + recompute_slot_count(groups);
 }
 
 std::string recompute_summary(const RecomputeOptions& options, int blocks) {

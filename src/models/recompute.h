@@ -56,8 +56,13 @@ FluxRecomputeGroups flux_recompute_groups(const RecomputeOptions& options, int d
 std::vector<int> recompute_slots(const std::vector<RecomputeGroup>& groups, int blocks);
 int recompute_slot_count(const std::vector<RecomputeGroup>& groups);
 
-// The group a block belongs to, or null.
-const RecomputeGroup* recompute_group_of(const std::vector<RecomputeGroup>& groups, int block);
+// The index of the group that starts at `block`, or that ends with it; -1 when none does.
+int recompute_group_starting_at(const std::vector<RecomputeGroup>& groups, int block);
+int recompute_group_ending_at(const std::vector<RecomputeGroup>& groups, int block);
+
+// The sets of saved activations a stack of `blocks` blocks holds: one for each block outside
+// the groups, and one for each place in a group.
+int recompute_saved_sets(const std::vector<RecomputeGroup>& groups, int blocks);
 
 // One line for the log, e.g. "full, block: the first 4 of 24 blocks, one at a time" or "none".
 std::string recompute_summary(const RecomputeOptions& options, int blocks);

@@ -48,9 +48,13 @@ TEST(RecomputeGroups, UniformCoversEveryBlockInGroupsBlockTakesTheFirstOnes) {
   EXPECT_EQ(recompute_slot_count(groups), 2);
   EXPECT_EQ(recompute_slots(recompute_groups(full(RecomputeMethod::Block, 2), 4), 4),
             (std::vector<int>{0, 0, -1, -1}));
-  ASSERT_NE(recompute_group_of(groups, 3), nullptr);
-  EXPECT_EQ(recompute_group_of(groups, 3)->first, 2);
-  EXPECT_EQ(recompute_group_of(recompute_groups(full(RecomputeMethod::Block, 1), 3), 2), nullptr);
+  EXPECT_EQ(recompute_group_starting_at(groups, 2), 1);
+  EXPECT_EQ(recompute_group_starting_at(groups, 3), -1);
+  EXPECT_EQ(recompute_group_ending_at(groups, 3), 1);
+  EXPECT_EQ(recompute_group_ending_at(groups, 2), -1);
+  EXPECT_EQ(recompute_group_ending_at(recompute_groups(full(RecomputeMethod::Block, 1), 3), 2), -1);
+  EXPECT_EQ(recompute_saved_sets(groups, 5), 2);  // every block in a group: the two places
+  EXPECT_EQ(recompute_saved_sets(recompute_groups(full(RecomputeMethod::Block, 2), 5), 5), 4);
 }
 
 TEST(RecomputeGroups, ABadLayerCountNamesTheKey) {

@@ -761,33 +761,28 @@ void CudaFluxModel::copy_group_input(bool doubles, size_t group, bool save) {
 }
 
 void CudaFluxModel::save_group_input(bool doubles, int block) {
-  const std::vector<RecomputeGroup>& groups = doubles ? recompute_.doubles : recompute_.singles;
-  for (size_t group = 0; group < groups.size(); ++group) {
-    if (groups[group].first == block) copy_group_input(doubles, group, true);
-  }
+  const int group =
+      recompute_group_starting_at(doubles ? recompute_.doubles : recompute_.singles, block);
+  if (group >= 0) copy_group_input(doubles, size_t(group), true);
 }
 
 void CudaFluxModel::rerun_group_ending_at(bool doubles, int block) {
-  Buffers& b = *buffers_;
   const std::vector<RecomputeGroup>& groups = doubles ? recompute_.doubles : recompute_.singles;
-  for (size_t group = 0; group < groups.size(); ++group) {
-    if (groups[group].end != block + 1) continue;
-    // The backward reads neither the streams nor the joint sequence: they take the input back.
-    copy_group_input(doubles, group, false);
-    rerunning_ = true;
-    for (auto& [name, linear] : b.linears)
-      linear.layer->set_record_health(false);
-    for (int rerun = groups[group].first; rerun < groups[group].end; ++rerun) {
-      if (doubles) {
-        double_block_forward(rerun);
-      } else {
-        single_block_forward(rerun);
-      }
+  const int group = recompute_group_ending_at(groups, block);
+  if (group < 0) return;
+  // The backward reads neither the streams nor the joint sequence: they take the input back.
+  copy_group_input(doubles, size_t(group), false);
+  rerunning_ = true;
+  pause_cuda_fp8_health(buffers_->linears, fp8_health_, true);
+  for (int rerun = groups[size_t(group)].first; rerun < groups[size_t(group)].end; ++rerun) {
+    if (doubles) {
+      double_block_forward(rerun);
+    } else {
+      single_block_forward(rerun);
     }
-    for (auto& [name, linear] : b.linears)
-      linear.layer->set_record_health(fp8_health_.on);
-    rerunning_ = false;
   }
+  pause_cuda_fp8_health(buffers_->linears, fp8_health_, false);
+  rerunning_ = false;
 }
 
 void CudaFluxModel::joint_attention_forward(AttentionSaved& a) {

@@ -38,6 +38,15 @@ void record_cuda_fp8_health(LinearMap& linears, CudaLinearScalings& scalings,
   }
 }
 
+// A recompute's rerun of a forward counts nothing: while paused the casts stop counting, then
+// they count again as `recording` says, the counters kept.
+template <typename LinearMap>
+void pause_cuda_fp8_health(LinearMap& linears, const CudaFp8HealthRecording& recording,
+                           bool paused) {
+  for (auto& [name, linear] : linears)
+    linear.layer->set_record_health(recording.on && !paused);
+}
+
 // The records counted so far, read from the device (synchronizes).
 template <typename LinearMap>
 std::vector<Fp8TensorHealth> read_cuda_fp8_health(LinearMap& linears, CudaLinearScalings& scalings,

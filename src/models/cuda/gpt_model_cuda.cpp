@@ -292,8 +292,7 @@ void CudaGptModel::lay_out() {
   const bool fp8_attention = precision_.fp8_attention;
   bf16* v_work = fp8_attention ? ws.take<bf16>(N * Hkv * D) : nullptr;
   bf16* attn_out_work = fp8_attention ? ws.take<bf16>(N * H * D) : nullptr;
-  // Everything a block saves but its output; a shared place of full recompute takes a value
-  // gate when any block has one.
+  // Everything a block saves but its output.
   const auto take_layer = [&](Layer& layer, bool value_gate) {
     layer.attn_norm = act.take<bf16>(N * C);
     layer.attn_rstd = act.take<float>(N);
@@ -321,11 +320,8 @@ void CudaGptModel::lay_out() {
   // group's last block (and the backout layer, which the final mix reads) keeps its output.
   const std::vector<int> slots = recompute_slots(recompute_groups_, config_.n_layer);
   std::vector<Layer> places(static_cast<size_t>(recompute_slot_count(recompute_groups_)));
-  bool any_value_embedding = false;
-  for (int index = 0; index < config_.n_layer; ++index)
-    any_value_embedding = any_value_embedding || config_.has_value_embedding(index);
   for (Layer& place : places) {
-    take_layer(place, any_value_embedding);
+    take_layer(place, true);  // a value gate: the last block has a value embedding at any depth
     place.output = act.take<bf16>(N * C);
   }
   for (int index = 0; index < config_.n_layer; ++index) {
@@ -338,7 +334,7 @@ void CudaGptModel::lay_out() {
     }
     layer = places[static_cast<size_t>(slot)];
     if (!config_.has_value_embedding(index)) layer.value_gate = nullptr;
-    const bool last_of_group = recompute_group_of(recompute_groups_, index)->end == index + 1;
+    const bool last_of_group = recompute_group_ending_at(recompute_groups_, index) >= 0;
     if (last_of_group || index == config_.backout_layer()) layer.output = act.take<bf16>(N * C);
   }
   b.final_norm = act.take<bf16>(N * C);
@@ -509,6 +505,10 @@ std::vector<std::pair<std::string, DelayedScaling*>> CudaGptModel::delayed_scali
   return buffers_->scalings.delayed_scalings();
 }
 
+const bf16* CudaGptModel::previous_output(int index) const {
+  return index > 0 ? buffers_->layers[static_cast<size_t>(index - 1)].output : buffers_->x0;
+}
+
 void CudaGptModel::block_forward(int index, bool record) {
   const int64_t B = batch_, T = seq_, N = tokens_, C = config_.n_embd;
   const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
@@ -516,7 +516,7 @@ void CudaGptModel::block_forward(int index, bool record) {
   Buffers& b = *buffers_;
   cudaStream_t s = stream_;
   const kernels::RotaryShape q_shape{B, T, H, D}, k_shape{B, T, Hkv, D};
-  const bf16* previous = index > 0 ? b.layers[static_cast<size_t>(index - 1)].output : b.x0;
+  const bf16* previous = previous_output(index);
   Layer& layer = b.layers[static_cast<size_t>(index)];
   const std::string prefix = fmt::format("transformer.h.{}.", index);
   kernels::residual_mix_forward(b.input, previous, b.x0, parameter("resid_lambdas") + index,
@@ -582,7 +582,7 @@ void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with
                          parameter("smear_lambda"), {B, T, C, kSmearGateChannels}, s);
   for (int index = 0; index < config_.n_layer; ++index)
     block_forward(index, record);
-  const bf16* previous = b.layers.back().output;
+  const bf16* previous = previous_output(config_.n_layer);
   const Layer& backout = b.layers[static_cast<size_t>(config_.backout_layer())];
   kernels::backout_forward(b.input, previous, backout.output, parameter("backout_lambda"), N * C,
                            s);
@@ -652,15 +652,13 @@ void CudaGptModel::backward() {
   const kernels::RotaryShape q_shape{B, T, H, D}, k_shape{B, T, Hkv, D};
   bool dx0_written = false;
   for (int index = config_.n_layer - 1; index >= 0; --index) {
-    const RecomputeGroup* group = recompute_group_of(recompute_groups_, index);
-    if (group != nullptr && group->end == index + 1) {
+    if (const int group = recompute_group_ending_at(recompute_groups_, index); group >= 0) {
       // The group's forward again, neither recording amaxes nor counting FP8 health twice.
-      for (auto& [name, linear] : b.linears)
-        linear.layer->set_record_health(false);
-      for (int rerun = group->first; rerun < group->end; ++rerun)
-        block_forward(rerun, false);
-      for (auto& [name, linear] : b.linears)
-        linear.layer->set_record_health(fp8_health_.on);
+      const RecomputeGroup& rerun = recompute_groups_[static_cast<size_t>(group)];
+      pause_cuda_fp8_health(b.linears, fp8_health_, true);
+      for (int block = rerun.first; block < rerun.end; ++block)
+        block_forward(block, false);
+      pause_cuda_fp8_health(b.linears, fp8_health_, false);
     }
     Layer& layer = b.layers[static_cast<size_t>(index)];
     const std::string prefix = fmt::format("transformer.h.{}.", index);
@@ -723,7 +721,7 @@ void CudaGptModel::backward() {
                               GradStore::Add, s);  // dres: d input
 
     // input = resid_lambda * previous + x0_lambda * x0; the first block's previous is x0.
-    const bf16* previous = index > 0 ? b.layers[static_cast<size_t>(index - 1)].output : b.x0;
+    const bf16* previous = previous_output(index);
     kernels::residual_mix_backward(
         b.dres_next, b.dx0, gradient("resid_lambdas") + index, gradient("x0_lambdas") + index,
         b.dres, previous, b.x0, parameter("resid_lambdas") + index, parameter("x0_lambdas") + index,

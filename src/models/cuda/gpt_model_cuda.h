@@ -138,8 +138,10 @@ class CudaGptModel {
   struct Buffers;
   // Takes every device tensor from its arena: run once to plan, once more to allocate.
   void lay_out();
-  // One block's forward, from the previous block's output (x0 for the first); `record` as the
-  // linears' forward takes it.
+  // The residual a block starts from: the previous block's output, x0 for the first (for
+  // n_layer, the last block's output).
+  const bf16* previous_output(int index) const;
+  // One block's forward, from previous_output(index); `record` as the linears' forward takes it.
   void block_forward(int index, bool record);
   void prepare_weights();
   Linear& linear(const std::string& name);
