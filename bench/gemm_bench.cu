@@ -1,11 +1,14 @@
-// Throughput of the GEMMs of a nanochat d24 step (shared/BENCHMARKS.md) through CublasLtGemm:
-// BF16 against FP8 with per-tensor, row-wise and block scales, in the TN form every FP8 GEMM
-// takes (out[M, N] = a[M, K]·b[N, K]ᵀ, bf16 output). A mode cuBLASLt refuses shows as such.
+// Throughput of the GEMMs of a nanochat d24 step and a flux_535m step (W-GPT24 and W-FLUX535
+// of shared/BENCHMARKS.md) through CublasLtGemm: BF16 against FP8 with per-tensor, row-wise and
+// block scales, in the TN form every FP8 GEMM takes (out[M, N] = a[M, K]·b[N, K]ᵀ, bf16
+// output), and the engine's own block-scaled kernel (gemm/block_gemm_sm90.h) called directly.
+// A mode that is refused shows as such.
 //
-//   gemm_bench [--iterations 50] [--m M --n N --k K] [--autotune 1]
+//   gemm_bench [--iterations 50] [--shapes gpt|flux|all] [--m M --n N --k K] [--autotune 1]
 //
-// Default: the four d24 shapes. --autotune 1: each problem runs the algorithm autotuning keeps
-// (gemm/gemm_tuning.h; timed in the warm-up, no cache file) instead of the heuristic's first.
+// Default: the d24 shapes (forward and weight gradients). --autotune 1: each cuBLASLt problem
+// runs the algorithm autotuning keeps (gemm/gemm_tuning.h; timed in the warm-up, no cache file)
+// instead of the heuristic's first.
 //
 // Times are medians of CUDA-event-timed calls after warm-up (the first call of a shape also
 // asks the heuristic, which the warm-up absorbs). Operands are random, never zeros.
@@ -16,6 +19,7 @@
 #include <functional>
 #include <iterator>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -23,6 +27,7 @@
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
 #include "core/error.h"
+#include "gemm/block_gemm_sm90.h"
 #include "gemm/cublaslt_gemm.h"
 #include "numerics/formats.h"
 
@@ -71,10 +76,24 @@ struct Shape {
   const char* what;
 };
 
+// d24 at 16k tokens (half a W-GPT24 micro-batch): forward (dgrad has the same sizes) and the
+// weight gradients, whose K is the tokens.
 constexpr Shape kD24Shapes[] = {{16384, 1536, 1536, "d24 q/k/v/proj, 16k tokens"},
                                 {16384, 6144, 1536, "d24 MLP up"},
                                 {16384, 1536, 6144, "d24 MLP down"},
-                                {1536, 6144, 16384, "d24 MLP-up weight gradient"}};
+                                {1536, 1536, 16384, "d24 q/k/v/proj weight gradient"},
+                                {6144, 1536, 16384, "d24 MLP-up weight gradient"},
+                                {1536, 6144, 16384, "d24 MLP-down weight gradient"}};
+// flux_535m at micro-batch 4: the double block's image stream (4 x 4096 tokens) and the single
+// block (4 x 4608 tokens), forward and weight gradients.
+constexpr Shape kFluxShapes[] = {{16384, 9216, 3072, "flux image qkv, 16k tokens"},
+                                 {16384, 12288, 3072, "flux image MLP up"},
+                                 {16384, 3072, 12288, "flux image MLP down"},
+                                 {18432, 21504, 3072, "flux single linear1, 18k tokens"},
+                                 {18432, 3072, 15360, "flux single linear2"},
+                                 {9216, 3072, 16384, "flux image qkv weight gradient"},
+                                 {3072, 12288, 16384, "flux image MLP-down weight gradient"},
+                                 {21504, 3072, 18432, "flux single linear1 weight gradient"}};
 
 // Median milliseconds of `launch` on `stream`; negative when the first call throws (a mode
 // cuBLASLt refuses), with the message in `refusal`.
@@ -115,7 +134,16 @@ int64_t flag(int argc, char** argv, const char* name, int64_t fallback) {
 
 int run(int argc, char** argv) {
   const int iterations = static_cast<int>(flag(argc, argv, "--iterations", 50));
-  std::vector<Shape> shapes(std::begin(kD24Shapes), std::end(kD24Shapes));
+  std::vector<Shape> shapes;
+  const char* set = "gpt";
+  for (int i = 1; i + 1 < argc; ++i) {
+    if (std::strcmp(argv[i], "--shapes") == 0) set = argv[i + 1];
+  }
+  const bool gpt = std::strcmp(set, "flux") != 0, flux = std::strcmp(set, "gpt") != 0;
+  FP8T_CHECK(gpt || flux || std::strcmp(set, "all") == 0,
+             "--shapes: expected gpt, flux or all, found '{}'", set);
+  if (gpt) shapes.insert(shapes.end(), std::begin(kD24Shapes), std::end(kD24Shapes));
+  if (flux) shapes.insert(shapes.end(), std::begin(kFluxShapes), std::end(kFluxShapes));
   if (flag(argc, argv, "--m", 0) > 0) {
     shapes = {{flag(argc, argv, "--m", 0), flag(argc, argv, "--n", 0), flag(argc, argv, "--k", 0),
                "command line"}};
@@ -132,9 +160,15 @@ int run(int argc, char** argv) {
     gemm.configure_tuning(tuning);
   }
 
-  const char* columns[] = {
-      "BF16",         "FP8 tensor, fast acc.", "FP8 tensor",       "FP8 row-wise, fast acc.",
-      "FP8 row-wise", "FP8 1x128 x 128x128",   "FP8 1x128 x 1x128"};
+  const char* columns[] = {"BF16",
+                           "FP8 tensor, fast acc.",
+                           "FP8 tensor",
+                           "FP8 row-wise, fast acc.",
+                           "FP8 row-wise",
+                           "FP8 1x128 x 128x128",
+                           "FP8 1x128 x 1x128",
+                           "fp8train 1x128 x 128x128",
+                           "fp8train 1x128 x 1x128"};
   std::vector<std::string> rows, refusals;
   for (const Shape& s : shapes) {
     const int64_t a_count = s.m * s.k, b_count = s.n * s.k;
@@ -161,7 +195,7 @@ int run(int argc, char** argv) {
     output.data = out.get();
     output.ld = s.n;
     output.type = GemmType::BF16;
-    const auto fp8_launch = [&](ScaleMode a_mode, ScaleMode b_mode, bool fast) {
+    const auto fp8_operands = [&](ScaleMode a_mode, ScaleMode b_mode) {
       Fp8Operand a, b;
       a.data = a_fp8.get();
       a.ld = s.k;
@@ -171,19 +205,33 @@ int run(int argc, char** argv) {
       b.ld = s.k;
       b.scale_mode = b_mode;
       b.scale_inv = b_scales.get();
-      return [&, a, b, fast] { gemm.fp8_gemm(s.m, s.n, s.k, a, b, output, fast, stream); };
+      return std::make_pair(a, b);
+    };
+    const auto cublaslt = [&](ScaleMode a_mode, ScaleMode b_mode, bool fast) {
+      const std::pair<Fp8Operand, Fp8Operand> ab = fp8_operands(a_mode, b_mode);
+      return [&, ab, fast] {
+        gemm.fp8_gemm(s.m, s.n, s.k, ab.first, ab.second, output, fast, stream);
+      };
+    };
+    const auto engine = [&](ScaleMode b_mode) {
+      const std::pair<Fp8Operand, Fp8Operand> ab = fp8_operands(ScaleMode::Block1x128, b_mode);
+      return [&, ab] {
+        fp8t::gemm::block_gemm_sm90(s.m, s.n, s.k, ab.first, ab.second, output, stream);
+      };
     };
     const std::function<void()> launches[] = {
         [&] {
           gemm.bf16_gemm(fp8t::gemm::Bf16Form::XWt, s.m, s.n, s.k, a_bf16.get(), s.k, b_bf16.get(),
                          s.k, output, stream);
         },
-        fp8_launch(ScaleMode::Tensor, ScaleMode::Tensor, true),
-        fp8_launch(ScaleMode::Tensor, ScaleMode::Tensor, false),
-        fp8_launch(ScaleMode::Row, ScaleMode::Row, true),
-        fp8_launch(ScaleMode::Row, ScaleMode::Row, false),
-        fp8_launch(ScaleMode::Block1x128, ScaleMode::Block128x128, false),
-        fp8_launch(ScaleMode::Block1x128, ScaleMode::Block1x128, false)};
+        cublaslt(ScaleMode::Tensor, ScaleMode::Tensor, true),
+        cublaslt(ScaleMode::Tensor, ScaleMode::Tensor, false),
+        cublaslt(ScaleMode::Row, ScaleMode::Row, true),
+        cublaslt(ScaleMode::Row, ScaleMode::Row, false),
+        cublaslt(ScaleMode::Block1x128, ScaleMode::Block128x128, false),
+        cublaslt(ScaleMode::Block1x128, ScaleMode::Block1x128, false),
+        engine(ScaleMode::Block128x128),
+        engine(ScaleMode::Block1x128)};
     const double flops = 2.0 * double(s.m) * double(s.n) * double(s.k);
     std::string row = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k) +
                       " (" + s.what + ")";

@@ -635,17 +635,20 @@ std::vector<ConfigKey> build_keys() {
   keys.push_back(boolean_key(
       "gemm_autotune", S::Run, [](auto& c) -> auto& { return c.run.gemm_autotune; },
       "GPU path: the first GEMM of each new problem (sizes, types, scale modes, epilogue) runs "
-      "cuBLASLt's candidate algorithms (up to 8 from its heuristic) on its own operands, drops "
-      "those whose result disagrees with the heuristic's first choice, times the rest and keeps "
-      "the fastest; choices persist in gemm_tuning_cache. false: the heuristic's first choice. "
+      "cuBLASLt's candidate algorithms (up to 8 from its heuristic; for block-scaled FP8 also "
+      "the engine's kernel) on its own operands, drops those whose result disagrees with the "
+      "heuristic's first choice, times the rest and keeps the fastest; choices persist in "
+      "gemm_tuning_cache. false: the heuristic's first choice. "
       "The environment variable FP8TRAIN_AUTOTUNE=0|1 takes precedence; a pinned gemm_backend "
       "or deterministic: true turns autotuning off."));
   keys.push_back(string_key(
       "gemm_backend", S::Run, [](auto& c) -> auto& { return c.run.gemm_backend; },
       "GPU path: pin the GEMM backend, for both precisions (cublaslt) or per precision "
-      "(fp8:cublaslt,bf16:cublaslt); a pinned precision runs the backend's default choice and "
-      "is not autotuned. Backends: cublaslt. Empty: none pinned. The environment variable "
-      "FP8TRAIN_GEMM_BACKEND takes precedence (empty or blank counts as unset)."));
+      "(fp8:fp8train,bf16:cublaslt); a pinned precision runs the backend's default choice and "
+      "is not autotuned. Backends: cublaslt (every GEMM), fp8train (fp8 only: the engine's "
+      "block-scaled sm_90a kernel for the blockwise recipe's GEMMs, cuBLASLt for the rest). "
+      "Empty: none pinned. The environment variable FP8TRAIN_GEMM_BACKEND takes precedence "
+      "(empty or blank counts as unset)."));
   keys.push_back(string_key(
       "gemm_tuning_cache", S::Run, [](auto& c) -> auto& { return c.run.gemm_tuning_cache; },
       "The file where autotuned GEMM choices persist, per GPU model and library versions (others' "

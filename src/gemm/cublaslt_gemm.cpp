@@ -23,6 +23,7 @@
 #include "core/device_buffer.h"
 #include "core/error.h"
 #include "core/phase_timer.h"
+#include "gemm/block_gemm_sm90.h"
 #include "gemm/output_difference.h"
 
 namespace fp8t::gemm {
@@ -184,6 +185,9 @@ struct Problem {
   bool fast_accumulation = false;
   const void* bias = nullptr;
   GemmType bias_type = GemmType::BF16;
+  // FP8 only: the call as the caller made it, for the engine's own kernel (block_gemm_sm90.h).
+  Fp8Operand caller_a, caller_b;
+  GemmOutput caller_out;
 };
 
 std::string describe(const Problem& p) {
@@ -368,6 +372,9 @@ std::string algorithm_hex(const cublasLtMatmulAlgo_t& algo) {
 
 // How far a candidate's output may lie from the heuristic's first choice's (‖Δ‖/‖ref‖): the
 // two differ in summation order, and an output type rounds the difference up to its precision.
+// How the tuning cache names the engine's own kernel in place of a cuBLASLt algorithm.
+constexpr const char* kEngineAlgorithm = "fp8train";
+
 double agreement_tolerance(GemmType type) {
   switch (type) {
     case GemmType::F32:
@@ -387,6 +394,7 @@ struct Plan {
   MatmulDesc desc;
   Layout a, b, c, d;  // c differs from d only for FP8 outputs, whose C must be BF16
   cublasLtMatmulAlgo_t algo{};
+  bool engine = false;  // the engine's own kernel serves the problem instead of cuBLASLt
   std::string refusal;  // non-empty: cuBLASLt offers no algorithm; the message to throw
   // Autotuning: what the heuristic offered, first choice first (emptied once one is kept).
   std::vector<cublasLtMatmulAlgo_t> candidates;
@@ -586,6 +594,17 @@ struct CublasLtGemm::State {
     return tuning.autotune(p.kind == Kind::Fp8 ? GemmPrecision::Fp8 : GemmPrecision::Bf16);
   }
 
+  static bool engine_serves(const Problem& p) {
+    return p.kind == Kind::Fp8 && block_gemm_sm90_serves(p.caller_a, p.caller_b, p.caller_out);
+  }
+
+  // The problem on the engine's kernel, into `out` (the caller's output or a scratch one).
+  static void launch_engine(const Problem& p, void* out, cudaStream_t stream) {
+    GemmOutput target = p.caller_out;
+    target.data = out;
+    block_gemm_sm90(p.m, p.n, p.k, p.caller_a, p.caller_b, target, stream);
+  }
+
   // The cached plan of the problem. A new problem asks the heuristic once, whatever it answers:
   // a refusal (at any step) is cached too, and thrown again on every call. An autotuned one
   // then chooses among the candidates (on `stream`, waiting for the answer).
@@ -601,9 +620,13 @@ struct CublasLtGemm::State {
     } catch (const Error& error) {
       plan.refusal = error.what();
     }
-    if (plan.refusal.empty() && autotuned(p)) {
-      if (plan.candidates.size() > 1) {
-        choose(p, key, plan, stream);
+    const bool engine = engine_serves(p);
+    if (engine && tuning.pins.fp8 == GemmBackend::Fp8train) {
+      plan.engine = true;
+      plan.refusal.clear();
+    } else if (plan.refusal.empty() && autotuned(p)) {
+      if (plan.candidates.size() > 1 || engine) {
+        choose(p, key, plan, stream, engine);
       } else {  // nothing to choose from
         tuning_records.push_back({.problem = describe(p), .candidates = 1, .agreeing = 1});
       }
@@ -622,20 +645,32 @@ struct CublasLtGemm::State {
   }
 
   // Autotuning: the tuned choice from the cache file when the heuristic still offers it at the
-  // same place; otherwise each candidate runs into scratch outputs, those that disagree with
-  // the first (the heuristic's choice) drop out, and the fastest of the rest wins.
-  void choose(const Problem& p, const PlanKey& key, Plan& plan, cudaStream_t stream) {
+  // same place (or it is the engine's kernel, which serves the problem); otherwise each
+  // candidate runs into scratch outputs, those that disagree with the first (the heuristic's
+  // choice) drop out, and the fastest of the rest wins. The engine's kernel, when it serves
+  // the problem, is the last candidate.
+  void choose(const Problem& p, const PlanKey& key, Plan& plan, cudaStream_t stream, bool engine) {
     const std::string text = problem_text(key);
     const int offered = static_cast<int>(plan.candidates.size());
-    TuningRecord record{.problem = describe(p), .candidates = offered};
+    const int engine_index = engine ? offered : -1;
+    const int total = offered + (engine ? 1 : 0);
+    TuningRecord record{.problem = describe(p), .candidates = total};
     if (tuning_cache) {
       const TunedGemm* tuned = tuning_cache->find(text);
-      if (tuned != nullptr && tuned->candidates == kTuneCandidates && tuned->candidate < offered &&
-          algorithm_hex(plan.candidates[size_t(tuned->candidate)]) == tuned->algorithm) {
-        plan.algo = plan.candidates[size_t(tuned->candidate)];
+      const bool cached_engine = tuned != nullptr && engine && tuned->algorithm == kEngineAlgorithm;
+      if (tuned != nullptr && tuned->candidates == kTuneCandidates &&
+          (cached_engine ||
+           (tuned->candidate < offered &&
+            algorithm_hex(plan.candidates[size_t(tuned->candidate)]) == tuned->algorithm))) {
+        if (cached_engine) {
+          plan.engine = true;
+        } else {
+          plan.algo = plan.candidates[size_t(tuned->candidate)];
+        }
         ++counters.tuned_from_file;
         record.from_cache = true;
-        record.winner = tuned->candidate;
+        record.engine = cached_engine;
+        record.winner = cached_engine ? engine_index : tuned->candidate;
         record.heuristic_ms = tuned->heuristic_ms;
         record.best_ms = tuned->ms;
         tuning_records.push_back(record);
@@ -660,21 +695,33 @@ struct CublasLtGemm::State {
     }
     Problem trial = p;
     if (p.amax != nullptr) trial.amax = amax.get();
+    // Runs candidate `index` into trial.out; false when it fails.
+    const auto run_candidate = [&](int index) {
+      if (index == engine_index) {
+        try {
+          launch_engine(trial, trial.out, stream);
+          return true;
+        } catch (const Error&) {
+          return false;
+        }
+      }
+      return launch(plan, plan.candidates[size_t(index)], trial, stream) == CUBLAS_STATUS_SUCCESS;
+    };
     const auto run_into = [&](const ScratchMemory& out, int index) {
       trial.out = out.get();
       trial.d.data = out.get();
       FP8T_CUDA_CHECK(cudaMemsetAsync(out.get(), 0, bytes, stream));
-      return launch(plan, plan.candidates[size_t(index)], trial, stream);
+      return run_candidate(index);
     };
-    std::vector<CandidateTrial> trials(static_cast<size_t>(offered));
-    trials[0].ran = run_into(reference, 0) == CUBLAS_STATUS_SUCCESS;
+    std::vector<CandidateTrial> trials(static_cast<size_t>(total));
+    trials[0].ran = run_into(reference, 0);
     if (!trials[0].ran) {  // the first choice fails here: the call will say why
       tuning_records.push_back(record);
       return;
     }
-    for (int index = 1; index < offered; ++index) {
+    for (int index = 1; index < total; ++index) {
       CandidateTrial& result = trials[size_t(index)];
-      result.ran = run_into(candidate, index) == CUBLAS_STATUS_SUCCESS;
+      result.ran = run_into(candidate, index);
       if (result.ran) {
         result.relative_difference =
             relative_difference(view, candidate.get(), reference.get(), stream);
@@ -682,7 +729,7 @@ struct CublasLtGemm::State {
     }
     const double tolerance = agreement_tolerance(p.out_type);
     TimingEvents events(2);
-    for (int index = 0; index < offered; ++index) {
+    for (int index = 0; index < total; ++index) {
       CandidateTrial& result = trials[size_t(index)];
       if (!result.ran || !(result.relative_difference <= tolerance)) continue;
       ++record.agreeing;
@@ -691,8 +738,7 @@ struct CublasLtGemm::State {
       std::vector<double> times;
       for (int run = 0; run <= kTuneRuns && result.ran; ++run) {  // run 0 warms up
         events.record(0, stream);
-        result.ran =
-            launch(plan, plan.candidates[size_t(index)], trial, stream) == CUBLAS_STATUS_SUCCESS;
+        result.ran = run_candidate(index);
         events.record(1, stream);
         events.synchronize(1);
         if (run > 0) times.push_back(events.ms(0, 1));
@@ -702,16 +748,19 @@ struct CublasLtGemm::State {
       result.ms = times[times.size() / 2];
     }
     const int winner = std::max(0, fastest_agreeing(trials, tolerance));
-    plan.algo = plan.candidates[size_t(winner)];
+    plan.engine = winner == engine_index;
+    if (!plan.engine) plan.algo = plan.candidates[size_t(winner)];
     ++counters.tuned;
     record.winner = winner;
+    record.engine = plan.engine;
     record.heuristic_ms = trials[0].ms;
     record.best_ms = trials[size_t(winner)].ms;
     tuning_records.push_back(record);
     if (tuning_cache) {
       tuning_cache->put(text, {.candidate = winner,
                                .candidates = kTuneCandidates,
-                               .algorithm = algorithm_hex(plan.algo),
+                               .algorithm = plan.engine ? std::string(kEngineAlgorithm)
+                                                        : algorithm_hex(plan.algo),
                                .ms = record.best_ms,
                                .heuristic_ms = record.heuristic_ms});
     }
@@ -803,6 +852,11 @@ struct CublasLtGemm::State {
     ++counters.calls;
     Plan& plan = plan_for(p, stream);
     if (!plan.refusal.empty()) throw Error(plan.refusal);
+    if (plan.engine) {
+      ++counters.engine_calls;
+      launch_engine(p, p.out, stream);
+      return;
+    }
     FP8T_CUBLASLT_CHECK(launch(plan, plan.algo, p, stream), p);
   }
 };
@@ -832,22 +886,23 @@ std::string CublasLtGemm::tuning_summary() const {
     text += warning + "\n";
   const std::vector<TuningRecord>& records = state_->tuning_records;
   if (records.empty()) return text;
-  int single = 0, changed = 0, no_scratch = 0;
+  int single = 0, changed = 0, engine = 0, no_scratch = 0;
   double heuristic_ms = 0.0, best_ms = 0.0;
   for (const TuningRecord& record : records) {
     single += record.candidates == 1 ? 1 : 0;
     no_scratch += record.no_scratch ? 1 : 0;
     changed += record.winner != 0 ? 1 : 0;
+    engine += record.engine ? 1 : 0;
     heuristic_ms += record.heuristic_ms;
     best_ms += record.best_ms;
   }
   text += fmt::format(
       "GEMM autotuning: {} problems: {} timed now, {} from {}, {} with one candidate only; {} "
-      "run another algorithm than the heuristic's first; one call of each takes {:.3f} ms in all "
-      "against {:.3f} ms ({:+.1f} %)",
+      "run another algorithm than the heuristic's first ({} the engine's block-scaled kernel); "
+      "one call of each takes {:.3f} ms in all against {:.3f} ms ({:+.1f} %)",
       records.size(), state_->counters.tuned, state_->counters.tuned_from_file,
       state_->tuning_cache ? state_->tuning_cache->path() : std::string("the cache file"), single,
-      changed, best_ms, heuristic_ms,
+      changed, engine, best_ms, heuristic_ms,
       heuristic_ms > 0.0 ? 100.0 * (best_ms / heuristic_ms - 1.0) : 0.0);
   if (no_scratch > 0) {
     text += fmt::format("; {} not timed for want of device memory for scratch outputs", no_scratch);
@@ -1022,6 +1077,9 @@ void CublasLtGemm::fp8_gemm(int64_t m, int64_t n, int64_t k, const Fp8Operand& a
              gemm_type_name(out.bias_type));
 
   map_operands(p, a.data, cuda_type(a.format), a.ld, b.data, cuda_type(b.format), b.ld);
+  p.caller_a = a;
+  p.caller_b = b;
+  p.caller_out = out;
   p.out = out.data;
   p.d.data = out.data;
   p.d.type = cuda_type(out.type);

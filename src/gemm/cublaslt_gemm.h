@@ -11,7 +11,10 @@
 // kTuneCandidates algorithms, runs each on the call's own operands into scratch outputs,
 // rejects those whose result differs from the first candidate's by more than the output type's
 // tolerance, times the rest (median of kTuneRuns) and keeps the fastest; with a cache file the
-// winner is saved, and a later process takes it from the file without timing. The workspace is
+// winner is saved, and a later process takes it from the file without timing. Block-scaled FP8
+// problems that the engine's own kernel serves (block_gemm_sm90.h) have it as one more
+// candidate, checked and timed like the others; with the fp8 backend pinned to fp8train they
+// run on it untimed. The workspace is
 // shared by all calls, so calls on different streams must not overlap in time (use one CublasLtGemm
 // per concurrent stream); an instance is not thread-safe.
 //
@@ -181,6 +184,7 @@ class CublasLtGemm {
     int candidates = 0;       // algorithms the heuristic offered (1: none timed)
     int agreeing = 0;         // of them: ran and agreed with the first (from_cache: 0)
     int winner = 0;           // the index of the one kept (0: the heuristic's first)
+    bool engine = false;      // the one kept is the engine's kernel (the last candidate)
     bool no_scratch = false;  // not timed: no device memory for the scratch outputs
     double heuristic_ms = 0.0, best_ms = 0.0;  // medians (from the cache: when it was tuned)
   };
@@ -196,6 +200,7 @@ class CublasLtGemm {
     int64_t cache_hits = 0;         // calls that reused a cached answer
     int64_t tuned = 0;              // problems autotuned by timing their candidates
     int64_t tuned_from_file = 0;    // problems whose tuned algorithm came from the cache file
+    int64_t engine_calls = 0;       // calls the engine's own kernel served (block_gemm_sm90.h)
   };
   Counters counters() const;
   size_t cached_problems() const;

@@ -64,8 +64,17 @@ GemmBackendPins parse_gemm_backends(std::string_view text, std::string_view sour
   GemmBackendPins pins;
   text = trimmed(text);
   if (text.empty()) return pins;
+  const auto check_bf16 = [&](GemmBackend backend) {
+    if (backend == GemmBackend::Fp8train) {
+      throw ConfigError(
+          fmt::format("{}: the GEMM backend fp8train serves FP8 GEMMs only, found '{}'; pin it as "
+                      "fp8:fp8train",
+                      source, text));
+    }
+    return backend;
+  };
   if (text.find(':') == std::string_view::npos) {
-    pins.bf16 = pins.fp8 = backend_named(text, text, source);
+    pins.bf16 = pins.fp8 = check_bf16(backend_named(text, text, source));
     return pins;
   }
   std::string_view rest = text;
@@ -84,7 +93,7 @@ GemmBackendPins parse_gemm_backends(std::string_view text, std::string_view sour
     if (precision == "fp8") {
       pins.fp8 = backend;
     } else if (precision == "bf16") {
-      pins.bf16 = backend;
+      pins.bf16 = check_bf16(backend);
     } else {
       throw ConfigError(fmt::format("{}: unknown precision '{}' in '{}'; expected fp8 or bf16",
                                     source, precision, text));
@@ -139,7 +148,8 @@ GemmTuning resolve_gemm_tuning(const GemmTuningRequest& request,
     const bool both = tuning.autotune_bf16 && tuning.autotune_fp8;
     tuning.notes.push_back(fmt::format(
         "GEMM autotuning: on for {} ({}): each new GEMM problem times cuBLASLt's candidates "
-        "once and keeps the fastest that agrees with the heuristic's first choice{}",
+        "(and, for block-scaled FP8, the engine's kernel) once and keeps the fastest that agrees "
+        "with the heuristic's first choice{}",
         both                  ? "bf16 and fp8"
         : tuning.autotune_fp8 ? "fp8"
                               : "bf16",

@@ -21,12 +21,15 @@
 
 namespace fp8t::gemm {
 
-// The implementations a GEMM can run on. cuBLASLt is the only one today: autotuning chooses
-// among the algorithms its heuristic offers; pinned, a GEMM runs the heuristic's first choice.
-enum class GemmBackend : uint8_t { Cublaslt };
+// The implementations a GEMM can run on. cuBLASLt serves every GEMM: autotuning chooses among
+// the algorithms its heuristic offers; pinned, a GEMM runs the heuristic's first choice.
+// fp8train, the engine's own kernel (block_gemm_sm90.h), serves block-scaled FP8 GEMMs on
+// sm_90a: autotuning times it as one more candidate; pinned (for fp8 only), every GEMM it
+// serves runs on it and the others stay on cuBLASLt.
+enum class GemmBackend : uint8_t { Cublaslt, Fp8train };
 
 inline constexpr std::pair<std::string_view, GemmBackend> kGemmBackends[] = {
-    {"cublaslt", GemmBackend::Cublaslt}};
+    {"cublaslt", GemmBackend::Cublaslt}, {"fp8train", GemmBackend::Fp8train}};
 
 const char* gemm_backend_name(GemmBackend backend);
 // "cublaslt": the valid backend names, for messages.
@@ -44,8 +47,9 @@ struct GemmBackendPins {
 };
 
 // Parses a backend choice: "cublaslt" (both precisions) or a list per precision
-// ("fp8:cublaslt,bf16:cublaslt", either part may be left out). Empty or blank text pins nothing.
-// Throws fp8t::ConfigError naming `source` (the key or variable) and the valid names.
+// ("fp8:fp8train,bf16:cublaslt", either part may be left out). Empty or blank text pins nothing.
+// Throws fp8t::ConfigError naming `source` (the key or variable) and the valid names, also for
+// fp8train pinned for bf16 (it has no BF16 GEMM).
 GemmBackendPins parse_gemm_backends(std::string_view text, std::string_view source);
 
 // What the config asks for (the keys of the same names).

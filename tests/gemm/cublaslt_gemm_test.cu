@@ -29,6 +29,7 @@
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
 #include "core/error.h"
+#include "gemm/block_gemm_sm90.h"
 #include "gemm/cpu_gemm.h"
 #include "gemm/cublaslt_gemm.h"
 #include "gemm/output_difference.h"
@@ -1275,7 +1276,8 @@ void check_records(const CublasLtGemm& gemm, size_t problems) {
     EXPECT_FALSE(record.from_cache) << record.problem;
     EXPECT_FALSE(record.no_scratch) << record.problem;
     EXPECT_GE(record.candidates, 1) << record.problem;
-    EXPECT_LE(record.candidates, CublasLtGemm::kTuneCandidates) << record.problem;
+    // cuBLASLt's candidates, and the engine's kernel where it serves the problem.
+    EXPECT_LE(record.candidates, CublasLtGemm::kTuneCandidates + 1) << record.problem;
     EXPECT_GE(record.agreeing, 1) << record.problem;  // the first agrees with itself
     EXPECT_LE(record.agreeing, record.candidates) << record.problem;
     EXPECT_GE(record.winner, 0) << record.problem;
@@ -1438,6 +1440,193 @@ TEST_F(CublasLtGemmTest, TuningCacheFileServesTheNextRun) {
   std::ifstream file(path);
   const std::string saved((std::istreambuf_iterator<char>(file)), {});
   EXPECT_NE(saved.find("\"gpu\": \"Another "), std::string::npos) << "the other GPU's entry";
+}
+
+// ---- The engine's block-scaled kernel (block_gemm_sm90.h) ----
+
+// Values whose magnitudes span 1e-6 to 1e3 within every 128-element block: each element's
+// magnitude is drawn log-uniformly, so the blocks' scales have to carry the large ones and the
+// small ones lose digits exactly as the reference's dequantized codes say.
+std::vector<float> wide_values(TestRng& rng, int64_t rows, int64_t cols) {
+  std::vector<float> values(static_cast<size_t>(rows * cols));
+  for (float& value : values) {
+    const double magnitude = std::pow(10.0, rng.uniform(-6.0, 3.0));
+    value = static_cast<float>(rng.uniform_int(0, 1) == 0 ? magnitude : -magnitude);
+  }
+  return values;
+}
+
+// The problem on the engine's kernel, waited for.
+void run_engine(const Shape& s, const DeviceOperand& a, const DeviceOperand& b,
+                const GemmOutput& out, cudaStream_t stream) {
+  block_gemm_sm90(s.m, s.n, s.k, a.view(), b.view(), out, stream);
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
+class EngineBlockGemmTest : public CublasLtGemmTest {
+ protected:
+  void SetUp() override {
+    CublasLtGemmTest::SetUp();
+    Fp8Operand a, b;
+    a.scale_mode = b.scale_mode = ScaleMode::Block1x128;
+    GemmOutput out;
+    std::string why;
+    if (!block_gemm_sm90_serves(a, b, out, &why)) GTEST_SKIP() << why;
+  }
+};
+
+// Awkward sizes (M, N and K not multiples of the 128 tiles, padded strides) and large ones, every
+// format pair wgmma takes, b in 1x128 blocks and in 128x128 tiles, f32 and bf16 outputs, written
+// and accumulated; values spanning 1e-6 to 1e3 within each block.
+TEST_F(EngineBlockGemmTest, MatchesCpuOnAwkwardAndLargeShapes) {
+  SCOPED_TRACE(rng_.trace());
+  const Shape shapes[] = {{4, 4, 16},      {48, 80, 144},      {100, 36, 272},  {260, 388, 1040},
+                          {128, 128, 128}, {1024, 1536, 6144}, {640, 512, 8192}};
+  const FormatPair formats[] = {{Fp8Format::E4M3, Fp8Format::E4M3},
+                                {Fp8Format::E5M2, Fp8Format::E4M3},
+                                {Fp8Format::E4M3, Fp8Format::E5M2},
+                                {Fp8Format::E5M2, Fp8Format::E5M2}};
+  for (size_t index = 0; index < std::size(shapes); ++index) {
+    const Shape s = shapes[index];
+    const bool padded = index % 2 == 1;
+    const int64_t ld_a = padded ? s.k + 16 : s.k, ld_b = padded ? s.k + 48 : s.k;
+    const int64_t ld_out = padded ? s.n + 8 : s.n;
+    const std::vector<float> x = wide_values(rng_, s.m, s.k), w = wide_values(rng_, s.n, s.k);
+    // The large shapes (their float64 references take seconds) with the hybrid recipe's pairs.
+    const size_t pairs = s.m * s.n * s.k > int64_t{1} << 30 ? 2 : std::size(formats);
+    for (const ScaleMode b_mode : {ScaleMode::Block1x128, ScaleMode::Block128x128}) {
+      for (size_t pair_index = 0; pair_index < pairs; ++pair_index) {
+        const FormatPair pair = formats[pair_index];
+        const HostOperand a = quantize_operand(x, s.m, s.k, ld_a, pair.a, ScaleMode::Block1x128);
+        const HostOperand b = quantize_operand(w, s.n, s.k, ld_b, pair.b, b_mode);
+        const DeviceOperand device_a(a), device_b(b);
+        const std::vector<double> product = xwt_reference(s, a.values, b.values);
+        for (const GemmType out_type : {GemmType::F32, GemmType::BF16}) {
+          for (const bool accumulate : {false, true}) {
+            const std::string what =
+                "engine " + fp8_text(s, a, b, out_type, false) + (accumulate ? " accumulated" : "");
+            DeviceOutput out(out_type, s.m, s.n, ld_out);
+            std::vector<double> ref = product;
+            if (accumulate) {
+              const std::vector<double> before =
+                  random_exact(rng_, static_cast<size_t>(s.m * s.n), out_type);
+              out.set(before);
+              for (size_t i = 0; i < ref.size(); ++i)
+                ref[i] += before[i];
+            }
+            run_engine(s, device_a, device_b, out.view(accumulate), stream_);
+            check(out.values(), ref, s.n, fp8_bound(out_type, false), what);
+            check_padding(out, what);
+          }
+        }
+      }
+    }
+  }
+}
+
+// Integer codes and power-of-2 scales (see integer_operand): the kernel promotes every 128-wide
+// K block, so it must give the exact product element for element.
+TEST_F(EngineBlockGemmTest, IntegerInputsGiveExactProducts) {
+  SCOPED_TRACE(rng_.trace());
+  for (const Shape s : {Shape{48, 80, 144}, Shape{256, 512, 1024}, Shape{132, 260, 400}}) {
+    for (const ScaleMode b_mode : {ScaleMode::Block1x128, ScaleMode::Block128x128}) {
+      for (const FormatPair formats : kFormatPairs) {
+        const HostOperand a = integer_operand(rng_, s.m, s.k, formats.a, ScaleMode::Block1x128);
+        const HostOperand b = integer_operand(rng_, s.n, s.k, formats.b, b_mode);
+        const std::vector<double> ref = xwt_reference(s, a.values, b.values);
+        const DeviceOperand device_a(a), device_b(b);
+        DeviceOutput out(GemmType::F32, s.m, s.n, s.n);
+        run_engine(s, device_a, device_b, out.view(), stream_);
+        const Errors errors = compare(out.values(), ref);
+        const std::string what = "engine integer " + fp8_text(s, a, b, GemmType::F32, false);
+        std::printf("[ measured ] %s: %lld of %lld elements differ\n", what.c_str(),
+                    static_cast<long long>(errors.mismatches + errors.non_finite),
+                    static_cast<long long>(ref.size()));
+        EXPECT_EQ(errors.mismatches + errors.non_finite, 0)
+            << what << ": worst element [row " << errors.worst / s.n << ", col "
+            << errors.worst % s.n << "]: out " << errors.worst_out << ", ref " << errors.worst_ref;
+      }
+    }
+  }
+}
+
+// What the kernel does not serve, it refuses with the reason, and the call names the problem.
+TEST_F(EngineBlockGemmTest, RefusesWhatItDoesNotServe) {
+  Fp8Operand blocks, tensor;
+  blocks.scale_mode = ScaleMode::Block1x128;
+  tensor.scale_mode = ScaleMode::Tensor;
+  GemmOutput out;
+  std::string why;
+  EXPECT_FALSE(block_gemm_sm90_serves(tensor, blocks, out, &why));
+  EXPECT_NE(why.find("1x128"), std::string::npos) << why;
+  GemmOutput with_bias;
+  const float bias = 0.0f;
+  with_bias.bias = &bias;
+  EXPECT_FALSE(block_gemm_sm90_serves(blocks, blocks, with_bias, &why));
+  EXPECT_NE(why.find("bias"), std::string::npos) << why;
+  GemmOutput fp8_out;
+  fp8_out.type = GemmType::E4M3;
+  EXPECT_FALSE(block_gemm_sm90_serves(blocks, blocks, fp8_out, &why));
+  try {
+    block_gemm_sm90(64, 64, 128, tensor, blocks, out, stream_);
+    ADD_FAILURE() << "expected a refusal";
+  } catch (const Error& error) {
+    EXPECT_NE(std::string(error.what()).find("M=64, N=64, K=128"), std::string::npos)
+        << error.what();
+  }
+}
+
+// Autotuning offers the engine's kernel as one more candidate of the block-scaled problems (the
+// weight gradient's 1x128 x 1x128 and the forward's 1x128 x 128x128), and whichever wins, the
+// result is the product; pinned for fp8, the kernel serves the calls without timing.
+TEST_F(EngineBlockGemmTest, IsACandidateOfAutotuningAndCanBePinned) {
+  SCOPED_TRACE(rng_.trace());
+  const Shape s{512, 768, 2048};
+  const std::vector<float> x = random_values(rng_, s.m, s.k), w = random_values(rng_, s.n, s.k);
+  for (const bool pinned : {false, true}) {
+    CublasLtGemm gemm;
+    GemmTuning tuning;
+    tuning.autotune_fp8 = !pinned;
+    if (pinned) tuning.pins.fp8 = GemmBackend::Fp8train;
+    gemm.configure_tuning(tuning);
+    for (const ScaleMode b_mode : {ScaleMode::Block1x128, ScaleMode::Block128x128}) {
+      const HostOperand a =
+          quantize_operand(x, s.m, s.k, s.k, Fp8Format::E5M2, ScaleMode::Block1x128);
+      const HostOperand b = quantize_operand(w, s.n, s.k, s.k, Fp8Format::E4M3, b_mode);
+      const DeviceOperand device_a(a), device_b(b);
+      const std::vector<double> before =
+          random_exact(rng_, static_cast<size_t>(s.m * s.n), GemmType::F32);
+      std::vector<double> ref = xwt_reference(s, a.values, b.values);
+      for (size_t i = 0; i < ref.size(); ++i)
+        ref[i] += before[i];
+      DeviceOutput out(GemmType::F32, s.m, s.n, s.n);
+      out.set(before);
+      gemm.fp8_gemm(s.m, s.n, s.k, device_a.view(), device_b.view(), out.view(true), false,
+                    stream_);
+      FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      const std::string what = std::string(pinned ? "pinned " : "autotuned ") +
+                               fp8_text(s, a, b, GemmType::F32, false) + " accumulated";
+      check(out.values(), ref, s.n, kFp8Bound, what);
+    }
+    if (pinned) {
+      EXPECT_EQ(gemm.counters().engine_calls, 2);
+      EXPECT_TRUE(gemm.tuning_records().empty());
+    } else {
+      const std::vector<CublasLtGemm::TuningRecord> records = gemm.tuning_records();
+      ASSERT_EQ(records.size(), 2u);
+      for (const CublasLtGemm::TuningRecord& record : records) {
+        std::printf(
+            "[ tuned    ] %s: %d candidates, %d agreeing, kept #%d%s: %.4f ms (first "
+            "%.4f ms)\n",
+            record.problem.c_str(), record.candidates, record.agreeing, record.winner,
+            record.engine ? " (the engine's kernel)" : "", record.best_ms, record.heuristic_ms);
+        EXPECT_GE(record.candidates, 2) << "the engine's kernel is a candidate";
+        EXPECT_EQ(record.engine, record.winner == record.candidates - 1) << record.problem;
+      }
+      EXPECT_EQ(gemm.counters().engine_calls,
+                (records[0].engine ? 1 : 0) + (records[1].engine ? 1 : 0));
+    }
+  }
 }
 
 // The agreement check itself: ‖out − ref‖/‖ref‖ over the elements only (not the padding), FP8

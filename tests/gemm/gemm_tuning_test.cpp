@@ -129,10 +129,11 @@ TEST(GemmTuningSettings, BadValuesAreErrorsNamingTheSourceAndTheChoices) {
         resolve_gemm_tuning(keys(true), environment({{"FP8TRAIN_GEMM_BACKEND", "cutlass"}}));
       }),
       "FP8TRAIN_GEMM_BACKEND: unknown GEMM backend 'cutlass' in 'cutlass'; "
-      "expected one of: cublaslt"));
+      "expected one of: cublaslt, fp8train"));
   EXPECT_TRUE(Contains(
       error_message<ConfigError>([] { parse_gemm_backends("fp8:triton", "gemm_backend"); }),
-      "gemm_backend: unknown GEMM backend 'triton' in 'fp8:triton'; expected one of: cublaslt"));
+      "gemm_backend: unknown GEMM backend 'triton' in 'fp8:triton'; expected one of: cublaslt, "
+      "fp8train"));
   EXPECT_TRUE(Contains(
       error_message<ConfigError>([] { parse_gemm_backends("fp4:cublaslt", "gemm_backend"); }),
       "gemm_backend: unknown precision 'fp4' in 'fp4:cublaslt'; expected fp8 or bf16"));
@@ -152,6 +153,24 @@ TEST(GemmTuningSettings, BackendListsParsePerPrecision) {
   EXPECT_FALSE(fp8_only.bf16.has_value());
   EXPECT_EQ(fp8_only.fp8, GemmBackend::Cublaslt);
   EXPECT_FALSE(parse_gemm_backends("", "key").fp8.has_value());
+  const GemmBackendPins own = parse_gemm_backends("fp8:fp8train,bf16:cublaslt", "key");
+  EXPECT_EQ(own.fp8, GemmBackend::Fp8train);
+  EXPECT_EQ(own.bf16, GemmBackend::Cublaslt);
+}
+
+TEST(GemmTuningSettings, TheEnginesKernelIsPinnedForFp8Only) {
+  for (const char* text : {"fp8train", "bf16:fp8train", "fp8:cublaslt,bf16:fp8train"}) {
+    SCOPED_TRACE(text);
+    EXPECT_TRUE(Contains(error_message<ConfigError>([&] { parse_gemm_backends(text, "key"); }),
+                         "key: the GEMM backend fp8train serves FP8 GEMMs only"));
+  }
+  const GemmTuning tuning =
+      resolve_gemm_tuning(keys(true), environment({{"FP8TRAIN_GEMM_BACKEND", "fp8:fp8train"}}));
+  EXPECT_FALSE(tuning.autotune_fp8);
+  EXPECT_TRUE(tuning.autotune_bf16);
+  EXPECT_TRUE(Contains(all_notes(tuning),
+                       "GEMM backend for fp8: fp8train, pinned by FP8TRAIN_GEMM_BACKEND; "
+                       "autotuning is off for fp8"));
 }
 
 TEST(GemmCandidateSelection, OnlyACandidateThatAgreesMayWin) {

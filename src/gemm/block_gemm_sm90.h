@@ -1,0 +1,38 @@
+// The engine's own block-scaled FP8 GEMM for Hopper (sm_90a), the recipe of DeepSeek-V3:
+// out[M, N] (+)= a[M, K]·b[N, K]ᵀ with a scaled in 1x128 blocks along K and b in 1x128 blocks
+// or 128x128 tiles (the layouts of ScaleMode). Each 128-wide K block's partial sums leave the
+// tensor cores after that block and join an fp32 accumulator multiplied by their two scales, so
+// no partial sum spans more than 128 products. cuBLASLt's block-scaled GEMMs on sm_90 are slow
+// where both operands have 1x128 blocks (the weight gradient); this kernel is one more candidate
+// that autotuning times against cuBLASLt's (cublaslt_gemm.h).
+//
+// Tiles of 128x128 outputs, one per thread block: a producer thread loads the operands' 128x128
+// K blocks by TMA, and their scales, into a ring of shared-memory stages; two consumer
+// warpgroups multiply them with wgmma (64 rows each) and promote the partial sums (docs/gemm.md).
+//
+// This header stays within C++17 and without fmt: CUDA tests and benchmarks include it.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include <cuda_runtime_api.h>
+
+#include "gemm/cublaslt_gemm.h"
+
+namespace fp8t::gemm {
+
+// Whether block_gemm_sm90 serves the problem on the current device: a program built for sm_90a
+// running on an sm_90 GPU; a in 1x128 blocks, b in 1x128 blocks or 128x128 tiles; an f32 or
+// bf16 output, accumulated or not, without bias, addend, output scale or amax. Otherwise
+// returns false and, when `why` is given, says what rules it out.
+bool block_gemm_sm90_serves(const Fp8Operand& a, const Fp8Operand& b, const GemmOutput& out,
+                            std::string* why = nullptr);
+
+// Runs the GEMM asynchronously on `stream`. The sizes, strides and alignments follow
+// CublasLtGemm::fp8_gemm's rules (K a multiple of 16, M and N multiples of 4, 16-byte aligned
+// operands, scales and output rows); throws fp8t::Error when the problem is not served.
+void block_gemm_sm90(int64_t m, int64_t n, int64_t k, const Fp8Operand& a, const Fp8Operand& b,
+                     const GemmOutput& out, cudaStream_t stream);
+
+}  // namespace fp8t::gemm
