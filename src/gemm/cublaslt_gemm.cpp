@@ -370,11 +370,11 @@ std::string algorithm_hex(const cublasLtMatmulAlgo_t& algo) {
   return text;
 }
 
-// How far a candidate's output may lie from the heuristic's first choice's (‖Δ‖/‖ref‖): the
-// two differ in summation order, and an output type rounds the difference up to its precision.
 // How the tuning cache names the engine's own kernel in place of a cuBLASLt algorithm.
 constexpr const char* kEngineAlgorithm = "fp8train";
 
+// How far a candidate's output may lie from the heuristic's first choice's (‖Δ‖/‖ref‖): the
+// two differ in summation order, and an output type rounds the difference up to its precision.
 double agreement_tolerance(GemmType type) {
   switch (type) {
     case GemmType::F32:
