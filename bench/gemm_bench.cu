@@ -125,20 +125,22 @@ double median_ms(const std::function<void()>& launch, cudaStream_t stream, int i
   return times[times.size() / 2];
 }
 
-int64_t flag(int argc, char** argv, const char* name, int64_t fallback) {
+const char* text_flag(int argc, char** argv, const char* name, const char* fallback) {
   for (int i = 1; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], name) == 0) return std::atoll(argv[i + 1]);
+    if (std::strcmp(argv[i], name) == 0) return argv[i + 1];
   }
   return fallback;
+}
+
+int64_t flag(int argc, char** argv, const char* name, int64_t fallback) {
+  const char* text = text_flag(argc, argv, name, nullptr);
+  return text != nullptr ? std::atoll(text) : fallback;
 }
 
 int run(int argc, char** argv) {
   const int iterations = static_cast<int>(flag(argc, argv, "--iterations", 50));
   std::vector<Shape> shapes;
-  const char* set = "gpt";
-  for (int i = 1; i + 1 < argc; ++i) {
-    if (std::strcmp(argv[i], "--shapes") == 0) set = argv[i + 1];
-  }
+  const char* set = text_flag(argc, argv, "--shapes", "gpt");
   const bool gpt = std::strcmp(set, "flux") != 0, flux = std::strcmp(set, "gpt") != 0;
   FP8T_CHECK(gpt || flux || std::strcmp(set, "all") == 0,
              "--shapes: expected gpt, flux or all, found '{}'", set);

@@ -330,9 +330,28 @@ __global__ void report_block_gemm_device_code(int* present) {
   *present = FP8T_BLOCK_GEMM_DEVICE;
 }
 
-// Whether the kernels of the current device's binary hold the sm_90a code (asked once per
-// device).
-bool device_code_present() {
+// Lets every instantiation of the kernel use kSharedBytes of shared memory on the current device.
+void allow_shared_memory() {
+  constexpr Fp8Format e4m3 = Fp8Format::E4M3, e5m2 = Fp8Format::E5M2;
+  const void* const kernels[] = {
+      reinterpret_cast<const void*>(block_gemm_kernel<e4m3, e4m3, false>),
+      reinterpret_cast<const void*>(block_gemm_kernel<e4m3, e4m3, true>),
+      reinterpret_cast<const void*>(block_gemm_kernel<e4m3, e5m2, false>),
+      reinterpret_cast<const void*>(block_gemm_kernel<e4m3, e5m2, true>),
+      reinterpret_cast<const void*>(block_gemm_kernel<e5m2, e4m3, false>),
+      reinterpret_cast<const void*>(block_gemm_kernel<e5m2, e4m3, true>),
+      reinterpret_cast<const void*>(block_gemm_kernel<e5m2, e5m2, false>),
+      reinterpret_cast<const void*>(block_gemm_kernel<e5m2, e5m2, true>)};
+  for (const void* kernel : kernels) {
+    FP8T_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         static_cast<int>(kSharedBytes)));
+  }
+}
+
+// Whether the current device can run the kernels: an sm_90 GPU, and sm_90a code in the binary.
+// Asked once per device; that first call also prepares the kernels (allow_shared_memory), so
+// launches do nothing per call but launch.
+bool device_ready() {
   static std::mutex mutex;
   static std::map<int, bool> answers;
   int device = 0;
@@ -354,6 +373,7 @@ bool device_code_present() {
     FP8T_CUDA_CHECK(launched);
     FP8T_CUDA_CHECK(copied);
     present = host == 1;
+    if (present) allow_shared_memory();
   }
   return answers.emplace(device, present).first->second;
 }
@@ -393,14 +413,12 @@ CUtensorMap operand_map(const Fp8Operand& operand, int64_t rows, int64_t k, cons
 template <Fp8Format AFormat, Fp8Format BFormat, bool BTiles>
 void launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const KernelArgs& args,
             cudaStream_t stream) {
-  auto* kernel = block_gemm_kernel<AFormat, BFormat, BTiles>;
-  FP8T_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(kSharedBytes)));
   const int64_t tiles = int64_t{(args.m + kTileM - 1) / kTileM} * ((args.n + kTileN - 1) / kTileN);
   FP8T_CHECK(tiles < (int64_t{1} << 31), "the sm_90 block GEMM: {} output tiles are too many",
              tiles);
   const dim3 grid(static_cast<unsigned>(tiles));
-  kernel<<<grid, kThreads, kSharedBytes, stream>>>(a_map, b_map, args);
+  block_gemm_kernel<AFormat, BFormat, BTiles>
+      <<<grid, kThreads, kSharedBytes, stream>>>(a_map, b_map, args);
   FP8T_CUDA_CHECK_LAUNCH();
 }
 
@@ -433,7 +451,7 @@ bool block_gemm_sm90_serves(const Fp8Operand& a, const Fp8Operand& b, const Gemm
     return refuse("the output is neither f32 nor bf16");
   if (out.bias != nullptr || out.addend != nullptr || out.scale != nullptr || out.amax != nullptr)
     return refuse("the output has a bias, an addend, a scale or an amax");
-  if (!device_code_present())
+  if (!device_ready())
     return refuse("the program holds no sm_90a code for this GPU (the kernel needs sm_90a)");
   return true;
 }
@@ -442,9 +460,7 @@ void block_gemm_sm90(int64_t m, int64_t n, int64_t k, const Fp8Operand& a, const
                      const GemmOutput& out, cudaStream_t stream) {
   std::string why;
   FP8T_CHECK(block_gemm_sm90_serves(a, b, out, &why),
-             "the sm_90 block GEMM cannot serve M={}, "
-             "N={}, K={}: {}",
-             m, n, k, why);
+             "the sm_90 block GEMM cannot serve M={}, N={}, K={}: {}", m, n, k, why);
   FP8T_CHECK(m > 0 && n > 0 && k > 0 && k % 16 == 0 && m % 4 == 0 && n % 4 == 0 &&
                  m < (int64_t{1} << 31) - kTileM && n < (int64_t{1} << 31) - kTileN &&
                  k < (int64_t{1} << 31) - kTileK,

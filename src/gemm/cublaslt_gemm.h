@@ -14,9 +14,9 @@
 // winner is saved, and a later process takes it from the file without timing. Block-scaled FP8
 // problems that the engine's own kernel serves (block_gemm_sm90.h) have it as one more
 // candidate, checked and timed like the others; with the fp8 backend pinned to fp8train they
-// run on it untimed. The workspace is
-// shared by all calls, so calls on different streams must not overlap in time (use one CublasLtGemm
-// per concurrent stream); an instance is not thread-safe.
+// run on it untimed. The workspace is shared by all calls, so calls on different streams must
+// not overlap in time (use one CublasLtGemm per concurrent stream); an instance is not
+// thread-safe.
 //
 // This header stays within C++17 and without fmt: CUDA tests and benchmarks include it.
 #pragma once

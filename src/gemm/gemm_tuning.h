@@ -32,7 +32,7 @@ inline constexpr std::pair<std::string_view, GemmBackend> kGemmBackends[] = {
     {"cublaslt", GemmBackend::Cublaslt}, {"fp8train", GemmBackend::Fp8train}};
 
 const char* gemm_backend_name(GemmBackend backend);
-// "cublaslt": the valid backend names, for messages.
+// "cublaslt, fp8train": the valid backend names, for messages.
 std::string gemm_backend_names();
 
 // The two families of GEMMs a backend can be pinned for.

@@ -1444,15 +1444,13 @@ TEST_F(CublasLtGemmTest, TuningCacheFileServesTheNextRun) {
 
 // ---- The engine's block-scaled kernel (block_gemm_sm90.h) ----
 
-// Values whose magnitudes span 1e-6 to 1e3 within every 128-element block: each element's
-// magnitude is drawn log-uniformly, so the blocks' scales have to carry the large ones and the
-// small ones lose digits exactly as the reference's dequantized codes say.
+// Values whose magnitudes span 1e-6 to 1e3 (2^-20 to 2^10) within every 128-element block: each
+// element's binary exponent is drawn uniformly, so the blocks' scales have to carry the large
+// ones and the small ones lose digits exactly as the reference's dequantized codes say.
 std::vector<float> wide_values(TestRng& rng, int64_t rows, int64_t cols) {
   std::vector<float> values(static_cast<size_t>(rows * cols));
-  for (float& value : values) {
-    const double magnitude = std::pow(10.0, rng.uniform(-6.0, 3.0));
-    value = static_cast<float>(rng.uniform_int(0, 1) == 0 ? magnitude : -magnitude);
-  }
+  for (float& value : values)
+    value = rng.wide(-20, 9);
   return values;
 }
 
