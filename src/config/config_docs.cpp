@@ -99,7 +99,7 @@ fp8train: error: run.yaml:2: depth: expected an integer in [1, 1000], found 'dee
 fp8train: error: run.yaml:2: fp8_amax_history_len: must be at least 1, found 0
 fp8train: error: run.yaml:1: base: cannot read 'nothere.yaml': No such file or directory
 fp8train: error: command line: --lr: expected a finite number > 0, found 'x'
-fp8train: error: run.yaml:4: global_batch_size: must be a multiple of micro_batch_size × devices (32 × 1 = 32), found 48
+fp8train: error: run.yaml:4: global_batch_size: must be a multiple of micro_batch_size × data-parallel replicas (32 × 1 = 32), found 48
 fp8train: error: run.yaml: fp8_power_of_2_scales: mxfp8 scales are E8M0 powers of two; false is not possible
 fp8train: error: flux.yaml:3: depth: applies to the GPT only, not to model flux_tiny
 fp8train: error: nothere.yaml: cannot read the config file: No such file or directory

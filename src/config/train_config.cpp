@@ -96,12 +96,13 @@ optim::LrSchedule TrainConfig::lr_schedule() const {
 }
 
 int64_t TrainConfig::global_batch_size(int world_size) const {
-  const int64_t per_step = training.micro_batch_size * world_size;
+  const int64_t per_step = training.micro_batch_size * data_parallel_size(world_size);
   return training.global_batch_size == 0 ? per_step : training.global_batch_size;
 }
 
 int64_t TrainConfig::grad_accum_steps(int world_size) const {
-  return global_batch_size(world_size) / (training.micro_batch_size * world_size);
+  return global_batch_size(world_size) /
+         (training.micro_batch_size * data_parallel_size(world_size));
 }
 
 namespace {
@@ -487,19 +488,45 @@ void check_nan_guard(const TrainConfig& config,
   }
 }
 
+// Tensor parallelism splits the GPT's blocks evenly (the trainer checks the job's ranks: a
+// configuration also serves one process, to sample or compare).
+void check_tensor_parallel(const TrainConfig& config,
+                           const std::function<std::string(std::string_view)>& origin) {
+  const int size = config.run.tensor_model_parallel_size;
+  if (size == 1) return;
+  const std::string key = origin("tensor_model_parallel_size");
+  if (config.fp8.dot_product_attention) {
+    throw ConfigError(fmt::format(
+        "{}: {} does not run with fp8_dot_product_attention: true (its scales would differ "
+        "between the ranks' heads)",
+        key, size));
+  }
+  try {
+    check_tensor_parallel(config.gpt_config(), size);
+  } catch (const ConfigError& error) {  // its message names the key, without the origin
+    std::string message = error.what();
+    constexpr std::string_view kKey = "tensor_model_parallel_size: ";
+    if (message.starts_with(kKey)) message.erase(0, kKey.size());
+    throw ConfigError(fmt::format("{}: {}", key, message));
+  }
+}
+
 // The checks of validate(); `origin(key)` prefixes a message about that key, `source` one about
 // several.
 void check_whole(const TrainConfig& config, int world_size,
                  const std::function<std::string(std::string_view)>& origin,
                  std::string_view source) {
   FP8T_CHECK(world_size >= 1, "expected a world size >= 1, found {}", world_size);
+  check_tensor_parallel(config, origin);
   const TrainingSection& training = config.training;
-  const int64_t per_step = training.micro_batch_size * world_size;
+  const int replicas = config.data_parallel_size(world_size);
+  const int64_t per_step = training.micro_batch_size * replicas;
   if (training.global_batch_size % per_step != 0) {
-    throw ConfigError(
-        fmt::format("{}: must be a multiple of micro_batch_size × devices ({} × {} = {}), found {}",
-                    origin("global_batch_size"), training.micro_batch_size, world_size, per_step,
-                    training.global_batch_size));
+    throw ConfigError(fmt::format(
+        "{}: must be a multiple of micro_batch_size × data-parallel replicas ({} × {} = {}), "
+        "found {}",
+        origin("global_batch_size"), training.micro_batch_size, replicas, per_step,
+        training.global_batch_size));
   }
   if (config.run.resume_from_step >= 0 && config.run.resume == ResumeChoice::Auto) {
     throw ConfigError(

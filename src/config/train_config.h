@@ -69,6 +69,8 @@ struct RunSection {
   bool overlap_grad_reduce = false;
   // Several ranks: ZeRO-1, each rank updates its share of the parameters.
   bool shard_optimizer_state = true;
+  // Ranks per tensor-parallel group (models/tensor_parallel.h); the groups are data parallel.
+  int tensor_model_parallel_size = 1;
   // GEMM selection on the GPU (gemm/gemm_tuning.h); FP8TRAIN_AUTOTUNE and FP8TRAIN_GEMM_BACKEND
   // take precedence.
   bool gemm_autotune = true;
@@ -196,6 +198,11 @@ struct TrainConfig {
   // muon: lr is Muon's matrix lr, the AdamW groups keep nanochat's betas and eps; adamw: lr,
   // adam_beta1, adam_beta2, adam_eps and weight_decay for every parameter.
   optim::OptimizerSettings optimizer_settings() const;
+  // Data-parallel replicas of a job of `world_size` ranks: tensor-parallel groups (at least one,
+  // for checks made before the job's ranks are known).
+  int data_parallel_size(int world_size) const {
+    return std::max(1, world_size / run.tensor_model_parallel_size);
+  }
   // Sequences per optimizer step, with global_batch_size 0 resolved.
   int64_t global_batch_size(int world_size) const;
   // Micro-batches each device runs per optimizer step.

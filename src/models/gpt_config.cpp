@@ -148,4 +148,20 @@ float GptConfig::attention_scale() const {
   return static_cast<float>(kQkScale * kQkScale / std::sqrt(double(head_dim())));
 }
 
+void check_tensor_parallel(const GptConfig& config, int size) {
+  const auto fail = [&](std::string_view what, int64_t count) {
+    throw ConfigError(fmt::format(
+        "tensor_model_parallel_size: {} must divide the model's {} ({}); expected one of its "
+        "divisors",
+        size, what, count));
+  };
+  if (size < 1)
+    throw ConfigError(
+        fmt::format("tensor_model_parallel_size: expected at least 1, found {}", size));
+  if (config.n_head % size != 0) fail("query heads", config.n_head);
+  if (config.n_kv_head % size != 0) fail("kv heads", config.n_kv_head);
+  if (4 * int64_t{config.n_embd} % size != 0)
+    fail("MLP hidden features", 4 * int64_t{config.n_embd});
+}
+
 }  // namespace fp8t

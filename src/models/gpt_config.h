@@ -61,6 +61,10 @@ struct ParamSpec {
   int64_t numel() const;
 };
 
+// Throws ConfigError naming tensor_model_parallel_size unless `size` ranks can split the query
+// heads, the kv heads and the MLP's hidden features evenly.
+void check_tensor_parallel(const GptConfig& config, int size);
+
 // Every parameter, in nanochat's state_dict order.
 std::vector<ParamSpec> gpt_parameters(const GptConfig& config);
 

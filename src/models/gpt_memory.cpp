@@ -41,9 +41,11 @@ void ParameterSet::fill_zero() {
 
 template <typename Visit>
 void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, DType dtype,
-                           const RecomputeOptions& recompute, Visit&& visit_tensor) {
-  const int64_t B = batch, T = seq, C = config.n_embd, H = config.n_head, Hkv = config.n_kv_head;
-  const int64_t D = config.head_dim();
+                           const RecomputeOptions& recompute, int tensor_parallel,
+                           Visit&& visit_tensor) {
+  const int64_t B = batch, T = seq, C = config.n_embd, D = config.head_dim();
+  const int64_t H = config.n_head / tensor_parallel, Hkv = config.n_kv_head / tensor_parallel;
+  const int64_t hidden = 4 * C / tensor_parallel;
   visit_tensor(embedding, dtype, {B, T, C});
   visit_tensor(embedding_rstd, dtype, {B, T});
   visit_tensor(embedding_norm, dtype, {B, T, C});
@@ -60,12 +62,12 @@ void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, 
     visit_tensor(block.v, dtype, {B, T, Hkv, D});
     if (value_gate) visit_tensor(block.value_gate, dtype, {B, T, Hkv});
     visit_tensor(block.logsumexp, dtype, {B, H, T});
-    visit_tensor(block.attn_out, dtype, {B, T, C});
+    visit_tensor(block.attn_out, dtype, {B, T, H * D});
     if (temporaries) visit_tensor(block.mid, dtype, {B, T, C});
     visit_tensor(block.mlp_rstd, dtype, {B, T});
     visit_tensor(block.mlp_norm, dtype, {B, T, C});
-    visit_tensor(block.fc, dtype, {B, T, 4 * C});
-    if (temporaries) visit_tensor(block.fc_act, dtype, {B, T, 4 * C});
+    visit_tensor(block.fc, dtype, {B, T, hidden});
+    if (temporaries) visit_tensor(block.fc_act, dtype, {B, T, hidden});
   };
 
   const bool selective = recompute.granularity == RecomputeGranularity::Selective;
@@ -73,7 +75,7 @@ void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, 
   if (selective) {
     visit_tensor(shared.input, dtype, {B, T, C});
     visit_tensor(shared.mid, dtype, {B, T, C});
-    visit_tensor(shared.fc_act, dtype, {B, T, 4 * C});
+    visit_tensor(shared.fc_act, dtype, {B, T, hidden});
   }
   const std::vector<RecomputeGroup> groups = recompute_groups(recompute, config.n_layer);
   const std::vector<int> slots = recompute_slots(groups, config.n_layer);
@@ -110,10 +112,11 @@ void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, 
 }
 
 size_t GptActivations::planned_bytes(const GptConfig& config, int64_t batch, int64_t seq,
-                                     DType dtype, const RecomputeOptions& recompute) {
+                                     DType dtype, const RecomputeOptions& recompute,
+                                     int tensor_parallel) {
   GptActivations sizing;
   size_t bytes = 0;
-  sizing.visit(config, batch, seq, dtype, recompute,
+  sizing.visit(config, batch, seq, dtype, recompute, tensor_parallel,
                [&](TensorView&, DType tensor_dtype, std::initializer_list<int64_t> shape) {
                  int64_t count = 1;
                  for (int64_t dim : shape)
@@ -124,46 +127,52 @@ size_t GptActivations::planned_bytes(const GptConfig& config, int64_t batch, int
 }
 
 GptActivations::GptActivations(Arena& arena, const GptConfig& config, int64_t batch, int64_t seq,
-                               DType dtype, const RecomputeOptions& recompute) {
-  visit(config, batch, seq, dtype, recompute,
+                               DType dtype, const RecomputeOptions& recompute,
+                               int tensor_parallel) {
+  visit(config, batch, seq, dtype, recompute, tensor_parallel,
         [&](TensorView& slot, DType tensor_dtype, std::initializer_list<int64_t> shape) {
           slot = arena.allocate(tensor_dtype, shape);
         });
 }
 
 template <typename Visit>
-void GptWorkspace::visit(const GptConfig& config, int64_t tokens, Visit&& visit_tensor) {
-  const int64_t N = tokens, C = config.n_embd;
-  const int64_t q_width = int64_t{config.n_head} * config.head_dim(), kv_width = config.kv_dim();
+void GptWorkspace::visit(const GptConfig& config, int64_t tokens, int tensor_parallel,
+                         Visit&& visit_tensor) {
+  const int64_t N = tokens, C = config.n_embd, hidden = 4 * C / tensor_parallel;
+  const int64_t q_width = int64_t{config.n_head} / tensor_parallel * config.head_dim();
+  const int64_t kv_width = int64_t{config.n_kv_head} / tensor_parallel * config.head_dim();
   for (TensorView* view : {&q_lin, &dq, &dq_rot, &dq_lin})
     visit_tensor(*view, std::initializer_list<int64_t>{N, q_width});
   for (TensorView* view : {&k_lin, &value_embed, &dk, &dv, &dk_rot, &dk_lin, &dvalue_embed}) {
     visit_tensor(*view, std::initializer_list<int64_t>{N, kv_width});
   }
-  for (TensorView* view : {&branch, &dx, &dx_next, &dx0, &dbackout, &dnorm, &dbranch, &dattn_out}) {
+  for (TensorView* view : {&branch, &dx, &dx_next, &dx0, &dbackout, &dnorm, &dbranch})
     visit_tensor(*view, std::initializer_list<int64_t>{N, C});
-  }
+  visit_tensor(dattn_out, std::initializer_list<int64_t>{N, q_width});
   for (TensorView* view : {&dfc, &dfc_act})
-    visit_tensor(*view, std::initializer_list<int64_t>{N, 4 * C});
+    visit_tensor(*view, std::initializer_list<int64_t>{N, hidden});
 }
 
-size_t GptWorkspace::planned_bytes(const GptConfig& config, int64_t tokens) {
+size_t GptWorkspace::planned_bytes(const GptConfig& config, int64_t tokens, int tensor_parallel) {
   GptWorkspace sizing;
   size_t bytes = 0;
-  sizing.visit(config, tokens, [&](TensorView&, std::initializer_list<int64_t> shape) {
-    bytes += Arena::footprint(DType::F32, shape.begin()[0] * shape.begin()[1]);
-  });
+  sizing.visit(config, tokens, tensor_parallel,
+               [&](TensorView&, std::initializer_list<int64_t> shape) {
+                 bytes += Arena::footprint(DType::F32, shape.begin()[0] * shape.begin()[1]);
+               });
   return bytes;
 }
 
-GptWorkspace::GptWorkspace(Arena& arena, const GptConfig& config, int64_t tokens) {
-  visit(config, tokens, [&](TensorView& slot, std::initializer_list<int64_t> shape) {
-    slot = arena.allocate(DType::F32, shape);
-  });
+GptWorkspace::GptWorkspace(Arena& arena, const GptConfig& config, int64_t tokens,
+                           int tensor_parallel) {
+  visit(config, tokens, tensor_parallel,
+        [&](TensorView& slot, std::initializer_list<int64_t> shape) {
+          slot = arena.allocate(DType::F32, shape);
+        });
 }
 
 GptMemoryPlan plan_gpt_memory(const GptConfig& config, int64_t batch, int64_t seq,
-                              const RecomputeOptions& recompute) {
+                              const RecomputeOptions& recompute, int tensor_parallel) {
   GptMemoryPlan plan;
   plan.parameters = ParameterSet::planned_bytes(config, DType::F32);
   plan.gradients = plan.parameters;
@@ -177,8 +186,9 @@ GptMemoryPlan plan_gpt_memory(const GptConfig& config, int64_t batch, int64_t se
       plan.optimizer_state += 2 * Arena::footprint(DType::F32, spec.numel());
     }
   }
-  plan.activations = GptActivations::planned_bytes(config, batch, seq, DType::F32, recompute);
-  plan.workspace = GptWorkspace::planned_bytes(config, batch * seq);
+  plan.activations =
+      GptActivations::planned_bytes(config, batch, seq, DType::F32, recompute, tensor_parallel);
+  plan.workspace = GptWorkspace::planned_bytes(config, batch * seq, tensor_parallel);
   return plan;
 }
 

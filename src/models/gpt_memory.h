@@ -72,10 +72,12 @@ struct GptActivations {
   TensorView final_norm;   // input of lm_head
   TensorView logits;       // [B, T, padded vocab], f32 always; gradients overwrite it
 
+  // tensor_parallel: ranks that split the blocks (models/tensor_parallel.h); the attention's and
+  // the MLP's tensors hold this rank's heads and hidden features only.
   static size_t planned_bytes(const GptConfig& config, int64_t batch, int64_t seq, DType dtype,
-                              const RecomputeOptions& recompute = {});
+                              const RecomputeOptions& recompute = {}, int tensor_parallel = 1);
   GptActivations(Arena& arena, const GptConfig& config, int64_t batch, int64_t seq, DType dtype,
-                 const RecomputeOptions& recompute = {});
+                 const RecomputeOptions& recompute = {}, int tensor_parallel = 1);
 
  private:
   GptActivations() = default;
@@ -83,10 +85,11 @@ struct GptActivations {
   // and allocation, then points the blocks that share buffers at them.
   template <typename Visit>
   void visit(const GptConfig& config, int64_t batch, int64_t seq, DType dtype,
-             const RecomputeOptions& recompute, Visit&& visit_tensor);
+             const RecomputeOptions& recompute, int tensor_parallel, Visit&& visit_tensor);
 };
 
-// Temporaries of one forward and backward, planned like the activations.
+// Temporaries of one forward and backward, planned like the activations (the widths of the
+// heads and the hidden layer: this rank's share under tensor parallelism).
 struct GptWorkspace {
   TensorView q_lin, k_lin;  // [N, H*D], [N, Hkv*D] before rotary
   TensorView value_embed;   // [N, Hkv*D]
@@ -97,13 +100,13 @@ struct GptWorkspace {
   TensorView dq, dk, dv, dq_rot, dk_rot, dq_lin, dk_lin;  // [N, H*D] / [N, Hkv*D]
   TensorView dvalue_embed;                                // [N, Hkv*D]
 
-  static size_t planned_bytes(const GptConfig& config, int64_t tokens);
-  GptWorkspace(Arena& arena, const GptConfig& config, int64_t tokens);
+  static size_t planned_bytes(const GptConfig& config, int64_t tokens, int tensor_parallel = 1);
+  GptWorkspace(Arena& arena, const GptConfig& config, int64_t tokens, int tensor_parallel = 1);
 
  private:
   GptWorkspace() = default;
   template <typename Visit>
-  void visit(const GptConfig& config, int64_t tokens, Visit&& visit_tensor);
+  void visit(const GptConfig& config, int64_t tokens, int tensor_parallel, Visit&& visit_tensor);
 };
 
 // Bytes per category, for the summary printed before a run.
@@ -120,8 +123,9 @@ struct GptMemoryPlan {
 
 // The CPU path: f32 parameters, gradients and activations; optimizer state as the MuonAdamW
 // optimizer keeps it (Muon for the block matrices: a momentum and a NorMuon second moment of
-// max(rows, cols); AdamW for the rest: two moments).
+// max(rows, cols); AdamW for the rest: two moments). With tensor parallelism the activations and
+// the workspace are one rank's of `tensor_parallel`; the rest is whole on every rank.
 GptMemoryPlan plan_gpt_memory(const GptConfig& config, int64_t batch, int64_t seq,
-                              const RecomputeOptions& recompute = {});
+                              const RecomputeOptions& recompute = {}, int tensor_parallel = 1);
 
 }  // namespace fp8t

@@ -30,12 +30,54 @@ void add(float* out, const float* a, const float* b, int64_t n) {
     out[i] = a[i] + b[i];
 }
 
+bool ends_with(const std::string& text, std::string_view suffix) {
+  return text.size() >= suffix.size() &&
+         text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
+}
+
+// A block recipe casts whole blocks: a share that is not made of them stays in BF16.
+void keep_split_in_fp8(LinearPrecision& decision, const ops::LinearShape& share,
+                       ScalingRecipe recipe, int group) {
+  const int64_t block = recipe == ScalingRecipe::Blockwise ? 128
+                        : recipe == ScalingRecipe::Mxfp8   ? 32
+                                                           : 1;
+  if (share.in_features % block == 0 && share.out_features % block == 0) return;
+  decision.fp8 = false;
+  decision.reason = fmt::format("{} needs dims divisible by {} on each of {} tensor-parallel ranks",
+                                recipe_name(recipe), block, group);
+}
+
 }  // namespace
 
+GptModel::Split GptModel::split_of(const std::string& linear) {
+  for (const char* name : {".attn.c_q", ".attn.c_k", ".attn.c_v", ".mlp.c_fc"})
+    if (ends_with(linear, name)) return Split::Outputs;
+  for (const char* name : {".attn.c_proj", ".mlp.c_proj"})
+    if (ends_with(linear, name)) return Split::Inputs;
+  return Split::None;
+}
+
 GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
-                   const GptPrecision& precision, const RecomputeOptions& recompute)
-    : config_(config), batch_(batch), seq_(seq), precision_(precision), recompute_(recompute) {
+                   const GptPrecision& precision, const RecomputeOptions& recompute,
+                   const TensorParallel& tensor_parallel)
+    : config_(config),
+      batch_(batch),
+      seq_(seq),
+      precision_(precision),
+      recompute_(recompute),
+      tensor_parallel_(tensor_parallel) {
   config_.validate();
+  const int group = tensor_parallel_.size;
+  check_tensor_parallel(config_, group);
+  FP8T_CHECK(tensor_parallel_.rank >= 0 && tensor_parallel_.rank < group,
+             "expected a tensor-parallel rank in [0, {}), found {}", group, tensor_parallel_.rank);
+  FP8T_CHECK(!tensor_parallel_.split() || (tensor_parallel_.sum && tensor_parallel_.max),
+             "expected the tensor-parallel group's sum and max, found none");
+  FP8T_CHECK(!tensor_parallel_.split() || !precision_.fp8_attention,
+             "fp8_dot_product_attention does not run with tensor_model_parallel_size {}", group);
+  heads_ = config_.n_head / group;
+  kv_heads_ = config_.n_kv_head / group;
+  hidden_ = 4 * int64_t{config_.n_embd} / group;
   FP8T_CHECK(batch >= 1, "expected a batch of at least 1, found {}", batch);
   FP8T_CHECK(seq >= 2 && seq <= config_.sequence_len,
              "expected a sequence of 2 to {} tokens, found {}", config_.sequence_len, seq);
@@ -46,14 +88,15 @@ GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
   gradient_arena_ =
       std::make_unique<Arena>("gradients", ParameterSet::planned_bytes(config_, DType::F32));
   activation_arena_ = std::make_unique<Arena>(
-      "activations", GptActivations::planned_bytes(config_, batch, seq, DType::F32, recompute_));
+      "activations",
+      GptActivations::planned_bytes(config_, batch, seq, DType::F32, recompute_, group));
   workspace_arena_ =
-      std::make_unique<Arena>("workspace", GptWorkspace::planned_bytes(config_, tokens));
+      std::make_unique<Arena>("workspace", GptWorkspace::planned_bytes(config_, tokens, group));
   parameters_ = std::make_unique<ParameterSet>(*parameter_arena_, config_, DType::F32);
   gradients_ = std::make_unique<ParameterSet>(*gradient_arena_, config_, DType::F32);
   activations_ = std::make_unique<GptActivations>(*activation_arena_, config_, batch, seq,
-                                                  DType::F32, recompute_);
-  workspace_ = std::make_unique<GptWorkspace>(*workspace_arena_, config_, tokens);
+                                                  DType::F32, recompute_, group);
+  workspace_ = std::make_unique<GptWorkspace>(*workspace_arena_, config_, tokens, group);
   parameters_->fill_zero();
   gradients_->fill_zero();
   idx_.resize(static_cast<size_t>(tokens));
@@ -65,14 +108,29 @@ GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
   ops::rotary_tables(rotary_cos_.data(), rotary_sin_.data(), seq, config_.head_dim());
 
   linear_precision_ = decide_precision(config_, precision_.policy);
-  for (const LinearPrecision& decision : linear_precision_) {
-    Linear layer{decision.linear.name + ".weight",
-                 {tokens, decision.linear.in_features, decision.linear.out_features},
-                 nullptr};
+  for (LinearPrecision& decision : linear_precision_) {
+    Linear layer;
+    layer.weight = decision.linear.name + ".weight";
+    layer.shape = {tokens, decision.linear.in_features, decision.linear.out_features};
+    layer.split = tensor_parallel_.split() ? split_of(decision.linear.name) : Split::None;
+    if (layer.split == Split::Outputs) layer.shape.out_features /= group;
+    if (layer.split == Split::Inputs) {
+      layer.shape.in_features /= group;
+      layer.weight_share.resize(
+          static_cast<size_t>(layer.shape.in_features * layer.shape.out_features));
+      layer.gradient_share.resize(layer.weight_share.size());
+    }
+    if (decision.fp8) keep_split_in_fp8(decision, layer.shape, precision_.fp8.recipe, group);
     if (decision.fp8) {
-      layer.fp8 = std::make_unique<ops::Fp8Linear>(
-          precision_.fp8, precision_.family, decision.linear.in_features,
-          decision.linear.out_features, precision_.fp8_wgrad);
+      layer.fp8 = std::make_unique<ops::Fp8Linear>(precision_.fp8, precision_.family,
+                                                   layer.shape.in_features,
+                                                   layer.shape.out_features, precision_.fp8_wgrad);
+      if (layer.split != Split::None) {
+        const bool outputs = layer.split == Split::Outputs;
+        // Column-parallel: the input is the whole tensor on every rank, the weight and the
+        // output gradient are shares; row-parallel: the input and the weight are shares.
+        layer.fp8->set_split_operands(tensor_parallel_.max, {!outputs, true, outputs});
+      }
     }
     linears_.emplace(decision.linear.name, std::move(layer));
   }
@@ -156,20 +214,100 @@ float GptModel::scalar(const std::string& name, int index) {
   return parameter(name)[index];
 }
 
+const float* GptModel::weight_share(Linear& layer) {
+  const float* weight = parameter(layer.weight);
+  const int64_t in = layer.shape.in_features, out = layer.shape.out_features;
+  const int64_t rank = tensor_parallel_.rank;
+  switch (layer.split) {
+    case Split::None:
+      return weight;
+    case Split::Outputs:
+      return weight + rank * out * in;
+    case Split::Inputs:
+      for (int64_t row = 0; row < out; ++row) {
+        const float* from = weight + (row * tensor_parallel_.size + rank) * in;
+        std::copy(from, from + in, layer.weight_share.begin() + row * in);
+      }
+      return layer.weight_share.data();
+  }
+  return weight;
+}
+
 void GptModel::linear_forward(Linear& layer, const float* x, float* y) {
+  const float* weight = weight_share(layer);
   if (layer.fp8) {
-    layer.fp8->forward(x, layer.shape.tokens, parameter(layer.weight), y);
+    layer.fp8->forward(x, layer.shape.tokens, weight, y);
   } else {
-    ops::linear_forward(x, parameter(layer.weight), y, layer.shape, precision_.other_linears);
+    ops::linear_forward(x, weight, y, layer.shape, precision_.other_linears);
   }
 }
 
 void GptModel::linear_backward(Linear& layer, const float* dy, const float* x, float* dx) {
+  const int64_t in = layer.shape.in_features, out = layer.shape.out_features;
+  const int64_t rank = tensor_parallel_.rank;
+  float* grad = gradient(layer.weight);
+  if (layer.split == Split::Outputs) grad += rank * out * in;
+  if (layer.split == Split::Inputs) {
+    std::fill(layer.gradient_share.begin(), layer.gradient_share.end(), 0.0f);
+    grad = layer.gradient_share.data();
+  }
   if (layer.fp8) {
-    layer.fp8->backward(dy, layer.shape.tokens, dx, gradient(layer.weight));
+    layer.fp8->backward(dy, layer.shape.tokens, dx, grad);
   } else {
-    ops::linear_backward(dy, x, parameter(layer.weight), dx, gradient(layer.weight), layer.shape,
+    ops::linear_backward(dy, x, weight_share(layer), dx, grad, layer.shape,
                          precision_.other_linears);
+  }
+  if (layer.split != Split::Inputs) return;
+  float* whole = gradient(layer.weight);
+  for (int64_t row = 0; row < out; ++row) {
+    float* to = whole + (row * tensor_parallel_.size + rank) * in;
+    const float* from = grad + row * in;
+    for (int64_t i = 0; i < in; ++i)
+      to[i] += from[i];
+  }
+}
+
+void GptModel::value_embedding_forward(int layer) {
+  const int64_t N = batch_ * seq_, width = kv_heads_ * config_.head_dim();
+  const int64_t row = config_.kv_dim(), offset = tensor_parallel_.rank * width;
+  const float* table = parameter(fmt::format("value_embeds.{}.weight", layer));
+  float* out = workspace_->value_embed.data<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    const float* from = table + idx_[static_cast<size_t>(n)] * row + offset;
+    std::copy(from, from + width, out + n * width);
+  }
+}
+
+void GptModel::value_embedding_backward(int layer) {
+  const int64_t N = batch_ * seq_, width = kv_heads_ * config_.head_dim();
+  const int64_t row = config_.kv_dim(), offset = tensor_parallel_.rank * width;
+  float* dtable = gradient(fmt::format("value_embeds.{}.weight", layer));
+  const float* dout = workspace_->dvalue_embed.data<float>();
+  for (int64_t n = 0; n < N; ++n) {
+    float* to = dtable + idx_[static_cast<size_t>(n)] * row + offset;
+    for (int64_t i = 0; i < width; ++i)
+      to[i] += dout[n * width + i];
+  }
+}
+
+float* GptModel::value_gate_weight(const std::string& prefix,
+                                   const std::unique_ptr<ParameterSet>& tensors) {
+  return (*tensors)[prefix + "attn.ve_gate.weight"].data<float>() +
+         tensor_parallel_.rank * kv_heads_ * kValueGateChannels;
+}
+
+void GptModel::sum_over_group(const TensorView& partial) {
+  if (tensor_parallel_.split())
+    tensor_parallel_.sum(partial.data<float>(), static_cast<size_t>(partial.numel()));
+}
+
+void GptModel::gather_split_gradients() {
+  if (!tensor_parallel_.split()) return;
+  for (const ParamSpec& spec : gradients_->specs()) {
+    const bool split = spec.kind == ParamKind::BlockLinear ||
+                       ends_with(spec.name, ".attn.ve_gate.weight") ||
+                       spec.name.starts_with("value_embeds.");
+    if (split) sum_over_group((*gradients_)[spec.name]);
   }
 }
 
@@ -242,8 +380,7 @@ const float* GptModel::previous_output(int layer) const {
 
 void GptModel::block_forward(int layer) {
   const int64_t B = batch_, T = seq_, N = B * T, C = config_.n_embd;
-  const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
-  const int64_t vocab = config_.padded_vocab();
+  const int64_t H = heads_, Hkv = kv_heads_, D = config_.head_dim();
   GptActivations& act = *activations_;
   GptWorkspace& ws = *workspace_;
   BlockActivations& block = act.blocks[static_cast<size_t>(layer)];
@@ -257,11 +394,9 @@ void GptModel::block_forward(int layer) {
   linear_forward(linear(prefix + "attn.c_k"), attn_norm, ws.k_lin.data<float>());
   linear_forward(linear(prefix + "attn.c_v"), attn_norm, block.v.data<float>());
   if (config_.has_value_embedding(layer)) {
-    ops::embedding_forward(ws.value_embed.data<float>(), idx_.data(),
-                           parameter(fmt::format("value_embeds.{}.weight", layer)), N, vocab,
-                           Hkv * D);
+    value_embedding_forward(layer);
     ops::value_gate_forward(block.v.data<float>(), block.value_gate.data<float>(), attn_norm,
-                            ws.value_embed.data<float>(), parameter(prefix + "attn.ve_gate.weight"),
+                            ws.value_embed.data<float>(), value_gate_weight(prefix, parameters_),
                             {N, C, Hkv, D, kValueGateChannels});
   }
   // Rotary into dq_rot and dk_rot (the backward's, free here), then the QK norm.
@@ -276,21 +411,22 @@ void GptModel::block_forward(int layer) {
   attention_forward(layer, {B, T, H, Hkv, D, config_.window(layer)});
   linear_forward(linear(prefix + "attn.c_proj"), block.attn_out.data<float>(),
                  ws.branch.data<float>());
+  sum_over_group(ws.branch);
   add(block.mid.data<float>(), block.input.data<float>(), ws.branch.data<float>(), N * C);
 
   ops::rmsnorm_forward(block.mlp_norm.data<float>(), block.mlp_rstd.data<float>(),
                        block.mid.data<float>(), N, C);
   linear_forward(linear(prefix + "mlp.c_fc"), block.mlp_norm.data<float>(), block.fc.data<float>());
-  ops::relu2_forward(block.fc_act.data<float>(), block.fc.data<float>(), N * 4 * C);
+  ops::relu2_forward(block.fc_act.data<float>(), block.fc.data<float>(), N * hidden_);
   linear_forward(linear(prefix + "mlp.c_proj"), block.fc_act.data<float>(),
                  ws.branch.data<float>());
+  sum_over_group(ws.branch);
   add(block.output.data<float>(), block.mid.data<float>(), ws.branch.data<float>(), N * C);
 }
 
 void GptModel::block_backward(int layer) {
   const int64_t B = batch_, T = seq_, N = B * T, C = config_.n_embd;
-  const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
-  const int64_t vocab = config_.padded_vocab();
+  const int64_t H = heads_, Hkv = kv_heads_, D = config_.head_dim();
   GptActivations& act = *activations_;
   GptWorkspace& ws = *workspace_;
   BlockActivations& block = act.blocks[static_cast<size_t>(layer)];
@@ -301,16 +437,17 @@ void GptModel::block_backward(int layer) {
   // MLP: output = mid + c_proj(relu²(c_fc(norm(mid))))
   // Selective recompute shares fc_act among the blocks: this block's relu²(fc) again.
   if (recompute_.granularity == RecomputeGranularity::Selective)
-    ops::relu2_forward(block.fc_act.data<float>(), block.fc.data<float>(), N * 4 * C);
+    ops::relu2_forward(block.fc_act.data<float>(), block.fc.data<float>(), N * hidden_);
   zero(ws.dfc_act);
   linear_backward(linear(prefix + "mlp.c_proj"), dx, block.fc_act.data<float>(),
                   ws.dfc_act.data<float>());
   zero(ws.dfc);
   ops::relu2_backward(ws.dfc.data<float>(), ws.dfc_act.data<float>(), block.fc.data<float>(),
-                      N * 4 * C);
+                      N * hidden_);
   zero(ws.dnorm);
   linear_backward(linear(prefix + "mlp.c_fc"), ws.dfc.data<float>(), block.mlp_norm.data<float>(),
                   ws.dnorm.data<float>());
+  sum_over_group(ws.dnorm);
   copy(ws.dbranch, ws.dx);  // d mid
   ops::rmsnorm_backward(ws.dbranch.data<float>(), ws.dnorm.data<float>(),
                         block.mlp_norm.data<float>(), block.mlp_rstd.data<float>(), N, C);
@@ -334,17 +471,13 @@ void GptModel::block_backward(int layer) {
   zero(ws.dnorm);  // d attn_norm, from q, k, v and the value gate
   const float* attn_norm = block.attn_norm.data<float>();
   if (config_.has_value_embedding(layer)) {
-    const std::string table = fmt::format("value_embeds.{}.weight", layer);
-    ops::embedding_forward(ws.value_embed.data<float>(), idx_.data(), parameter(table), N, vocab,
-                           Hkv * D);
+    value_embedding_forward(layer);
     zero(ws.dvalue_embed);
-    ops::value_gate_backward(ws.dnorm.data<float>(), gradient(prefix + "attn.ve_gate.weight"),
+    ops::value_gate_backward(ws.dnorm.data<float>(), value_gate_weight(prefix, gradients_),
                              ws.dvalue_embed.data<float>(), ws.dv.data<float>(), attn_norm,
-                             ws.value_embed.data<float>(),
-                             parameter(prefix + "attn.ve_gate.weight"),
+                             ws.value_embed.data<float>(), value_gate_weight(prefix, parameters_),
                              block.value_gate.data<float>(), {N, C, Hkv, D, kValueGateChannels});
-    ops::embedding_backward(gradient(table), ws.dvalue_embed.data<float>(), idx_.data(), N, vocab,
-                            Hkv * D);
+    value_embedding_backward(layer);
   }
   linear_backward(linear(prefix + "attn.c_q"), ws.dq_lin.data<float>(), attn_norm,
                   ws.dnorm.data<float>());
@@ -352,6 +485,7 @@ void GptModel::block_backward(int layer) {
                   ws.dnorm.data<float>());
   linear_backward(linear(prefix + "attn.c_v"), ws.dv.data<float>(), attn_norm,
                   ws.dnorm.data<float>());
+  sum_over_group(ws.dnorm);
   ops::rmsnorm_backward(ws.dbranch.data<float>(), ws.dnorm.data<float>(), attn_norm,
                         block.attn_rstd.data<float>(), N, C);  // dbranch: d input
 

@@ -16,6 +16,7 @@
 #include "models/gpt_memory.h"
 #include "models/precision_policy.h"
 #include "models/recompute.h"
+#include "models/tensor_parallel.h"
 #include "ops/attention_fp8.h"
 #include "ops/fp8_linear.h"
 #include "ops/linear.h"
@@ -36,9 +37,12 @@ void check_tokens(const GptConfig& config, const int32_t* idx, const int32_t* ta
 class GptModel {
  public:
   // recompute: which activations the forward saves and which the backward computes again
-  // (models/recompute.h); the results are the same either way.
+  // (models/recompute.h); the results are the same either way. tensor_parallel: the group this
+  // rank shares its blocks' heads and hidden features with (models/tensor_parallel.h); every
+  // rank of it must be given the same batches. Throws ConfigError naming
+  // tensor_model_parallel_size when the heads or the hidden layer do not split evenly.
   GptModel(const GptConfig& config, int64_t batch, int64_t seq, const GptPrecision& precision,
-           const RecomputeOptions& recompute = {});
+           const RecomputeOptions& recompute = {}, const TensorParallel& tensor_parallel = {});
 
   const GptConfig& config() const { return config_; }
   ParameterSet& parameters() { return *parameters_; }
@@ -55,6 +59,10 @@ class GptModel {
   // and overwrites, the logits of the last forward.
   void backward();
   void zero_gradients() { gradients_->fill_zero(); }
+  // Tensor parallelism, once after the step's backward passes: each rank holds the gradients of
+  // its share of the split parameters (zeros elsewhere); this sums them over the group, so that
+  // every rank holds the whole gradient. Nothing to do without tensor parallelism.
+  void gather_split_gradients();
   // The soft-capped logits of the last forward, cropped to the vocabulary: [B, T, vocab].
   void capped_logits(float* out) const;
 
@@ -78,13 +86,35 @@ class GptModel {
   std::vector<Fp8TensorHealth> take_fp8_health();
 
  private:
+  // How tensor parallelism splits a linear's weight [out, in] over the group.
+  enum class Split : uint8_t {
+    None,     // replicated
+    Outputs,  // column-parallel: this rank's rows, its share of the output features
+    Inputs,   // row-parallel: this rank's columns; the outputs are partial sums
+  };
+  static Split split_of(const std::string& linear);
   struct Linear {
-    std::string weight;  // parameter name
-    ops::LinearShape shape;
+    std::string weight;                   // parameter name
+    ops::LinearShape shape;               // this rank's share
     std::unique_ptr<ops::Fp8Linear> fp8;  // null: plain linear
+    Split split = Split::None;
+    // Split::Inputs: this rank's columns of the weight and of its gradient, contiguous.
+    std::vector<float> weight_share, gradient_share;
   };
   void linear_forward(Linear& linear, const float* x, float* y);
   void linear_backward(Linear& linear, const float* dy, const float* x, float* dx);
+  // This rank's share of the weight [shape.out, shape.in], contiguous.
+  const float* weight_share(Linear& linear);
+  // The value embedding of this rank's kv heads, [B * T, kv_heads_ * head_dim], into
+  // ws.value_embed; and its gradient, from ws.dvalue_embed, into the table's gradient.
+  void value_embedding_forward(int layer);
+  void value_embedding_backward(int layer);
+  // This rank's kv heads' rows of a block's ve_gate.weight in `tensors` (the parameters or
+  // their gradients).
+  float* value_gate_weight(const std::string& prefix, const std::unique_ptr<ParameterSet>& tensors);
+  // The sum over the tensor-parallel group of a row-parallel output or of a column-parallel
+  // input's gradient; nothing to do without tensor parallelism.
+  void sum_over_group(const TensorView& partial);
   Linear& linear(const std::string& name);
   // The attention of a block: ops/attention.h, or ops/attention_fp8.h with fp8_attention.
   void attention_forward(int layer, const ops::AttentionShape& shape);
@@ -107,6 +137,8 @@ class GptModel {
   int64_t batch_, seq_;
   GptPrecision precision_;
   RecomputeOptions recompute_;
+  TensorParallel tensor_parallel_;
+  int64_t heads_, kv_heads_, hidden_;  // this rank's query and kv heads and MLP hidden features
   std::vector<RecomputeGroup> recompute_groups_;  // full recompute's; empty otherwise
   bool training_ = true;
   bool recording_fp8_health_ = false;

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <utility>
 
 #include "core/error.h"
 #include "gemm/cpu_gemm.h"
@@ -144,6 +145,7 @@ void Fp8Linear::quantize_operand(const float* src, int64_t rows, int64_t cols, T
     scale = delayed_scaling(role).scale();
   } else {
     tensor_amax = amax(src, rows * cols);
+    if (split_[static_cast<size_t>(role)]) tensor_amax = group_max_(tensor_amax);
     scale = scale_from_amax(tensor_amax, format_max(data_format), config_.use_power_of_2_scales(),
                             config_.amax_epsilon);
   }
@@ -248,6 +250,15 @@ void Fp8Linear::backward(const float* grad_output, int64_t tokens, float* grad_i
     linear_backward(grad_output, rhs_values_.data(), nullptr, nullptr, grad_weight,
                     {tokens, in_features_, out_features_}, LinearOperands::Bf16);
   }
+}
+
+void Fp8Linear::set_split_operands(std::function<float(float)> group_max,
+                                   std::array<bool, 3> split) {
+  const bool any_split = split[0] || split[1] || split[2];
+  FP8T_CHECK(group_max || !any_split,
+             "expected a group amax reduction for split operands, found none");
+  group_max_ = std::move(group_max);
+  split_ = split;
 }
 
 void Fp8Linear::end_step() {

@@ -15,6 +15,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <vector>
 
@@ -68,6 +69,11 @@ class Fp8Linear {
   void end_step();
   // Marks the cached weight quantization stale (e.g. after loading weights).
   void invalidate_weight_cache();
+  // Tensor parallelism: a tensorwise scale of an operand that is split over the ranks (marked
+  // in `split`, indexed by TensorRole) comes from the largest amax in the group, `group_max`, so
+  // that every rank casts with the scale of the whole tensor. Delayed scaling's amaxes are
+  // reduced with the data-parallel ones at the end of the step; block scales are local.
+  void set_split_operands(std::function<float(float)> group_max, std::array<bool, 3> split);
   // Evaluation passes turn this off so that they leave delayed scaling's amax history alone.
   void set_record_amax(bool record) { record_amax_ = record; }
   // While on, each tensor's first cast (x̂, Ŵ, dŷ; not the transposed copies made from the same
@@ -118,6 +124,8 @@ class Fp8Linear {
   bool record_amax_ = true;
   bool record_health_ = false;
   std::array<Fp8OperandHealth, 3> health_;  // indexed by TensorRole
+  std::function<float(float)> group_max_;
+  std::array<bool, 3> split_{};  // indexed by TensorRole
 
   // Weight cache: Ŵ, Ŵᵗ and their dequantized values for the CPU GEMMs.
   const float* cached_weight_ = nullptr;

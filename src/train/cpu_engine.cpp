@@ -24,9 +24,14 @@ class CpuEngine final : public TrainingEngine {
  public:
   explicit CpuEngine(const EngineSetup& setup)
       : communicator_(setup.communicator),
-        plan_(plan_gpt_memory(setup.model, setup.batch, setup.seq, setup.recompute)),
+        layout_(setup.layout),
+        plan_(plan_gpt_memory(setup.model, setup.batch, setup.seq, setup.recompute,
+                              setup.layout.tensor)),
         model_((check_memory_fits(plan_), setup.model), setup.batch, setup.seq, setup.precision,
-               setup.recompute),
+               setup.recompute,
+               communicator_ != nullptr
+                   ? distributed::tensor_parallel_group(*communicator_, layout_)
+                   : TensorParallel{}),
         sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
         optimizer_(setup.model, setup.optimizer, setup.tokens_per_step,
                    sharded_ ? setup.communicator->rank() : 0,
@@ -58,10 +63,13 @@ class CpuEngine final : public TrainingEngine {
     StepResult result;
     const int ranks = communicator_ != nullptr ? communicator_->size() : 1;
     for (int64_t micro = 0; micro < accumulation; ++micro) {
-      const data::TokenBatch batch = this_ranks_batch(loader, communicator_);
+      const data::TokenBatch batch = this_ranks_batch(loader, layout_);
       result.loss += model_.forward(batch.inputs.data(), batch.targets.data());
       model_.backward();
     }
+    // Every rank of a tensor-parallel group then holds the whole gradient, as a replica without
+    // tensor parallelism does: the sums below average the replicas.
+    model_.gather_split_gradients();
     if (ranks > 1) {  // the sums over every rank's micro-batches
       for (const optim::GradientSpan& span : gradient_spans_)
         communicator_->sum(span.data, static_cast<size_t>(span.count));
@@ -140,6 +148,7 @@ class CpuEngine final : public TrainingEngine {
   }
 
   distributed::Communicator* communicator_;
+  distributed::ParallelLayout layout_;
   GptMemoryPlan plan_;
   GptModel model_;
   bool sharded_;  // ZeRO-1: this rank updates its share of the parameters
@@ -194,12 +203,11 @@ void gather_optimizer_state(const std::vector<NamedTensor>& state,
 }
 
 data::TokenBatch this_ranks_batch(data::TokenLoader& loader,
-                                  const distributed::Communicator* communicator) {
-  if (communicator == nullptr) return loader.next_batch();
+                                  const distributed::ParallelLayout& layout) {
   data::TokenBatch kept;
-  for (int rank = 0; rank < communicator->size(); ++rank) {
+  for (int replica = 0; replica < layout.data; ++replica) {
     data::TokenBatch batch = loader.next_batch();
-    if (rank == communicator->rank()) kept = std::move(batch);
+    if (replica == layout.data_rank) kept = std::move(batch);
   }
   return kept;
 }

@@ -63,6 +63,7 @@ class CudaEngine final : public TrainingEngine {
   CudaEngine(const EngineSetup& setup, GpuInfo gpu)
       : gpu_(std::move(gpu)),
         communicator_(setup.communicator),
+        layout_(setup.layout),
         host_arena_("parameters (host mirror)",
                     ParameterSet::planned_bytes(setup.model, DType::F32)),
         host_parameters_(host_arena_, setup.model, DType::F32),
@@ -130,7 +131,7 @@ class CudaEngine final : public TrainingEngine {
     int64_t pending = 0;  // losses copied to the host but not yet summed
     const int ranks = communicator_ != nullptr ? communicator_->size() : 1;
     for (int64_t micro = 0; micro < accumulation; ++micro) {
-      const data::TokenBatch batch = this_ranks_batch(loader, communicator_);
+      const data::TokenBatch batch = this_ranks_batch(loader, layout_);
       model_.forward(batch.inputs.data(), batch.targets.data(), true);
       FP8T_CUDA_CHECK(cudaMemcpyAsync(losses_host_.data() + pending, model_.loss_device(),
                                       sizeof(float), cudaMemcpyDeviceToHost, stream));
@@ -293,6 +294,7 @@ class CudaEngine final : public TrainingEngine {
 
   GpuInfo gpu_;
   distributed::Communicator* communicator_;
+  distributed::ParallelLayout layout_;  // data parallel only: one rank per group
   CudaStream stream_;
   Arena host_arena_;
   ParameterSet host_parameters_;

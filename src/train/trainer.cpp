@@ -181,18 +181,25 @@ gemm::GemmTuning run_gemm_tuning(const TrainConfig& config) {
 
 // Data parallelism over several processes needs a global batch the ranks share evenly.
 void check_data_parallel(const TrainConfig& config, int ranks) {
-  const int64_t per_pass = config.training.micro_batch_size * ranks;
+  const int replicas = config.data_parallel_size(ranks);
+  const int64_t per_pass = config.training.micro_batch_size * replicas;
   if (config.global_batch_size(ranks) % per_pass != 0) {
-    throw ConfigError(
-        fmt::format("global_batch_size: {} is not a multiple of micro_batch_size x ranks = {} x {}",
-                    config.global_batch_size(ranks), config.training.micro_batch_size, ranks));
+    throw ConfigError(fmt::format(
+        "global_batch_size: {} is not a multiple of micro_batch_size x data-parallel replicas = "
+        "{} x {}",
+        config.global_batch_size(ranks), config.training.micro_batch_size, replicas));
   }
 }
 
-std::string ranks_note(const distributed::Communicator& communicator) {
+std::string ranks_note(const distributed::Communicator& communicator,
+                       const distributed::ParallelLayout& layout) {
   if (!communicator.several()) return "";
-  return fmt::format(" on each of {} ranks ({}, data parallel)", communicator.size(),
-                     communicator.launch().launcher);
+  if (layout.tensor == 1) {
+    return fmt::format(" on each of {} ranks ({}, data parallel)", communicator.size(),
+                       communicator.launch().launcher);
+  }
+  return fmt::format(" on each of {} data-parallel replica(s) of {} tensor-parallel ranks ({})",
+                     layout.data, layout.tensor, communicator.launch().launcher);
 }
 
 // Every rank's delayed-scaling state must be the same (the amaxes are reduced over the ranks):
@@ -221,6 +228,14 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   const bool several = communicator.several();
   if (several) check_data_parallel(config, communicator.size());
   if (config.is_flux()) return run_flux_training(config, communicator);
+  const distributed::ParallelLayout layout = distributed::parallel_layout(
+      communicator.size(), communicator.rank(), config.run.tensor_model_parallel_size);
+  if (layout.tensor > 1 && use_cuda(config.run.device)) {
+    throw ConfigError(fmt::format(
+        "tensor_model_parallel_size: {} runs on the CPU path only (device: cpu); the GPU path "
+        "has data parallelism alone",
+        layout.tensor));
+  }
   // Rank 0 prepares the run folder and the data (the built-in corpus is tokenized on first
   // use) and prints; the others wait for it, then only read.
   const bool leader = communicator.rank() == 0;
@@ -246,6 +261,7 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   const int64_t accumulation = config.grad_accum_steps(ranks);
   const int64_t tokens_per_step = config.global_batch_size(ranks) * seq;
   EngineSetup setup;
+  setup.layout = layout;
   setup.model = model_config;
   setup.batch = batch;
   setup.seq = seq;
@@ -290,7 +306,7 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
     fmt::print(
         "batch: {} x {} tokens per micro-batch, {} micro-batch(es) per step{}, {} tokens per "
         "step; {} steps\n",
-        batch, seq, accumulation, ranks_note(communicator), tokens_per_step, total_steps);
+        batch, seq, accumulation, ranks_note(communicator, layout), tokens_per_step, total_steps);
     fmt::print("memory plan: {}\n", engine->memory_plan());
     fmt::print("activation recompute: {}\n",
                recompute_summary(setup.recompute, model_config.n_layer));
@@ -349,13 +365,17 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   };
 
   // Validation: the same batches from the start of the validation shards at every evaluation.
+  // The leader evaluates and reports; with tensor parallelism every rank evaluates with it,
+  // since each collective of a tensor-parallel group takes every rank of the job.
+  const bool evaluates = leader || layout.tensor > 1;
   const auto validation_loss = [&]() -> std::optional<double> {
-    if (!leader || sources.val_shards.empty() || config.run.eval_iters <= 0) return std::nullopt;
+    if (!evaluates || sources.val_shards.empty() || config.run.eval_iters <= 0) return std::nullopt;
     data::TokenLoader val_loader(sources.val_shards,
                                  {.batch = batch, .sequence = seq, .seed = seed});
     double sum = 0.0;
     for (int64_t i = 0; i < config.run.eval_iters; ++i)
       sum += engine->evaluation_loss(val_loader.next_batch());
+    if (!leader) return std::nullopt;
     return sum / double(config.run.eval_iters);
   };
 

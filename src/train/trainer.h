@@ -10,6 +10,7 @@
 
 #include "config/train_config.h"
 #include "distributed/communicator.h"
+#include "distributed/tensor_parallel_group.h"
 #include "gemm/gemm_tuning.h"
 
 namespace fp8t::train {
@@ -49,8 +50,11 @@ TrainOutcome run_training(const TrainConfig& config);
 // path (ConfigError otherwise).
 TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& communicator);
 
-// The batch line's " on each of R ranks (launcher, data parallel)", or "" for one process.
-std::string ranks_note(const distributed::Communicator& communicator);
+// The batch line's " on each of R ranks (launcher, data parallel)", with tensor parallelism
+// " on each of D data-parallel replica(s) of T tensor-parallel ranks (launcher)", or "" for one
+// process.
+std::string ranks_note(const distributed::Communicator& communicator,
+                       const distributed::ParallelLayout& layout = {});
 
 class ScalingStateBuffers;
 // Throws fp8t::Error naming the rank whose delayed-scaling state differs from rank 0's at

@@ -15,6 +15,7 @@
 #include "config/train_config.h"
 #include "data/token_loader.h"
 #include "distributed/communicator.h"
+#include "distributed/tensor_parallel_group.h"
 #include "gemm/gemm_tuning.h"
 #include "models/gpt_memory.h"
 #include "models/gpt_model.h"
@@ -87,6 +88,9 @@ struct EngineSetup {
   // Data parallelism: each rank takes its share of a step's micro-batches and the gradients are
   // summed over the ranks before the update (on the GPU path through NCCL). Null: one process.
   distributed::Communicator* communicator = nullptr;
+  // Tensor parallelism (CPU path): the ranks' split into tensor-parallel groups, which see the
+  // same micro-batches, and data-parallel replicas, which share a step's micro-batches.
+  distributed::ParallelLayout layout;
   // With several ranks on the GPU path: the gradient sums overlap the backward.
   bool overlap_grad_reduce = false;
   // With several ranks: ZeRO-1 (optim/optimizer_shard.h). Each rank updates the parameters it
@@ -123,10 +127,10 @@ void gather_optimizer_state(const std::vector<NamedTensor>& state,
                             const optim::OptimizerShard& shard,
                             distributed::Communicator& communicator);
 
-// The next `ranks` batches of the loader, of which this rank keeps its own (every batch when
-// `communicator` is null).
+// The next batch of each data-parallel replica from the loader, of which this rank keeps its
+// replica's.
 data::TokenBatch this_ranks_batch(data::TokenLoader& loader,
-                                  const distributed::Communicator* communicator);
+                                  const distributed::ParallelLayout& layout);
 
 // `device`: auto picks CUDA when the build has it and a GPU is present.
 bool use_cuda(DeviceChoice device);

@@ -201,7 +201,8 @@ TEST(TrainConfig, FileErrorsNameFileLineAndKey) {
       {"bad_base.yaml", fmt::format(":2: base: cannot read '{}': No such file or directory",
                                     fixture("nothere.yaml"))},
       {"bad_batch.yaml",
-       ":3: global_batch_size: must be a multiple of micro_batch_size × devices (32 × 1 = 32), "
+       ":3: global_batch_size: must be a multiple of micro_batch_size × data-parallel replicas (32 "
+       "× 1 = 32), "
        "found 48"},
       {"section_scalar.yaml",
        ":1: training: expected a mapping of the training section's keys, found 'd12'"},
@@ -339,6 +340,29 @@ TEST(TrainConfig, NanGuardErrorsNameTheKey) {
               ::testing::HasSubstr("--nan-restore-after: applies to the GPT only"));
 }
 
+TEST(TrainConfig, TensorParallelSplitsTheBatchAmongReplicasAndNamesTheKey) {
+  TrainConfig config;
+  config.training.micro_batch_size = 16;
+  config.run.tensor_model_parallel_size = 2;
+  EXPECT_EQ(config.data_parallel_size(8), 4);
+  EXPECT_EQ(config.global_batch_size(8), 64);  // 4 replicas, one micro-batch each
+  config.training.global_batch_size = 128;
+  EXPECT_EQ(config.grad_accum_steps(8), 2);
+  EXPECT_EQ(config.data_parallel_size(1), 1);  // the job's ranks not known yet
+
+  // The default depth-20 GPT has 10 heads of 128: 4 ranks cannot split them.
+  EXPECT_EQ(load_error({"--tensor-model-parallel-size=4"}),
+            "command line: --tensor-model-parallel-size: 4 must divide the model's query heads "
+            "(10); expected one of its divisors");
+  EXPECT_EQ(load({"--tensor-model-parallel-size=2"}).run.tensor_model_parallel_size, 2);
+  EXPECT_THAT(
+      load_error({"--tensor-model-parallel-size=2", "--fp8", "--fp8-dot-product-attention=true"}),
+      ::testing::HasSubstr("--tensor-model-parallel-size: 2 does not run with "
+                           "fp8_dot_product_attention: true"));
+  EXPECT_THAT(load_error({"--model=flux_tiny", "--tensor-model-parallel-size=2"}),
+              ::testing::HasSubstr("--tensor-model-parallel-size: applies to the GPT only"));
+}
+
 TEST(TrainConfig, NanochatFlags) {
   const TrainConfig config = load({"--depth=24",
                                    "--fp8",
@@ -434,7 +458,8 @@ TEST(TrainConfig, CommandLineErrorsNameTheFlag) {
        "--fp8_dot_product_attention: true needs fp8 other than none"},
       // A key at its default is named with the top-level source.
       {{"--config", preset("tiny.yaml"), "--global-batch-size=12"},
-       "--global-batch-size: must be a multiple of micro_batch_size × devices (8 × 1 = 8), found "
+       "--global-batch-size: must be a multiple of micro_batch_size × data-parallel replicas (8 × "
+       "1 = 8), found "
        "12"},
       {{"--fp8-recipe=delayed", "--fp8-amax-epsilon=0.5"},
        "fp8_amax_epsilon: applies to tensorwise and blockwise only, found 0.5 with fp8_recipe: "

@@ -1,0 +1,48 @@
+#include "distributed/tensor_parallel_group.h"
+
+#include <algorithm>
+#include <limits>
+#include <vector>
+
+#include <fmt/format.h>
+
+#include "core/error.h"
+
+namespace fp8t::distributed {
+
+ParallelLayout parallel_layout(int world_size, int rank, int tensor) {
+  if (tensor < 1 || world_size % tensor != 0) {
+    throw ConfigError(fmt::format(
+        "tensor_model_parallel_size: expected a divisor of the {} ranks of this job, found {}",
+        world_size, tensor));
+  }
+  return {tensor, rank % tensor, world_size / tensor, rank / tensor};
+}
+
+TensorParallel tensor_parallel_group(Communicator& communicator, const ParallelLayout& layout) {
+  TensorParallel group;
+  group.size = layout.tensor;
+  group.rank = layout.tensor_rank;
+  if (!group.split()) return group;
+  // One slot per group in a job-wide collective: the other groups' slots add zeros (or take the
+  // maximum with -inf), so each group's result is exactly its own ranks'. The host collectives
+  // have no sub-groups; the copies cost replicas x the data, small on the CPU path.
+  const auto slots = static_cast<size_t>(layout.data);
+  const auto slot = static_cast<size_t>(layout.data_rank);
+  group.sum = [&communicator, slots, slot](float* values, size_t count) {
+    if (slots == 1) return communicator.sum(values, count);
+    std::vector<float> all(slots * count, 0.0f);
+    std::copy(values, values + count, all.begin() + static_cast<ptrdiff_t>(slot * count));
+    communicator.sum(all.data(), all.size());
+    std::copy_n(all.begin() + static_cast<ptrdiff_t>(slot * count), count, values);
+  };
+  group.max = [&communicator, slots, slot](float value) {
+    std::vector<float> all(slots, -std::numeric_limits<float>::infinity());
+    all[slot] = value;
+    communicator.max(all.data(), all.size());
+    return all[slot];
+  };
+  return group;
+}
+
+}  // namespace fp8t::distributed

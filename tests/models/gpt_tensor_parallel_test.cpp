@@ -1,0 +1,281 @@
+// Tensor parallelism of the GPT on the CPU path (models/tensor_parallel.h): two ranks, threads of
+// this process that meet in an in-memory group, give the loss and the gradients of one model on
+// the whole tensors (fp32), or its loss and its FP8 scales (FP8 linears).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <cstring>
+#include <functional>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/error.h"
+#include "models/gpt_memory.h"
+#include "models/gpt_model.h"
+#include "models/recompute_checks.h"
+
+namespace fp8t {
+namespace {
+
+// An all-reduce among `size` threads: each contributes, the last to arrive combines the
+// contributions in rank order, and every thread leaves with the result.
+class ThreadGroup {
+ public:
+  explicit ThreadGroup(int size) : size_(size), contributions_(static_cast<size_t>(size)) {}
+
+  void reduce(int rank, float* values, size_t count, const std::function<float(float, float)>& op) {
+    std::unique_lock lock(mutex_);
+    contributions_[static_cast<size_t>(rank)].assign(values, values + count);
+    const int round = round_;
+    if (++arrived_ == size_) {
+      result_ = contributions_[0];
+      for (size_t r = 1; r < contributions_.size(); ++r)
+        for (size_t i = 0; i < count; ++i)
+          result_[i] = op(result_[i], contributions_[r][i]);
+      arrived_ = 0;
+      ++round_;
+      changed_.notify_all();
+    } else {
+      changed_.wait(lock, [&] { return round_ != round; });
+    }
+    // Copied under the lock: the next round cannot finish before this thread has joined it.
+    std::copy(result_.begin(), result_.end(), values);
+  }
+
+  TensorParallel member(int rank) {
+    TensorParallel group;
+    group.size = size_;
+    group.rank = rank;
+    group.sum = [this, rank](float* values, size_t count) {
+      reduce(rank, values, count, [](float a, float b) { return a + b; });
+    };
+    group.max = [this, rank](float value) {
+      reduce(rank, &value, 1, [](float a, float b) { return std::max(a, b); });
+      return value;
+    };
+    return group;
+  }
+
+ private:
+  int size_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  int arrived_ = 0;
+  int round_ = 0;
+  std::vector<std::vector<float>> contributions_;
+  std::vector<float> result_;
+};
+
+// Three blocks with value embeddings on blocks 0 and 2, grouped-query attention (4 query heads,
+// 2 kv heads: one kv head per rank of two).
+GptConfig three_block_config(int n_embd) {
+  GptConfig config;
+  config.n_layer = 3;
+  config.n_embd = n_embd;
+  config.n_head = 4;
+  config.n_kv_head = 2;
+  config.vocab_size = 40;
+  config.sequence_len = 8;
+  config.window_pattern = "SL";
+  config.short_window = 2;
+  config.pad_vocab_to = 64;
+  return config;
+}
+
+double relative_difference(const TensorView& got, const TensorView& want) {
+  double diff = 0.0, norm = 0.0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    const double w = want.data<float>()[i];
+    diff += (got.data<float>()[i] - w) * (got.data<float>()[i] - w);
+    norm += w * w;
+  }
+  return std::sqrt(diff / norm);
+}
+
+struct Case {
+  testing::Numbers numbers;
+  RecomputeOptions recompute;
+};
+
+std::string case_name(const ::testing::TestParamInfo<Case>& info) {
+  return testing::name_of(info.param.numbers) + "_" + testing::name_of(info.param.recompute);
+}
+
+class GptTensorParallel : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GptTensorParallel, TwoRanksGiveTheLossAndGradientsOfOne) {
+  const Case setting = GetParam();
+  // Blockwise's 128x128 tiles need the MLP's shares to be 128 wide.
+  const GptConfig config =
+      three_block_config(setting.numbers == testing::Numbers::Blockwise ? 128 : 64);
+  const GptPrecision precision = testing::precision_of(setting.numbers);
+  const bool fp8 = setting.numbers != testing::Numbers::Fp32;
+  const int64_t batch = 2, seq = 8, tokens = batch * seq;
+  constexpr int kRanks = 2;
+
+  const unsigned seed = std::random_device{}();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 generator(seed);
+  GptModel whole(config, batch, seq, precision, setting.recompute);
+  whole.init_weights(generator());
+  // Every gradient path non-zero; the FP8 models nearer their initialization, where they are
+  // less sensitive to rounding (see below).
+  std::normal_distribution<float> normal(0.0f, fp8 ? 0.05f : 0.3f);
+  for (const ParamSpec& spec : gpt_parameters(config)) {
+    float* data = whole.parameters()[spec.name].data<float>();
+    for (int64_t i = 0; i < spec.numel(); ++i)
+      data[i] += normal(generator);
+  }
+  whole.end_step();
+  std::uniform_int_distribution<int32_t> token(0, config.vocab_size - 1);
+  std::vector<int32_t> idx(static_cast<size_t>(tokens)), targets(idx.size());
+  for (size_t i = 0; i < idx.size(); ++i) {
+    idx[i] = token(generator);
+    targets[i] = i == 3 ? -1 : token(generator);
+  }
+  whole.set_record_fp8_health(true);
+  const double want_loss = whole.forward(idx.data(), targets.data());
+  ASSERT_TRUE(std::isfinite(want_loss));
+  whole.backward();
+
+  ThreadGroup group(kRanks);
+  std::vector<std::unique_ptr<GptModel>> ranks;
+  for (int rank = 0; rank < kRanks; ++rank) {
+    ranks.push_back(std::make_unique<GptModel>(config, batch, seq, precision, setting.recompute,
+                                               group.member(rank)));
+    for (const ParamSpec& spec : gpt_parameters(config)) {
+      std::memcpy(ranks.back()->parameters()[spec.name].raw(), whole.parameters()[spec.name].raw(),
+                  whole.parameters()[spec.name].bytes());
+    }
+    ranks.back()->weights_changed();
+  }
+  if (fp8) {
+    int fp8_linears = 0;
+    for (const LinearPrecision& decision : ranks[0]->linear_precision())
+      fp8_linears += decision.fp8;
+    EXPECT_GE(fp8_linears, 3 * 2) << "the MLP's linears of every block";
+  }
+  std::vector<double> losses(kRanks);
+  std::vector<std::vector<Fp8TensorHealth>> health(kRanks);
+  std::vector<std::thread> threads;
+  for (int rank = 0; rank < kRanks; ++rank) {
+    threads.emplace_back([&, rank] {
+      GptModel& model = *ranks[static_cast<size_t>(rank)];
+      model.set_record_fp8_health(true);
+      losses[static_cast<size_t>(rank)] = model.forward(idx.data(), targets.data());
+      model.backward();
+      model.gather_split_gradients();
+      health[static_cast<size_t>(rank)] = model.take_fp8_health();
+    });
+  }
+  for (std::thread& thread : threads)
+    thread.join();
+
+  EXPECT_EQ(losses[0], losses[1]) << "every rank of the group computes the same loss";
+  for (const ParamSpec& spec : gpt_parameters(config)) {
+    const TensorView& first = ranks[0]->gradients()[spec.name];
+    EXPECT_EQ(std::memcmp(first.raw(), ranks[1]->gradients()[spec.name].raw(), first.bytes()), 0)
+        << spec.name << ": the ranks hold different gradients";
+  }
+  if (!fp8) {  // the same sums in another order (a scalar's gradient, a sum that cancels, the most)
+    EXPECT_NEAR(losses[0], want_loss, std::abs(want_loss) * 1e-5);
+    for (const ParamSpec& spec : gpt_parameters(config))
+      EXPECT_LT(relative_difference(ranks[0]->gradients()[spec.name], whole.gradients()[spec.name]),
+                1e-3)
+          << spec.name;
+    return;
+  }
+  // FP8: a row-parallel output is the sum of the ranks' bf16-rounded shares, not one rounding of
+  // the whole, and the casts downstream of such differences round some values the other way;
+  // the gradients of so small a model move by tens of percent under perturbations that small
+  // (its weights perturbed by 1e-3 do the same), so the loss is compared, and the scales.
+  EXPECT_NEAR(losses[0], want_loss, std::abs(want_loss) * 1e-2);
+  // Block scales, one per block, are the same on every rank by construction.
+  if (setting.numbers == testing::Numbers::Blockwise) return;
+  const std::vector<Fp8TensorHealth> want = whole.take_fp8_health();
+  ASSERT_EQ(health[0].size(), want.size());
+  ASSERT_EQ(health[1].size(), want.size());
+  const bool tensorwise = setting.numbers == testing::Numbers::Tensorwise;
+  for (size_t i = 0; i < want.size(); ++i) {
+    SCOPED_TRACE(want[i].layer + "." + tensor_role_name(want[i].role));
+    const float scale = health[0][i].health.scale;
+    EXPECT_EQ(health[1][i].health.scale, scale) << "the ranks cast a tensor with different scales";
+    if (!tensorwise) continue;
+    // A weight's shares together are the whole weight: the group's amax is its amax exactly.
+    if (want[i].role == TensorRole::Weight) {
+      EXPECT_EQ(scale, want[i].health.scale);
+    }
+    if (want[i].role == TensorRole::Input) {
+      EXPECT_NEAR(scale, want[i].health.scale, want[i].health.scale * 0.1);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    GptModel, GptTensorParallel,
+    ::testing::Values(Case{testing::Numbers::Fp32, {}},
+                      Case{testing::Numbers::Fp32, {RecomputeGranularity::Full}},
+                      Case{testing::Numbers::Delayed, {}}, Case{testing::Numbers::Tensorwise, {}},
+                      Case{testing::Numbers::Tensorwise, {RecomputeGranularity::Selective}},
+                      Case{testing::Numbers::Blockwise, {}}),
+    case_name);
+
+TEST(GptTensorParallelSplits, HeadsAndHiddenFeaturesMustSplitEvenly) {
+  GptConfig config = three_block_config(64);
+  EXPECT_NO_THROW(check_tensor_parallel(config, 2));
+  for (int size : {0, 3, 4}) {  // 4: more ranks than kv heads
+    try {
+      check_tensor_parallel(config, size);
+      FAIL() << "expected a ConfigError for " << size << " ranks";
+    } catch (const ConfigError& error) {
+      EXPECT_NE(std::string(error.what()).find("tensor_model_parallel_size"), std::string::npos)
+          << error.what();
+    }
+  }
+}
+
+TEST(GptTensorParallelSplits, ABlockRecipesShareOutsideWholeBlocksStaysInBf16) {
+  // Blockwise at 128 features: the query projection's share (64 of 128 outputs) is not made of
+  // 128x128 tiles; the MLP's shares (256 hidden features each) are.
+  const GptConfig config = three_block_config(128);
+  ThreadGroup group(2);
+  const GptModel model(config, 1, 8, testing::precision_of(testing::Numbers::Blockwise), {},
+                       group.member(0));
+  for (const LinearPrecision& decision : model.linear_precision()) {
+    if (decision.linear.name == "transformer.h.1.attn.c_q") {
+      EXPECT_FALSE(decision.fp8);
+      EXPECT_NE(decision.reason.find("tensor-parallel"), std::string::npos) << decision.reason;
+    }
+    if (decision.linear.name == "transformer.h.1.mlp.c_fc") {
+      EXPECT_TRUE(decision.fp8);
+    }
+  }
+}
+
+TEST(GptTensorParallelSplits, EachRankHoldsTheActivationsOfItsShare) {
+  const GptConfig config = three_block_config(64);
+  const int64_t batch = 2, seq = 8, tokens = batch * seq;
+  ThreadGroup group(2);
+  const GptModel model(config, batch, seq, testing::precision_of(testing::Numbers::Fp32), {},
+                       group.member(1));
+  const BlockActivations& block = model.activations().blocks[0];
+  EXPECT_EQ(block.q.numel(), tokens * 2 * config.head_dim());  // 2 of the 4 query heads
+  EXPECT_EQ(block.v.numel(), tokens * 1 * config.head_dim());  // 1 of the 2 kv heads
+  EXPECT_EQ(block.attn_out.numel(), tokens * config.n_embd / 2);
+  EXPECT_EQ(block.fc.numel(), tokens * 4 * config.n_embd / 2);
+  EXPECT_EQ(block.input.numel(), tokens * config.n_embd);  // the residual stream is whole
+
+  const GptMemoryPlan whole = plan_gpt_memory(config, batch, seq);
+  const GptMemoryPlan share = plan_gpt_memory(config, batch, seq, {}, 2);
+  EXPECT_EQ(share.parameters, whole.parameters);  // weights stay whole on every rank
+  EXPECT_LT(share.activations, whole.activations);
+  EXPECT_LT(share.workspace, whole.workspace);
+}
+
+}  // namespace
+}  // namespace fp8t

@@ -1,0 +1,86 @@
+#!/usr/bin/env bash
+# Tensor parallelism on the CPU path: a GPT whose blocks 2 ranks split (tensor_model_parallel_size
+# 2) gives the losses of one process, up to the order of the partial sums, in BF16 and in FP8
+# with tensorwise scaling; so does a job of 4 ranks, 2 data-parallel replicas of 2; a checkpoint
+# of the 2 ranks resumes on one process; a group that does not divide the job is refused.
+# Usage: tensor_parallel_test.sh FP8TRAIN LAUNCHER OUTPUT_DIR
+#   LAUNCHER: the path of mpiexec, or "nproc-per-node" (ranks that meet over TCP).
+set -euo pipefail
+fp8train="$1"
+launcher="$2"
+output="$3"
+rm -rf "$output"
+mkdir -p "$output"
+# 4 heads of 32 features (the default head_dim would leave one head, which cannot be split).
+args=(--depth=2 --head-dim=32 --vocab-size=4096 --sequence-len=64 --sample-tokens=0
+      --micro-batch-size=2 --global-batch-size=4 --train-iters=10 --save-every=5 --eval-every=5
+      --eval-iters=2 --log-every=1 --lr-warmup-iters=0 --lr=0.3 --embedding-lr=3 --unembedding-lr=0.15
+      --scalar-lr=3 --device=cpu --output-dir="$output")
+ranks() {
+  local count="$1"
+  shift
+  if [[ $launcher == nproc-per-node ]]; then
+    "$fp8train" train --nproc-per-node "$count" "$@"
+  else
+    "$launcher" -np "$count" --oversubscribe "$fp8train" train "$@"
+  fi
+}
+# compare ONE TWO LABEL [FIRST_STEP]: the losses, validation losses and gradient norms of two
+# runs' metrics agree.
+compare() {
+  python3 - "$@" <<'PY'
+import json, sys
+def records(path, key):
+    return {r["step"]: r[key] for r in map(json.loads, open(path))
+            if r.get(key) is not None and "step" in r}
+one_path, two_path, label = sys.argv[1:4]
+first = int(sys.argv[4]) if len(sys.argv) > 4 else 1
+# The gradient norm too: Muon's and Adam's updates barely change with a gradient's scale, so the
+# losses alone would miss gradients that were not summed over the group.
+for key in ("loss", "val_loss", "grad_norm"):
+    one, two = records(one_path, key), records(two_path, key)
+    steps = [s for s in one if s >= first]
+    if not steps or any(s not in two for s in steps):
+        sys.exit(f"FAIL: {label}: {key} at steps {sorted(steps)} vs {sorted(two)}")
+    worst = max(abs(one[s] - two[s]) / abs(one[s]) for s in steps)
+    # fp32 partial sums in another order (and with FP8 a few casts that round the other way),
+    # carried through 10 Muon steps; a norm of gradients moves more than the loss.
+    if worst > (2e-2 if key == "grad_norm" else 2e-3):
+        sys.exit(f"FAIL: {label}: {key} differs by {worst:.2e} (relative)")
+    if key == "loss" and one == two:
+        sys.exit(f"FAIL: {label}: identical to the last bit: did the ranks split anything?")
+    print(f"{label}: {key} agrees within {worst:.2e} over steps {min(steps)}-{max(steps)}")
+PY
+}
+for precision in bf16 tensorwise; do
+  extra=()
+  [[ $precision == tensorwise ]] && extra=(--fp8=hybrid --fp8-recipe=tensorwise)
+  "$fp8train" train "${args[@]}" "${extra[@]}" --run=one_$precision >"$output/one.log" 2>&1 ||
+    { cat "$output/one.log"; exit 1; }
+  ranks 2 "${args[@]}" "${extra[@]}" --tensor-model-parallel-size=2 --run=tp2_$precision \
+    >"$output/tp2.log" 2>&1 || { cat "$output/tp2.log"; echo "FAIL: the 2-rank run failed"; exit 1; }
+  grep -q "2 micro-batch(es) per step on each of 1 data-parallel replica(s) of 2 tensor-parallel ranks" \
+    "$output/tp2.log" || { cat "$output/tp2.log"; echo "FAIL: no tensor-parallel split"; exit 1; }
+  compare "$output/one_$precision/metrics.jsonl" "$output/tp2_$precision/metrics.jsonl" \
+    "$precision, 2 tensor-parallel ranks"
+done
+# 2 replicas of 2 tensor-parallel ranks: one micro-batch per replica and step.
+ranks 4 "${args[@]}" --tensor-model-parallel-size=2 --run=tp2_dp2 >"$output/tp2_dp2.log" 2>&1 ||
+  { cat "$output/tp2_dp2.log"; echo "FAIL: the 4-rank run failed"; exit 1; }
+grep -q "1 micro-batch(es) per step on each of 2 data-parallel replica(s) of 2 tensor-parallel" \
+  "$output/tp2_dp2.log" || { cat "$output/tp2_dp2.log"; echo "FAIL: expected 2 replicas"; exit 1; }
+compare "$output/one_bf16/metrics.jsonl" "$output/tp2_dp2/metrics.jsonl" "bf16, 2 x 2 ranks"
+# The 2 ranks' checkpoint holds whole tensors: one process resumes it.
+cp -r "$output/tp2_bf16" "$output/resumed"
+rm -rf "$output/resumed/checkpoints/step_000010"
+"$fp8train" train "${args[@]}" --run=resumed --resume-from-step=5 >"$output/resumed.log" 2>&1 ||
+  { cat "$output/resumed.log"; echo "FAIL: the resume on one process failed"; exit 1; }
+compare "$output/one_bf16/metrics.jsonl" "$output/resumed/metrics.jsonl" "bf16, resumed on one" 6
+# 3 ranks cannot make groups of 2.
+if ranks 3 "${args[@]}" --tensor-model-parallel-size=2 --run=bad >"$output/bad.log" 2>&1; then
+  cat "$output/bad.log"; echo "FAIL: 3 ranks in groups of 2 ran"; exit 1
+fi
+grep -q "tensor_model_parallel_size: expected a divisor of the 3 ranks of this job, found 2" \
+  "$output/bad.log" ||
+  { cat "$output/bad.log"; echo "FAIL: expected the key named"; exit 1; }
+echo "PASS: tensor parallelism matches one process"
