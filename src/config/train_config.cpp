@@ -488,7 +488,7 @@ void check_nan_guard(const TrainConfig& config,
   }
 }
 
-// Tensor parallelism splits the GPT's blocks evenly (the trainer checks the job's ranks: a
+// Tensor parallelism splits the blocks evenly (the trainer checks the job's ranks: a
 // configuration also serves one process, to sample or compare).
 void check_tensor_parallel(const TrainConfig& config,
                            const std::function<std::string(std::string_view)>& origin) {
@@ -502,7 +502,11 @@ void check_tensor_parallel(const TrainConfig& config,
         key, size));
   }
   try {
-    check_tensor_parallel(config.gpt_config(), size);
+    if (config.is_flux()) {
+      check_flux_tensor_parallel(config.flux_config(), size);
+    } else {
+      check_tensor_parallel(config.gpt_config(), size);
+    }
   } catch (const ConfigError& error) {  // its message names the key, without the origin
     std::string message = error.what();
     constexpr std::string_view kKey = "tensor_model_parallel_size: ";

@@ -143,4 +143,21 @@ int64_t flux_parameter_count(const FluxConfig& config) {
   return count;
 }
 
+void check_flux_tensor_parallel(const FluxConfig& config, int size) {
+  if (size < 1) {
+    throw ConfigError(
+        fmt::format("tensor_model_parallel_size: expected at least 1, found {}", size));
+  }
+  for (const auto& [what, count] :
+       {std::pair{"heads", int64_t{config.num_heads}},
+        std::pair{"MLP hidden features", int64_t{config.mlp_hidden()}}}) {
+    if (count % size != 0) {
+      throw ConfigError(fmt::format(
+          "tensor_model_parallel_size: {} must divide the model's {} ({}); expected one of its "
+          "divisors",
+          size, what, count));
+    }
+  }
+}
+
 }  // namespace fp8t

@@ -69,4 +69,8 @@ std::vector<FluxParam> flux_parameters(const FluxConfig& config);
 
 int64_t flux_parameter_count(const FluxConfig& config);
 
+// Throws ConfigError naming tensor_model_parallel_size unless `size` ranks can split the heads
+// and the MLP's hidden features evenly.
+void check_flux_tensor_parallel(const FluxConfig& config, int size);
+
 }  // namespace fp8t

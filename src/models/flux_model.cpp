@@ -28,8 +28,9 @@ constexpr float kQkNormEps = 1e-6f;
 // The sizes every buffer is planned from.
 struct FluxDims {
   int64_t batch, img_tokens, txt_tokens;
-  int64_t tokens;  // per sample: the joint [txt; img] sequence
-  int64_t hidden, heads, head_dim, mlp_hidden;
+  int64_t tokens;                               // per sample: the joint [txt; img] sequence
+  int64_t hidden, heads, head_dim, mlp_hidden;  // heads and mlp_hidden: this rank's share
+  int64_t attention;                            // heads · head_dim: the attention's width
   int64_t in_channels, context_in_dim, vec_in_dim, timestep_dim;
   bool guidance;
   int double_blocks, single_blocks;
@@ -152,7 +153,7 @@ struct FluxWorkspace {
 template <typename Visit>
 void FluxActivations::visit(const FluxDims& d, const FluxSaving& saving, Visit&& tensor) {
   const int64_t B = d.batch, Li = d.img_tokens, Lt = d.txt_tokens, L = d.tokens;
-  const int64_t C = d.hidden, H = d.heads, D = d.head_dim, M = d.mlp_hidden;
+  const int64_t C = d.hidden, H = d.heads, D = d.head_dim, M = d.mlp_hidden, A = d.attention;
   tensor(img, {B, Li, d.in_channels});
   tensor(txt, {B, Lt, d.context_in_dim});
   const auto embedder = [&](FluxEmbedderActivations& saved, int64_t in) {
@@ -178,10 +179,11 @@ void FluxActivations::visit(const FluxDims& d, const FluxSaving& saving, Visit&&
       tensor(stream->mod, {B, 6 * C});
       for (TensorView* view : {&stream->norm1_rstd, &stream->norm2_rstd})
         tensor(*view, {B, Ls});
-      for (TensorView* view : {&stream->norm1, &stream->modulated1, &stream->attn, &stream->proj,
-                               &stream->norm2, &stream->modulated2, &stream->mlp_out}) {
+      for (TensorView* view : {&stream->norm1, &stream->modulated1, &stream->proj, &stream->norm2,
+                               &stream->modulated2, &stream->mlp_out}) {
         tensor(*view, {B, Ls, C});
       }
+      tensor(stream->attn, {B, Ls, A});
       tensor(stream->mlp_hidden, {B, Ls, M});
       if (!saving.selective) tensor(stream->mlp_act, {B, Ls, M});
     }
@@ -196,9 +198,9 @@ void FluxActivations::visit(const FluxDims& d, const FluxSaving& saving, Visit&&
     attention(block.attention);
     tensor(block.mlp_hidden, {B, L, M});
     if (saving.selective) {
-      tensor(block.attn, {B, L, C});
+      tensor(block.attn, {B, L, A});
     } else {
-      tensor(block.linear2_in, {B, L, C + M});
+      tensor(block.linear2_in, {B, L, A + M});
     }
   }
   double_group_inputs.resize(static_cast<size_t>(saving.double_groups));
@@ -210,7 +212,7 @@ void FluxActivations::visit(const FluxDims& d, const FluxSaving& saving, Visit&&
   for (TensorView& input : single_group_inputs)
     tensor(input, {B, L, C});
   if (saving.selective && d.double_blocks > 0) tensor(mlp_act, {B * std::max(Li, Lt), M});
-  if (saving.selective && d.single_blocks > 0) tensor(linear2_in, {B, L, C + M});
+  if (saving.selective && d.single_blocks > 0) tensor(linear2_in, {B, L, A + M});
   tensor(final_mod, {B, 2 * C});
   tensor(final_norm_rstd, {B, Li});
   tensor(final_norm, {B, Li, C});
@@ -237,38 +239,42 @@ void FluxActivations::bind_blocks(const FluxDims& d, const FluxSaving& saving) {
 template <typename Visit>
 void FluxWorkspace::visit(const FluxDims& d, Visit&& tensor) {
   const int64_t B = d.batch, N = d.batch * d.tokens, C = d.hidden, M = d.mlp_hidden;
+  const int64_t A = d.attention;
   for (TensorView* view : {&img, &d_img})
     tensor(*view, {B * d.img_tokens, C});
   for (TensorView* view : {&txt, &d_txt})
     tensor(*view, {B * d.txt_tokens, C});
-  for (TensorView* view :
-       {&joint, &q_raw, &k_raw, &attn, &d_joint, &d_branch, &d_modulated, &d_norm, &d_attn, &dq,
-        &dk, &dv, &d_rotated, &d_normed, &dq_raw, &dk_raw}) {
+  for (TensorView* view : {&joint, &d_joint, &d_branch, &d_modulated, &d_norm})
     tensor(*view, {N, C});
+  for (TensorView* view :
+       {&q_raw, &k_raw, &attn, &d_attn, &dq, &dk, &dv, &d_rotated, &d_normed, &dq_raw, &dk_raw}) {
+    tensor(*view, {N, A});
   }
   for (TensorView* view : {&projection, &d_projection})
-    tensor(*view, {N, 3 * C + M});
+    tensor(*view, {N, 3 * A + M});
   for (TensorView* view : {&embedding, &d_vec_act, &d_vec, &d_embed_act, &d_embed_hidden})
     tensor(*view, {B, C});
   for (TensorView* view : {&d_mod_img, &d_mod_txt})
     tensor(*view, {B, 6 * C});
   for (TensorView* view : {&d_mlp_act, &d_mlp_hidden})
     tensor(*view, {N, M});
-  tensor(d_linear2_in, {N, C + M});
+  tensor(d_linear2_in, {N, A + M});
 }
 
 namespace {
 
-FluxDims flux_dims(const FluxConfig& config, int64_t batch, int64_t img_tokens,
-                   int64_t txt_tokens) {
+FluxDims flux_dims(const FluxConfig& config, int64_t batch, int64_t img_tokens, int64_t txt_tokens,
+                   int tensor_parallel = 1) {
+  const int64_t heads = config.num_heads / tensor_parallel;
   return {batch,
           img_tokens,
           txt_tokens,
           txt_tokens + img_tokens,
           config.hidden_size,
-          config.num_heads,
+          heads,
           config.head_dim(),
-          config.mlp_hidden(),
+          config.mlp_hidden() / tensor_parallel,
+          heads * config.head_dim(),
           config.in_channels,
           config.context_in_dim,
           config.vec_in_dim,
@@ -374,14 +380,14 @@ void copy_tokens(float* to, const TokenRows& to_rows, const float* from, const T
   }
 }
 
-// A single block's linear2 input: per token the attention output [B, L, C], then GELU of the
+// A single block's linear2 input: per token the attention output [B, L, A], then GELU of the
 // MLP's hidden values [B, L, M].
 void fill_linear2_input(float* linear2_in, const float* attn, const float* mlp_hidden,
                         const FluxDims& d) {
-  const int64_t L = d.tokens, C = d.hidden, M = d.mlp_hidden;
-  copy_tokens(linear2_in, {L, 0, C + M}, attn, {L, 0, C}, d.batch, L, C);
+  const int64_t L = d.tokens, A = d.attention, M = d.mlp_hidden;
+  copy_tokens(linear2_in, {L, 0, A + M}, attn, {L, 0, A}, d.batch, L, A);
   for (int64_t row = 0; row < d.batch * L; ++row)
-    ops::gelu_tanh_forward(linear2_in + row * (C + M) + C, mlp_hidden + row * M, M);
+    ops::gelu_tanh_forward(linear2_in + row * (A + M) + A, mlp_hidden + row * M, M);
 }
 
 // out[b, t, h, :] = normed[b, t, h, :] · the QK-norm scale of token t's stream: the text's for
@@ -455,8 +461,8 @@ ops::AttentionShape joint_attention_shape(const FluxDims& d) {
 struct Stream {
   std::string prefix;  // "double_blocks.{i}.img" or ".txt"
   FluxStreamActivations& saved;
-  TokenRows own;    // its rows in its own [B, L_s, C] buffers
-  TokenRows joint;  // its rows in the joint [B, L, C] sequence (the text comes first)
+  TokenRows own;    // its rows in its own [B, L_s, A] attention buffers
+  TokenRows joint;  // its rows in the joint [B, L, A] attention (the text comes first)
   int64_t tokens;   // L_s
   float* x;         // its residual stream [B, L_s, C]
   float* dx;        // the gradient of that residual
@@ -466,13 +472,13 @@ struct Stream {
 std::array<Stream, 2> double_block_streams(FluxActivations& act, FluxWorkspace& ws,
                                            const FluxDims& d, int block) {
   FluxDoubleActivations& saved = act.double_blocks[static_cast<size_t>(block)];
-  const int64_t C = d.hidden, L = d.tokens;
+  const int64_t A = d.attention, L = d.tokens;
   return {
-      Stream{fmt::format("double_blocks.{}.img", block), saved.img, TokenRows{d.img_tokens, 0, C},
-             TokenRows{L, d.txt_tokens, C}, d.img_tokens, data(ws.img), data(ws.d_img),
+      Stream{fmt::format("double_blocks.{}.img", block), saved.img, TokenRows{d.img_tokens, 0, A},
+             TokenRows{L, d.txt_tokens, A}, d.img_tokens, data(ws.img), data(ws.d_img),
              data(ws.d_mod_img)},
-      Stream{fmt::format("double_blocks.{}.txt", block), saved.txt, TokenRows{d.txt_tokens, 0, C},
-             TokenRows{L, 0, C}, d.txt_tokens, data(ws.txt), data(ws.d_txt), data(ws.d_mod_txt)}};
+      Stream{fmt::format("double_blocks.{}.txt", block), saved.txt, TokenRows{d.txt_tokens, 0, A},
+             TokenRows{L, 0, A}, d.txt_tokens, data(ws.txt), data(ws.d_txt), data(ws.d_mod_txt)}};
 }
 
 }  // namespace
@@ -628,21 +634,25 @@ double flux_flops_per_sample(const FluxConfig& config, int64_t img_tokens, int64
 
 FluxModel::FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens,
                      int64_t txt_tokens, const FluxPrecision& precision,
-                     const RecomputeOptions& recompute)
+                     const RecomputeOptions& recompute, const TensorParallel& tensor_parallel)
     : config_(config),
       batch_(batch),
       img_tokens_(img_tokens),
       txt_tokens_(txt_tokens),
       precision_(precision),
-      recompute_(recompute) {
+      recompute_(recompute),
+      tensor_parallel_(tensor_parallel) {
   config_.validate();
+  const int group = tensor_parallel_.size;
+  check_flux_tensor_parallel(config_, group);
+  check_group(tensor_parallel_, precision_.fp8_attention);
   FP8T_CHECK(batch >= 1, "expected a batch of at least 1, found {}", batch);
   FP8T_CHECK(img_tokens >= 1 && txt_tokens >= 1,
              "expected at least one image and one text token, found {} and {}", img_tokens,
              txt_tokens);
   recompute_groups_ =
       flux_recompute_groups(recompute_, config_.double_blocks, config_.single_blocks);
-  const FluxDims dims = flux_dims(config_, batch, img_tokens, txt_tokens);
+  const FluxDims dims = flux_dims(config_, batch, img_tokens, txt_tokens, group);
   const FluxSaving saving = flux_saving(config_, recompute_.granularity, recompute_groups_);
   const size_t parameter_bytes = FluxParameterSet::planned_bytes(config_, DType::F32);
   parameter_arena_ = std::make_unique<Arena>("parameters", parameter_bytes);
@@ -663,20 +673,44 @@ FluxModel::FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens
   rope_sin_.resize(rope_cos_.size());
 
   linear_precision_ = decide_flux_precision(config_, precision_.policy);
-  for (const FluxLinearPrecision& decision : linear_precision_) {
+  for (FluxLinearPrecision& decision : linear_precision_) {
     const FluxLinear& spec = decision.linear;
     const int64_t tokens = flux_linear_rows(spec, batch, img_tokens, txt_tokens);
-    Linear layer{{tokens, spec.in_features, spec.out_features},
-                 parameter(spec.name + ".weight"),
-                 parameter(spec.name + ".bias"),
-                 gradient(spec.name + ".weight"),
-                 gradient(spec.name + ".bias"),
-                 nullptr};
-    if (decision.fp8) {
-      layer.fp8 =
-          std::make_unique<ops::Fp8Linear>(precision_.fp8, precision_.family, spec.in_features,
-                                           spec.out_features, precision_.fp8_wgrad);
+    Linear layer;
+    layer.shape = {tokens, spec.in_features, spec.out_features};
+    layer.weight = parameter(spec.name + ".weight");
+    layer.bias = parameter(spec.name + ".bias");
+    layer.grad_weight = gradient(spec.name + ".weight");
+    layer.grad_bias = gradient(spec.name + ".bias");
+    std::tie(layer.split, layer.segments) = split_of(spec);
+    if (layer.split != Split::None) {
+      int64_t share = 0;
+      for (const Segment& segment : layer.segments)
+        share += segment.count;
+      layer.whole_in = spec.in_features;
+      layer.whole_weight = layer.weight;
+      layer.whole_bias = layer.bias;
+      layer.whole_grad_weight = layer.grad_weight;
+      layer.whole_grad_bias = layer.grad_bias;
+      const bool outputs = layer.split == Split::Outputs;
+      (outputs ? layer.shape.out_features : layer.shape.in_features) = share;
+      const auto weights = static_cast<size_t>(layer.shape.out_features * layer.shape.in_features);
+      layer.weight_share.resize(weights);
+      layer.grad_weight_share.resize(weights);
+      layer.weight = layer.weight_share.data();
+      layer.grad_weight = layer.grad_weight_share.data();
+      if (outputs) {  // this rank's outputs' bias
+        layer.bias_share.resize(static_cast<size_t>(share));
+        layer.grad_bias_share.resize(layer.bias_share.size());
+        layer.bias = layer.bias_share.data();
+        layer.grad_bias = layer.grad_bias_share.data();
+      } else if (tensor_parallel_.rank != 0) {  // the sum over the group adds rank 0's bias
+        layer.bias = nullptr;
+        layer.grad_bias = nullptr;
+      }
     }
+    layer.fp8 = make_fp8_share(decision.fp8, decision.reason, layer.shape, layer.split, precision_,
+                               tensor_parallel_);
     linears_.emplace(spec.name, std::move(layer));
   }
   if (precision_.fp8_attention) {
@@ -689,11 +723,12 @@ FluxModel::~FluxModel() = default;
 
 size_t FluxModel::planned_activation_bytes(const FluxConfig& config, int64_t batch,
                                            int64_t img_tokens, int64_t txt_tokens,
-                                           const RecomputeOptions& recompute) {
+                                           const RecomputeOptions& recompute, int tensor_parallel) {
   const FluxRecomputeGroups groups =
       flux_recompute_groups(recompute, config.double_blocks, config.single_blocks);
-  return planned_bytes<FluxActivations>(flux_dims(config, batch, img_tokens, txt_tokens),
-                                        flux_saving(config, recompute.granularity, groups));
+  return planned_bytes<FluxActivations>(
+      flux_dims(config, batch, img_tokens, txt_tokens, tensor_parallel),
+      flux_saving(config, recompute.granularity, groups));
 }
 
 void FluxModel::init_weights(uint64_t seed) {
@@ -715,27 +750,118 @@ float* FluxModel::gradient(const std::string& name) {
   return (*gradients_)[name].data<float>();
 }
 
+std::pair<FluxModel::Split, std::vector<FluxModel::Segment>> FluxModel::split_of(
+    const FluxLinear& linear) const {
+  if (!tensor_parallel_.split()) return {Split::None, {}};
+  const int64_t rank = tensor_parallel_.rank, C = config_.hidden_size;
+  const int64_t A = C / tensor_parallel_.size, M = config_.mlp_hidden() / tensor_parallel_.size;
+  const auto ends_with = [&](std::string_view suffix) { return linear.name.ends_with(suffix); };
+  // q, k and v: this rank's heads of each; the MLP: its share of the hidden features.
+  const std::vector<Segment> heads = {{rank * A, A}, {C + rank * A, A}, {2 * C + rank * A, A}};
+  if (ends_with("_attn.qkv")) return {Split::Outputs, heads};
+  if (ends_with(".linear1")) {
+    std::vector<Segment> rows = heads;
+    rows.push_back({3 * C + rank * M, M});
+    return {Split::Outputs, rows};
+  }
+  if (ends_with("_mlp.0")) return {Split::Outputs, {{rank * M, M}}};
+  if (ends_with("_attn.proj")) return {Split::Inputs, {{rank * A, A}}};
+  if (ends_with("_mlp.2")) return {Split::Inputs, {{rank * M, M}}};
+  if (ends_with(".linear2")) return {Split::Inputs, {{rank * A, A}, {C + rank * M, M}}};
+  return {Split::None, {}};
+}
+
+void FluxModel::fill_shares(Linear& layer) {
+  const int64_t in = layer.shape.in_features, whole_in = layer.whole_in;
+  if (layer.split == Split::Outputs) {
+    int64_t row = 0;
+    for (const Segment& segment : layer.segments) {
+      std::copy_n(layer.whole_weight + segment.first * in, segment.count * in,
+                  layer.weight_share.begin() + row * in);
+      std::copy_n(layer.whole_bias + segment.first, segment.count, layer.bias_share.begin() + row);
+      row += segment.count;
+    }
+    return;
+  }
+  for (int64_t row = 0; row < layer.shape.out_features; ++row) {
+    int64_t column = 0;
+    for (const Segment& segment : layer.segments) {
+      std::copy_n(layer.whole_weight + row * whole_in + segment.first, segment.count,
+                  layer.weight_share.begin() + row * in + column);
+      column += segment.count;
+    }
+  }
+}
+
+void FluxModel::add_gradient_shares(Linear& layer) {
+  const int64_t in = layer.shape.in_features, whole_in = layer.whole_in;
+  if (layer.split == Split::Outputs) {
+    int64_t row = 0;
+    for (const Segment& segment : layer.segments) {
+      add(layer.whole_grad_weight + segment.first * in, layer.grad_weight_share.data() + row * in,
+          segment.count * in);
+      add(layer.whole_grad_bias + segment.first, layer.grad_bias_share.data() + row, segment.count);
+      row += segment.count;
+    }
+    return;
+  }
+  for (int64_t row = 0; row < layer.shape.out_features; ++row) {
+    int64_t column = 0;
+    for (const Segment& segment : layer.segments) {
+      add(layer.whole_grad_weight + row * whole_in + segment.first,
+          layer.grad_weight_share.data() + row * in + column, segment.count);
+      column += segment.count;
+    }
+  }
+}
+
+void FluxModel::sum_over_group(float* values, int64_t count) {
+  if (tensor_parallel_.split()) tensor_parallel_.sum(values, static_cast<size_t>(count));
+}
+
+void FluxModel::gather_split_gradients() {
+  if (!tensor_parallel_.split()) return;
+  for (auto& [name, layer] : linears_) {
+    if (layer.split == Split::None) continue;
+    sum_over_group(layer.whole_grad_weight, (*gradients_)[name + ".weight"].numel());
+    sum_over_group(layer.whole_grad_bias, (*gradients_)[name + ".bias"].numel());
+  }
+  for (const FluxParam& param : gradients_->specs()) {
+    if (param.name.ends_with("_norm.scale"))  // each rank's heads add their part
+      sum_over_group(gradient(param.name), param.numel());
+  }
+}
+
 void FluxModel::linear_forward(Linear& layer, const float* x, float* y) {
   const auto [tokens, in, out] = layer.shape;
+  if (layer.split != Split::None) fill_shares(layer);
   if (layer.fp8) {
     layer.fp8->forward(x, tokens, layer.weight, y);
   } else {
     ops::linear_forward(x, layer.weight, y, layer.shape, precision_.other_linears);
   }
+  if (layer.bias == nullptr) return;
   for (int64_t row = 0; row < tokens; ++row)  // the bias stays out of FP8: fp32, after the GEMM
     add(y + row * out, layer.bias, out);
 }
 
 void FluxModel::linear_backward(Linear& layer, const float* dy, const float* x, float* dx) {
   const auto [tokens, in, out] = layer.shape;
+  if (layer.split != Split::None) {
+    std::fill(layer.grad_weight_share.begin(), layer.grad_weight_share.end(), 0.0f);
+    std::fill(layer.grad_bias_share.begin(), layer.grad_bias_share.end(), 0.0f);
+  }
   if (layer.fp8) {
     layer.fp8->backward(dy, tokens, dx, layer.grad_weight);
   } else {
     ops::linear_backward(dy, x, layer.weight, dx, layer.grad_weight, layer.shape,
                          precision_.other_linears);
   }
-  for (int64_t row = 0; row < tokens; ++row)
-    add(layer.grad_bias, dy + row * out, out);
+  if (layer.grad_bias != nullptr) {
+    for (int64_t row = 0; row < tokens; ++row)
+      add(layer.grad_bias, dy + row * out, out);
+  }
+  if (layer.split != Split::None) add_gradient_shares(layer);
 }
 
 void FluxModel::embedder_forward(const std::string& name, FluxEmbedderActivations& saved,
@@ -759,7 +885,7 @@ void FluxModel::embedder_backward(const std::string& name, const FluxEmbedderAct
 
 void FluxModel::attention_forward(FluxAttentionActivations& saved, int attention,
                                   const std::string& txt_norm, const std::string& img_norm) {
-  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
+  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size);
   FluxWorkspace& ws = *workspace_;
   const int64_t L = d.tokens, H = d.heads, D = d.head_dim, rows = d.batch * L * H;
   struct Path {
@@ -793,7 +919,7 @@ void FluxModel::attention_forward(FluxAttentionActivations& saved, int attention
 
 void FluxModel::attention_backward(const FluxAttentionActivations& saved, int attention,
                                    const std::string& txt_norm, const std::string& img_norm) {
-  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
+  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size);
   FluxWorkspace& ws = *workspace_;
   const int64_t L = d.tokens, H = d.heads, D = d.head_dim, rows = d.batch * L * H;
   for (const TensorView* view : {&ws.dq, &ws.dk, &ws.dv})
@@ -835,11 +961,11 @@ void FluxModel::attention_backward(const FluxAttentionActivations& saved, int at
 }
 
 void FluxModel::double_block_forward(int block) {
-  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
+  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size);
   FluxActivations& act = *activations_;
   FluxWorkspace& ws = *workspace_;
   FluxDoubleActivations& saved = act.double_blocks[static_cast<size_t>(block)];
-  const int64_t B = d.batch, C = d.hidden, M = d.mlp_hidden;
+  const int64_t B = d.batch, C = d.hidden, M = d.mlp_hidden, A = d.attention;
   const std::array<Stream, 2> streams = double_block_streams(act, ws, d, block);
   for (const Stream& s : streams) {
     FluxStreamActivations& a = s.saved;
@@ -850,11 +976,12 @@ void FluxModel::double_block_forward(int block) {
     ops::layernorm_forward(data(a.norm1), data(a.norm1_rstd), s.x, rows, C);
     ops::modulate_forward(data(a.modulated1), data(a.norm1), mod + C, mod, 6 * C, shape);
     linear_forward(linear(s.prefix + "_attn.qkv"), data(a.modulated1), data(ws.projection));
-    // "B L (K H D)": q, k and v are consecutive thirds of each token's features.
-    const TokenRows qkv{s.tokens, 0, 3 * C};
-    copy_tokens(data(ws.q_raw), s.joint, data(ws.projection), qkv, B, s.tokens, C);
-    copy_tokens(data(ws.k_raw), s.joint, data(ws.projection) + C, qkv, B, s.tokens, C);
-    copy_tokens(data(saved.attention.v), s.joint, data(ws.projection) + 2 * C, qkv, B, s.tokens, C);
+    // "B L (K H D)": q, k and v are consecutive thirds of each token's features (of this
+    // rank's heads under tensor parallelism).
+    const TokenRows qkv{s.tokens, 0, 3 * A};
+    copy_tokens(data(ws.q_raw), s.joint, data(ws.projection), qkv, B, s.tokens, A);
+    copy_tokens(data(ws.k_raw), s.joint, data(ws.projection) + A, qkv, B, s.tokens, A);
+    copy_tokens(data(saved.attention.v), s.joint, data(ws.projection) + 2 * A, qkv, B, s.tokens, A);
   }
   const std::string prefix = fmt::format("double_blocks.{}.", block);
   attention_forward(saved.attention, block, prefix + "txt_attn.norm", prefix + "img_attn.norm");
@@ -863,8 +990,9 @@ void FluxModel::double_block_forward(int block) {
     const int64_t rows = B * s.tokens;
     const ops::ModulationShape shape{B, s.tokens, C};
     const float* mod = data(a.mod);
-    copy_tokens(data(a.attn), s.own, data(ws.attn), s.joint, B, s.tokens, C);
+    copy_tokens(data(a.attn), s.own, data(ws.attn), s.joint, B, s.tokens, A);
     linear_forward(linear(s.prefix + "_attn.proj"), data(a.attn), data(a.proj));
+    sum_over_group(data(a.proj), rows * C);
     ops::gated_residual_forward(s.x, data(a.proj), mod + 2 * C, 6 * C, shape);
     ops::layernorm_forward(data(a.norm2), data(a.norm2_rstd), s.x, rows, C);
     ops::modulate_forward(data(a.modulated2), data(a.norm2), mod + 4 * C, mod + 3 * C, 6 * C,
@@ -872,16 +1000,17 @@ void FluxModel::double_block_forward(int block) {
     linear_forward(linear(s.prefix + "_mlp.0"), data(a.modulated2), data(a.mlp_hidden));
     ops::gelu_tanh_forward(data(a.mlp_act), data(a.mlp_hidden), rows * M);
     linear_forward(linear(s.prefix + "_mlp.2"), data(a.mlp_act), data(a.mlp_out));
+    sum_over_group(data(a.mlp_out), rows * C);
     ops::gated_residual_forward(s.x, data(a.mlp_out), mod + 5 * C, 6 * C, shape);
   }
 }
 
 void FluxModel::double_block_backward(int block) {
-  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
+  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size);
   FluxActivations& act = *activations_;
   FluxWorkspace& ws = *workspace_;
   const FluxDoubleActivations& saved = act.double_blocks[static_cast<size_t>(block)];
-  const int64_t B = d.batch, C = d.hidden, M = d.mlp_hidden;
+  const int64_t B = d.batch, C = d.hidden, M = d.mlp_hidden, A = d.attention;
   const std::array<Stream, 2> streams = double_block_streams(act, ws, d, block);
   for (const Stream& s : streams) {
     const FluxStreamActivations& a = s.saved;
@@ -905,6 +1034,7 @@ void FluxModel::double_block_backward(int block) {
     zero(ws.d_modulated);
     linear_backward(linear(s.prefix + "_mlp.0"), data(ws.d_mlp_hidden), data(a.modulated2),
                     data(ws.d_modulated));
+    sum_over_group(data(ws.d_modulated), rows * C);
     zero(ws.d_norm);
     ops::modulate_backward(data(ws.d_norm), s.dmod + 4 * C, s.dmod + 3 * C, data(ws.d_modulated),
                            data(a.norm2), mod + 4 * C, 6 * C, shape);
@@ -916,10 +1046,10 @@ void FluxModel::double_block_backward(int block) {
     zero(ws.d_modulated);  // here: d of this stream's attention output
     linear_backward(linear(s.prefix + "_attn.proj"), data(ws.d_branch), data(a.attn),
                     data(ws.d_modulated));
-    copy_tokens(data(ws.d_attn), s.joint, data(ws.d_modulated), s.own, B, s.tokens, C);
+    copy_tokens(data(ws.d_attn), s.joint, data(ws.d_modulated), s.own, B, s.tokens, A);
     // FP8 attention's backward quantizes the forward's output again.
     if (precision_.fp8_attention) {
-      copy_tokens(data(ws.attn), s.joint, data(a.attn), s.own, B, s.tokens, C);
+      copy_tokens(data(ws.attn), s.joint, data(a.attn), s.own, B, s.tokens, A);
     }
   }
   const std::string prefix = fmt::format("double_blocks.{}.", block);
@@ -928,14 +1058,15 @@ void FluxModel::double_block_backward(int block) {
     const FluxStreamActivations& a = s.saved;
     const int64_t rows = B * s.tokens;
     const ops::ModulationShape shape{B, s.tokens, C};
-    const TokenRows qkv{s.tokens, 0, 3 * C};
+    const TokenRows qkv{s.tokens, 0, 3 * A};
     float* d_qkv = data(ws.d_projection);
-    copy_tokens(d_qkv, qkv, data(ws.dq_raw), s.joint, B, s.tokens, C);
-    copy_tokens(d_qkv + C, qkv, data(ws.dk_raw), s.joint, B, s.tokens, C);
-    copy_tokens(d_qkv + 2 * C, qkv, data(ws.dv), s.joint, B, s.tokens, C);
+    copy_tokens(d_qkv, qkv, data(ws.dq_raw), s.joint, B, s.tokens, A);
+    copy_tokens(d_qkv + A, qkv, data(ws.dk_raw), s.joint, B, s.tokens, A);
+    copy_tokens(d_qkv + 2 * A, qkv, data(ws.dv), s.joint, B, s.tokens, A);
     zero(ws.d_modulated);
     linear_backward(linear(s.prefix + "_attn.qkv"), d_qkv, data(a.modulated1),
                     data(ws.d_modulated));
+    sum_over_group(data(ws.d_modulated), rows * C);
     zero(ws.d_norm);
     ops::modulate_backward(data(ws.d_norm), s.dmod + C, s.dmod, data(ws.d_modulated), data(a.norm1),
                            data(a.mod) + C, 6 * C, shape);
@@ -945,11 +1076,12 @@ void FluxModel::double_block_backward(int block) {
 }
 
 void FluxModel::single_block_forward(int block) {
-  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
+  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size);
   FluxActivations& act = *activations_;
   FluxWorkspace& ws = *workspace_;
   FluxSingleActivations& a = act.single_blocks[static_cast<size_t>(block)];
   const int64_t B = d.batch, L = d.tokens, N = B * L, C = d.hidden, M = d.mlp_hidden;
+  const int64_t A = d.attention;
   const std::string prefix = fmt::format("single_blocks.{}", block);
   const ops::ModulationShape shape{B, L, C};
   float* x = data(ws.joint);
@@ -959,26 +1091,28 @@ void FluxModel::single_block_forward(int block) {
   ops::modulate_forward(data(a.modulated), data(a.norm), mod + C, mod, 3 * C, shape);
   linear_forward(linear(prefix + ".linear1"), data(a.modulated), data(ws.projection));
   // linear1's output: q, k, v (as "B L (K H D)"), then the MLP's input.
-  const TokenRows projection{L, 0, 3 * C + M}, joint{L, 0, C};
-  copy_tokens(data(ws.q_raw), joint, data(ws.projection), projection, B, L, C);
-  copy_tokens(data(ws.k_raw), joint, data(ws.projection) + C, projection, B, L, C);
-  copy_tokens(data(a.attention.v), joint, data(ws.projection) + 2 * C, projection, B, L, C);
-  copy_tokens(data(a.mlp_hidden), {L, 0, M}, data(ws.projection) + 3 * C, projection, B, L, M);
+  const TokenRows projection{L, 0, 3 * A + M}, joint{L, 0, A};
+  copy_tokens(data(ws.q_raw), joint, data(ws.projection), projection, B, L, A);
+  copy_tokens(data(ws.k_raw), joint, data(ws.projection) + A, projection, B, L, A);
+  copy_tokens(data(a.attention.v), joint, data(ws.projection) + 2 * A, projection, B, L, A);
+  copy_tokens(data(a.mlp_hidden), {L, 0, M}, data(ws.projection) + 3 * A, projection, B, L, M);
   attention_forward(a.attention, config_.double_blocks + block, prefix + ".norm", prefix + ".norm");
   // Selective recompute shares linear2_in among the blocks: the attention output is kept apart.
   if (recompute_.granularity == RecomputeGranularity::Selective)
-    std::copy_n(data(ws.attn), N * C, data(a.attn));
+    std::copy_n(data(ws.attn), N * A, data(a.attn));
   fill_linear2_input(data(a.linear2_in), data(ws.attn), data(a.mlp_hidden), d);
   linear_forward(linear(prefix + ".linear2"), data(a.linear2_in), data(a.out));
+  sum_over_group(data(a.out), N * C);
   ops::gated_residual_forward(x, data(a.out), mod + 2 * C, 3 * C, shape);
 }
 
 void FluxModel::single_block_backward(int block) {
-  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
+  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size);
   FluxActivations& act = *activations_;
   FluxWorkspace& ws = *workspace_;
   const FluxSingleActivations& a = act.single_blocks[static_cast<size_t>(block)];
   const int64_t B = d.batch, L = d.tokens, N = B * L, C = d.hidden, M = d.mlp_hidden;
+  const int64_t A = d.attention;
   const std::string prefix = fmt::format("single_blocks.{}", block);
   const ops::ModulationShape shape{B, L, C};
   float* dx = data(ws.d_joint);
@@ -993,25 +1127,26 @@ void FluxModel::single_block_backward(int block) {
   zero(ws.d_linear2_in);
   linear_backward(linear(prefix + ".linear2"), data(ws.d_branch), data(a.linear2_in),
                   data(ws.d_linear2_in));
-  const TokenRows linear2_in{L, 0, C + M}, joint{L, 0, C}, mlp{L, 0, M};
-  copy_tokens(data(ws.d_attn), joint, data(ws.d_linear2_in), linear2_in, B, L, C);
-  copy_tokens(data(ws.d_mlp_act), mlp, data(ws.d_linear2_in) + C, linear2_in, B, L, M);
+  const TokenRows linear2_in{L, 0, A + M}, joint{L, 0, A}, mlp{L, 0, M};
+  copy_tokens(data(ws.d_attn), joint, data(ws.d_linear2_in), linear2_in, B, L, A);
+  copy_tokens(data(ws.d_mlp_act), mlp, data(ws.d_linear2_in) + A, linear2_in, B, L, M);
   zero(ws.d_mlp_hidden);
   ops::gelu_tanh_backward(data(ws.d_mlp_hidden), data(ws.d_mlp_act), data(a.mlp_hidden), N * M);
   if (precision_.fp8_attention) {  // FP8 attention's backward quantizes its output again
-    copy_tokens(data(ws.attn), joint, data(a.linear2_in), linear2_in, B, L, C);
+    copy_tokens(data(ws.attn), joint, data(a.linear2_in), linear2_in, B, L, A);
   }
   attention_backward(a.attention, config_.double_blocks + block, prefix + ".norm",
                      prefix + ".norm");
-  const TokenRows projection{L, 0, 3 * C + M};
+  const TokenRows projection{L, 0, 3 * A + M};
   float* d_projection = data(ws.d_projection);
-  copy_tokens(d_projection, projection, data(ws.dq_raw), joint, B, L, C);
-  copy_tokens(d_projection + C, projection, data(ws.dk_raw), joint, B, L, C);
-  copy_tokens(d_projection + 2 * C, projection, data(ws.dv), joint, B, L, C);
-  copy_tokens(d_projection + 3 * C, projection, data(ws.d_mlp_hidden), mlp, B, L, M);
+  copy_tokens(d_projection, projection, data(ws.dq_raw), joint, B, L, A);
+  copy_tokens(d_projection + A, projection, data(ws.dk_raw), joint, B, L, A);
+  copy_tokens(d_projection + 2 * A, projection, data(ws.dv), joint, B, L, A);
+  copy_tokens(d_projection + 3 * A, projection, data(ws.d_mlp_hidden), mlp, B, L, M);
   zero(ws.d_modulated);
   linear_backward(linear(prefix + ".linear1"), d_projection, data(a.modulated),
                   data(ws.d_modulated));
+  sum_over_group(data(ws.d_modulated), N * C);
   zero(ws.d_norm);
   ops::modulate_backward(data(ws.d_norm), dmod + C, dmod, data(ws.d_modulated), data(a.norm),
                          mod + C, 3 * C, shape);
@@ -1028,7 +1163,7 @@ void FluxModel::forward(const FluxInputs& inputs, float* prediction) {
              "guidance: expected {} (guidance_embed: {}), found {}",
              config_.guidance_embed ? "values" : "none", config_.guidance_embed,
              inputs.guidance != nullptr ? "values" : "none");
-  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
+  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size);
   FluxActivations& act = *activations_;
   FluxWorkspace& ws = *workspace_;
   const int64_t B = d.batch, Li = d.img_tokens, Lt = d.txt_tokens, L = d.tokens, C = d.hidden;
@@ -1090,7 +1225,7 @@ void FluxModel::forward(const FluxInputs& inputs, float* prediction) {
 }
 
 void FluxModel::backward(const float* grad_prediction) {
-  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_);
+  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size);
   FluxActivations& act = *activations_;
   FluxWorkspace& ws = *workspace_;
   const int64_t B = d.batch, Li = d.img_tokens, Lt = d.txt_tokens, L = d.tokens, C = d.hidden;

@@ -16,6 +16,7 @@
 #include "models/flux_config.h"
 #include "models/precision_policy.h"
 #include "models/recompute.h"
+#include "models/tensor_parallel.h"
 #include "numerics/scaling.h"
 #include "ops/attention_fp8.h"
 #include "ops/fp8_linear.h"
@@ -108,14 +109,19 @@ class FluxModel {
   // recompute: which activations the forward saves and which the backward computes again
   // (models/recompute.h; full recompute groups as flux_recompute_groups forms them); the
   // results are the same either way. Throws ConfigError for a bad recompute_num_layers.
+  // tensor_parallel: the group this rank shares its blocks' heads and MLP hidden features with
+  // (models/tensor_parallel.h: qkv, linear1's q, k, v and MLP rows and mlp.0 by output, proj,
+  // linear2 and mlp.2 by input); every rank of it must be given the same micro-batches.
   FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens, int64_t txt_tokens,
-            const FluxPrecision& precision, const RecomputeOptions& recompute = {});
+            const FluxPrecision& precision, const RecomputeOptions& recompute = {},
+            const TensorParallel& tensor_parallel = {});
   ~FluxModel();
 
-  // The bytes of the activation arena such a model takes.
+  // The bytes of the activation arena such a model takes (one rank's of `tensor_parallel`).
   static size_t planned_activation_bytes(const FluxConfig& config, int64_t batch,
                                          int64_t img_tokens, int64_t txt_tokens,
-                                         const RecomputeOptions& recompute = {});
+                                         const RecomputeOptions& recompute = {},
+                                         int tensor_parallel = 1);
 
   const FluxConfig& config() const { return config_; }
   FluxParameterSet& parameters() { return *parameters_; }
@@ -134,6 +140,10 @@ class FluxModel {
   // measured).
   void backward(const float* grad_prediction);
   void zero_gradients() { gradients_->fill_zero(); }
+  // Tensor parallelism, once after the step's backward passes: sums over the group the
+  // gradients of the split linears (each rank holds its share, zeros elsewhere) and of the QK
+  // norms' scales (each rank's heads' part), so that every rank holds the whole gradient.
+  void gather_split_gradients();
 
   // Per linear: "fp8" or the reason it is not.
   const std::vector<FluxLinearPrecision>& linear_precision() const { return linear_precision_; }
@@ -154,14 +164,35 @@ class FluxModel {
   std::vector<Fp8TensorHealth> take_fp8_health();
 
  private:
-  struct Linear {
-    ops::LinearShape shape;
-    float* weight;
-    float* bias;
-    float* grad_weight;
-    float* grad_bias;
-    std::unique_ptr<ops::Fp8Linear> fp8;  // null: plain linear
+  // Row-parallel linears: the bias is added by the group's rank 0 alone.
+  using Split = TensorSplit;
+  struct Segment {
+    int64_t first, count;  // rows or columns of the whole weight
   };
+  struct Linear {
+    ops::LinearShape shape;   // this rank's share
+    float* weight = nullptr;  // what the GEMM reads: the whole weight or this rank's share
+    float* bias = nullptr;    // null: no bias on this rank
+    float* grad_weight = nullptr;
+    float* grad_bias = nullptr;
+    std::unique_ptr<ops::Fp8Linear> fp8;  // null: plain linear
+    Split split = Split::None;
+    std::vector<Segment> segments;  // this rank's rows (Outputs) or columns (Inputs)
+    int64_t whole_in = 0;           // the whole weight's in_features
+    float *whole_weight = nullptr, *whole_bias = nullptr;
+    float *whole_grad_weight = nullptr, *whole_grad_bias = nullptr;
+    // Split linears: this rank's share of the weight, bias and their gradients, contiguous.
+    std::vector<float> weight_share, bias_share, grad_weight_share, grad_bias_share;
+  };
+  // This rank's segments of a linear's rows or columns (Split::None: none).
+  std::pair<Split, std::vector<Segment>> split_of(const FluxLinear& linear) const;
+  // Split linears: the weight (and bias) shares copied from the whole parameters; after the
+  // backward, the gradient shares added into the whole gradients.
+  void fill_shares(Linear& layer);
+  void add_gradient_shares(Linear& layer);
+  // The sum over the tensor-parallel group of `count` values: a row-parallel output or a
+  // column-parallel input's gradient; nothing to do without tensor parallelism.
+  void sum_over_group(float* values, int64_t count);
 
   Linear& linear(const std::string& name);
   float* parameter(const std::string& name);
@@ -197,6 +228,7 @@ class FluxModel {
   int64_t batch_, img_tokens_, txt_tokens_;
   FluxPrecision precision_;
   RecomputeOptions recompute_;
+  TensorParallel tensor_parallel_;
   FluxRecomputeGroups recompute_groups_;  // full recompute's; empty otherwise
   bool training_ = true;
   bool recording_fp8_health_ = false;

@@ -3,15 +3,45 @@
 // `std::unique_ptr<ops::Fp8Linear> fp8`, null for a linear outside FP8).
 #pragma once
 
+#include <memory>
+#include <optional>
 #include <string>
 #include <utility>
 #include <vector>
 
+#include "models/precision_policy.h"
+#include "models/tensor_parallel.h"
 #include "numerics/scaling.h"
 #include "ops/fp8_health.h"
 #include "ops/fp8_linear.h"
 
 namespace fp8t {
+
+// The FP8 linear of a rank's share [in, out] of a linear (the whole linear without tensor
+// parallelism), or null when the policy's decision (`fp8`, `reason`) keeps it in BF16; a share
+// that a block recipe cannot cast in whole blocks moves the decision to BF16, with the reason.
+inline std::unique_ptr<ops::Fp8Linear> make_fp8_share(bool& fp8, std::string& reason,
+                                                      const ops::LinearShape& share,
+                                                      TensorSplit split,
+                                                      const ModelPrecision& precision,
+                                                      const TensorParallel& group) {
+  if (std::optional<std::string> why = tensor_parallel_share_reason(
+          share.in_features, share.out_features, precision.fp8.recipe, group.size);
+      fp8 && why) {
+    fp8 = false;
+    reason = *why;
+  }
+  if (!fp8) return nullptr;
+  auto linear = std::make_unique<ops::Fp8Linear>(precision.fp8, precision.family, share.in_features,
+                                                 share.out_features, precision.fp8_wgrad);
+  if (split != TensorSplit::None) {
+    // Column-parallel: the input is whole on every rank, the weight and the output gradient
+    // are shares; row-parallel: the input and the weight are shares.
+    const bool outputs = split == TensorSplit::Outputs;
+    linear->set_split_operands(group.max, {!outputs, true, outputs});
+  }
+  return linear;
+}
 
 // Delayed-scaling updates and the invalidation of the cached weight quantizations.
 template <typename LinearMap>

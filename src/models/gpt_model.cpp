@@ -35,18 +35,6 @@ bool ends_with(const std::string& text, std::string_view suffix) {
          text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
 }
 
-// A block recipe casts whole blocks: a share that is not made of them stays in BF16.
-void keep_split_in_fp8(LinearPrecision& decision, const ops::LinearShape& share,
-                       ScalingRecipe recipe, int group) {
-  const int64_t block = recipe == ScalingRecipe::Blockwise ? 128
-                        : recipe == ScalingRecipe::Mxfp8   ? 32
-                                                           : 1;
-  if (share.in_features % block == 0 && share.out_features % block == 0) return;
-  decision.fp8 = false;
-  decision.reason = fmt::format("{} needs dims divisible by {} on each of {} tensor-parallel ranks",
-                                recipe_name(recipe), block, group);
-}
-
 }  // namespace
 
 GptModel::Split GptModel::split_of(const std::string& linear) {
@@ -69,12 +57,7 @@ GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
   config_.validate();
   const int group = tensor_parallel_.size;
   check_tensor_parallel(config_, group);
-  FP8T_CHECK(tensor_parallel_.rank >= 0 && tensor_parallel_.rank < group,
-             "expected a tensor-parallel rank in [0, {}), found {}", group, tensor_parallel_.rank);
-  FP8T_CHECK(!tensor_parallel_.split() || (tensor_parallel_.sum && tensor_parallel_.max),
-             "expected the tensor-parallel group's sum and max, found none");
-  FP8T_CHECK(!tensor_parallel_.split() || !precision_.fp8_attention,
-             "fp8_dot_product_attention does not run with tensor_model_parallel_size {}", group);
+  check_group(tensor_parallel_, precision_.fp8_attention);
   heads_ = config_.n_head / group;
   kv_heads_ = config_.n_kv_head / group;
   hidden_ = 4 * int64_t{config_.n_embd} / group;
@@ -120,18 +103,8 @@ GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
           static_cast<size_t>(layer.shape.in_features * layer.shape.out_features));
       layer.gradient_share.resize(layer.weight_share.size());
     }
-    if (decision.fp8) keep_split_in_fp8(decision, layer.shape, precision_.fp8.recipe, group);
-    if (decision.fp8) {
-      layer.fp8 = std::make_unique<ops::Fp8Linear>(precision_.fp8, precision_.family,
-                                                   layer.shape.in_features,
-                                                   layer.shape.out_features, precision_.fp8_wgrad);
-      if (layer.split != Split::None) {
-        const bool outputs = layer.split == Split::Outputs;
-        // Column-parallel: the input is the whole tensor on every rank, the weight and the
-        // output gradient are shares; row-parallel: the input and the weight are shares.
-        layer.fp8->set_split_operands(tensor_parallel_.max, {!outputs, true, outputs});
-      }
-    }
+    layer.fp8 = make_fp8_share(decision.fp8, decision.reason, layer.shape, layer.split, precision_,
+                               tensor_parallel_);
     linears_.emplace(decision.linear.name, std::move(layer));
   }
   if (precision_.fp8_attention) {

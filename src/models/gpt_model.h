@@ -86,12 +86,7 @@ class GptModel {
   std::vector<Fp8TensorHealth> take_fp8_health();
 
  private:
-  // How tensor parallelism splits a linear's weight [out, in] over the group.
-  enum class Split : uint8_t {
-    None,     // replicated
-    Outputs,  // column-parallel: this rank's rows, its share of the output features
-    Inputs,   // row-parallel: this rank's columns; the outputs are partial sums
-  };
+  using Split = TensorSplit;
   static Split split_of(const std::string& linear);
   struct Linear {
     std::string weight;                   // parameter name

@@ -131,6 +131,16 @@ std::map<std::string, std::string> display_names(const std::vector<LinearPrecisi
 
 }  // namespace
 
+std::optional<std::string> tensor_parallel_share_reason(int64_t in_features, int64_t out_features,
+                                                        ScalingRecipe recipe, int group) {
+  const int64_t block = recipe == ScalingRecipe::Blockwise ? 128
+                        : recipe == ScalingRecipe::Mxfp8   ? 32
+                                                           : 1;
+  if (group == 1 || (in_features % block == 0 && out_features % block == 0)) return std::nullopt;
+  return fmt::format("{} needs dims divisible by {} on each of {} tensor-parallel ranks",
+                     recipe_name(recipe), block, group);
+}
+
 PrecisionOptions precision_options(const Fp8Config& config) {
   PrecisionOptions options;
   options.mode = config.mode;

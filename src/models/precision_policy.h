@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -71,6 +72,12 @@ std::vector<LinearPrecision> decide_precision(const std::vector<LinearSpec>& lin
                                               const PrecisionOptions& options);
 std::vector<LinearPrecision> decide_precision(const GptConfig& config,
                                               const PrecisionOptions& options);
+
+// Tensor parallelism: why a rank's share [in, out] of a linear split over `group` ranks cannot be
+// cast in the recipe's blocks (blockwise: 128, mxfp8: 32), or nothing (always nothing for one
+// rank: the whole linear passed decide_precision).
+std::optional<std::string> tensor_parallel_share_reason(int64_t in_features, int64_t out_features,
+                                                        ScalingRecipe recipe, int group);
 
 // One line, e.g. "FP8: 145/158 linear layers; 13 kept in BF16 (12 × ve_gate: dims < 128;
 // smear_gate: dims < 128)". BF16 layers are grouped by name without the block prefix

@@ -6,9 +6,19 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
 
+#include "core/error.h"
+
 namespace fp8t {
+
+// How tensor parallelism splits a linear's weight [out, in] over the group.
+enum class TensorSplit : uint8_t {
+  None,     // replicated
+  Outputs,  // column-parallel: this rank's rows (and their bias), its share of the outputs
+  Inputs,   // row-parallel: this rank's columns; its outputs are partial sums over the group
+};
 
 struct TensorParallel {
   int size = 1;  // ranks in the group; 1: no tensor parallelism
@@ -19,5 +29,17 @@ struct TensorParallel {
 
   bool split() const { return size > 1; }
 };
+
+// What a model checks of the group it is given: a rank in it, its collectives, and no FP8
+// attention (whose per-tensor scales would follow each rank's heads).
+inline void check_group(const TensorParallel& group, bool fp8_attention) {
+  FP8T_CHECK(group.rank >= 0 && group.rank < group.size,
+             "expected a tensor-parallel rank in [0, {}), found {}", group.size, group.rank);
+  FP8T_CHECK(!group.split() || (group.sum && group.max),
+             "expected the tensor-parallel group's sum and max, found none");
+  FP8T_CHECK(!group.split() || !fp8_attention,
+             "fp8_dot_product_attention does not run with tensor_model_parallel_size {}",
+             group.size);
+}
 
 }  // namespace fp8t

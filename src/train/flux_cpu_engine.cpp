@@ -20,9 +20,13 @@ class FluxCpuEngine final : public FluxEngine {
       : communicator_(setup.communicator),
         img_ids_(setup.img_ids),
         model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision,
-               setup.recompute),
+               setup.recompute,
+               communicator_ != nullptr
+                   ? distributed::tensor_parallel_group(*communicator_, setup.layout)
+                   : TensorParallel{}),
         activation_bytes_(FluxModel::planned_activation_bytes(
-            setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.recompute)),
+            setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.recompute,
+            setup.layout.tensor)),
         sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
         optimizer_(flux_optimized_parameters(setup.model), setup.adamw,
                    sharded_ ? setup.communicator->rank() : 0,
@@ -70,6 +74,9 @@ class FluxCpuEngine final : public FluxEngine {
                                       batch.target.data(), std::ssize(prediction_), share);
       model_.backward(grad_prediction_.data());
     }
+    // Every rank of a tensor-parallel group then holds its replica's whole gradient, counted
+    // once per rank of the group in the sums below, as its loss is: the mean stays right.
+    model_.gather_split_gradients();
     if (ranks > 1) {
       for (const optim::GradientSpan& span : gradient_spans_)
         communicator_->sum(span.data, static_cast<size_t>(span.count));

@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "distributed/communicator.h"
+#include "distributed/tensor_parallel_group.h"
 #include "gemm/gemm_tuning.h"
 #include "models/flux_model.h"
 #include "models/recompute.h"
@@ -72,6 +73,8 @@ struct FluxEngineSetup {
   // Data parallelism: the gradients and losses are summed over the ranks and the delayed-scaling
   // amaxes max-reduced. Null: one process.
   distributed::Communicator* communicator = nullptr;
+  // Tensor parallelism (CPU path), as EngineSetup's.
+  distributed::ParallelLayout layout;
   // With several ranks: ZeRO-1 (optim/optimizer_shard.h), as EngineSetup's.
   bool shard_optimizer_state = false;
   // The GPU path's GEMM selection, as EngineSetup's.

@@ -144,13 +144,15 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
       use_cuda(config.run.device) ? run_gemm_tuning(config) : gemm::GemmTuning{};
   const bool several = communicator.several();
   const int ranks = communicator.size();
+  const distributed::ParallelLayout layout = distributed::parallel_layout(
+      ranks, communicator.rank(), config.run.tensor_model_parallel_size);
   const fs::path run_folder = leader ? open_run_folder(config) : config.run_dir();
   communicator.barrier();
   const FluxConfig model_config = config.flux_config();
   const auto seed = static_cast<uint64_t>(config.training.seed);
   const FluxTrainingData data = open_flux_data(config);
   const int64_t batch = config.training.micro_batch_size;
-  const int64_t accumulation = config.grad_accum_steps(ranks);  // per rank
+  const int64_t accumulation = config.grad_accum_steps(ranks);  // per replica
   const int64_t samples_per_step = config.global_batch_size(ranks);
   const int64_t total_steps = config.training.train_iters;
   const FluxBatchBuilder batches(*data.source, model_config, data.objective, batch, seed);
@@ -180,6 +182,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   setup.img_ids = batches.img_ids();
   setup.adamw = config.optimizer_settings().adamw;
   if (several) setup.communicator = &communicator;
+  setup.layout = layout;
   setup.shard_optimizer_state = config.run.shard_optimizer_state;
   setup.recompute = config.training.recompute;
   setup.gemm_tuning = gemm_tuning;
@@ -212,8 +215,8 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     fmt::print(
         "batch: {} pictures per micro-batch ({} image + {} text tokens each), {} micro-batch(es) "
         "per step{}, {} pictures per step; {} steps\n",
-        batch, img_tokens, txt_tokens, accumulation, ranks_note(communicator), samples_per_step,
-        total_steps);
+        batch, img_tokens, txt_tokens, accumulation, ranks_note(communicator, layout),
+        samples_per_step, total_steps);
     fmt::print("memory plan: {}\n", engine->memory_plan());
     fmt::print("activation recompute: {}\n",
                recompute_summary(setup.recompute,
@@ -268,13 +271,16 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
 
   // Validation: the same held-out pictures, σ and noise at every evaluation.
   FluxBatch held_out;
+  // The leader evaluates; with tensor parallelism every rank with it, as the GPT trainer's.
+  const bool evaluates = leader || layout.tensor > 1;
   const auto validation_loss = [&]() -> std::optional<double> {
-    if (!leader) return std::nullopt;
+    if (!evaluates) return std::nullopt;
     double sum = 0.0;
     for (int64_t i = 0; i < config.run.eval_iters; ++i) {
       batches.validation_batch(i, held_out);
       sum += engine->evaluation_loss(held_out);
     }
+    if (!leader) return std::nullopt;
     return sum / double(config.run.eval_iters);
   };
 
@@ -299,11 +305,12 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   bool gemm_tuning_printed = false;
   StepPhaseTimes phase_times(cuda && config.run.log_timers_to_tensorboard);
   std::vector<Fp8Fallback> fallbacks;  // decided by the step, applied after it
-  // Rank r's micro-batch m is the step's m·R + r of A·R: the step sees one process's batches.
+  // Replica r's micro-batch m is the step's m·R + r of A·R (R replicas: the ranks, or the
+  // tensor-parallel groups): the step sees one process's batches.
   loop.train_step = [&](int64_t at_step) {
     for (int64_t micro = 0; micro < accumulation; ++micro) {
-      batches.training_batch(at_step, micro * ranks + communicator.rank(), accumulation * ranks,
-                             micro_batches[size_t(micro)]);
+      batches.training_batch(at_step, micro * layout.data + layout.data_rank,
+                             accumulation * layout.data, micro_batches[size_t(micro)]);
     }
     const double multiplier = optim::lr_multiplier(schedule, at_step);
     const bool statistics = health.due(at_step + 1);

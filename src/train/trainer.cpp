@@ -227,7 +227,6 @@ TrainOutcome run_training(const TrainConfig& config) {
 TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& communicator) {
   const bool several = communicator.several();
   if (several) check_data_parallel(config, communicator.size());
-  if (config.is_flux()) return run_flux_training(config, communicator);
   const distributed::ParallelLayout layout = distributed::parallel_layout(
       communicator.size(), communicator.rank(), config.run.tensor_model_parallel_size);
   if (layout.tensor > 1 && use_cuda(config.run.device)) {
@@ -236,6 +235,7 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
         "has data parallelism alone",
         layout.tensor));
   }
+  if (config.is_flux()) return run_flux_training(config, communicator);
   // Rank 0 prepares the run folder and the data (the built-in corpus is tokenized on first
   // use) and prints; the others wait for it, then only read.
   const bool leader = communicator.rank() == 0;

@@ -359,8 +359,13 @@ TEST(TrainConfig, TensorParallelSplitsTheBatchAmongReplicasAndNamesTheKey) {
       load_error({"--tensor-model-parallel-size=2", "--fp8", "--fp8-dot-product-attention=true"}),
       ::testing::HasSubstr("--tensor-model-parallel-size: 2 does not run with "
                            "fp8_dot_product_attention: true"));
-  EXPECT_THAT(load_error({"--model=flux_tiny", "--tensor-model-parallel-size=2"}),
-              ::testing::HasSubstr("--tensor-model-parallel-size: applies to the GPT only"));
+  // flux_tiny: 2 heads of 32, an MLP of 256.
+  EXPECT_EQ(
+      load({"--model=flux_tiny", "--tensor-model-parallel-size=2"}).run.tensor_model_parallel_size,
+      2);
+  EXPECT_EQ(load_error({"--model=flux_tiny", "--tensor-model-parallel-size=4"}),
+            "command line: --tensor-model-parallel-size: 4 must divide the model's heads (2); "
+            "expected one of its divisors");
 }
 
 TEST(TrainConfig, NanochatFlags) {

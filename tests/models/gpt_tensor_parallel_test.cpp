@@ -5,10 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
-#include <condition_variable>
 #include <cstring>
-#include <functional>
-#include <mutex>
 #include <random>
 #include <string>
 #include <thread>
@@ -18,58 +15,10 @@
 #include "models/gpt_memory.h"
 #include "models/gpt_model.h"
 #include "models/recompute_checks.h"
+#include "models/tensor_parallel_checks.h"
 
 namespace fp8t {
 namespace {
-
-// An all-reduce among `size` threads: each contributes, the last to arrive combines the
-// contributions in rank order, and every thread leaves with the result.
-class ThreadGroup {
- public:
-  explicit ThreadGroup(int size) : size_(size), contributions_(static_cast<size_t>(size)) {}
-
-  void reduce(int rank, float* values, size_t count, const std::function<float(float, float)>& op) {
-    std::unique_lock lock(mutex_);
-    contributions_[static_cast<size_t>(rank)].assign(values, values + count);
-    const int round = round_;
-    if (++arrived_ == size_) {
-      result_ = contributions_[0];
-      for (size_t r = 1; r < contributions_.size(); ++r)
-        for (size_t i = 0; i < count; ++i)
-          result_[i] = op(result_[i], contributions_[r][i]);
-      arrived_ = 0;
-      ++round_;
-      changed_.notify_all();
-    } else {
-      changed_.wait(lock, [&] { return round_ != round; });
-    }
-    // Copied under the lock: the next round cannot finish before this thread has joined it.
-    std::copy(result_.begin(), result_.end(), values);
-  }
-
-  TensorParallel member(int rank) {
-    TensorParallel group;
-    group.size = size_;
-    group.rank = rank;
-    group.sum = [this, rank](float* values, size_t count) {
-      reduce(rank, values, count, [](float a, float b) { return a + b; });
-    };
-    group.max = [this, rank](float value) {
-      reduce(rank, &value, 1, [](float a, float b) { return std::max(a, b); });
-      return value;
-    };
-    return group;
-  }
-
- private:
-  int size_;
-  std::mutex mutex_;
-  std::condition_variable changed_;
-  int arrived_ = 0;
-  int round_ = 0;
-  std::vector<std::vector<float>> contributions_;
-  std::vector<float> result_;
-};
 
 // Three blocks with value embeddings on blocks 0 and 2, grouped-query attention (4 query heads,
 // 2 kv heads: one kv head per rank of two).
@@ -87,24 +36,8 @@ GptConfig three_block_config(int n_embd) {
   return config;
 }
 
-double relative_difference(const TensorView& got, const TensorView& want) {
-  double diff = 0.0, norm = 0.0;
-  for (int64_t i = 0; i < want.numel(); ++i) {
-    const double w = want.data<float>()[i];
-    diff += (got.data<float>()[i] - w) * (got.data<float>()[i] - w);
-    norm += w * w;
-  }
-  return std::sqrt(diff / norm);
-}
-
-struct Case {
-  testing::Numbers numbers;
-  RecomputeOptions recompute;
-};
-
-std::string case_name(const ::testing::TestParamInfo<Case>& info) {
-  return testing::name_of(info.param.numbers) + "_" + testing::name_of(info.param.recompute);
-}
+using Case = testing::RecomputeSetting;
+using testing::relative_difference;
 
 class GptTensorParallel : public ::testing::TestWithParam<Case> {};
 
@@ -143,7 +76,7 @@ TEST_P(GptTensorParallel, TwoRanksGiveTheLossAndGradientsOfOne) {
   ASSERT_TRUE(std::isfinite(want_loss));
   whole.backward();
 
-  ThreadGroup group(kRanks);
+  testing::ThreadGroup group(kRanks);
   std::vector<std::unique_ptr<GptModel>> ranks;
   for (int rank = 0; rank < kRanks; ++rank) {
     ranks.push_back(std::make_unique<GptModel>(config, batch, seq, precision, setting.recompute,
@@ -185,7 +118,8 @@ TEST_P(GptTensorParallel, TwoRanksGiveTheLossAndGradientsOfOne) {
   if (!fp8) {  // the same sums in another order (a scalar's gradient, a sum that cancels, the most)
     EXPECT_NEAR(losses[0], want_loss, std::abs(want_loss) * 1e-5);
     for (const ParamSpec& spec : gpt_parameters(config))
-      EXPECT_LT(relative_difference(ranks[0]->gradients()[spec.name], whole.gradients()[spec.name]),
+      EXPECT_LT(relative_difference(ranks[0]->gradients()[spec.name].data<float>(),
+                                    whole.gradients()[spec.name].data<float>(), spec.numel()),
                 1e-3)
           << spec.name;
     return;
@@ -223,7 +157,7 @@ INSTANTIATE_TEST_SUITE_P(
                       Case{testing::Numbers::Delayed, {}}, Case{testing::Numbers::Tensorwise, {}},
                       Case{testing::Numbers::Tensorwise, {RecomputeGranularity::Selective}},
                       Case{testing::Numbers::Blockwise, {}}),
-    case_name);
+    testing::test_name);
 
 TEST(GptTensorParallelSplits, HeadsAndHiddenFeaturesMustSplitEvenly) {
   GptConfig config = three_block_config(64);
@@ -243,7 +177,7 @@ TEST(GptTensorParallelSplits, ABlockRecipesShareOutsideWholeBlocksStaysInBf16) {
   // Blockwise at 128 features: the query projection's share (64 of 128 outputs) is not made of
   // 128x128 tiles; the MLP's shares (256 hidden features each) are.
   const GptConfig config = three_block_config(128);
-  ThreadGroup group(2);
+  testing::ThreadGroup group(2);
   const GptModel model(config, 1, 8, testing::precision_of(testing::Numbers::Blockwise), {},
                        group.member(0));
   for (const LinearPrecision& decision : model.linear_precision()) {
@@ -260,7 +194,7 @@ TEST(GptTensorParallelSplits, ABlockRecipesShareOutsideWholeBlocksStaysInBf16) {
 TEST(GptTensorParallelSplits, EachRankHoldsTheActivationsOfItsShare) {
   const GptConfig config = three_block_config(64);
   const int64_t batch = 2, seq = 8, tokens = batch * seq;
-  ThreadGroup group(2);
+  testing::ThreadGroup group(2);
   const GptModel model(config, batch, seq, testing::precision_of(testing::Numbers::Fp32), {},
                        group.member(1));
   const BlockActivations& block = model.activations().blocks[0];

@@ -3,12 +3,15 @@
 # 2) gives the losses of one process, up to the order of the partial sums, in BF16 and in FP8
 # with tensorwise scaling; so does a job of 4 ranks, 2 data-parallel replicas of 2; a checkpoint
 # of the 2 ranks resumes on one process; a group that does not divide the job is refused.
-# Usage: tensor_parallel_test.sh FP8TRAIN LAUNCHER OUTPUT_DIR
-#   LAUNCHER: the path of mpiexec, or "nproc-per-node" (ranks that meet over TCP).
+# Flux's demo model on 2 ranks gives one process's losses too.
+# Usage: tensor_parallel_test.sh FP8TRAIN LAUNCHER OUTPUT_DIR FLUX_CONFIG
+#   LAUNCHER: the path of mpiexec, or "nproc-per-node" (ranks that meet over TCP);
+#   FLUX_CONFIG: configs/flux_tiny.yaml.
 set -euo pipefail
 fp8train="$1"
 launcher="$2"
 output="$3"
+flux_config="$4"
 rm -rf "$output"
 mkdir -p "$output"
 # 4 heads of 32 features (the default head_dim would leave one head, which cannot be split).
@@ -76,6 +79,16 @@ rm -rf "$output/resumed/checkpoints/step_000010"
 "$fp8train" train "${args[@]}" --run=resumed --resume-from-step=5 >"$output/resumed.log" 2>&1 ||
   { cat "$output/resumed.log"; echo "FAIL: the resume on one process failed"; exit 1; }
 compare "$output/one_bf16/metrics.jsonl" "$output/resumed/metrics.jsonl" "bf16, resumed on one" 6
+# Flux: heads, MLP, linear1 and linear2 split; BF16 (flux_tiny is too narrow for FP8 linears).
+flux_args=(--config="$flux_config" --train-iters=10 --log-every=1 --eval-every=5 --eval-iters=1
+           --save-every=0 --sample-prompts= --device=cpu --output-dir="$output")
+"$fp8train" train "${flux_args[@]}" --run=flux_one >"$output/flux_one.log" 2>&1 ||
+  { cat "$output/flux_one.log"; exit 1; }
+ranks 2 "${flux_args[@]}" --tensor-model-parallel-size=2 --run=flux_tp2 >"$output/flux_tp2.log" \
+  2>&1 || { cat "$output/flux_tp2.log"; echo "FAIL: the Flux 2-rank run failed"; exit 1; }
+grep -q "per step on each of 1 data-parallel replica(s) of 2 tensor-parallel ranks" \
+  "$output/flux_tp2.log" || { cat "$output/flux_tp2.log"; echo "FAIL: no Flux split"; exit 1; }
+compare "$output/flux_one/metrics.jsonl" "$output/flux_tp2/metrics.jsonl" "flux, 2 tensor-parallel ranks"
 # 3 ranks cannot make groups of 2.
 if ranks 3 "${args[@]}" --tensor-model-parallel-size=2 --run=bad >"$output/bad.log" 2>&1; then
   cat "$output/bad.log"; echo "FAIL: 3 ranks in groups of 2 ran"; exit 1

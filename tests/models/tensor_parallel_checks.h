@@ -1,0 +1,78 @@
+// What the models' tensor-parallel tests share: ranks that meet in memory instead of over MPI or
+// TCP, so that a model's ranks run side by side as threads of one test, and the comparison of
+// their results with one model's.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <mutex>
+#include <vector>
+
+#include "models/tensor_parallel.h"
+
+namespace fp8t::testing {
+
+// An all-reduce among `size` threads: each contributes, the last to arrive combines the
+// contributions in rank order, and every thread leaves with the result.
+class ThreadGroup {
+ public:
+  explicit ThreadGroup(int size) : size_(size), contributions_(static_cast<size_t>(size)) {}
+
+  void reduce(int rank, float* values, size_t count, const std::function<float(float, float)>& op) {
+    std::unique_lock lock(mutex_);
+    contributions_[static_cast<size_t>(rank)].assign(values, values + count);
+    const int round = round_;
+    if (++arrived_ == size_) {
+      result_ = contributions_[0];
+      for (size_t r = 1; r < contributions_.size(); ++r)
+        for (size_t i = 0; i < count; ++i)
+          result_[i] = op(result_[i], contributions_[r][i]);
+      arrived_ = 0;
+      ++round_;
+      changed_.notify_all();
+    } else {
+      changed_.wait(lock, [&] { return round_ != round; });
+    }
+    // Copied under the lock: the next round cannot finish before this thread has joined it.
+    std::copy(result_.begin(), result_.end(), values);
+  }
+
+  TensorParallel member(int rank) {
+    TensorParallel group;
+    group.size = size_;
+    group.rank = rank;
+    group.sum = [this, rank](float* values, size_t count) {
+      reduce(rank, values, count, [](float a, float b) { return a + b; });
+    };
+    group.max = [this, rank](float value) {
+      reduce(rank, &value, 1, [](float a, float b) { return std::max(a, b); });
+      return value;
+    };
+    return group;
+  }
+
+ private:
+  int size_;
+  std::mutex mutex_;
+  std::condition_variable changed_;
+  int arrived_ = 0;
+  int round_ = 0;
+  std::vector<std::vector<float>> contributions_;
+  std::vector<float> result_;
+};
+
+// ‖got − want‖ / ‖want‖ over `count` values.
+inline double relative_difference(const float* got, const float* want, int64_t count) {
+  double diff = 0.0, norm = 0.0;
+  for (int64_t i = 0; i < count; ++i) {
+    diff += (double(got[i]) - want[i]) * (double(got[i]) - want[i]);
+    norm += double(want[i]) * want[i];
+  }
+  return std::sqrt(diff / norm);
+}
+
+}  // namespace fp8t::testing
