@@ -6,6 +6,7 @@
 #include <fmt/ranges.h>
 
 #include "core/error.h"
+#include "models/tensor_parallel.h"
 
 namespace fp8t {
 
@@ -144,20 +145,8 @@ int64_t flux_parameter_count(const FluxConfig& config) {
 }
 
 void check_flux_tensor_parallel(const FluxConfig& config, int size) {
-  if (size < 1) {
-    throw ConfigError(
-        fmt::format("tensor_model_parallel_size: expected at least 1, found {}", size));
-  }
-  for (const auto& [what, count] :
-       {std::pair{"heads", int64_t{config.num_heads}},
-        std::pair{"MLP hidden features", int64_t{config.mlp_hidden()}}}) {
-    if (count % size != 0) {
-      throw ConfigError(fmt::format(
-          "tensor_model_parallel_size: {} must divide the model's {} ({}); expected one of its "
-          "divisors",
-          size, what, count));
-    }
-  }
+  check_splits_evenly(size,
+                      {{"heads", config.num_heads}, {"MLP hidden features", config.mlp_hidden()}});
 }
 
 }  // namespace fp8t

@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "core/error.h"
+#include "models/tensor_parallel.h"
 
 namespace fp8t {
 
@@ -149,19 +150,9 @@ float GptConfig::attention_scale() const {
 }
 
 void check_tensor_parallel(const GptConfig& config, int size) {
-  const auto fail = [&](std::string_view what, int64_t count) {
-    throw ConfigError(fmt::format(
-        "tensor_model_parallel_size: {} must divide the model's {} ({}); expected one of its "
-        "divisors",
-        size, what, count));
-  };
-  if (size < 1)
-    throw ConfigError(
-        fmt::format("tensor_model_parallel_size: expected at least 1, found {}", size));
-  if (config.n_head % size != 0) fail("query heads", config.n_head);
-  if (config.n_kv_head % size != 0) fail("kv heads", config.n_kv_head);
-  if (4 * int64_t{config.n_embd} % size != 0)
-    fail("MLP hidden features", 4 * int64_t{config.n_embd});
+  check_splits_evenly(size, {{"query heads", config.n_head},
+                             {"kv heads", config.n_kv_head},
+                             {"MLP hidden features", 4 * int64_t{config.n_embd}}});
 }
 
 }  // namespace fp8t

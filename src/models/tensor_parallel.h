@@ -1,13 +1,17 @@
-// Megatron-style tensor parallelism of the GPT's blocks over a group of ranks that see the same
+// Megatron-style tensor parallelism of a model's blocks over a group of ranks that see the same
 // batch: the query, key, value and MLP-up projections are split by output features
 // (column-parallel: each rank computes its heads and its share of the hidden layer), the
 // attention and MLP output projections by input features (row-parallel: each rank's partial
-// output is summed over the group). Embeddings, norms, gates and lm_head are replicated.
+// output is summed over the group). What lies outside the blocks' attention and MLP (embeddings,
+// norms, modulations, the output layer) is replicated.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <initializer_list>
+#include <string_view>
+#include <utility>
 
 #include "core/error.h"
 
@@ -29,6 +33,24 @@ struct TensorParallel {
 
   bool split() const { return size > 1; }
 };
+
+// Throws ConfigError naming tensor_model_parallel_size unless `size` is at least 1 and divides
+// each of a model's counts (what, count): its heads, its MLP's hidden features.
+inline void check_splits_evenly(
+    int size, std::initializer_list<std::pair<std::string_view, int64_t>> counts) {
+  if (size < 1) {
+    throw ConfigError(
+        fmt::format("tensor_model_parallel_size: expected at least 1, found {}", size));
+  }
+  for (const auto& [what, count] : counts) {
+    if (count % size != 0) {
+      throw ConfigError(fmt::format(
+          "tensor_model_parallel_size: {} must divide the model's {} ({}); expected one of its "
+          "divisors",
+          size, what, count));
+    }
+  }
+}
 
 // What a model checks of the group it is given: a rank in it, its collectives, and no FP8
 // attention (whose per-tensor scales would follow each rank's heads).
