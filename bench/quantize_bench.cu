@@ -143,6 +143,22 @@ int run(int argc, char** argv) {
       fp8t::cuda::quantize_blocks(x, rows, cols, spec, out, scales, out_t, scales_t, nullptr);
     });
   }
+  // The blockwise linears' own forms: x̂ in forward, dŷ with dŷᵗ and x̂ᵗ alone in backward,
+  // with 1x128 scales block-major (the GEMMs' layout).
+  const fp8t::BlockQuantization rows_spec = block_spec(fp8t::BlockScaling::Rows1x128);
+  const auto block_major = fp8t::cuda::BlockScaleOrder::BlockMajor;
+  measure("blockwise 1x128, block-major scales", input_bytes + n, [&] {
+    fp8t::cuda::quantize_blocks(x, rows, cols, rows_spec, out, scales, nullptr, nullptr, nullptr,
+                                nullptr, block_major);
+  });
+  measure("blockwise 1x128 + transposed, block-major scales", input_bytes + 2.0 * n, [&] {
+    fp8t::cuda::quantize_blocks(x, rows, cols, rows_spec, out, scales, out_t, scales_t, nullptr,
+                                nullptr, block_major);
+  });
+  measure("blockwise 1x128 transposed alone, block-major scales", input_bytes + n, [&] {
+    fp8t::cuda::quantize_blocks(x, rows, cols, rows_spec, nullptr, nullptr, out_t, scales_t,
+                                nullptr, nullptr, block_major);
+  });
   for (const auto& [name, scaling] : block_casts) {
     const fp8t::BlockQuantization spec = block_spec(scaling);
     measure(std::string(name) + " + transposed + counts", input_bytes + 2.0 * n, [&] {

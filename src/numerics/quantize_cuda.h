@@ -59,16 +59,25 @@ template <typename Out>
 void dequantize(const uint8_t* q, int64_t count, const float* scale_inv, Fp8Format format, Out* out,
                 cudaStream_t stream);
 
-// Block scalings, layouts as in quantize.h. out_t and scales_t may be null (no transposed copy);
-// out may not. health (a device CastHealth; may be null): the counts of quantize_blocks() in
-// quantize.h, those of `out`'s codes alone (rows·cols elements per call, with or without the
-// transposed copy), added to it as the cast goes.
+// Where quantize_blocks() writes the scale of block b of line l (a row of the tensor or of its
+// transpose), for a tensor of L lines of B blocks: LineMajor at l·B + b, the grid of quantize.h;
+// BlockMajor at b·L + l, the layout the GEMMs read for 1x128 operands (gemm/cublaslt_gemm.h).
+enum class BlockScaleOrder : uint8_t { LineMajor, BlockMajor };
+
+// Block scalings, layouts as in quantize.h. out and scales may be null (no row-wise copy), and
+// out_t and scales_t (no transposed copy), but not both. health (a device CastHealth; may be
+// null, and is with a null out): the counts of quantize_blocks() in quantize.h, those of
+// `out`'s codes alone (rows·cols elements per call, with or without the transposed copy),
+// added to it as the cast goes. order: BlockMajor for Rows1x128 only. input and relu2_input:
+// what the cast reads, as for quantize().
 // dequantize_blocks stores float or bf16; with E8M0 (power-of-two) scales the bf16 values are
 // exact down to bf16's smallest subnormal (2^-133): what the emulated MXFP8 GEMMs multiply.
 template <typename T>
 void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantization& spec,
                      uint8_t* out, void* scales, uint8_t* out_t, void* scales_t,
-                     cudaStream_t stream, CastHealth* health = nullptr);
+                     cudaStream_t stream, CastHealth* health = nullptr,
+                     BlockScaleOrder order = BlockScaleOrder::LineMajor,
+                     CastInput input = CastInput::Value, const bf16* relu2_input = nullptr);
 
 template <typename Out>
 void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const BlockQuantization& spec,

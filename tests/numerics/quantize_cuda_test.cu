@@ -626,23 +626,154 @@ TYPED_TEST(CudaQuantize, BlockScalingsMatchReference) {
   }
 }
 
-TEST(CudaQuantize, BlockScalingWithoutTransposeLeavesNothingElse) {
-  const Shape shape{300, 1000};
-  const size_t count = static_cast<size_t>(shape.rows * shape.cols);
-  const std::vector<bf16> x = random_tensor<bf16>(count, false);
-  DeviceBuffer<bf16> device_x(x);
-  for (BlockScaling scaling : kBlockScalings) {
-    const BlockQuantization spec{scaling, Fp8Format::E4M3, true, 0.0f};
-    const ScaleBuffers grid(scaling, shape.rows, shape.cols);
-    DeviceBuffer<uint8_t> out(count), scales(grid.bytes);
-    cuda::quantize_blocks(device_x.get(), shape.rows, shape.cols, spec, out.get(), scales.get(),
-                          nullptr, nullptr, nullptr);
-    std::vector<uint8_t> expected(count), expected_scales(grid.bytes);
-    quantize_blocks(x.data(), shape.rows, shape.cols, spec, expected.data(),
-                    expected_scales.data());
-    EXPECT_IDENTICAL(out.download(), expected, scaling_name(scaling));
-    EXPECT_IDENTICAL(scales.download(), expected_scales, scaling_name(scaling) << " scales");
+// Full tiles, edge tiles and one random shape.
+std::vector<Shape> block_cast_shapes() {
+  std::vector<Shape> shapes = {{256, 384}, {130, 129}, {5, 160}, {1, 16}};
+  std::uniform_int_distribution<int64_t> extent(1, 600);
+  shapes.push_back({extent(rng()), extent(rng())});
+  return shapes;
+}
+
+// The CPU's codes and scales of both orientations, and the counts of the row-wise codes.
+struct BlockReference {
+  std::vector<uint8_t> codes, codes_t, scales, scales_t;
+  CastHealth health;
+
+  template <typename T>
+  BlockReference(const std::vector<T>& x, Shape shape, const BlockQuantization& spec)
+      : codes(x.size()),
+        codes_t(x.size()),
+        scales(ScaleBuffers(spec.scaling, shape.rows, shape.cols).bytes),
+        scales_t(ScaleBuffers(spec.scaling, shape.cols, shape.rows).bytes) {
+    quantize_transpose_blocks(x.data(), shape.rows, shape.cols, spec, codes.data(), scales.data(),
+                              codes_t.data(), scales_t.data(), &health);
   }
+};
+
+// Either orientation alone (the other's pointers null): the codes and scales of that
+// orientation, as when both are cast, and nothing written past them.
+TYPED_TEST(CudaQuantize, BlockScalingOfOneOrientationMatchesReference) {
+  std::vector<Shape> shapes = block_cast_shapes();
+  shapes.push_back({300, 1000});
+  for (const Shape shape : shapes) {
+    const size_t count = static_cast<size_t>(shape.rows * shape.cols);
+    const std::vector<TypeParam> x = random_tensor<TypeParam>(count, true);
+    DeviceBuffer<TypeParam> device_x(x);
+    for (BlockScaling scaling : kBlockScalings) {
+      const BlockQuantization spec{scaling, Fp8Format::E4M3, true, 0.0f};
+      const BlockReference expected(x, shape, spec);
+      const auto where = ::testing::Message() << scaling_name(scaling) << " [" << shape.rows << ", "
+                                              << shape.cols << "]";
+      for (bool transposed : {false, true}) {
+        std::vector<uint8_t> want_codes = transposed ? expected.codes_t : expected.codes;
+        std::vector<uint8_t> want_scales = transposed ? expected.scales_t : expected.scales;
+        DeviceBuffer<uint8_t> codes(std::vector<uint8_t>(count + 16, 0xA5)),
+            scales(std::vector<uint8_t>(want_scales.size() + 16, 0xA5));
+        uint8_t* out = transposed ? nullptr : codes.get();
+        uint8_t* out_t = transposed ? codes.get() : nullptr;
+        cuda::quantize_blocks(device_x.get(), shape.rows, shape.cols, spec, out,
+                              transposed ? nullptr : scales.get(), out_t,
+                              transposed ? scales.get() : nullptr, nullptr);
+        want_codes.resize(want_codes.size() + 16, 0xA5);
+        want_scales.resize(want_scales.size() + 16, 0xA5);
+        EXPECT_IDENTICAL(codes.download(), want_codes, where << (transposed ? " transposed" : ""));
+        EXPECT_IDENTICAL(scales.download(), want_scales,
+                         where << (transposed ? " transposed" : "") << " scales");
+      }
+    }
+  }
+}
+
+// Block-major 1x128 scales are the transposes of the reference's grids, both orientations;
+// the codes do not change.
+TYPED_TEST(CudaQuantize, BlockMajorScalesAreTheGridsTransposed) {
+  for (const Shape shape : block_cast_shapes()) {
+    const size_t count = static_cast<size_t>(shape.rows * shape.cols);
+    const std::vector<TypeParam> x = random_tensor<TypeParam>(count, false);
+    DeviceBuffer<TypeParam> device_x(x);
+    const BlockQuantization spec{BlockScaling::Rows1x128, Fp8Format::E4M3, false, 0.0f};
+    const BlockShape grid = scale_grid(spec.scaling, shape.rows, shape.cols);
+    const BlockShape grid_t = scale_grid(spec.scaling, shape.cols, shape.rows);
+    const auto grid_count = static_cast<size_t>(grid.rows) * static_cast<size_t>(grid.cols);
+    const auto grid_t_count = static_cast<size_t>(grid_t.rows) * static_cast<size_t>(grid_t.cols);
+    DeviceBuffer<uint8_t> out(count), out_t(count);
+    DeviceBuffer<float> scales(std::vector<float>(grid_count, -1.0f)),
+        scales_t(std::vector<float>(grid_t_count, -1.0f));
+    cuda::quantize_blocks(device_x.get(), shape.rows, shape.cols, spec, out.get(), scales.get(),
+                          out_t.get(), scales_t.get(), nullptr, nullptr,
+                          cuda::BlockScaleOrder::BlockMajor);
+    std::vector<uint8_t> expected(count), expected_t(count);
+    std::vector<float> expected_scales(grid_count), expected_scales_t(grid_t_count);
+    quantize_transpose_blocks(x.data(), shape.rows, shape.cols, spec, expected.data(),
+                              expected_scales.data(), expected_t.data(), expected_scales_t.data());
+    const auto transposed = [](const std::vector<float>& values, BlockShape shape_of) {
+      std::vector<float> result(values.size());
+      for (int r = 0; r < shape_of.rows; ++r) {
+        for (int c = 0; c < shape_of.cols; ++c)
+          result[static_cast<size_t>(c) * shape_of.rows + r] =
+              values[static_cast<size_t>(r) * shape_of.cols + c];
+      }
+      return result;
+    };
+    const auto where = ::testing::Message() << "[" << shape.rows << ", " << shape.cols << "]";
+    EXPECT_IDENTICAL(out.download(), expected, where);
+    EXPECT_IDENTICAL(out_t.download(), expected_t, where << " transposed");
+    EXPECT_IDENTICAL(scales.download(), transposed(expected_scales, grid), where << " scales");
+    EXPECT_IDENTICAL(scales_t.download(), transposed(expected_scales_t, grid_t),
+                     where << " transposed scales");
+  }
+}
+
+// Block casts through relu² (CastInput::Relu2 and Relu2Gradient) give the codes and scales of
+// the block cast of the bf16 activation or gradient they stand for, both orientations; a
+// relu² cast of fp32 input is an error.
+TEST(CudaQuantize, BlockRelu2CastsMatchBlockCastOfTheActivation) {
+  for (const Shape shape : block_cast_shapes()) {
+    const size_t count = static_cast<size_t>(shape.rows * shape.cols);
+    const std::vector<bf16> x = random_tensor<bf16>(count, true);
+    const std::vector<bf16> p = random_tensor<bf16>(count, true);
+    std::vector<bf16> act(count), gradient(count);
+    for (size_t i = 0; i < count; ++i) {
+      const float value = bf16_to_float(x[i]);
+      const float positive = value > 0.0f ? value : 0.0f;  // NaN -> 0
+      act[i] = float_to_bf16(positive * positive);
+      const float input = bf16_to_float(p[i]);
+      gradient[i] = float_to_bf16(input > 0.0f ? 2.0f * input * value : 0.0f);
+    }
+    const DeviceBuffer<bf16> device_x(x), device_p(p);
+    for (BlockScaling scaling : kBlockScalings) {
+      const BlockQuantization spec{scaling, Fp8Format::E4M3, true, 0.0f};
+      for (const cuda::CastInput input : {cuda::CastInput::Relu2, cuda::CastInput::Relu2Gradient}) {
+        const bool is_gradient = input == cuda::CastInput::Relu2Gradient;
+        const BlockReference expected(is_gradient ? gradient : act, shape, spec);
+        DeviceBuffer<uint8_t> out(std::vector<uint8_t>(count, 0xA5)),
+            out_t(std::vector<uint8_t>(count, 0xA5)), scales(expected.scales.size()),
+            scales_t(expected.scales_t.size());
+        DeviceBuffer<CastHealth> health(std::vector<CastHealth>(1));
+        cuda::quantize_blocks(device_x.get(), shape.rows, shape.cols, spec, out.get(), scales.get(),
+                              out_t.get(), scales_t.get(), nullptr, health.get(),
+                              cuda::BlockScaleOrder::LineMajor, input,
+                              is_gradient ? device_p.get() : nullptr);
+        const auto where = ::testing::Message()
+                           << scaling_name(scaling) << (is_gradient ? " relu² gradient" : " relu²")
+                           << " [" << shape.rows << ", " << shape.cols << "]";
+        EXPECT_IDENTICAL(out.download(), expected.codes, where);
+        EXPECT_IDENTICAL(scales.download(), expected.scales, where << " scales");
+        EXPECT_IDENTICAL(out_t.download(), expected.codes_t, where << " transposed");
+        EXPECT_IDENTICAL(scales_t.download(), expected.scales_t, where << " transposed scales");
+        const std::vector<CastHealth> got_health = health.download();
+        EXPECT_EQ(got_health[0].saturated, expected.health.saturated) << where;
+        EXPECT_EQ(got_health[0].underflow, expected.health.underflow) << where;
+      }
+    }
+  }
+  const DeviceBuffer<float> x32(std::vector<float>(256));
+  DeviceBuffer<uint8_t> out(256), scales(64);
+  const BlockQuantization spec{BlockScaling::Rows1x128, Fp8Format::E4M3, true, 0.0f};
+  EXPECT_THROW(cuda::quantize_blocks(x32.get(), 2, 128, spec, out.get(), scales.get(), nullptr,
+                                     nullptr, nullptr, nullptr, cuda::BlockScaleOrder::LineMajor,
+                                     cuda::CastInput::Relu2),
+               Error);
 }
 
 // Magnitudes from 1e-8 to 1e3, either sign, so that every block holds values that underflow;
@@ -742,6 +873,23 @@ TEST(CudaQuantize, RejectsBadArguments) {
   EXPECT_THROW(cuda::quantize_transpose(x.get(), -4, 4, scale.get(), Fp8Format::E4M3, out.get(),
                                         out.get(), nullptr, nullptr),
                Error);
+
+  const BlockQuantization rows{BlockScaling::Rows1x128, Fp8Format::E4M3, true, 0.0f};
+  const BlockQuantization tiles{BlockScaling::Tile128x128, Fp8Format::E4M3, true, 0.0f};
+  DeviceBuffer<float> scales(1), scales_t(4);
+  DeviceBuffer<CastHealth> health(std::vector<CastHealth>(1));
+  EXPECT_THROW(
+      cuda::quantize_blocks(x.get(), 4, 4, rows, nullptr, nullptr, nullptr, nullptr, nullptr),
+      Error);  // nothing to write
+  EXPECT_THROW(
+      cuda::quantize_blocks(x.get(), 4, 4, rows, out.get(), nullptr, nullptr, nullptr, nullptr),
+      Error);  // codes without scales
+  EXPECT_THROW(cuda::quantize_blocks(x.get(), 4, 4, rows, nullptr, nullptr, out.get(),
+                                     scales_t.get(), nullptr, health.get()),
+               Error);  // counts of a row-wise copy that is not written
+  EXPECT_THROW(cuda::quantize_blocks(x.get(), 4, 4, tiles, out.get(), scales.get(), nullptr,
+                                     nullptr, nullptr, nullptr, cuda::BlockScaleOrder::BlockMajor),
+               Error);  // block-major 128x128 scales
 }
 
 }  // namespace

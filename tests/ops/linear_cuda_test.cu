@@ -98,7 +98,8 @@ TEST_F(LinearCuda, BackwardInChunksMatchesTheWholeBackward) {
   };
   const Case cases[] = {{ScalingRecipe::Tensorwise, false}, {ScalingRecipe::Delayed, false},
                         {ScalingRecipe::Blockwise, false},  {ScalingRecipe::Mxfp8, false},
-                        {ScalingRecipe::Tensorwise, true},  {ScalingRecipe::Delayed, true}};
+                        {ScalingRecipe::Tensorwise, true},  {ScalingRecipe::Delayed, true},
+                        {ScalingRecipe::Blockwise, true}};
   for (const Case& c : cases) {
     const std::string name = std::string(recipe_name(c.recipe)) + (c.relu2 ? " relu²" : "");
     std::vector<bf16> dx[2];
@@ -119,10 +120,11 @@ TEST_F(LinearCuda, BackwardInChunksMatchesTheWholeBackward) {
 
 // A layer whose output feeds relu² casts its output gradient from d relu²(y) and y: the same
 // bytes as relu2_backward followed by the plain backward, so dx, dW and the recorded amaxes and
-// scales are equal bit for bit, whole and in chunks, for both per-tensor recipes.
+// scales are equal bit for bit, whole and in chunks, for the per-tensor recipes and blockwise.
 TEST_F(LinearCuda, BackwardThroughRelu2MatchesRelu2BackwardThenBackward) {
   SCOPED_TRACE(rng_.trace());
-  for (ScalingRecipe recipe : {ScalingRecipe::Tensorwise, ScalingRecipe::Delayed}) {
+  for (ScalingRecipe recipe :
+       {ScalingRecipe::Tensorwise, ScalingRecipe::Delayed, ScalingRecipe::Blockwise}) {
     for (int64_t width : {kOut, kNarrowWidth}) {
       const std::string name = fmt::format("{}, backward width {}", recipe_name(recipe), width);
       std::vector<bf16> dx[2];

@@ -198,14 +198,18 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
     setup.family = precision_.family;
     setup.fp8_wgrad = precision_.fp8_wgrad;
     // mlp.c_proj casts relu² of the MLP's hidden layer itself: the activation is never stored.
-    // With delayed scaling mlp.c_fc casts the gradient through relu² too, so the hidden layer's
-    // gradient is never stored either; tensorwise reads both of that cast's inputs twice (its
-    // amax pass, then the cast), which measured 1.2 ms per W-GPT24 step slower than storing it.
-    const bool delayed = precision_.fp8.recipe == ScalingRecipe::Delayed;
+    // With delayed and blockwise scaling mlp.c_fc casts the gradient through relu² too, so the
+    // hidden layer's gradient is never stored either; tensorwise reads both of that cast's
+    // inputs twice (its amax pass, then the cast), which measured 1.2 ms per W-GPT24 step
+    // slower than storing it.
+    const ScalingRecipe recipe = precision_.fp8.recipe;
+    const bool one_pass_casts =
+        recipe == ScalingRecipe::Delayed || recipe == ScalingRecipe::Blockwise;
     const bool relu2_casts = decision.fp8 && precision_.fp8_wgrad &&
-                             (delayed || precision_.fp8.recipe == ScalingRecipe::Tensorwise);
+                             (one_pass_casts || recipe == ScalingRecipe::Tensorwise);
     setup.input_relu2 = relu2_casts && decision.linear.name.ends_with("mlp.c_proj");
-    setup.output_relu2 = relu2_casts && delayed && decision.linear.name.ends_with("mlp.c_fc");
+    setup.output_relu2 =
+        relu2_casts && one_pass_casts && decision.linear.name.ends_with("mlp.c_fc");
     Linear linear;
     linear.weight = decision.linear.name + ".weight";
     const std::string& name = decision.linear.name;

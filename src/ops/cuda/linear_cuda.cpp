@@ -59,10 +59,10 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
   const auto weight_count = static_cast<size_t>(in * out);
   if (setup.bias) bias_bf16_ = std::make_unique<DeviceBuffer<bf16>>(static_cast<size_t>(out));
   const bool relu2_casts = setup.input_relu2 || setup.output_relu2;
-  FP8T_CHECK(!relu2_casts || (setup.fp8 && setup.fp8_config.recipe != ScalingRecipe::Blockwise &&
-                              setup.fp8_config.recipe != ScalingRecipe::Mxfp8 && setup.fp8_wgrad),
-             "a linear casts through relu² itself only in FP8 with a per-tensor recipe and an "
-             "FP8 weight gradient");
+  FP8T_CHECK(!relu2_casts ||
+                 (setup.fp8 && setup.fp8_config.recipe != ScalingRecipe::Mxfp8 && setup.fp8_wgrad),
+             "a linear casts through relu² itself only in FP8 with a per-tensor or blockwise "
+             "recipe and an FP8 weight gradient");
   if (!setup.fp8) {
     weight_bf16_ = std::make_unique<DeviceBuffer<bf16>>(weight_count);
     return;
@@ -153,7 +153,7 @@ void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole rol
   }
   if (mx()) {  // E8M0 bytes straight into the scale buffers: only the dequantization reads them
     const BlockQuantization spec{BlockScaling::Mx1x32, format};
-    fp8t::cuda::quantize_blocks(x, rows, cols, spec, out, scales, out_t,
+    fp8t::cuda::quantize_blocks(x, rows, cols, spec, out, out != nullptr ? scales : nullptr, out_t,
                                 out_t != nullptr ? scales_t : nullptr, stream, health);
     return;
   }
@@ -161,17 +161,21 @@ void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole rol
     const bool tiles = role == TensorRole::Weight;
     const BlockQuantization spec{tiles ? BlockScaling::Tile128x128 : BlockScaling::Rows1x128,
                                  format, config.use_power_of_2_scales(), config.amax_epsilon};
+    if (!tiles) {  // 1x128 scales go straight into the GEMMs' layout
+      const fp8t::cuda::CastInput input = cast_input(role);
+      fp8t::cuda::quantize_blocks(x, rows, cols, spec, out, out != nullptr ? scales : nullptr,
+                                  out_t, out_t != nullptr ? scales_t : nullptr, stream, health,
+                                  fp8t::cuda::BlockScaleOrder::BlockMajor, input,
+                                  input == fp8t::cuda::CastInput::Relu2Gradient ? y : nullptr);
+      return;
+    }
+    // 128x128 grids [ceil(rows / 128), ceil(cols / 128)] and the transposed tiles', padded.
     fp8t::cuda::quantize_blocks(x, rows, cols, spec, out, scratch_.grid, out_t,
                                 out_t != nullptr ? scratch_.grid_t : nullptr, stream, health);
-    // Grids: 1x128 [rows, ceil(cols / 128)] and its transpose's [cols, ceil(rows / 128)];
-    // 128x128 [ceil(rows / 128), ceil(cols / 128)] and the transposed tiles'.
-    const GridLayout layout = tiles ? GridLayout::PaddedRows : GridLayout::Transposed;
-    gemm_scale_grid(scales, scratch_.grid, tiles ? scale_blocks(rows) : rows, scale_blocks(cols),
-                    layout, stream);
-    if (out_t != nullptr) {
-      gemm_scale_grid(scales_t, scratch_.grid_t, tiles ? scale_blocks(cols) : cols,
-                      scale_blocks(rows), layout, stream);
-    }
+    pad_tile_scale_grid(scales, scratch_.grid, scale_blocks(rows), scale_blocks(cols), stream);
+    if (out_t != nullptr)
+      pad_tile_scale_grid(scales_t, scratch_.grid_t, scale_blocks(cols), scale_blocks(rows),
+                          stream);
     return;
   }
   const fp8t::cuda::CastInput input = cast_input(role);
@@ -241,11 +245,10 @@ void CudaLinear::cast_input_t(const bf16* x, int64_t first_row, int64_t rows, cu
     return;
   }
   FP8T_CHECK(x != nullptr, "an FP8 weight gradient needs the forward's input");
-  // Block recipes write both orientations; x̂ goes to the scratch, free in backward.
-  const bool blocks = blockwise() || mx();
-  quantize(x, rows, setup_.in_features, TensorRole::Input, blocks ? scratch_.input : nullptr,
-           scratch_.input_t, ScaleSource::Reuse, /*record_amax=*/false, stream,
-           scratch_.input_scales, scratch_.input_t_scales, nullptr, /*first_cast=*/false);
+  // x̂ᵗ alone: the weight gradient reads nothing else.
+  quantize(x, rows, setup_.in_features, TensorRole::Input, nullptr, scratch_.input_t,
+           ScaleSource::Reuse, /*record_amax=*/false, stream, scratch_.input_scales,
+           scratch_.input_t_scales, nullptr, /*first_cast=*/false);
   holder = {this, first_row, rows};
 }
 

@@ -65,8 +65,8 @@ struct Fp8Scratch {
   uint8_t* grad_output_t = nullptr;  // dŷᵗ
   // Whose x̂ᵗ input_t holds: the layers sharing an input read it right after their owner.
   std::shared_ptr<InputTHolder> input_t_holder;
-  // Blockwise (and, for the scales, MXFP8) only: quantize_blocks()' grids, and the operands'
-  // scales in the GEMMs' layouts.
+  // Blockwise (and, for the scales, MXFP8) only: quantize_blocks()' grids of 128x128 weight
+  // scales, and the operands' scales in the GEMMs' layouts.
   float* grid = nullptr;
   float* grid_t = nullptr;
   float* input_scales = nullptr;
@@ -110,11 +110,12 @@ struct LinearSetup {
   // cast. The same numbers as casting again: the input and its amax are the same, so
   // per-tensor scales are too. Its backward must run just before this one's.
   const CudaLinear* input_from = nullptr;
-  // FP8 with a per-tensor recipe and fp8_wgrad: the layer's input is relu(x)² of the x it is
-  // given, cast straight from x (the GPT's mlp.c_proj), so the activation is never stored.
+  // FP8 with a per-tensor or blockwise recipe and fp8_wgrad: the layer's input is relu(x)² of
+  // the x it is given, cast straight from x (the GPT's mlp.c_proj), so the activation is never
+  // stored.
   bool input_relu2 = false;
-  // FP8 with a per-tensor recipe and fp8_wgrad: the layer's output y feeds relu² (the GPT's
-  // mlp.c_fc), and backward() takes the gradient of relu(y)² with y, casting dy = 2·relu(y)·
+  // FP8 with a per-tensor or blockwise recipe and fp8_wgrad: the layer's output y feeds relu² (the
+  // GPT's mlp.c_fc), and backward() takes the gradient of relu(y)² with y, casting dy = 2·relu(y)·
   // d(relu(y)²) straight from the two, so dy is never stored.
   bool output_relu2 = false;
 };
@@ -183,7 +184,7 @@ class CudaLinear {
   // What fused_input_cast() left for the next forward to do.
   enum class InputCast : uint8_t { None, AmaxDone, CastDone };
 
-  // Quantizes x [rows, cols] for `role` into out (may be null for per-tensor recipes) and, when
+  // Quantizes x [rows, cols] for `role` into out (may be null with an out_t) and, when
   // not null, out_t [cols, rows]. Block recipes: their scales land in scales and scales_t, in
   // the GEMMs' layouts. y: the forward's output rows beside x, for output_relu2's GradOutput.
   // `first_cast`: false for a second cast of values already cast (x̂ᵗ in backward), which FP8
@@ -198,8 +199,8 @@ class CudaLinear {
   template <typename T>
   void tensorwise_scale(const T* x, int64_t count, TensorRole role, bool amax_measured,
                         cudaStream_t stream, const bf16* y = nullptr);
-  // What a per-tensor cast of `role` reads: relu² of the given input for input_relu2 layers,
-  // the gradient through relu² for output_relu2 layers.
+  // What a per-tensor or 1x128 cast of `role` reads: relu² of the given input for input_relu2
+  // layers, the gradient through relu² for output_relu2 layers.
   fp8t::cuda::CastInput cast_input(TensorRole role) const {
     if (role == TensorRole::Input && setup_.input_relu2) return fp8t::cuda::CastInput::Relu2;
     if (role == TensorRole::GradOutput && setup_.output_relu2) {

@@ -165,13 +165,11 @@ void softcap_cross_entropy_with_gradient(bf16* logits, const int32_t* targets, i
                                          int32_t* valid_rows, cudaStream_t stream);
 
 // --- Block-scale grids for cuBLASLt's block-scaled GEMMs (scale_grids.cu) ---
-// quantize_blocks() writes a row-major grid [grid_rows, grid_cols]; the GEMMs read 1x128 scales
-// K-blocks outermost (Transposed: out [grid_cols, grid_rows]) and 128x128 tiles with each row
-// padded to a multiple of 4 K-blocks (PaddedRows: out [grid_rows, ceil(grid_cols / 4) * 4],
-// zeros in the pads).
-enum class GridLayout : uint8_t { Transposed, PaddedRows };
-void gemm_scale_grid(float* out, const float* grid, int64_t grid_rows, int64_t grid_cols,
-                     GridLayout layout, cudaStream_t stream);
+// quantize_blocks() writes a 128x128 grid row-major [grid_rows, grid_cols]; the GEMMs read it
+// with each row padded to a multiple of 4 K-blocks: out [grid_rows, ceil(grid_cols / 4) * 4],
+// zeros in the pads. (1x128 scales need no pass: quantize_blocks() writes them block-major.)
+void pad_tile_scale_grid(float* out, const float* grid, int64_t grid_rows, int64_t grid_cols,
+                         cudaStream_t stream);
 
 }  // namespace fp8t::ops::cuda
 
