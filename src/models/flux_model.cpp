@@ -676,41 +676,21 @@ FluxModel::FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens
   for (FluxLinearPrecision& decision : linear_precision_) {
     const FluxLinear& spec = decision.linear;
     const int64_t tokens = flux_linear_rows(spec, batch, img_tokens, txt_tokens);
-    Linear layer;
-    layer.shape = {tokens, spec.in_features, spec.out_features};
-    layer.weight = parameter(spec.name + ".weight");
-    layer.bias = parameter(spec.name + ".bias");
-    layer.grad_weight = gradient(spec.name + ".weight");
-    layer.grad_bias = gradient(spec.name + ".bias");
-    std::tie(layer.split, layer.segments) = split_of(spec);
-    if (layer.split != Split::None) {
-      int64_t share = 0;
-      for (const Segment& segment : layer.segments)
-        share += segment.count;
-      layer.whole_in = spec.in_features;
-      layer.whole_weight = layer.weight;
-      layer.whole_bias = layer.bias;
-      layer.whole_grad_weight = layer.grad_weight;
-      layer.whole_grad_bias = layer.grad_bias;
-      const bool outputs = layer.split == Split::Outputs;
-      (outputs ? layer.shape.out_features : layer.shape.in_features) = share;
-      const auto weights = static_cast<size_t>(layer.shape.out_features * layer.shape.in_features);
-      layer.weight_share.resize(weights);
-      layer.grad_weight_share.resize(weights);
-      layer.weight = layer.weight_share.data();
-      layer.grad_weight = layer.grad_weight_share.data();
-      if (outputs) {  // this rank's outputs' bias
-        layer.bias_share.resize(static_cast<size_t>(share));
-        layer.grad_bias_share.resize(layer.bias_share.size());
-        layer.bias = layer.bias_share.data();
-        layer.grad_bias = layer.grad_bias_share.data();
-      } else if (tensor_parallel_.rank != 0) {  // the sum over the group adds rank 0's bias
-        layer.bias = nullptr;
-        layer.grad_bias = nullptr;
-      }
+    Linear layer{{tokens, spec.in_features, spec.out_features},
+                 parameter(spec.name + ".weight"),
+                 parameter(spec.name + ".bias"),
+                 gradient(spec.name + ".weight"),
+                 gradient(spec.name + ".bias"),
+                 nullptr,
+                 share_of(spec)};
+    layer.shape.in_features = layer.share.in_features();
+    layer.shape.out_features = layer.share.out_features();
+    if (layer.share.split() == Split::Inputs && tensor_parallel_.rank != 0) {
+      layer.bias = nullptr;  // the sum over the group adds rank 0's
+      layer.grad_bias = nullptr;
     }
-    layer.fp8 = make_fp8_share(decision.fp8, decision.reason, layer.shape, layer.split, precision_,
-                               tensor_parallel_);
+    layer.fp8 = make_fp8_share(decision.fp8, decision.reason, layer.shape, layer.share.split(),
+                               precision_, tensor_parallel_);
     linears_.emplace(spec.name, std::move(layer));
   }
   if (precision_.fp8_attention) {
@@ -750,69 +730,26 @@ float* FluxModel::gradient(const std::string& name) {
   return (*gradients_)[name].data<float>();
 }
 
-std::pair<FluxModel::Split, std::vector<FluxModel::Segment>> FluxModel::split_of(
-    const FluxLinear& linear) const {
-  if (!tensor_parallel_.split()) return {Split::None, {}};
+WeightShare FluxModel::share_of(const FluxLinear& linear) const {
+  const int64_t out = linear.out_features, in = linear.in_features;
+  if (!tensor_parallel_.split()) return WeightShare(out, in);
   const int64_t rank = tensor_parallel_.rank, C = config_.hidden_size;
   const int64_t A = C / tensor_parallel_.size, M = config_.mlp_hidden() / tensor_parallel_.size;
   const auto ends_with = [&](std::string_view suffix) { return linear.name.ends_with(suffix); };
   // q, k and v: this rank's heads of each; the MLP: its share of the hidden features.
-  const std::vector<Segment> heads = {{rank * A, A}, {C + rank * A, A}, {2 * C + rank * A, A}};
-  if (ends_with("_attn.qkv")) return {Split::Outputs, heads};
+  const std::vector<ShareSegment> heads = {{rank * A, A}, {C + rank * A, A}, {2 * C + rank * A, A}};
+  if (ends_with("_attn.qkv")) return WeightShare(Split::Outputs, heads, out, in);
   if (ends_with(".linear1")) {
-    std::vector<Segment> rows = heads;
+    std::vector<ShareSegment> rows = heads;
     rows.push_back({3 * C + rank * M, M});
-    return {Split::Outputs, rows};
+    return WeightShare(Split::Outputs, rows, out, in);
   }
-  if (ends_with("_mlp.0")) return {Split::Outputs, {{rank * M, M}}};
-  if (ends_with("_attn.proj")) return {Split::Inputs, {{rank * A, A}}};
-  if (ends_with("_mlp.2")) return {Split::Inputs, {{rank * M, M}}};
-  if (ends_with(".linear2")) return {Split::Inputs, {{rank * A, A}, {C + rank * M, M}}};
-  return {Split::None, {}};
-}
-
-void FluxModel::fill_shares(Linear& layer) {
-  const int64_t in = layer.shape.in_features, whole_in = layer.whole_in;
-  if (layer.split == Split::Outputs) {
-    int64_t row = 0;
-    for (const Segment& segment : layer.segments) {
-      std::copy_n(layer.whole_weight + segment.first * in, segment.count * in,
-                  layer.weight_share.begin() + row * in);
-      std::copy_n(layer.whole_bias + segment.first, segment.count, layer.bias_share.begin() + row);
-      row += segment.count;
-    }
-    return;
-  }
-  for (int64_t row = 0; row < layer.shape.out_features; ++row) {
-    int64_t column = 0;
-    for (const Segment& segment : layer.segments) {
-      std::copy_n(layer.whole_weight + row * whole_in + segment.first, segment.count,
-                  layer.weight_share.begin() + row * in + column);
-      column += segment.count;
-    }
-  }
-}
-
-void FluxModel::add_gradient_shares(Linear& layer) {
-  const int64_t in = layer.shape.in_features, whole_in = layer.whole_in;
-  if (layer.split == Split::Outputs) {
-    int64_t row = 0;
-    for (const Segment& segment : layer.segments) {
-      add(layer.whole_grad_weight + segment.first * in, layer.grad_weight_share.data() + row * in,
-          segment.count * in);
-      add(layer.whole_grad_bias + segment.first, layer.grad_bias_share.data() + row, segment.count);
-      row += segment.count;
-    }
-    return;
-  }
-  for (int64_t row = 0; row < layer.shape.out_features; ++row) {
-    int64_t column = 0;
-    for (const Segment& segment : layer.segments) {
-      add(layer.whole_grad_weight + row * whole_in + segment.first,
-          layer.grad_weight_share.data() + row * in + column, segment.count);
-      column += segment.count;
-    }
-  }
+  if (ends_with("_mlp.0")) return WeightShare(Split::Outputs, {{rank * M, M}}, out, in);
+  if (ends_with("_attn.proj")) return WeightShare(Split::Inputs, {{rank * A, A}}, out, in);
+  if (ends_with("_mlp.2")) return WeightShare(Split::Inputs, {{rank * M, M}}, out, in);
+  if (ends_with(".linear2"))
+    return WeightShare(Split::Inputs, {{rank * A, A}, {C + rank * M, M}}, out, in);
+  return WeightShare(out, in);
 }
 
 void FluxModel::sum_over_group(float* values, int64_t count) {
@@ -822,9 +759,9 @@ void FluxModel::sum_over_group(float* values, int64_t count) {
 void FluxModel::gather_split_gradients() {
   if (!tensor_parallel_.split()) return;
   for (auto& [name, layer] : linears_) {
-    if (layer.split == Split::None) continue;
-    sum_over_group(layer.whole_grad_weight, (*gradients_)[name + ".weight"].numel());
-    sum_over_group(layer.whole_grad_bias, (*gradients_)[name + ".bias"].numel());
+    if (layer.share.split() == Split::None) continue;
+    for (const char* tensor : {".weight", ".bias"})  // every rank's: rank 0's alone adds a bias
+      sum_over_group(gradient(name + tensor), (*gradients_)[name + tensor].numel());
   }
   for (const FluxParam& param : gradients_->specs()) {
     if (param.name.ends_with("_norm.scale"))  // each rank's heads add their part
@@ -834,34 +771,34 @@ void FluxModel::gather_split_gradients() {
 
 void FluxModel::linear_forward(Linear& layer, const float* x, float* y) {
   const auto [tokens, in, out] = layer.shape;
-  if (layer.split != Split::None) fill_shares(layer);
+  WeightShare& share = layer.share;
+  share.refresh(layer.weight, layer.bias);
   if (layer.fp8) {
-    layer.fp8->forward(x, tokens, layer.weight, y);
+    layer.fp8->forward(x, tokens, share.weight(), y);
   } else {
-    ops::linear_forward(x, layer.weight, y, layer.shape, precision_.other_linears);
+    ops::linear_forward(x, share.weight(), y, layer.shape, precision_.other_linears);
   }
-  if (layer.bias == nullptr) return;
+  if (share.bias() == nullptr) return;
   for (int64_t row = 0; row < tokens; ++row)  // the bias stays out of FP8: fp32, after the GEMM
-    add(y + row * out, layer.bias, out);
+    add(y + row * out, share.bias(), out);
 }
 
 void FluxModel::linear_backward(Linear& layer, const float* dy, const float* x, float* dx) {
   const auto [tokens, in, out] = layer.shape;
-  if (layer.split != Split::None) {
-    std::fill(layer.grad_weight_share.begin(), layer.grad_weight_share.end(), 0.0f);
-    std::fill(layer.grad_bias_share.begin(), layer.grad_bias_share.end(), 0.0f);
-  }
+  WeightShare& share = layer.share;
+  share.refresh(layer.weight, layer.bias);
+  share.begin_gradients(layer.grad_weight, layer.grad_bias);
   if (layer.fp8) {
-    layer.fp8->backward(dy, tokens, dx, layer.grad_weight);
+    layer.fp8->backward(dy, tokens, dx, share.weight_gradient());
   } else {
-    ops::linear_backward(dy, x, layer.weight, dx, layer.grad_weight, layer.shape,
+    ops::linear_backward(dy, x, share.weight(), dx, share.weight_gradient(), layer.shape,
                          precision_.other_linears);
   }
-  if (layer.grad_bias != nullptr) {
+  if (share.bias_gradient() != nullptr) {
     for (int64_t row = 0; row < tokens; ++row)
-      add(layer.grad_bias, dy + row * out, out);
+      add(share.bias_gradient(), dy + row * out, out);
   }
-  if (layer.split != Split::None) add_gradient_shares(layer);
+  share.end_gradients();
 }
 
 void FluxModel::embedder_forward(const std::string& name, FluxEmbedderActivations& saved,
@@ -1298,6 +1235,7 @@ void FluxModel::rerun_single_group(int group) {
 
 void FluxModel::end_step() {
   end_fp8_step(linears_);
+  invalidate_weight_shares(linears_);
 }
 
 void FluxModel::set_training(bool training) {
@@ -1307,6 +1245,7 @@ void FluxModel::set_training(bool training) {
 
 void FluxModel::weights_changed() {
   invalidate_fp8_weights(linears_);
+  invalidate_weight_shares(linears_);
 }
 
 std::vector<std::pair<std::string, DelayedScaling*>> FluxModel::delayed_scalings() {

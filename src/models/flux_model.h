@@ -17,6 +17,7 @@
 #include "models/precision_policy.h"
 #include "models/recompute.h"
 #include "models/tensor_parallel.h"
+#include "models/weight_share.h"
 #include "numerics/scaling.h"
 #include "ops/attention_fp8.h"
 #include "ops/fp8_linear.h"
@@ -164,32 +165,21 @@ class FluxModel {
   std::vector<Fp8TensorHealth> take_fp8_health();
 
  private:
-  // Row-parallel linears: the bias is added by the group's rank 0 alone.
   using Split = TensorSplit;
-  struct Segment {
-    int64_t first, count;  // rows or columns of the whole weight
-  };
   struct Linear {
-    ops::LinearShape shape;   // this rank's share
-    float* weight = nullptr;  // what the GEMM reads: the whole weight or this rank's share
-    float* bias = nullptr;    // null: no bias on this rank
+    ops::LinearShape shape;  // this rank's share
+    // The whole parameters. bias: null where this rank adds none (row-parallel linears: the
+    // group's rank 0 alone adds it).
+    float* weight = nullptr;
+    float* bias = nullptr;
     float* grad_weight = nullptr;
     float* grad_bias = nullptr;
     std::unique_ptr<ops::Fp8Linear> fp8;  // null: plain linear
-    Split split = Split::None;
-    std::vector<Segment> segments;  // this rank's rows (Outputs) or columns (Inputs)
-    int64_t whole_in = 0;           // the whole weight's in_features
-    float *whole_weight = nullptr, *whole_bias = nullptr;
-    float *whole_grad_weight = nullptr, *whole_grad_bias = nullptr;
-    // Split linears: this rank's share of the weight, bias and their gradients, contiguous.
-    std::vector<float> weight_share, bias_share, grad_weight_share, grad_bias_share;
+    WeightShare share;                    // this rank's rows or columns of the weight
   };
-  // This rank's segments of a linear's rows or columns (Split::None: none).
-  std::pair<Split, std::vector<Segment>> split_of(const FluxLinear& linear) const;
-  // Split linears: the weight (and bias) shares copied from the whole parameters; after the
-  // backward, the gradient shares added into the whole gradients.
-  void fill_shares(Linear& layer);
-  void add_gradient_shares(Linear& layer);
+  // This rank's share of a linear [out, in]: its rows (q, k, v heads and MLP features) or its
+  // columns, or the whole weight without tensor parallelism.
+  WeightShare share_of(const FluxLinear& linear) const;
   // The sum over the tensor-parallel group of `count` values: a row-parallel output or a
   // column-parallel input's gradient; nothing to do without tensor parallelism.
   void sum_over_group(float* values, int64_t count);

@@ -92,18 +92,19 @@ GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
 
   linear_precision_ = decide_precision(config_, precision_.policy);
   for (LinearPrecision& decision : linear_precision_) {
-    Linear layer;
-    layer.weight = decision.linear.name + ".weight";
-    layer.shape = {tokens, decision.linear.in_features, decision.linear.out_features};
-    layer.split = tensor_parallel_.split() ? split_of(decision.linear.name) : Split::None;
-    if (layer.split == Split::Outputs) layer.shape.out_features /= group;
-    if (layer.split == Split::Inputs) {
-      layer.shape.in_features /= group;
-      layer.weight_share.resize(
-          static_cast<size_t>(layer.shape.in_features * layer.shape.out_features));
-      layer.gradient_share.resize(layer.weight_share.size());
-    }
-    layer.fp8 = make_fp8_share(decision.fp8, decision.reason, layer.shape, layer.split, precision_,
+    const int64_t in = decision.linear.in_features, out = decision.linear.out_features;
+    const Split split = tensor_parallel_.split() ? split_of(decision.linear.name) : Split::None;
+    // This rank's run of rows (its heads, its hidden features) or of columns.
+    const int64_t run = (split == Split::Outputs ? out : in) / group;
+    Linear layer{decision.linear.name + ".weight",
+                 {tokens, in, out},
+                 nullptr,
+                 split == Split::None
+                     ? WeightShare(out, in)
+                     : WeightShare(split, {{tensor_parallel_.rank * run, run}}, out, in)};
+    layer.shape.in_features = layer.share.in_features();
+    layer.shape.out_features = layer.share.out_features();
+    layer.fp8 = make_fp8_share(decision.fp8, decision.reason, layer.shape, split, precision_,
                                tensor_parallel_);
     linears_.emplace(decision.linear.name, std::move(layer));
   }
@@ -187,57 +188,26 @@ float GptModel::scalar(const std::string& name, int index) {
   return parameter(name)[index];
 }
 
-const float* GptModel::weight_share(Linear& layer) {
-  const float* weight = parameter(layer.weight);
-  const int64_t in = layer.shape.in_features, out = layer.shape.out_features;
-  const int64_t rank = tensor_parallel_.rank;
-  switch (layer.split) {
-    case Split::None:
-      return weight;
-    case Split::Outputs:
-      return weight + rank * out * in;
-    case Split::Inputs:
-      for (int64_t row = 0; row < out; ++row) {
-        const float* from = weight + (row * tensor_parallel_.size + rank) * in;
-        std::copy(from, from + in, layer.weight_share.begin() + row * in);
-      }
-      return layer.weight_share.data();
-  }
-  return weight;
-}
-
 void GptModel::linear_forward(Linear& layer, const float* x, float* y) {
-  const float* weight = weight_share(layer);
+  layer.share.refresh(parameter(layer.weight), nullptr);
   if (layer.fp8) {
-    layer.fp8->forward(x, layer.shape.tokens, weight, y);
+    layer.fp8->forward(x, layer.shape.tokens, layer.share.weight(), y);
   } else {
-    ops::linear_forward(x, weight, y, layer.shape, precision_.other_linears);
+    ops::linear_forward(x, layer.share.weight(), y, layer.shape, precision_.other_linears);
   }
 }
 
 void GptModel::linear_backward(Linear& layer, const float* dy, const float* x, float* dx) {
-  const int64_t in = layer.shape.in_features, out = layer.shape.out_features;
-  const int64_t rank = tensor_parallel_.rank;
-  float* grad = gradient(layer.weight);
-  if (layer.split == Split::Outputs) grad += rank * out * in;
-  if (layer.split == Split::Inputs) {
-    std::fill(layer.gradient_share.begin(), layer.gradient_share.end(), 0.0f);
-    grad = layer.gradient_share.data();
-  }
+  WeightShare& share = layer.share;
+  share.refresh(parameter(layer.weight), nullptr);
+  share.begin_gradients(gradient(layer.weight), nullptr);
   if (layer.fp8) {
-    layer.fp8->backward(dy, layer.shape.tokens, dx, grad);
+    layer.fp8->backward(dy, layer.shape.tokens, dx, share.weight_gradient());
   } else {
-    ops::linear_backward(dy, x, weight_share(layer), dx, grad, layer.shape,
+    ops::linear_backward(dy, x, share.weight(), dx, share.weight_gradient(), layer.shape,
                          precision_.other_linears);
   }
-  if (layer.split != Split::Inputs) return;
-  float* whole = gradient(layer.weight);
-  for (int64_t row = 0; row < out; ++row) {
-    float* to = whole + (row * tensor_parallel_.size + rank) * in;
-    const float* from = grad + row * in;
-    for (int64_t i = 0; i < in; ++i)
-      to[i] += from[i];
-  }
+  share.end_gradients();
 }
 
 void GptModel::value_embedding_forward(int layer) {
@@ -286,6 +256,7 @@ void GptModel::gather_split_gradients() {
 
 void GptModel::end_step() {
   end_fp8_step(linears_);
+  invalidate_weight_shares(linears_);
 }
 
 void GptModel::set_training(bool training) {
@@ -295,6 +266,7 @@ void GptModel::set_training(bool training) {
 
 void GptModel::weights_changed() {
   invalidate_fp8_weights(linears_);
+  invalidate_weight_shares(linears_);
 }
 
 std::vector<std::pair<std::string, DelayedScaling*>> GptModel::delayed_scalings() {

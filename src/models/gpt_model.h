@@ -17,6 +17,7 @@
 #include "models/precision_policy.h"
 #include "models/recompute.h"
 #include "models/tensor_parallel.h"
+#include "models/weight_share.h"
 #include "ops/attention_fp8.h"
 #include "ops/fp8_linear.h"
 #include "ops/linear.h"
@@ -92,14 +93,10 @@ class GptModel {
     std::string weight;                   // parameter name
     ops::LinearShape shape;               // this rank's share
     std::unique_ptr<ops::Fp8Linear> fp8;  // null: plain linear
-    Split split = Split::None;
-    // Split::Inputs: this rank's columns of the weight and of its gradient, contiguous.
-    std::vector<float> weight_share, gradient_share;
+    WeightShare share;                    // this rank's rows or columns of the weight
   };
   void linear_forward(Linear& linear, const float* x, float* y);
   void linear_backward(Linear& linear, const float* dy, const float* x, float* dx);
-  // This rank's share of the weight [shape.out, shape.in], contiguous.
-  const float* weight_share(Linear& linear);
   // The value embedding of this rank's kv heads, [B * T, kv_heads_ * head_dim], into
   // ws.value_embed; and its gradient, from ws.dvalue_embed, into the table's gradient.
   void value_embedding_forward(int layer);
