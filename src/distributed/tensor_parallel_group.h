@@ -14,6 +14,11 @@ struct ParallelLayout {
   int tensor_rank = 0;  // this rank's place in its group
   int data = 1;         // data-parallel replicas: groups
   int data_rank = 0;    // this rank's group
+
+  // Whether a rank evaluates the validation loss: the leader alone, or under tensor parallelism
+  // every rank with it, since each collective of a tensor-parallel group takes every rank of
+  // the job.
+  bool evaluates(bool leader) const { return leader || tensor > 1; }
 };
 
 // Throws ConfigError naming tensor_model_parallel_size unless it divides the world size.

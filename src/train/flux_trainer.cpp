@@ -271,8 +271,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
 
   // Validation: the same held-out pictures, σ and noise at every evaluation.
   FluxBatch held_out;
-  // The leader evaluates; with tensor parallelism every rank with it, as the GPT trainer's.
-  const bool evaluates = leader || layout.tensor > 1;
+  const bool evaluates = layout.evaluates(leader);
   const auto validation_loss = [&]() -> std::optional<double> {
     if (!evaluates) return std::nullopt;
     double sum = 0.0;

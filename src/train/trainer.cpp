@@ -179,18 +179,6 @@ gemm::GemmTuning run_gemm_tuning(const TrainConfig& config) {
                                    [](const char* name) { return std::getenv(name); });
 }
 
-// Data parallelism over several processes needs a global batch the ranks share evenly.
-void check_data_parallel(const TrainConfig& config, int ranks) {
-  const int replicas = config.data_parallel_size(ranks);
-  const int64_t per_pass = config.training.micro_batch_size * replicas;
-  if (config.global_batch_size(ranks) % per_pass != 0) {
-    throw ConfigError(fmt::format(
-        "global_batch_size: {} is not a multiple of micro_batch_size x data-parallel replicas = "
-        "{} x {}",
-        config.global_batch_size(ranks), config.training.micro_batch_size, replicas));
-  }
-}
-
 std::string ranks_note(const distributed::Communicator& communicator,
                        const distributed::ParallelLayout& layout) {
   if (!communicator.several()) return "";
@@ -226,7 +214,7 @@ TrainOutcome run_training(const TrainConfig& config) {
 
 TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& communicator) {
   const bool several = communicator.several();
-  if (several) check_data_parallel(config, communicator.size());
+  if (several) validate(config, communicator.size());  // the batch against the job's replicas
   const distributed::ParallelLayout layout = distributed::parallel_layout(
       communicator.size(), communicator.rank(), config.run.tensor_model_parallel_size);
   if (layout.tensor > 1 && use_cuda(config.run.device)) {
@@ -365,9 +353,8 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   };
 
   // Validation: the same batches from the start of the validation shards at every evaluation.
-  // The leader evaluates and reports; with tensor parallelism every rank evaluates with it,
-  // since each collective of a tensor-parallel group takes every rank of the job.
-  const bool evaluates = leader || layout.tensor > 1;
+  // The leader reports.
+  const bool evaluates = layout.evaluates(leader);
   const auto validation_loss = [&]() -> std::optional<double> {
     if (!evaluates || sources.val_shards.empty() || config.run.eval_iters <= 0) return std::nullopt;
     data::TokenLoader val_loader(sources.val_shards,

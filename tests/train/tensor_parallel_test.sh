@@ -2,7 +2,8 @@
 # Tensor parallelism on the CPU path: a GPT whose blocks 2 ranks split (tensor_model_parallel_size
 # 2) gives the losses of one process, up to the order of the partial sums, in BF16 and in FP8
 # with tensorwise scaling; so does a job of 4 ranks, 2 data-parallel replicas of 2; a checkpoint
-# of the 2 ranks resumes on one process; a group that does not divide the job is refused.
+# of the 2 ranks resumes on one process; a group that does not divide the job is refused, and
+# so is a global batch the replicas cannot share.
 # Flux's demo model on 2 ranks gives one process's losses too.
 # Usage: tensor_parallel_test.sh FP8TRAIN LAUNCHER OUTPUT_DIR FLUX_CONFIG
 #   LAUNCHER: the path of mpiexec, or "nproc-per-node" (ranks that meet over TCP);
@@ -96,4 +97,12 @@ fi
 grep -q "tensor_model_parallel_size: expected a divisor of the 3 ranks of this job, found 2" \
   "$output/bad.log" ||
   { cat "$output/bad.log"; echo "FAIL: expected the key named"; exit 1; }
+# 2 replicas of 2 ranks cannot share a global batch of 6 in micro-batches of 2.
+if ranks 4 "${args[@]}" --tensor-model-parallel-size=2 --global-batch-size=6 --run=bad_batch \
+  >"$output/bad_batch.log" 2>&1; then
+  cat "$output/bad_batch.log"; echo "FAIL: a global batch of 6 ran on 2 replicas of 2"; exit 1
+fi
+grep -q "global_batch_size: must be a multiple of micro_batch_size × data-parallel replicas (2 × 2 = 4), found 6" \
+  "$output/bad_batch.log" ||
+  { cat "$output/bad_batch.log"; echo "FAIL: expected the batch refused, naming the key"; exit 1; }
 echo "PASS: tensor parallelism matches one process"
