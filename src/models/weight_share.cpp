@@ -44,10 +44,14 @@ WeightShare::WeightShare(TensorSplit split, std::vector<ShareSegment> segments, 
   }
 }
 
+int64_t WeightShare::in_place_first_row() const {
+  return split_ == TensorSplit::Outputs ? segments_.front().first : 0;
+}
+
 void WeightShare::refresh(const float* whole_weight, const float* whole_bias) {
   const bool rows = split_ == TensorSplit::Outputs;
   if (!copied_) {
-    const int64_t first = rows ? segments_.front().first : 0;
+    const int64_t first = in_place_first_row();
     weight_ = whole_weight + first * in_;
     bias_ = whole_bias != nullptr ? whole_bias + first : nullptr;
     return;
@@ -56,19 +60,13 @@ void WeightShare::refresh(const float* whole_weight, const float* whole_bias) {
   bias_ = !rows ? whole_bias : whole_bias != nullptr ? bias_copy_.data() : nullptr;
   if (current_) return;
   current_ = true;
-  int64_t done = 0;
-  for (const ShareSegment& segment : segments_) {
-    if (rows) {
-      std::copy_n(whole_weight + segment.first * in_, segment.count * in_,
-                  weight_copy_.begin() + done * in_);
-      if (whole_bias != nullptr)
-        std::copy_n(whole_bias + segment.first, segment.count, bias_copy_.begin() + done);
-    } else {
-      for (int64_t row = 0; row < out_; ++row)
-        std::copy_n(whole_weight + row * whole_in_ + segment.first, segment.count,
-                    weight_copy_.begin() + row * in_ + done);
-    }
-    done += segment.count;
+  for_each_run(in_, [&](int64_t whole, int64_t share, int64_t count) {
+    std::copy_n(whole_weight + whole, count, weight_copy_.begin() + share);
+  });
+  if (rows && whole_bias != nullptr) {
+    for_each_run(1, [&](int64_t whole, int64_t share, int64_t count) {
+      std::copy_n(whole_bias + whole, count, bias_copy_.begin() + share);
+    });
   }
 }
 
@@ -77,7 +75,7 @@ void WeightShare::begin_gradients(float* whole_weight_gradient, float* whole_bia
   whole_weight_gradient_ = whole_weight_gradient;
   whole_bias_gradient_ = whole_bias_gradient;
   if (!copied_) {
-    const int64_t first = rows ? segments_.front().first : 0;
+    const int64_t first = in_place_first_row();
     weight_gradient_ = whole_weight_gradient + first * in_;
     bias_gradient_ = whole_bias_gradient != nullptr ? whole_bias_gradient + first : nullptr;
     return;
@@ -93,20 +91,13 @@ void WeightShare::begin_gradients(float* whole_weight_gradient, float* whole_bia
 
 void WeightShare::end_gradients() {
   if (!copied_) return;
-  const bool rows = split_ == TensorSplit::Outputs;
-  int64_t done = 0;
-  for (const ShareSegment& segment : segments_) {
-    if (rows) {
-      add(whole_weight_gradient_ + segment.first * in_, weight_gradient_copy_.data() + done * in_,
-          segment.count * in_);
-      if (whole_bias_gradient_ != nullptr)
-        add(whole_bias_gradient_ + segment.first, bias_gradient_copy_.data() + done, segment.count);
-    } else {
-      for (int64_t row = 0; row < out_; ++row)
-        add(whole_weight_gradient_ + row * whole_in_ + segment.first,
-            weight_gradient_copy_.data() + row * in_ + done, segment.count);
-    }
-    done += segment.count;
+  for_each_run(in_, [&](int64_t whole, int64_t share, int64_t count) {
+    add(whole_weight_gradient_ + whole, weight_gradient_copy_.data() + share, count);
+  });
+  if (split_ == TensorSplit::Outputs && whole_bias_gradient_ != nullptr) {
+    for_each_run(1, [&](int64_t whole, int64_t share, int64_t count) {
+      add(whole_bias_gradient_ + whole, bias_gradient_copy_.data() + share, count);
+    });
   }
 }
 

@@ -48,6 +48,25 @@ class WeightShare {
   void end_gradients();
 
  private:
+  // Where an in-place share starts in the whole weight: its first row.
+  int64_t in_place_first_row() const;
+  // visit(whole offset, share offset, count) for each contiguous run of the share in the whole:
+  // rows: each segment, `width` values per row (in_features for the weight, 1 for the bias);
+  // columns: each segment of each row.
+  template <typename Visit>
+  void for_each_run(int64_t width, Visit&& visit) const {
+    int64_t done = 0;
+    for (const ShareSegment& segment : segments_) {
+      if (split_ == TensorSplit::Outputs) {
+        visit(segment.first * width, done * width, segment.count * width);
+      } else {
+        for (int64_t row = 0; row < out_; ++row)
+          visit(row * whole_in_ + segment.first, row * in_ + done, segment.count);
+      }
+      done += segment.count;
+    }
+  }
+
   TensorSplit split_ = TensorSplit::None;
   std::vector<ShareSegment> segments_;
   int64_t whole_in_ = 0, out_ = 0, in_ = 0;

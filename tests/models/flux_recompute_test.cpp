@@ -14,6 +14,7 @@
 
 #include "core/error.h"
 #include "models/flux_model.h"
+#include "models/flux_test_config.h"
 #include "models/recompute.h"
 #include "models/recompute_checks.h"
 
@@ -34,14 +35,7 @@ constexpr int64_t kBatch = 2, kImgTokens = 8, kTxtTokens = 3;
 // Three double and three single blocks: groups of 2 leave a group of one in each stack, and
 // block recompute of 4 takes every double block and the first single one.
 FluxConfig test_config(int hidden) {
-  FluxConfig config = FluxConfig::preset("flux_tiny");
-  config.hidden_size = hidden;
-  config.num_heads = 2;
-  const int quarter = hidden / 2 / 4;  // head_dim / 4: axes of 1/4, 3/8, 3/8
-  config.axes_dim = {quarter, 3 * quarter / 2, 3 * quarter / 2};
-  config.double_blocks = kDoubleBlocks;
-  config.single_blocks = kSingleBlocks;
-  return config;
+  return testing::two_head_flux_config(hidden, kDoubleBlocks, kSingleBlocks);
 }
 
 using testing::name_of;

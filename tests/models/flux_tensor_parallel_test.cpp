@@ -4,15 +4,14 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
-#include <cstring>
 #include <memory>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "core/error.h"
 #include "models/flux_model.h"
+#include "models/flux_test_config.h"
 #include "models/recompute_checks.h"
 #include "models/tensor_parallel_checks.h"
 
@@ -24,14 +23,7 @@ constexpr int kRanks = 2;
 
 // Two double and two single blocks with 2 heads: one head per rank.
 FluxConfig two_head_config(int hidden) {
-  FluxConfig config = FluxConfig::preset("flux_tiny");
-  config.hidden_size = hidden;
-  config.num_heads = 2;
-  const int quarter = hidden / 2 / 4;  // head_dim / 4: axes of 1/4, 3/8, 3/8
-  config.axes_dim = {quarter, 3 * quarter / 2, 3 * quarter / 2};
-  config.double_blocks = 2;
-  config.single_blocks = 2;
-  return config;
+  return testing::two_head_flux_config(hidden, 2, 2);
 }
 
 std::vector<float> draw(int64_t count, std::mt19937& generator) {
@@ -62,7 +54,8 @@ TEST_P(FluxTensorParallel, TwoRanksGiveThePredictionAndGradientsOfOne) {
   // Every parameter random (the modulation and final layer too, which the initialization
   // zeroes), so that every gradient path carries signal; the FP8 models nearer a smooth start.
   std::normal_distribution<float> normal(0.0f, fp8 ? 0.05f : 0.3f);
-  for (const FluxParam& param : flux_parameters(config)) {
+  const std::vector<FluxParam> params = flux_parameters(config);
+  for (const FluxParam& param : params) {
     float* values = whole.parameters()[param.name].data<float>();
     for (int64_t i = 0; i < param.numel(); ++i)
       values[i] = (param.kind == FluxParamKind::NormScale ? 1.0f : 0.0f) + normal(generator);
@@ -88,16 +81,11 @@ TEST_P(FluxTensorParallel, TwoRanksGiveThePredictionAndGradientsOfOne) {
   whole.backward(grad_prediction.data());
 
   testing::ThreadGroup group(kRanks);
-  std::vector<std::unique_ptr<FluxModel>> ranks;
-  for (int rank = 0; rank < kRanks; ++rank) {
-    ranks.push_back(std::make_unique<FluxModel>(config, kBatch, kImgTokens, kTxtTokens, precision,
-                                                setting.recompute, group.member(rank)));
-    for (const FluxParam& param : flux_parameters(config)) {
-      std::memcpy(ranks.back()->parameters()[param.name].raw(),
-                  whole.parameters()[param.name].raw(), whole.parameters()[param.name].bytes());
-    }
-    ranks.back()->weights_changed();
-  }
+  const std::vector<std::unique_ptr<FluxModel>> ranks =
+      testing::ranks_like(group, whole, params, [&](const TensorParallel& member) {
+        return std::make_unique<FluxModel>(config, kBatch, kImgTokens, kTxtTokens, precision,
+                                           setting.recompute, member);
+      });
   if (fp8) {
     int fp8_linears = 0;
     for (const FluxLinearPrecision& decision : ranks[0]->linear_precision())
@@ -106,31 +94,21 @@ TEST_P(FluxTensorParallel, TwoRanksGiveThePredictionAndGradientsOfOne) {
   }
   std::vector<std::vector<float>> predictions(kRanks, std::vector<float>(want.size()));
   std::vector<std::vector<Fp8TensorHealth>> health(kRanks);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < kRanks; ++rank) {
-    threads.emplace_back([&, rank] {
-      FluxModel& model = *ranks[static_cast<size_t>(rank)];
-      model.set_record_fp8_health(true);
-      model.forward(inputs, predictions[static_cast<size_t>(rank)].data());
-      model.backward(grad_prediction.data());
-      model.gather_split_gradients();
-      health[static_cast<size_t>(rank)] = model.take_fp8_health();
-    });
-  }
-  for (std::thread& thread : threads)
-    thread.join();
+  testing::run_ranks<FluxModel>(ranks, [&](FluxModel& model, size_t rank) {
+    model.set_record_fp8_health(true);
+    model.forward(inputs, predictions[rank].data());
+    model.backward(grad_prediction.data());
+    model.gather_split_gradients();
+    health[rank] = model.take_fp8_health();
+  });
 
   EXPECT_EQ(predictions[0], predictions[1]) << "every rank of the group predicts the same";
-  for (const FluxParam& param : flux_parameters(config)) {
-    const TensorView& first = ranks[0]->gradients()[param.name];
-    EXPECT_EQ(std::memcmp(first.raw(), ranks[1]->gradients()[param.name].raw(), first.bytes()), 0)
-        << param.name << ": the ranks hold different gradients";
-  }
+  testing::expect_same_gradients(ranks, params);
   const double prediction_difference =
       relative_difference(predictions[0].data(), want.data(), outputs);
   if (!fp8) {  // the same sums in another order
     EXPECT_LT(prediction_difference, 1e-5);
-    for (const FluxParam& param : flux_parameters(config)) {
+    for (const FluxParam& param : params) {
       const TensorView& got = ranks[0]->gradients()[param.name];
       EXPECT_LT(relative_difference(got.data<float>(), whole.gradients()[param.name].data<float>(),
                                     param.numel()),

@@ -5,10 +5,9 @@
 
 #include <algorithm>
 #include <cmath>
-#include <cstring>
+#include <memory>
 #include <random>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "core/error.h"
@@ -59,7 +58,8 @@ TEST_P(GptTensorParallel, TwoRanksGiveTheLossAndGradientsOfOne) {
   // Every gradient path non-zero; the FP8 models nearer their initialization, where they are
   // less sensitive to rounding (see below).
   std::normal_distribution<float> normal(0.0f, fp8 ? 0.05f : 0.3f);
-  for (const ParamSpec& spec : gpt_parameters(config)) {
+  const std::vector<ParamSpec> params = gpt_parameters(config);
+  for (const ParamSpec& spec : params) {
     float* data = whole.parameters()[spec.name].data<float>();
     for (int64_t i = 0; i < spec.numel(); ++i)
       data[i] += normal(generator);
@@ -77,16 +77,10 @@ TEST_P(GptTensorParallel, TwoRanksGiveTheLossAndGradientsOfOne) {
   whole.backward();
 
   testing::ThreadGroup group(kRanks);
-  std::vector<std::unique_ptr<GptModel>> ranks;
-  for (int rank = 0; rank < kRanks; ++rank) {
-    ranks.push_back(std::make_unique<GptModel>(config, batch, seq, precision, setting.recompute,
-                                               group.member(rank)));
-    for (const ParamSpec& spec : gpt_parameters(config)) {
-      std::memcpy(ranks.back()->parameters()[spec.name].raw(), whole.parameters()[spec.name].raw(),
-                  whole.parameters()[spec.name].bytes());
-    }
-    ranks.back()->weights_changed();
-  }
+  const std::vector<std::unique_ptr<GptModel>> ranks =
+      testing::ranks_like(group, whole, params, [&](const TensorParallel& member) {
+        return std::make_unique<GptModel>(config, batch, seq, precision, setting.recompute, member);
+      });
   if (fp8) {
     int fp8_linears = 0;
     for (const LinearPrecision& decision : ranks[0]->linear_precision())
@@ -95,29 +89,19 @@ TEST_P(GptTensorParallel, TwoRanksGiveTheLossAndGradientsOfOne) {
   }
   std::vector<double> losses(kRanks);
   std::vector<std::vector<Fp8TensorHealth>> health(kRanks);
-  std::vector<std::thread> threads;
-  for (int rank = 0; rank < kRanks; ++rank) {
-    threads.emplace_back([&, rank] {
-      GptModel& model = *ranks[static_cast<size_t>(rank)];
-      model.set_record_fp8_health(true);
-      losses[static_cast<size_t>(rank)] = model.forward(idx.data(), targets.data());
-      model.backward();
-      model.gather_split_gradients();
-      health[static_cast<size_t>(rank)] = model.take_fp8_health();
-    });
-  }
-  for (std::thread& thread : threads)
-    thread.join();
+  testing::run_ranks<GptModel>(ranks, [&](GptModel& model, size_t rank) {
+    model.set_record_fp8_health(true);
+    losses[rank] = model.forward(idx.data(), targets.data());
+    model.backward();
+    model.gather_split_gradients();
+    health[rank] = model.take_fp8_health();
+  });
 
   EXPECT_EQ(losses[0], losses[1]) << "every rank of the group computes the same loss";
-  for (const ParamSpec& spec : gpt_parameters(config)) {
-    const TensorView& first = ranks[0]->gradients()[spec.name];
-    EXPECT_EQ(std::memcmp(first.raw(), ranks[1]->gradients()[spec.name].raw(), first.bytes()), 0)
-        << spec.name << ": the ranks hold different gradients";
-  }
+  testing::expect_same_gradients(ranks, params);
   if (!fp8) {  // the same sums in another order (a scalar's gradient, a sum that cancels, the most)
     EXPECT_NEAR(losses[0], want_loss, std::abs(want_loss) * 1e-5);
-    for (const ParamSpec& spec : gpt_parameters(config))
+    for (const ParamSpec& spec : params)
       EXPECT_LT(relative_difference(ranks[0]->gradients()[spec.name].data<float>(),
                                     whole.gradients()[spec.name].data<float>(), spec.numel()),
                 1e-3)

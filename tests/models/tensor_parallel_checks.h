@@ -8,9 +8,14 @@
 #include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <cstring>
 #include <functional>
+#include <memory>
 #include <mutex>
+#include <thread>
 #include <vector>
+
+#include <gtest/gtest.h>
 
 #include "models/tensor_parallel.h"
 
@@ -21,6 +26,8 @@ namespace fp8t::testing {
 class ThreadGroup {
  public:
   explicit ThreadGroup(int size) : size_(size), contributions_(static_cast<size_t>(size)) {}
+
+  int size() const { return size_; }
 
   void reduce(int rank, float* values, size_t count, const std::function<float(float, float)>& op) {
     std::unique_lock lock(mutex_);
@@ -64,6 +71,47 @@ class ThreadGroup {
   std::vector<std::vector<float>> contributions_;
   std::vector<float> result_;
 };
+
+// The group's ranks of a model, each made by make(its TensorParallel) and given the parameters
+// of `whole` (every tensor named by an entry of `params`).
+template <typename Model, typename Params, typename Make>
+std::vector<std::unique_ptr<Model>> ranks_like(ThreadGroup& group, Model& whole,
+                                               const Params& params, Make&& make) {
+  std::vector<std::unique_ptr<Model>> ranks;
+  for (int rank = 0; rank < group.size(); ++rank) {
+    ranks.push_back(make(group.member(rank)));
+    for (const auto& param : params) {
+      std::memcpy(ranks.back()->parameters()[param.name].raw(),
+                  whole.parameters()[param.name].raw(), whole.parameters()[param.name].bytes());
+    }
+    ranks.back()->weights_changed();
+  }
+  return ranks;
+}
+
+// step(model, rank) on every rank at once, one thread each, as the ranks of a job would run.
+template <typename Model>
+void run_ranks(const std::vector<std::unique_ptr<Model>>& ranks,
+               const std::function<void(Model&, size_t)>& step) {
+  std::vector<std::thread> threads;
+  for (size_t rank = 0; rank < ranks.size(); ++rank)
+    threads.emplace_back([&, rank] { step(*ranks[rank], rank); });
+  for (std::thread& thread : threads)
+    thread.join();
+}
+
+// Every rank holds the same gradient, byte for byte, of each tensor named in `params`.
+template <typename Model, typename Params>
+void expect_same_gradients(const std::vector<std::unique_ptr<Model>>& ranks, const Params& params) {
+  for (const auto& param : params) {
+    const auto& first = ranks[0]->gradients()[param.name];
+    for (size_t rank = 1; rank < ranks.size(); ++rank) {
+      EXPECT_EQ(std::memcmp(first.raw(), ranks[rank]->gradients()[param.name].raw(), first.bytes()),
+                0)
+          << param.name << ": rank " << rank << " holds another gradient than rank 0";
+    }
+  }
+}
 
 // ‖got − want‖ / ‖want‖ over `count` values.
 inline double relative_difference(const float* got, const float* want, int64_t count) {
