@@ -189,9 +189,8 @@ size_t fp8_scratch_bytes(ScalingRecipe recipe, int64_t fp8_count, int64_t max_to
   for (int buffer = 0; buffer < 4; ++buffer)  // the scales of x̂, x̂ᵗ, dŷ and dŷᵗ
     scratch.take<float>(floats);
   if (recipe == ScalingRecipe::Blockwise) {
-    scratch.take<float>(floats);              // quantize_blocks()' grid
-    scratch.take<float>(floats);              // and its transpose's
-    scratch.take<bf16>(max_tokens * max_in);  // dgrads that add
+    for (int grid = 0; grid < 2; ++grid)  // a weight's 128x128 scale grid and its transpose's
+      scratch.take<float>(ops::weight_grid_floats(max_in, max_out));
   } else {
     scratch.take<bf16>(max_tokens * widest);  // the emulated GEMMs' dequantized operands
     scratch.take<bf16>(max_tokens * max_in);

@@ -3,7 +3,10 @@
 #include "numerics/quantize_cuda.h"
 
 #include <algorithm>
+#include <mutex>
+#include <set>
 #include <type_traits>
+#include <utility>
 
 #include <cuda_bf16.h>
 #include <cuda_pipeline.h>
@@ -544,9 +547,10 @@ struct BlockCastTargets {
   uint8_t* out_t;  // null: no transposed copy
   void* scales_t;
   BlockScaleOrder order;
-  bool vector_loads;     // full tiles load 16-byte vectors
-  bool vector_stores;    // full tiles store kVec-byte row vectors
-  bool vector_stores_t;  // full tiles store 16-byte column pieces
+  int64_t scale_lines_t;  // BlockMajor: the lines the transposed copy's scales are strided by
+  bool vector_loads;      // full tiles load 16-byte vectors
+  bool vector_stores;     // full tiles store kVec-byte row vectors
+  bool vector_stores_t;   // full tiles store 16-byte column pieces
 };
 
 // The scale of block `block` along line `line` (a row of the tensor or of its transpose) of a
@@ -806,8 +810,8 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput>))
         writes_scale = segment == 0 && c == 0;
       }
       if (writes_scale) {
-        store_block_scale(targets.scales_t, col_grid, cols, col0 + c, blockIdx.x, block,
-                          targets.order, result, spec);
+        store_block_scale(targets.scales_t, col_grid, targets.scale_lines_t, col0 + c, blockIdx.x,
+                          block, targets.order, result, spec);
       }
     }
   }
@@ -833,6 +837,20 @@ __global__ void block_dequantize_kernel(const uint8_t* q, int64_t rows, int64_t 
 
 unsigned elementwise_grid(int64_t count) {
   return grid_for((count + kThreads - 1) / kThreads);
+}
+
+// Lets `kernel` take `bytes` of dynamic shared memory on the current device: set once per kernel
+// and device, so that a cast costs the host no driver call besides its launch.
+void allow_shared_bytes(const void* kernel, size_t bytes) {
+  static std::mutex mutex;
+  static std::set<std::pair<int, const void*>> allowed;
+  int device = 0;
+  FP8T_CUDA_CHECK(cudaGetDevice(&device));
+  const std::lock_guard<std::mutex> lock(mutex);
+  if (allowed.count({device, kernel}) != 0) return;
+  FP8T_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(bytes)));
+  allowed.emplace(device, kernel);
 }
 
 }  // namespace
@@ -966,9 +984,13 @@ template <typename T>
 void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantization& spec,
                      uint8_t* out, void* scales, uint8_t* out_t, void* scales_t,
                      cudaStream_t stream, CastHealth* health, BlockScaleOrder order,
-                     CastInput input, const bf16* relu2_input) {
+                     CastInput input, const bf16* relu2_input, int64_t scale_lines_t) {
   FP8T_CHECK(rows >= 0 && cols >= 0, "expected a non-negative shape, found [{}, {}]", rows, cols);
   FP8T_CHECK(out != nullptr || out_t != nullptr, "a block cast writes out, out_t or both");
+  FP8T_CHECK(scale_lines_t == 0 || (order == BlockScaleOrder::BlockMajor && scale_lines_t >= cols),
+             "the transposed copy's scales are strided by block-major lines, at least its {} "
+             "lines; found a stride of {}",
+             cols, scale_lines_t);
   FP8T_CHECK((out == nullptr) == (scales == nullptr), "out and scales go together");
   FP8T_CHECK((out_t == nullptr) == (scales_t == nullptr), "out_t and scales_t go together");
   FP8T_CHECK(health == nullptr || out != nullptr,
@@ -989,6 +1011,7 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
       out_t,
       scales_t,
       order,
+      scale_lines_t != 0 ? scale_lines_t : cols,
       aligned16(x) && aligned16(relu2_input) && cols % Shape::kVec == 0,
       reinterpret_cast<uintptr_t>(out) % Shape::kVec == 0 && cols % Shape::kVec == 0,
       aligned16(out_t) && rows % 16 == 0};
@@ -999,8 +1022,7 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
         constexpr Fp8Format kFormat = decltype(format_constant)::value;
         constexpr bool kHealth = decltype(health_constant)::value;
         const auto kernel = block_quantize_kernel<T, kFormat, kInput, kHealth>;
-        FP8T_CUDA_CHECK(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             static_cast<int>(Shape::kSharedBytes)));
+        allow_shared_bytes(reinterpret_cast<const void*>(kernel), Shape::kSharedBytes);
         kernel<<<grid, kThreads, Shape::kSharedBytes, stream>>>(x, relu2_input, rows, cols, spec,
                                                                 targets, health);
       });
@@ -1030,7 +1052,7 @@ void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const Block
                                       const bf16*, CastHealth*);                                   \
   template void quantize_blocks<T>(const T*, int64_t, int64_t, const BlockQuantization&, uint8_t*, \
                                    void*, uint8_t*, void*, cudaStream_t, CastHealth*,              \
-                                   BlockScaleOrder, CastInput, const bf16*);
+                                   BlockScaleOrder, CastInput, const bf16*, int64_t);
 
 FP8T_INSTANTIATE_CUDA_QUANTIZE(float)
 FP8T_INSTANTIATE_CUDA_QUANTIZE(bf16)

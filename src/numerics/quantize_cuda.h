@@ -69,7 +69,9 @@ enum class BlockScaleOrder : uint8_t { LineMajor, BlockMajor };
 // null, and is with a null out): the counts of quantize_blocks() in quantize.h, those of
 // `out`'s codes alone (rows·cols elements per call, with or without the transposed copy),
 // added to it as the cast goes. order: BlockMajor for Rows1x128 only. input and relu2_input:
-// what the cast reads, as for quantize().
+// what the cast reads, as for quantize(). scale_lines_t (BlockMajor only; 0: cols): the
+// transposed copy's scale of block b of line l goes to b·scale_lines_t + l, for casts that fill
+// consecutive lines of one larger operand (the lines of out_t continue those of the cast before).
 // dequantize_blocks stores float or bf16; with E8M0 (power-of-two) scales the bf16 values are
 // exact down to bf16's smallest subnormal (2^-133): what the emulated MXFP8 GEMMs multiply.
 template <typename T>
@@ -77,7 +79,8 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
                      uint8_t* out, void* scales, uint8_t* out_t, void* scales_t,
                      cudaStream_t stream, CastHealth* health = nullptr,
                      BlockScaleOrder order = BlockScaleOrder::LineMajor,
-                     CastInput input = CastInput::Value, const bf16* relu2_input = nullptr);
+                     CastInput input = CastInput::Value, const bf16* relu2_input = nullptr,
+                     int64_t scale_lines_t = 0);
 
 template <typename Out>
 void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const BlockQuantization& spec,

@@ -912,6 +912,60 @@ TEST_F(CublasLtGemmTest, Fp8BlockScaledReportsSupportAndMatchesCpu) {
               accepted.size(), refused.size());
 }
 
+// Block-scaled GEMMs adding to their output (beta = 1: weight gradients over micro-batches in
+// f32, dgrads of layers sharing an input in bf16) or to an addend (the residual of a projection,
+// bf16): whether cuBLASLt accepts each is printed; an accepted one must give prior + product, the
+// prior values of the product's size so that a GEMM ignoring them misses by far more than the
+// bound; a refusal must come as a clear error.
+TEST_F(CublasLtGemmTest, Fp8BlockScaledAccumulatesOrRefusesClearly) {
+  SCOPED_TRACE(rng_.trace());
+  const Shape s{256, 512, 1024};
+  const std::vector<float> x = random_values(rng_, s.m, s.k);
+  const std::vector<float> w = random_values(rng_, s.n, s.k);
+  for (const ModePair modes : {kBlockModes[0], kBlockModes[1]}) {
+    const HostOperand a = quantize_operand(x, s.m, s.k, s.k, Fp8Format::E4M3, modes.a);
+    const HostOperand b = quantize_operand(w, s.n, s.k, s.k, Fp8Format::E4M3, modes.b);
+    const std::vector<double> product = xwt_reference(s, a.values, b.values);
+    const DeviceOperand device_a(a), device_b(b);
+    struct Case {
+      GemmType out_type;
+      bool addend;
+    };
+    for (const Case c :
+         {Case{GemmType::BF16, false}, Case{GemmType::F32, false}, Case{GemmType::BF16, true}}) {
+      std::vector<double> ref(product.size());
+      for (size_t i = 0; i < ref.size(); ++i) {
+        const double prior = product[i] * rng_.uniform(-1, 1);
+        ref[i] = c.out_type == GemmType::BF16
+                     ? bf16_to_float(float_to_bf16(static_cast<float>(prior)))
+                     : static_cast<float>(prior);
+      }
+      // The prior values in the output (accumulating) or in an addend of the output's layout.
+      DeviceOutput out(c.out_type, s.m, s.n, s.n + 8), addend(c.out_type, s.m, s.n, s.n + 8);
+      (c.addend ? addend : out).set(ref);
+      GemmOutput view = out.view(/*accumulate=*/!c.addend);
+      if (c.addend) view.addend = addend.view().data;
+      const std::string what = std::string(c.addend ? "adding an addend, " : "accumulating, ") +
+                               fp8_text(s, a, b, c.out_type, false);
+      try {
+        gemm_.fp8_gemm(s.m, s.n, s.k, device_a.view(), device_b.view(), view,
+                       /*fast_accumulation=*/false, stream_);
+        FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      } catch (const Error& error) {
+        std::printf("[ support  ] %s: refused: %s\n", what.c_str(), error.what());
+        EXPECT_NE(std::string(error.what()).find("M=256, N=512, K=1024"), std::string::npos)
+            << "the refusal should name the shape: " << error.what();
+        continue;
+      }
+      std::printf("[ support  ] %s: accepted\n", what.c_str());
+      for (size_t i = 0; i < ref.size(); ++i)
+        ref[i] += product[i];
+      check(out.values(), ref, s.n, fp8_bound(c.out_type, false), what);
+      check_padding(out, what);
+    }
+  }
+}
+
 // Integer codes and power-of-2 scales make the exact product reachable (see integer_operand):
 // without fast accumulation every scaling mode must give it, element for element. This checks
 // layouts and scale placement with no tolerance at all.

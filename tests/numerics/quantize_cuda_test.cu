@@ -3,6 +3,7 @@
 // poisoned before each launch so unwritten elements show.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -721,6 +722,64 @@ TYPED_TEST(CudaQuantize, BlockMajorScalesAreTheGridsTransposed) {
     EXPECT_IDENTICAL(scales.download(), transposed(expected_scales, grid), where << " scales");
     EXPECT_IDENTICAL(scales_t.download(), transposed(expected_scales_t, grid_t),
                      where << " transposed scales");
+  }
+}
+
+// Transposed copies cast one after the other into consecutive lines of one operand, their
+// block-major scales strided by all its lines (scale_lines_t): the codes and scales of the
+// transposed cast of the side-by-side tensor, every byte written; a stride below a cast's own
+// lines, or with line-major scales, is refused.
+TEST(CudaQuantize, TransposedCastsFillConsecutiveLinesOfOneOperand) {
+  const BlockQuantization spec{BlockScaling::Rows1x128, Fp8Format::E4M3, true, 0.0f};
+  for (const Shape shape : {Shape{300, 200}, Shape{1024, 384}}) {
+    const int64_t rows = shape.rows, first_cols = shape.cols, second_cols = 72;
+    const int64_t cols = first_cols + second_cols;
+    const std::vector<bf16> first = random_tensor<bf16>(size_t(rows * first_cols), false);
+    const std::vector<bf16> second = random_tensor<bf16>(size_t(rows * second_cols), false);
+    std::vector<bf16> side_by_side(size_t(rows * cols));
+    for (int64_t r = 0; r < rows; ++r) {
+      std::copy_n(first.begin() + r * first_cols, first_cols, side_by_side.begin() + r * cols);
+      std::copy_n(second.begin() + r * second_cols, second_cols,
+                  side_by_side.begin() + r * cols + first_cols);
+    }
+    const BlockShape grid_t = scale_grid(spec.scaling, cols, rows);  // [cols, row blocks]
+    const auto count = static_cast<size_t>(rows * cols);
+    const auto grid_t_count = static_cast<size_t>(grid_t.rows) * static_cast<size_t>(grid_t.cols);
+    DeviceBuffer<uint8_t> out_t(std::vector<uint8_t>(count, 0xA5));
+    DeviceBuffer<float> scales_t(std::vector<float>(grid_t_count, -1.0f));
+    const DeviceBuffer<bf16> device_first(first), device_second(second);
+    cuda::quantize_blocks(device_first.get(), rows, first_cols, spec, nullptr, nullptr, out_t.get(),
+                          scales_t.get(), nullptr, nullptr, cuda::BlockScaleOrder::BlockMajor,
+                          cuda::CastInput::Value, nullptr, cols);
+    cuda::quantize_blocks(device_second.get(), rows, second_cols, spec, nullptr, nullptr,
+                          out_t.get() + first_cols * rows, scales_t.get() + first_cols, nullptr,
+                          nullptr, cuda::BlockScaleOrder::BlockMajor, cuda::CastInput::Value,
+                          nullptr, cols);
+    std::vector<uint8_t> expected(count), expected_t(count);
+    const BlockShape grid = scale_grid(spec.scaling, rows, cols);
+    std::vector<float> expected_scales(static_cast<size_t>(grid.rows) *
+                                       static_cast<size_t>(grid.cols));
+    std::vector<float> expected_scales_t(grid_t_count);
+    quantize_transpose_blocks(side_by_side.data(), rows, cols, spec, expected.data(),
+                              expected_scales.data(), expected_t.data(), expected_scales_t.data());
+    std::vector<float> block_major_t(grid_t_count);
+    for (int line = 0; line < grid_t.rows; ++line) {
+      for (int block = 0; block < grid_t.cols; ++block)
+        block_major_t[static_cast<size_t>(block) * grid_t.rows + line] =
+            expected_scales_t[static_cast<size_t>(line) * grid_t.cols + block];
+    }
+    const auto where = ::testing::Message()
+                       << "[" << rows << ", " << first_cols << " + " << second_cols << "]";
+    EXPECT_IDENTICAL(out_t.download(), expected_t, where << " transposed");
+    EXPECT_IDENTICAL(scales_t.download(), block_major_t, where << " transposed scales");
+    for (const auto order : {cuda::BlockScaleOrder::BlockMajor, cuda::BlockScaleOrder::LineMajor}) {
+      const int64_t stride = order == cuda::BlockScaleOrder::BlockMajor ? first_cols - 1 : cols;
+      EXPECT_THROW(cuda::quantize_blocks(device_first.get(), rows, first_cols, spec, nullptr,
+                                         nullptr, out_t.get(), scales_t.get(), nullptr, nullptr,
+                                         order, cuda::CastInput::Value, nullptr, stride),
+                   Error)
+          << where << " a scale stride of " << stride;
+    }
   }
 }
 

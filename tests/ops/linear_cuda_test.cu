@@ -2,7 +2,8 @@
 // same layer with a scratch that holds it whole: dx bit for bit (each row's dgrad is the same
 // GEMM row under the same scales), dW up to the order of its fp32 sums, for every recipe and for
 // the relu² input; the backward through relu² against relu2_backward and the plain backward;
-// and the forward's residual. The models' GPU tests compare the whole-layer path with the CPU.
+// and the forward's residual; the joint weight gradient of layers sharing an input against
+// separate ones. The models' GPU tests compare the whole-layer path with the CPU.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -14,6 +15,7 @@
 
 #include "core/cuda_check.h"
 #include "core/device_arena.h"
+#include "core/error.h"
 #include "gemm/cublaslt_gemm.h"
 #include "numerics/scaling.h"
 #include "ops/cuda/linear_cuda.h"
@@ -156,8 +158,8 @@ TEST_F(LinearCuda, BackwardThroughRelu2MatchesRelu2BackwardThenBackward) {
   }
 }
 
-// forward(…, residual) = x·Wᵀ + residual, summed in the GEMM's epilogue and rounded once
-// (blockwise: added after the GEMM): within two bf16 roundings of the layer's own output plus
+// forward(…, residual) = x·Wᵀ + residual, summed in the GEMM's epilogue and rounded once:
+// within two bf16 roundings of the layer's own output plus
 // the residual, for BF16 and every FP8 recipe (the same scales in both calls); the residual is
 // left as it was.
 TEST_F(LinearCuda, ForwardAddsTheResidual) {
@@ -190,6 +192,92 @@ TEST_F(LinearCuda, ForwardAddsTheResidual) {
                  name + " y + residual");
     expect_bitwise_equal(residual.download(), residual_values, name + " residual");
   }
+}
+
+// Three blockwise layers reading one input (the GPT's c_q, c_k, c_v), their weight gradients back
+// to back in one buffer, with and without a joint weight gradient: dx bit for bit (the same
+// dgrads), dW up to the order of its fp32 sums (one GEMM of all rows instead of three). Out of
+// order, or with gradients that do not follow each other, the group refuses.
+TEST_F(LinearCuda, JointWeightGradientMatchesSeparateOnes) {
+  SCOPED_TRACE(rng_.trace());
+  constexpr int kLayers = 3;
+  constexpr int64_t kWeight = kIn * kOut;
+  const Device<float> weights{random_floats(rng_, size_t(kLayers * kWeight), -0.1, 0.1)};
+  const Device<bf16> dy{random_bf16(rng_, size_t(kLayers * kTokens * kOut))};
+  struct SharedInput {
+    DeviceArena arena{"FP8 scratch"};
+    float* scaling = nullptr;
+    kernels::Fp8Scratch scratch;
+    std::vector<std::unique_ptr<kernels::CudaLinear>> layers;
+    Device<bf16> dx{size_t(kTokens * kIn)};
+    Device<float> dweight{std::vector<float>(size_t(kLayers * kWeight), 0.0f)};
+    SharedInput(bool joint, gemm::CublasLtGemm& gemm) {
+      for (bool planning : {true, false}) {
+        scaling = arena.take<float>(kLayers * kernels::kLinearScalingFloats);
+        scratch = kernels::take_fp8_scratch(arena, ScalingRecipe::Blockwise, kTokens, kIn,
+                                            kLayers * kOut, kLayers * kOut);
+        if (planning) arena.allocate_planned();
+      }
+      for (int i = 0; i < kLayers; ++i) {
+        kernels::LinearSetup setup;
+        setup.in_features = kIn;
+        setup.out_features = kOut;
+        setup.max_tokens = kTokens;
+        setup.fp8 = true;
+        setup.fp8_config.recipe = ScalingRecipe::Blockwise;
+        setup.scaling = scaling + i * kernels::kLinearScalingFloats;
+        if (i > 0) setup.input_from = layers[0].get();
+        if (joint) setup.wgrad_group = {i * kOut, kLayers * kOut};
+        layers.push_back(std::make_unique<kernels::CudaLinear>(setup, gemm, scratch));
+      }
+      dx.poison_nan();
+    }
+    void forward(const Device<float>& weights, const bf16* x, cudaStream_t stream) {
+      Device<bf16> y(size_t(kTokens * kOut));
+      for (int i = 0; i < kLayers; ++i) {
+        layers[i]->prepare_weight(weights.get() + i * kWeight, false, stream);
+        layers[i]->forward(x, kTokens, y.get(), false, stream);
+      }
+      FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+    // Layer i's backward, its weight gradient at `gradient` layers' gradients into dweight.
+    void backward(int i, int gradient, const bf16* dy, const bf16* x, cudaStream_t stream) {
+      layers[i]->backward(dy + i * kTokens * kOut, x, kTokens, dx.get(), i > 0,
+                          dweight.get() + gradient * kWeight, false, stream);
+    }
+  };
+  std::vector<bf16> dx[2];
+  std::vector<float> dweight[2];
+  for (int joint : {0, 1}) {
+    SharedInput linears(joint == 1, gemm_);
+    linears.forward(weights, x_.get(), stream_);
+    for (int i = 0; i < kLayers; ++i)
+      linears.backward(i, i, dy.get(), x_.get(), stream_);
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    dx[joint] = linears.dx.download();
+    dweight[joint] = linears.dweight.download();
+  }
+  expect_bitwise_equal(dx[1], dx[0], "joint weight gradient: dx");
+  expect_close(widen(dweight[1]), widen(dweight[0]), kReorderedSums, "joint weight gradient: dW");
+
+  SharedInput linears(true, gemm_);
+  linears.forward(weights, x_.get(), stream_);
+  linears.backward(0, 0, dy.get(), x_.get(), stream_);
+  EXPECT_THROW(linears.backward(2, 2, dy.get(), x_.get(), stream_), Error)
+      << "the group's third layer before its second";
+  EXPECT_THROW(linears.backward(1, 2, dy.get(), x_.get(), stream_), Error)
+      << "weight gradients that do not follow each other";
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+
+  kernels::LinearSetup tensorwise;
+  tensorwise.in_features = kIn;
+  tensorwise.out_features = kOut;
+  tensorwise.max_tokens = kTokens;
+  tensorwise.fp8 = true;
+  tensorwise.scaling = linears.scaling;
+  tensorwise.wgrad_group = {0, kLayers * kOut};
+  EXPECT_THROW(std::make_unique<kernels::CudaLinear>(tensorwise, gemm_, linears.scratch), Error)
+      << "a joint weight gradient with per-tensor scales";
 }
 
 }  // namespace

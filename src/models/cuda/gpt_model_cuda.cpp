@@ -3,8 +3,10 @@
 #include "models/cuda/gpt_model_cuda.h"
 
 #include <algorithm>
+#include <array>
 #include <cstring>
 #include <map>
+#include <string_view>
 
 #include <fmt/format.h>
 
@@ -187,6 +189,33 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
     }
   }
   std::map<std::string, int> fp8_index_of;  // linear name -> its scaling floats
+  std::map<std::string, bool> fp8_of;       // linear name -> in FP8
+  for (const LinearPrecision& decision : linear_precision_)
+    fp8_of[decision.linear.name] = decision.fp8;
+  // Blockwise: c_q, c_k and c_v compute their weight gradients as one GEMM where all three are
+  // FP8 and their gradients lie back to back (kernels::LinearSetup::wgrad_group).
+  const auto qkv_wgrad_group = [&](const LinearSpec& linear) {
+    kernels::LinearSetup::WgradGroup group;
+    constexpr std::array<std::string_view, 3> kParts = {"attn.c_q", "attn.c_k", "attn.c_v"};
+    const auto part = std::find_if(kParts.begin(), kParts.end(), [&](std::string_view each) {
+      return linear.name.ends_with(each);
+    });
+    const int64_t rows = linear.out_features;  // each of the three is [rows, in]
+    if (part == kParts.end() || precision_.fp8.recipe != ScalingRecipe::Blockwise ||
+        !precision_.fp8_wgrad || buffers_->fp8_scratch.backward_elements < 3 * rows * tokens_) {
+      return group;
+    }
+    const std::string prefix = linear.name.substr(0, linear.name.size() - part->size());
+    int64_t next_offset = layout_[prefix + "attn.c_q.weight"].offset;
+    for (const std::string_view each : kParts) {
+      const std::string name = prefix + std::string(each);
+      if (!fp8_of.at(name) || layout_[name + ".weight"].offset != next_offset) return group;
+      next_offset += rows * linear.in_features;
+    }
+    group.first_row = (part - kParts.begin()) * rows;
+    group.rows = 3 * rows;
+    return group;
+  };
   for (const LinearPrecision& decision : linear_precision_) {
     if (decision.linear.kind == ParamKind::Gate) continue;  // the gates are kernels of their own
     kernels::LinearSetup setup;
@@ -210,6 +239,7 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
     setup.input_relu2 = relu2_casts && decision.linear.name.ends_with("mlp.c_proj");
     setup.output_relu2 =
         relu2_casts && one_pass_casts && decision.linear.name.ends_with("mlp.c_fc");
+    if (decision.fp8) setup.wgrad_group = qkv_wgrad_group(decision.linear);
     Linear linear;
     linear.weight = decision.linear.name + ".weight";
     const std::string& name = decision.linear.name;

@@ -33,15 +33,16 @@ Fp8Scratch take_fp8_scratch(DeviceArena& arena, ScalingRecipe recipe, int64_t ma
   scratch.grad_output_t = arena.take<uint8_t>(backward_count);
   if (recipe != ScalingRecipe::Blockwise && recipe != ScalingRecipe::Mxfp8) return scratch;
   const int64_t max_features = std::max(max_in, max_out);
-  const auto floats = static_cast<size_t>(fp8_scale_scratch_floats(max_tokens, max_in, max_out));
+  scratch.scale_floats = fp8_scale_scratch_floats(max_tokens, max_in, max_out);
+  const auto floats = static_cast<size_t>(scratch.scale_floats);
   for (float** buffer : {&scratch.input_scales, &scratch.input_t_scales,
                          &scratch.grad_output_scales, &scratch.grad_output_t_scales}) {
     *buffer = arena.take<float>(floats);
   }
   if (recipe == ScalingRecipe::Blockwise) {
-    scratch.grid = arena.take<float>(floats);
-    scratch.grid_t = arena.take<float>(floats);
-    scratch.grad_input = arena.take<bf16>(count(max_tokens, max_in));
+    const auto grid_floats = static_cast<size_t>(weight_grid_floats(max_in, max_out));
+    scratch.grid = arena.take<float>(grid_floats);
+    scratch.grid_t = arena.take<float>(grid_floats);
   } else {  // the emulated GEMMs' bf16 operands
     scratch.dequantized_lhs = arena.take<bf16>(count(max_tokens, max_features));
     scratch.dequantized_rhs = arena.take<bf16>(count(max_tokens, max_in));
@@ -99,6 +100,20 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
       scratch.backward_elements, kScaleBlock, in, out);
   FP8T_CHECK(!setup.input_relu2 || setup.input_from == nullptr,
              "a linear casts relu² of its input itself only from its own input");
+  if (const LinearSetup::WgradGroup group = setup.wgrad_group; group.rows != 0) {
+    FP8T_CHECK(setup.fp8_config.recipe == ScalingRecipe::Blockwise && setup.fp8_wgrad,
+               "a joint weight gradient is for blockwise linears with an FP8 weight gradient");
+    FP8T_CHECK(group.first_row >= 0 && group.first_row + out <= group.rows &&
+                   (group.first_row == 0) == (setup.input_from == nullptr),
+               "a [{} -> {}] linear cannot take rows {} to {} of a joint weight gradient of {} "
+               "rows (the input's owner takes the first)",
+               in, out, group.first_row, group.first_row + out, group.rows);
+    FP8T_CHECK(scratch.backward_elements >= setup.max_tokens * std::max(in, group.rows) &&
+                   scratch.scale_floats >= row_block_floats(group.rows, setup.max_tokens),
+               "a joint weight gradient of {} rows over {} tokens needs more backward scratch "
+               "than {} elements",
+               group.rows, setup.max_tokens, scratch.backward_elements);
+  }
   weight_fp8_ = std::make_unique<DeviceBuffer<uint8_t>>(weight_count);
   weight_fp8_t_ = std::make_unique<DeviceBuffer<uint8_t>>(weight_count);
   if (mx()) {
@@ -116,8 +131,7 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
   if (blockwise()) {
     FP8T_CHECK(scratch.grid != nullptr && scratch.grid_t != nullptr &&
                    scratch.input_scales != nullptr && scratch.input_t_scales != nullptr &&
-                   scratch.grad_output_scales != nullptr &&
-                   scratch.grad_output_t_scales != nullptr && scratch.grad_input != nullptr,
+                   scratch.grad_output_scales != nullptr && scratch.grad_output_t_scales != nullptr,
                "a blockwise linear needs the block-scale scratch");
     const auto floats = [](int64_t count) { return static_cast<size_t>(count); };
     weight_scales_ = std::make_unique<DeviceBuffer<float>>(floats(tile_floats(out, in)));
@@ -142,7 +156,8 @@ size_t CudaLinear::device_bytes() const {
 template <typename T>
 void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole role, uint8_t* out,
                           uint8_t* out_t, ScaleSource source, bool record_amax, cudaStream_t stream,
-                          float* scales, float* scales_t, const bf16* y, bool first_cast) {
+                          float* scales, float* scales_t, const bf16* y, bool first_cast,
+                          int64_t scale_lines_t) {
   const PhaseScope timed(StepPhase::Quantization, stream);
   const Fp8Config& config = setup_.fp8_config;
   const Fp8Format format = config.format_for(role, setup_.family);
@@ -166,7 +181,8 @@ void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole rol
       fp8t::cuda::quantize_blocks(x, rows, cols, spec, out, out != nullptr ? scales : nullptr,
                                   out_t, out_t != nullptr ? scales_t : nullptr, stream, health,
                                   fp8t::cuda::BlockScaleOrder::BlockMajor, input,
-                                  input == fp8t::cuda::CastInput::Relu2Gradient ? y : nullptr);
+                                  input == fp8t::cuda::CastInput::Relu2Gradient ? y : nullptr,
+                                  scale_lines_t);
       return;
     }
     // 128x128 grids [ceil(rows / 128), ceil(cols / 128)] and the transposed tiles', padded.
@@ -319,9 +335,7 @@ void CudaLinear::forward(const bf16* x, int64_t tokens, bf16* y, bool record_ama
     output.bias = bias_bf16_->get();
     output.bias_type = gemm::GemmType::BF16;
   }
-  // cuBLASLt's block-scaled GEMMs take no addend: the residual is added after them.
-  const bool residual_after = residual != nullptr && setup_.fp8 && blockwise();
-  if (!residual_after) output.addend = residual;
+  output.addend = residual;
   if (!setup_.fp8) {
     gemm_.bf16_gemm(gemm::Bf16Form::XWt, tokens, out, in, x, in, weight_bf16_->get(), in, output,
                     stream);
@@ -347,7 +361,6 @@ void CudaLinear::forward(const bf16* x, int64_t tokens, bf16* y, bool record_ama
       operand(weight_fp8_->get(), in, TensorRole::Weight,
               weight_scales_ ? weight_scales_->get() : nullptr),
       output, /*fast_accumulation=*/!blockwise(), stream);
-  if (residual_after) add_forward(y, y, residual, tokens * out, stream);
 }
 
 void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* dx,
@@ -421,38 +434,57 @@ void CudaLinear::backward_rows(const bf16* dy, const bf16* x, int64_t first_row,
   grad_weight.type = gemm::GemmType::F32;
   grad_weight.accumulate = true;
   const bool wgrad = dweight != nullptr;
+  const LinearSetup::WgradGroup group = setup_.wgrad_group;
+  const bool joint = wgrad && group.rows != 0;
+  // A joint weight gradient's dŷᵗ takes this layer's rows of the group's operand (in one chunk:
+  // the constructor saw to it that the scratch holds them all).
   quantize(dy, rows, out, TensorRole::GradOutput, scratch_.grad_output,
-           wgrad ? scratch_.grad_output_t : nullptr, grad_scale, record_amax, stream,
-           scratch_.grad_output_scales, scratch_.grad_output_t_scales, y);
+           wgrad ? scratch_.grad_output_t + (joint ? group.first_row * rows : 0) : nullptr,
+           grad_scale, record_amax, stream, scratch_.grad_output_scales,
+           scratch_.grad_output_t_scales + (joint ? group.first_row : 0), y, /*first_cast=*/true,
+           joint ? group.rows : 0);
   if (wgrad) cast_input_t(x, first_row, rows, stream);
   if (mx()) {
     mx_backward(rows, grad_input, wgrad ? &grad_weight : nullptr, stream);
     return;
   }
-  if (dx != nullptr) {  // dx[rows, in] = dŷ[rows, out] · (Ŵᵗ[in, out])ᵀ
-    // beta = 1 on a block-scaled GEMM is untried on sm_90: a sum of dgrads goes through the
-    // scratch and one add instead.
-    const bool through_scratch = blockwise() && accumulate_dx;
-    gemm::GemmOutput target = grad_input;
-    if (through_scratch) {
-      target.data = scratch_.grad_input;
-      target.accumulate = false;
-    }
+  if (dx != nullptr) {  // dx[rows, in] (+)= dŷ[rows, out] · (Ŵᵗ[in, out])ᵀ
     gemm_.fp8_gemm(
         rows, in, out,
         operand(scratch_.grad_output, out, TensorRole::GradOutput, scratch_.grad_output_scales),
         operand(weight_fp8_t_->get(), out, TensorRole::Weight,
                 weight_t_scales_ ? weight_t_scales_->get() : nullptr),
-        target, /*fast_accumulation=*/false, stream);
-    if (through_scratch) add_forward(dx, dx, scratch_.grad_input, rows * in, stream);
+        grad_input, /*fast_accumulation=*/false, stream);
   }
   if (!wgrad) return;
-  // dW[out, in] += dŷᵗ[out, rows] · (x̂ᵗ[in, rows])ᵀ
+  int64_t wgrad_rows = out;
+  if (joint) {
+    grad_weight.data = joint_wgrad(dweight);
+    if (grad_weight.data == nullptr) return;  // a later layer completes the group
+    wgrad_rows = group.rows;
+  }
+  // dW[out, in] += dŷᵗ[out, rows] · (x̂ᵗ[in, rows])ᵀ, out the group's rows for a joint one
   gemm_.fp8_gemm(
-      out, in, rows,
+      wgrad_rows, in, rows,
       operand(scratch_.grad_output_t, rows, TensorRole::GradOutput, scratch_.grad_output_t_scales),
       input_owner().operand(scratch_.input_t, rows, TensorRole::Input, scratch_.input_t_scales),
       grad_weight, /*fast_accumulation=*/false, stream);
+}
+
+float* CudaLinear::joint_wgrad(float* dweight) {
+  const LinearSetup::WgradGroup group = setup_.wgrad_group;
+  InputTHolder& holder = *scratch_.input_t_holder;
+  FP8T_CHECK(holder.wgrad_rows_cast == group.first_row,
+             "the layers of a joint weight gradient run their backward in order, each right "
+             "after the one before: rows {} of {} come next, rows {} came",
+             holder.wgrad_rows_cast, group.rows, group.first_row);
+  if (group.first_row == 0) holder.wgrad_output = dweight;
+  FP8T_CHECK(dweight == holder.wgrad_output + group.first_row * setup_.in_features,
+             "the weight gradients of a joint weight gradient lie back to back in memory");
+  holder.wgrad_rows_cast = group.first_row + setup_.out_features;
+  if (holder.wgrad_rows_cast < group.rows) return nullptr;
+  holder.wgrad_rows_cast = 0;
+  return holder.wgrad_output;
 }
 
 void CudaLinear::mx_backward(int64_t tokens, const gemm::GemmOutput& grad_input,
@@ -477,10 +509,10 @@ void CudaLinear::mx_backward(int64_t tokens, const gemm::GemmOutput& grad_input,
 
 template void CudaLinear::quantize<float>(const float*, int64_t, int64_t, TensorRole, uint8_t*,
                                           uint8_t*, ScaleSource, bool, cudaStream_t, float*, float*,
-                                          const bf16*, bool);
+                                          const bf16*, bool, int64_t);
 template void CudaLinear::quantize<bf16>(const bf16*, int64_t, int64_t, TensorRole, uint8_t*,
                                          uint8_t*, ScaleSource, bool, cudaStream_t, float*, float*,
-                                         const bf16*, bool);
+                                         const bf16*, bool, int64_t);
 
 }  // namespace fp8t::ops::cuda
 

@@ -54,6 +54,10 @@ struct InputTHolder {
   const CudaLinear* layer = nullptr;
   int64_t first_row = 0;
   int64_t rows = 0;
+  // A joint weight gradient (LinearSetup::wgrad_group) under way: the group's rows whose dŷᵗ is
+  // in the scratch, and the group's gradient.
+  int64_t wgrad_rows_cast = 0;
+  float* wgrad_output = nullptr;
 };
 struct Fp8Scratch {
   uint8_t* input = nullptr;  // >= max_tokens * the largest in_features
@@ -73,7 +77,7 @@ struct Fp8Scratch {
   float* input_t_scales = nullptr;
   float* grad_output_scales = nullptr;
   float* grad_output_t_scales = nullptr;
-  bf16* grad_input = nullptr;  // blockwise dgrads that add: >= max_tokens * largest in_features
+  int64_t scale_floats = 0;  // of each of the four above
   // MXFP8 only: the two operands of an emulated GEMM, dequantized to bf16; lhs >= max_tokens *
   // the largest feature count, rhs >= max_tokens * the largest in_features. The scale buffers
   // above hold E8M0 bytes.
@@ -118,6 +122,18 @@ struct LinearSetup {
   // GPT's mlp.c_fc), and backward() takes the gradient of relu(y)² with y, casting dy = 2·relu(y)·
   // d(relu(y)²) straight from the two, so dy is never stored.
   bool output_relu2 = false;
+  // Blockwise, FP8 weight gradient: the layers sharing an input (input_from) whose weight
+  // gradients lie back to back in memory, each [out, in], compute them as one GEMM of all their
+  // rows: the GPT's c_q, c_k and c_v make one of 3·1536 rows, which fills the GPU where a GEMM of
+  // 1536 x 1536 output tiles leaves it half idle in its last wave. The same numbers: 1x128 blocks
+  // along the tokens never mix the layers' rows. This layer's rows begin at first_row of the
+  // group's `rows` (0: no group); the owner of the input comes first, and the layer that
+  // completes the group runs the GEMM. Needs the backward scratch to hold every row of the group.
+  struct WgradGroup {
+    int64_t first_row = 0;
+    int64_t rows = 0;
+  };
+  WgradGroup wgrad_group;
 };
 
 class CudaLinear {
@@ -142,8 +158,7 @@ class CudaLinear {
   // y [tokens, out] = x [tokens, in]·Wᵀ (+ b), bf16, written. FP8 layers take multiples of 16
   // tokens; BF16 ones any count (the modulation linears of the Flux read one row per sample).
   // With `residual` ([tokens, out], not overlapping y, no bias): y = x·Wᵀ + residual, the sum
-  // taken in the GEMM's epilogue from its fp32 result and rounded once (blockwise: a pass of
-  // its own after the GEMM, cuBLASLt's block-scaled GEMMs taking no addend).
+  // taken in the GEMM's epilogue from its fp32 result and rounded once.
   void forward(const bf16* x, int64_t tokens, bf16* y, bool record_amax, cudaStream_t stream,
                const bf16* residual = nullptr);
 
@@ -186,14 +201,14 @@ class CudaLinear {
 
   // Quantizes x [rows, cols] for `role` into out (may be null with an out_t) and, when
   // not null, out_t [cols, rows]. Block recipes: their scales land in scales and scales_t, in
-  // the GEMMs' layouts. y: the forward's output rows beside x, for output_relu2's GradOutput.
-  // `first_cast`: false for a second cast of values already cast (x̂ᵗ in backward), which FP8
-  // health does not count again.
+  // the GEMMs' layouts (1x128 ones of out_t strided by scale_lines_t lines when not 0). y: the
+  // forward's output rows beside x, for output_relu2's GradOutput. `first_cast`: false for a second
+  // cast of values already cast (x̂ᵗ in backward), which FP8 health does not count again.
   template <typename T>
   void quantize(const T* x, int64_t rows, int64_t cols, TensorRole role, uint8_t* out,
                 uint8_t* out_t, ScaleSource source, bool record_amax, cudaStream_t stream,
                 float* scales = nullptr, float* scales_t = nullptr, const bf16* y = nullptr,
-                bool first_cast = true);
+                bool first_cast = true, int64_t scale_lines_t = 0);
   // Tensorwise: the role's scale from the amax of x [count] (measured here, or already in the
   // slot when amax_measured), on the device.
   template <typename T>
@@ -218,6 +233,9 @@ class CudaLinear {
   void backward_rows(const bf16* dy, const bf16* x, int64_t first_row, int64_t rows, bf16* dx,
                      bool accumulate_dx, float* dweight, bool record_amax, ScaleSource grad_scale,
                      cudaStream_t stream, const bf16* y);
+  // A wgrad_group layer's part of the joint weight gradient, its dŷᵗ cast: records it, and
+  // returns the group's gradient when this layer completes the group (null otherwise).
+  float* joint_wgrad(float* dweight);
   // An operand of `role`: per-tensor scales from the role's slot, block scales from `scales`.
   gemm::Fp8Operand operand(const uint8_t* data, int64_t ld, TensorRole role,
                            const float* scales = nullptr) const;
