@@ -1,5 +1,6 @@
-// Quantization kernels. Every conversion goes through fp8t::encode() and every scale through
-// the functions of scaling.h, so the bytes match the CPU reference of quantize.cpp exactly.
+// Quantization kernels. Every conversion goes through fp8t::encode() (or encode_pair(), the same
+// instruction on two values) and every scale through the functions of scaling.h, so the bytes match
+// the CPU reference of quantize.cpp exactly.
 #include "numerics/quantize_cuda.h"
 
 #include <algorithm>
@@ -497,11 +498,13 @@ __global__ void dequantize_vector_kernel(const uint2* q, int64_t groups, const f
 //    that cover the row's 128 bytes.
 //  - Columns (the transposed copy): a thread reads one 32-bit word (2 bf16 or 1 float columns)
 //    from each of 32 consecutive rows, the lanes of a warp reading consecutive words (no bank
-//    conflicts), and writes each column's 32 codes as two 16-byte stores. A 1x128 column block
-//    is four such threads: their amaxes meet in shared memory.
-// The first version staged the tile as fp32 and cast element by element with byte stores: 418 us
-// for 16384 x 6144 bf16 with the 1x128 transposed copy, against 197 us now and 131 us for the
-// per-tensor cast + transpose (docs/benchmarks.md).
+//    conflicts), keeps them in registers, and writes each column's 32 codes as two 16-byte
+//    stores. A 1x128 column block is four such threads: their amaxes meet in shared memory.
+// With the transposed copy the kernel is partly bound by its instructions, so amaxes fold two
+// bf16 per integer max and codes are converted in pairs. The first version staged the tile as
+// fp32 and cast element by element with byte stores: 418 us for 16384 x 6144 bf16 with the 1x128
+// transposed copy, against 184 us now (block-major scales) and 131 us for the per-tensor
+// cast + transpose (docs/benchmarks.md).
 constexpr int kBlockTile = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kSegmentRows = 32;  // rows of the column segment one thread casts
@@ -591,6 +594,60 @@ __device__ float word_column(uint32_t word, int k) {
   }
 }
 
+// The bits of |value| folded into `folded`, a word of T's layout (two bf16 or one float) whose
+// columns each keep their largest: one integer max for two bf16 (max.u16x2 on sm_90).
+template <typename T>
+__device__ uint32_t fold_abs_max(uint32_t folded, uint32_t word) {
+  if constexpr (std::is_same_v<T, float>) {
+    return max(folded, word & 0x7FFFFFFFu);
+  } else {
+    const uint32_t magnitudes = word & 0x7FFF7FFFu;
+#if __CUDA_ARCH__ >= 900
+    uint32_t result;
+    asm("max.u16x2 %0, %1, %2;" : "=r"(result) : "r"(folded), "r"(magnitudes));
+    return result;
+#else
+    return max(folded & 0xFFFFu, magnitudes & 0xFFFFu) |
+           max(folded & 0xFFFF0000u, magnitudes & 0xFFFF0000u);
+#endif
+  }
+}
+
+// Column k's amax of a folded word, as abs_bits() of the float it stands for: the same ordering,
+// NaN above inf.
+template <typename T>
+__device__ uint32_t folded_column_amax(uint32_t folded, int k) {
+  if constexpr (std::is_same_v<T, float>) {
+    return folded;
+  } else {
+    return (folded >> (16 * k)) << 16;
+  }
+}
+
+// The amax over every column of a folded word.
+template <typename T>
+__device__ uint32_t folded_amax(uint32_t folded) {
+  if constexpr (std::is_same_v<T, float>) {
+    return folded;
+  } else {
+    return max(folded_column_amax<T>(folded, 0), folded_column_amax<T>(folded, 1));
+  }
+}
+
+// encode() of two values, a's code in the low byte: one conversion instruction for both where
+// the hardware has it (the OCP formats), the same bits.
+template <Fp8Format kFormat>
+__device__ uint32_t encode_pair(float a, float b) {
+#if __CUDA_ARCH__ >= 890
+  if constexpr (kFormat == Fp8Format::E4M3 || kFormat == Fp8Format::E5M2) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE,
+                                    kFormat == Fp8Format::E4M3 ? __NV_E4M3 : __NV_E5M2);
+  }
+#endif
+  return uint32_t(fp8t::encode(a, kFormat, Saturation::Saturate)) |
+         uint32_t(fp8t::encode(b, kFormat, Saturation::Saturate)) << 8;
+}
+
 // Resident blocks: four (64 registers; 6-9 % faster than three at 80) where the kernel fits them
 // without spilling much; the relu² gradient's two inputs and fp32's 64 KiB tiles allow three.
 template <typename T, CastInput kInput>
@@ -627,7 +684,9 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput>))
   const int column = row_lane * kVec;  // the tile column of this thread's vectors
 
   // A group's loads are all issued before any is used (zeros outside the tensor), and staged in
-  // shared memory: the row and column passes read them from there.
+  // shared memory: the row and column passes read them from there. Only a 128x128 tile's scale
+  // needs the tile's amax.
+  const bool tile_scaling = spec.scaling == BlockScaling::Tile128x128;
   uint32_t local_amax = 0;
 #pragma unroll
   for (int group = 0; group < Shape::kPasses; group += kLoadGroup) {
@@ -660,7 +719,7 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput>))
                                                  kTwoInputs ? relu2_vectors[p].values[k] : bf16{});
           vectors[p].values[k] = float_to_bf16(value);  // exact: the value is a bf16's
         }
-        local_amax = max(local_amax, abs_bits(to_float(vectors[p].values[k])));
+        if (tile_scaling) local_amax = max(local_amax, abs_bits(to_float(vectors[p].values[k])));
       }
       const int r = first_row + (group + p) * Shape::kRowsPerPass;
       *reinterpret_cast<InputVector<T>*>(tile + r * kBlockTile + column) = vectors[p];
@@ -684,10 +743,12 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput>))
       const int r = first_row + p * Shape::kRowsPerPass;
       const InputVector<T> vector =
           *reinterpret_cast<const InputVector<T>*>(tile + r * kBlockTile + column);
-      uint32_t amax_bits_value = 0;
+      const auto* vector_words = reinterpret_cast<const uint32_t*>(vector.values);
+      uint32_t folded = 0;
 #pragma unroll
-      for (int k = 0; k < kVec; ++k)
-        amax_bits_value = max(amax_bits_value, abs_bits(to_float(vector.values[k])));
+      for (int w = 0; w < kVec / Shape::kColumnsPerWord; ++w)
+        folded = fold_abs_max<T>(folded, vector_words[w]);
+      uint32_t amax_bits_value = folded_amax<T>(folded);
       if (spec.scaling == BlockScaling::Rows1x128) {
         amax_bits_value = group_max<Shape::kRowLanes>(amax_bits_value);
       } else if (spec.scaling == BlockScaling::Mx1x32) {
@@ -698,14 +759,20 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput>))
       const BlockScaleResult result = block_scale(amax_bits_value, spec, format_maximum);
       ByteVector<kVec> codes;
 #pragma unroll
-      for (int k = 0; k < kVec; ++k) {
-        const float value = to_float(vector.values[k]);
-        const float scaled = __fmul_rn(value, result.multiplier);
-        codes.values[k] = fp8t::encode(scaled, kFormat, Saturation::Saturate);
+      for (int k = 0; k < kVec; k += 2) {
+        const float values[2] = {to_float(vector.values[k]), to_float(vector.values[k + 1])};
+        const float scaled[2] = {__fmul_rn(values[0], result.multiplier),
+                                 __fmul_rn(values[1], result.multiplier)};
+        const uint32_t pair = encode_pair<kFormat>(scaled[0], scaled[1]);
+        codes.values[k] = static_cast<uint8_t>(pair);
+        codes.values[k + 1] = static_cast<uint8_t>(pair >> 8);
         // A NaN multiplier (an MX block holding a NaN) makes every code NaN: nothing to count.
         if constexpr (kHealth) {
-          if (r < valid_rows && column + k < valid_cols && !isnan(result.multiplier))
-            count_cast<kFormat>(value, scaled, codes.values[k], counts);
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            if (r < valid_rows && column + k + i < valid_cols && !isnan(result.multiplier))
+              count_cast<kFormat>(values[i], scaled[i], codes.values[k + i], counts);
+          }
         }
       }
       if (r >= valid_rows) continue;
@@ -737,37 +804,36 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput>))
   }
   if (targets.out_t == nullptr) return;
 
-  // Columns. A 1x128 block's four segments first publish their amaxes.
+  // Columns. Each thread reads its column segments from shared memory once and folds their amaxes
+  // (a 128x128 tile has its own already); a 1x128 block's four segments first publish theirs.
   const uint32_t* words = reinterpret_cast<const uint32_t*>(tile);
-  if (spec.scaling == BlockScaling::Rows1x128) {
+  uint32_t segment_words[Shape::kSegmentsPerThread][kSegmentRows];
+  uint32_t segment_folded[Shape::kSegmentsPerThread];
 #pragma unroll
-    for (int s = 0; s < Shape::kSegmentsPerThread; ++s) {
-      const int item = threadIdx.x + s * kThreads;
-      const int word = item % Shape::kWords;
-      const int segment = item / Shape::kWords;
-      uint32_t amax_bits_value[Shape::kColumnsPerWord] = {};
-#pragma unroll
-      for (int j = 0; j < kSegmentRows; ++j) {
-        const uint32_t w = words[(segment * kSegmentRows + j) * Shape::kWords + word];
-#pragma unroll
-        for (int k = 0; k < Shape::kColumnsPerWord; ++k)
-          amax_bits_value[k] = max(amax_bits_value[k], abs_bits(word_column<T>(w, k)));
-      }
-#pragma unroll
-      for (int k = 0; k < Shape::kColumnsPerWord; ++k)
-        segment_amax[segment][word * Shape::kColumnsPerWord + k] = amax_bits_value[k];
-    }
-    __syncthreads();
-  }
-#pragma unroll 1
   for (int s = 0; s < Shape::kSegmentsPerThread; ++s) {
     const int item = threadIdx.x + s * kThreads;
     const int word = item % Shape::kWords;
     const int segment = item / Shape::kWords;
-    uint32_t segment_words[kSegmentRows];
+    segment_folded[s] = 0;
 #pragma unroll
-    for (int j = 0; j < kSegmentRows; ++j)
-      segment_words[j] = words[(segment * kSegmentRows + j) * Shape::kWords + word];
+    for (int j = 0; j < kSegmentRows; ++j) {
+      segment_words[s][j] = words[(segment * kSegmentRows + j) * Shape::kWords + word];
+      if (!tile_scaling)
+        segment_folded[s] = fold_abs_max<T>(segment_folded[s], segment_words[s][j]);
+    }
+    if (spec.scaling == BlockScaling::Rows1x128) {
+#pragma unroll
+      for (int k = 0; k < Shape::kColumnsPerWord; ++k)
+        segment_amax[segment][word * Shape::kColumnsPerWord + k] =
+            folded_column_amax<T>(segment_folded[s], k);
+    }
+  }
+  if (spec.scaling == BlockScaling::Rows1x128) __syncthreads();
+#pragma unroll
+  for (int s = 0; s < Shape::kSegmentsPerThread; ++s) {
+    const int item = threadIdx.x + s * kThreads;
+    const int word = item % Shape::kWords;
+    const int segment = item / Shape::kWords;
 #pragma unroll
     for (int k = 0; k < Shape::kColumnsPerWord; ++k) {
       const int c = word * Shape::kColumnsPerWord + k;
@@ -776,18 +842,16 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput>))
         amax_bits_value = max(max(segment_amax[0][c], segment_amax[1][c]),
                               max(segment_amax[2][c], segment_amax[3][c]));
       } else if (spec.scaling == BlockScaling::Mx1x32) {
-        amax_bits_value = 0;
-#pragma unroll
-        for (int j = 0; j < kSegmentRows; ++j)
-          amax_bits_value = max(amax_bits_value, abs_bits(word_column<T>(segment_words[j], k)));
+        amax_bits_value = folded_column_amax<T>(segment_folded[s], k);
       }
       const BlockScaleResult result = block_scale(amax_bits_value, spec, format_maximum);
       uint32_t packed[kSegmentRows / 4] = {};
 #pragma unroll
-      for (int j = 0; j < kSegmentRows; ++j) {
-        const float scaled = __fmul_rn(word_column<T>(segment_words[j], k), result.multiplier);
-        packed[j / 4] |= uint32_t(fp8t::encode(scaled, kFormat, Saturation::Saturate))
-                         << (8 * (j % 4));
+      for (int j = 0; j < kSegmentRows; j += 2) {
+        const uint32_t pair = encode_pair<kFormat>(
+            __fmul_rn(word_column<T>(segment_words[s][j], k), result.multiplier),
+            __fmul_rn(word_column<T>(segment_words[s][j + 1], k), result.multiplier));
+        packed[j / 4] |= pair << (8 * (j % 4));
       }
       if (c >= valid_cols) continue;
       const int first = segment * kSegmentRows;
