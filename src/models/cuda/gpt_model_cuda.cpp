@@ -202,7 +202,8 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
     });
     const int64_t rows = linear.out_features;  // each of the three is [rows, in]
     if (part == kParts.end() || precision_.fp8.recipe != ScalingRecipe::Blockwise ||
-        !precision_.fp8_wgrad || buffers_->fp8_scratch.backward_elements < 3 * rows * tokens_) {
+        !precision_.fp8_wgrad ||
+        !kernels::holds_wgrad_group(buffers_->fp8_scratch, tokens_, linear.in_features, 3 * rows)) {
       return group;
     }
     const std::string prefix = linear.name.substr(0, linear.name.size() - part->size());

@@ -50,6 +50,12 @@ Fp8Scratch take_fp8_scratch(DeviceArena& arena, ScalingRecipe recipe, int64_t ma
   return scratch;
 }
 
+bool holds_wgrad_group(const Fp8Scratch& scratch, int64_t max_tokens, int64_t in_features,
+                       int64_t rows) {
+  return scratch.backward_elements >= max_tokens * std::max(in_features, rows) &&
+         scratch.scale_floats >= row_block_floats(rows, max_tokens);
+}
+
 CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
                        const Fp8Scratch& scratch)
     : setup_(setup), gemm_(gemm), scratch_(scratch) {
@@ -108,8 +114,7 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
                "a [{} -> {}] linear cannot take rows {} to {} of a joint weight gradient of {} "
                "rows (the input's owner takes the first)",
                in, out, group.first_row, group.first_row + out, group.rows);
-    FP8T_CHECK(scratch.backward_elements >= setup.max_tokens * std::max(in, group.rows) &&
-                   scratch.scale_floats >= row_block_floats(group.rows, setup.max_tokens),
+    FP8T_CHECK(holds_wgrad_group(scratch, setup.max_tokens, in, group.rows),
                "a joint weight gradient of {} rows over {} tokens needs more backward scratch "
                "than {} elements",
                group.rows, setup.max_tokens, scratch.backward_elements);

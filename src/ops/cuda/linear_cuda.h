@@ -92,6 +92,11 @@ struct Fp8Scratch {
 Fp8Scratch take_fp8_scratch(DeviceArena& arena, ScalingRecipe recipe, int64_t max_tokens,
                             int64_t max_in, int64_t max_out, int64_t backward_width);
 
+// Whether `scratch` holds a joint weight gradient (LinearSetup::wgrad_group) of `rows` rows over
+// max_tokens tokens, for layers of in_features inputs: their x̂ᵗ and every row's dŷᵗ and scales.
+bool holds_wgrad_group(const Fp8Scratch& scratch, int64_t max_tokens, int64_t in_features,
+                       int64_t rows);
+
 struct LinearSetup {
   int64_t in_features = 0;
   int64_t out_features = 0;
