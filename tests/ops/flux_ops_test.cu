@@ -3,7 +3,8 @@
 // the same bf16-rounded inputs where the GPU fuses them. Outputs a launcher writes start as NaN
 // and outputs it adds to start from random values; rows and columns outside a strided or joint
 // view must keep their bits. Sums over tokens are bounded relative to the sum of their terms'
-// magnitudes and must repeat bit for bit. Failures name the op, the shape and the case; the
+// magnitudes and must repeat bit for bit. FP8 casts fused into the LayerNorm match the CPU's
+// quantization of its output bit for bit. Failures name the op, the shape and the case; the
 // trace gives the seed to replay (FP8T_TEST_SEED). FP8T_TEST_VERBOSE=1 prints every comparison.
 #include <gtest/gtest.h>
 
@@ -21,6 +22,8 @@
 #include "core/error.h"
 #include "models/flux_objective.h"
 #include "numerics/float_bits.h"
+#include "numerics/quantize.h"
+#include "numerics/scaling.h"
 #include "numerics/test_util.h"
 #include "ops/cuda/flux_ops.h"
 #include "ops/cuda/ops_cuda.h"
@@ -218,6 +221,71 @@ TEST_F(FluxOpsCuda, LayerNormModulateMatchesCpu) {
                  "layernorm_modulate_forward normed, " + shape);
     expect_close(widen(gpu_rstd), cpu_rstd, kFp32Tolerance,
                  "layernorm_modulate_forward rstd, " + shape);
+
+    // The FP8 casts fused into it: the same output, and the bytes and amax of the CPU's
+    // quantize() of that output, or the bytes and block-major scales of its 1x128
+    // quantize_blocks(); refused off the vector path (and for blocks, unless dim is a multiple of
+    // 128).
+    const std::vector<bf16> gpu_out = out.download();
+    const bool vector = c.dim % 8 == 0 && c.offset == 0;
+    const auto fused_forward = [&](const ops::cuda::FusedCast& cast, Device<bf16>& fused_out) {
+      ops::cuda::layernorm_modulate_forward(
+          fused_out.get(), normed.get(), rstd.get(), device_x.get() + c.x_first * c.dim,
+          device_mod.get(), device_mod.get() + c.dim, mod_stride(c), s, stream_, cast);
+    };
+    {
+      const Fp8Format format = Fp8Format::E4M3;
+      const float scale =
+          fp8t::scale_from_amax(amax(gpu_out.data(), int64_t(n)), format_max(format), false, 0.0f) *
+          0.5f;  // some values saturate
+      const Device<float> device_scale(std::vector<float>{scale});
+      Device<float> device_amax(std::vector<float>{0.0f});
+      Device<uint8_t> codes(n);
+      Device<bf16> fused_out(n, c.offset);
+      codes.poison_nan();
+      fused_out.poison_nan();
+      const ops::cuda::FusedCast cast{device_scale.get(), format, codes.get(), device_amax.get()};
+      if (!vector) {
+        EXPECT_THROW(fused_forward(cast, fused_out), Error) << "a fused cast, " << shape;
+      } else {
+        fused_forward(cast, fused_out);
+        expect_bitwise_equal(fused_out.download(), gpu_out, "fused cast out, " + shape);
+        std::vector<uint8_t> expected(n);
+        float expected_amax = 0.0f;
+        quantize(gpu_out.data(), int64_t(n), scale, format, expected.data(), &expected_amax);
+        expect_bitwise_equal(codes.download(), expected, "fused cast codes, " + shape);
+        expect_bitwise_equal(device_amax.download(), std::vector<float>{expected_amax},
+                             "fused cast amax, " + shape);
+      }
+    }
+    {
+      const int64_t blocks = (c.dim + 127) / 128;
+      Device<uint8_t> codes(n);
+      Device<float> scales(static_cast<size_t>(blocks * rows));
+      Device<bf16> fused_out(n, c.offset);
+      codes.poison_nan();
+      scales.poison_nan();
+      fused_out.poison_nan();
+      ops::cuda::FusedCast cast;
+      cast.out = codes.get();
+      cast.block_scales = scales.get();
+      if (!vector || c.dim % 128 != 0) {
+        EXPECT_THROW(fused_forward(cast, fused_out), Error) << "a fused block cast, " << shape;
+      } else {
+        fused_forward(cast, fused_out);
+        expect_bitwise_equal(fused_out.download(), gpu_out, "fused block cast out, " + shape);
+        const BlockQuantization spec{BlockScaling::Rows1x128, cast.format, cast.power_of_2_scales,
+                                     cast.amax_epsilon};
+        std::vector<uint8_t> expected(n);
+        std::vector<float> grid(static_cast<size_t>(blocks * rows)), block_major(grid.size());
+        quantize_blocks(gpu_out.data(), rows, c.dim, spec, expected.data(), grid.data());
+        for (int64_t r = 0; r < rows; ++r)
+          for (int64_t b = 0; b < blocks; ++b)
+            block_major[size_t(b * rows + r)] = grid[size_t(r * blocks + b)];
+        expect_bitwise_equal(codes.download(), expected, "fused block cast codes, " + shape);
+        expect_bitwise_equal(scales.download(), block_major, "fused block cast scales, " + shape);
+      }
+    }
 
     // The backward from the GPU forward's normed and rstd: the CPU's modulate backward, then its
     // LayerNorm backward.

@@ -3,7 +3,8 @@
 // GEMM row under the same scales), dW up to the order of its fp32 sums, for every recipe and for
 // the relu² input; the backward through relu² against relu2_backward and the plain backward;
 // and the forward's residual; the joint weight gradient of layers sharing an input against
-// separate ones. The models' GPU tests compare the whole-layer path with the CPU.
+// separate ones; the input cast fused into the norm before against the layer's own. The models'
+// GPU tests compare the whole-layer path with the CPU.
 #include <gtest/gtest.h>
 
 #include <memory>
@@ -67,6 +68,14 @@ struct LinearUnderTest {
     setup.input_relu2 = relu2;
     setup.output_relu2 = output_relu2;
     layer = std::make_unique<kernels::CudaLinear>(setup, gemm, scratch);
+  }
+
+  // The scaling floats as they are now (synchronizes).
+  std::vector<float> scaling_floats() const {
+    std::vector<float> floats(kernels::kLinearScalingFloats);
+    FP8T_CUDA_CHECK(
+        cudaMemcpy(floats.data(), scaling, floats.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    return floats;
   }
 };
 
@@ -147,9 +156,7 @@ TEST_F(LinearCuda, BackwardThroughRelu2MatchesRelu2BackwardThenBackward) {
         FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
         dx[fused] = step.dx.download();
         dweight[fused] = step.dweight.download();
-        scaling[fused].resize(kernels::kLinearScalingFloats);
-        FP8T_CUDA_CHECK(cudaMemcpy(scaling[fused].data(), linear.scaling,
-                                   scaling[fused].size() * sizeof(float), cudaMemcpyDeviceToHost));
+        scaling[fused] = linear.scaling_floats();
       }
       expect_bitwise_equal(dx[1], dx[0], name + " dx");
       expect_bitwise_equal(dweight[1], dweight[0], name + " dW");
@@ -192,6 +199,51 @@ TEST_F(LinearCuda, ForwardAddsTheResidual) {
                  name + " y + residual");
     expect_bitwise_equal(residual.download(), residual_values, name + " residual");
   }
+}
+
+// The cast an RMSNorm does for the layer after it (fused_input_cast) against the layer's own cast
+// of the norm's output: the same output y and scaling floats bit for bit, for every recipe that
+// fuses it, and then the same backward (which casts x̂ᵗ from that output itself).
+TEST_F(LinearCuda, NormFusedInputCastMatchesTheLayersOwnCast) {
+  SCOPED_TRACE(rng_.trace());
+  for (ScalingRecipe recipe :
+       {ScalingRecipe::Tensorwise, ScalingRecipe::Delayed, ScalingRecipe::Blockwise}) {
+    const std::string name(recipe_name(recipe));
+    std::vector<bf16> y[2], dx[2];
+    std::vector<float> dweight[2], scaling[2];
+    for (int fused : {0, 1}) {
+      LinearUnderTest linear(recipe, false, kOut, gemm_);
+      Device<bf16> normed(size_t(kTokens * kIn));
+      Device<float> rstd{size_t(kTokens)};
+      Device<bf16> output(size_t(kTokens * kOut)), dx_out(size_t(kTokens * kIn));
+      Device<float> dweight_out(std::vector<float>(size_t(kIn * kOut), 0.0f));
+      output.poison_nan();
+      dx_out.poison_nan();
+      linear.layer->prepare_weight(weight_.get(), /*record_amax=*/true, stream_);
+      const kernels::FusedCast cast =
+          fused == 1 ? linear.layer->fused_input_cast(/*record_amax=*/true, stream_)
+                     : kernels::FusedCast{};
+      EXPECT_EQ(fused == 1, cast.out != nullptr || cast.amax != nullptr)
+          << name << ": the norm's share of the cast";
+      kernels::rmsnorm_forward(normed.get(), rstd.get(), x_.get(), kTokens, kIn, 1e-6f, stream_,
+                               cast);
+      linear.layer->forward(normed.get(), kTokens, output.get(), /*record_amax=*/true, stream_);
+      linear.layer->backward(dy_.get(), normed.get(), kTokens, dx_out.get(), false,
+                             dweight_out.get(), /*record_amax=*/true, stream_);
+      FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      y[fused] = output.download();
+      dx[fused] = dx_out.download();
+      dweight[fused] = dweight_out.download();
+      scaling[fused] = linear.scaling_floats();
+    }
+    expect_bitwise_equal(y[1], y[0], name + " y");
+    expect_bitwise_equal(scaling[1], scaling[0], name + " scaling floats");
+    expect_bitwise_equal(dx[1], dx[0], name + " dx");
+    expect_bitwise_equal(dweight[1], dweight[0], name + " dW");
+  }
+  LinearUnderTest mx(ScalingRecipe::Mxfp8, false, kOut, gemm_);
+  const kernels::FusedCast none = mx.layer->fused_input_cast(true, stream_);
+  EXPECT_TRUE(none.out == nullptr && none.amax == nullptr) << "MXFP8 casts its input itself";
 }
 
 // Three blockwise layers reading one input (the GPT's c_q, c_k, c_v), their weight gradients back

@@ -1,7 +1,8 @@
 // The GPU ops (ops/cuda/ops_cuda.h) against the CPU ops (src/ops), which run in double on the
 // same bf16-rounded inputs. Each comparison takes ‖gpu − cpu‖ / ‖cpu‖ against a per-dtype
 // tolerance and also bounds every element (so that one wrong row cannot hide in a norm);
-// outputs a launcher writes are poisoned with NaN first, so an element it skips fails. Every
+// outputs a launcher writes are poisoned with NaN first, so an element it skips fails. Casts fused
+// into a kernel match the quantization of its output bit for bit. Every
 // failure names the op, the shape and the case, and the trace gives the seed to replay
 // (FP8T_TEST_SEED). FP8T_TEST_VERBOSE=1 prints every comparison's error.
 #include <gtest/gtest.h>
@@ -19,6 +20,7 @@
 
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
+#include "core/error.h"
 #include "numerics/float_bits.h"
 #include "numerics/quantize.h"
 #include "numerics/scaling.h"
@@ -90,6 +92,11 @@ TEST_F(OpsCuda, RmsNormMatchesCpu) {
       for (int64_t i = 0; i < c.dim; ++i)
         x[r * c.dim + i] =
             float_to_bf16(bf16_to_float(x[r * c.dim + i]) * std::ldexp(1.0f, int(r % 7) - 3));
+    // A zero block in a row that has others (a block cast's amax 0), and blocks of different
+    // scales within rows.
+    if (c.rows > 1 && c.dim >= 256) std::fill_n(x.begin() + c.dim, 128, bf16{});
+    for (int64_t i = 0; i < int64_t(n); ++i)
+      if ((i % c.dim) / 128 % 3 == 2) x[i] = float_to_bf16(bf16_to_float(x[i]) * 1e-3f);
 
     Device<bf16> device_x(x, c.offset);
     Device<bf16> out(n, c.offset);
@@ -147,6 +154,56 @@ TEST_F(OpsCuda, RmsNormMatchesCpu) {
                                  kEps, stream_, {nullptr, format, nullptr, amax_only.get()});
       expect_bitwise_equal(amax_only.download(), std::vector<float>{expected_amax},
                            where + " amax only");
+    }
+
+    // The fused block cast (blockwise): the bytes and scales of the CPU's 1x128 quantize_blocks()
+    // of that output, the scales block-major.
+    if (c.dim % 128 == 0 && c.offset == 0) {
+      for (Fp8Format format : {Fp8Format::E4M3, Fp8Format::E5M2}) {
+        for (bool power_of_2 : {true, false}) {
+          const std::string where =
+              fmt::format("rmsnorm_forward {} block cast{}, {}", format_name(format),
+                          power_of_2 ? " (power-of-2 scales)" : "", shape);
+          const int64_t blocks = c.dim / 128;
+          const auto scale_count = static_cast<size_t>(blocks * c.rows);
+          Device<bf16> fused_out(n);
+          Device<float> fused_rstd(static_cast<size_t>(c.rows));
+          Device<uint8_t> codes(n);
+          Device<float> scales(scale_count);
+          fused_out.poison_nan();
+          fused_rstd.poison_nan();
+          codes.poison_nan();
+          scales.poison_nan();
+          ops::cuda::FusedCast cast;
+          cast.format = format;
+          cast.out = codes.get();
+          cast.block_scales = scales.get();
+          cast.power_of_2_scales = power_of_2;
+          cast.amax_epsilon = power_of_2 ? 0.0f : 1e-6f;
+          ops::cuda::rmsnorm_forward(fused_out.get(), fused_rstd.get(), fresh_x.get(), c.rows,
+                                     c.dim, kEps, stream_, cast);
+          expect_bitwise_equal(fused_out.download(), gpu_out, where + " out");
+          expect_bitwise_equal(fused_rstd.download(), gpu_rstd, where + " rstd");
+          const BlockQuantization spec{BlockScaling::Rows1x128, format, power_of_2,
+                                       cast.amax_epsilon};
+          std::vector<uint8_t> expected(n);
+          std::vector<float> grid(scale_count), block_major(scale_count);
+          quantize_blocks(gpu_out.data(), c.rows, c.dim, spec, expected.data(), grid.data());
+          for (int64_t r = 0; r < c.rows; ++r)
+            for (int64_t b = 0; b < blocks; ++b)
+              block_major[size_t(b * c.rows + r)] = grid[size_t(r * blocks + b)];
+          expect_bitwise_equal(codes.download(), expected, where + " codes");
+          expect_bitwise_equal(scales.download(), block_major, where + " scales");
+        }
+      }
+    } else {
+      ops::cuda::FusedCast cast;
+      cast.out = reinterpret_cast<uint8_t*>(out.get());
+      cast.block_scales = rstd.get();
+      EXPECT_THROW(ops::cuda::rmsnorm_forward(out.get(), rstd.get(), fresh_x.get(), c.rows, c.dim,
+                                              kEps, stream_, cast),
+                   Error)
+          << "a block cast of " << shape;
     }
 
     // Backward from the GPU forward's output and rstd.

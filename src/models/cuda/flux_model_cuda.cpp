@@ -492,6 +492,10 @@ void CudaFluxModel::linear_forward(const std::string& name, const bf16* x, int64
   linear(name).layer->forward(x, rows, y, training_ && !rerunning_, stream_);
 }
 
+kernels::FusedCast CudaFluxModel::fused_input_cast(const std::string& name) {
+  return linear(name).layer->fused_input_cast(training_ && !rerunning_, stream_);
+}
+
 void CudaFluxModel::linear_backward(const std::string& name, const bf16* dy, const bf16* x,
                                     int64_t rows, bf16* dx, bool accumulate_dx) {
   Linear& layer = linear(name);
@@ -658,7 +662,8 @@ void CudaFluxModel::double_block_forward(int block) {
     const kernels::StreamShape shape{B, p.tokens, C, p.tokens};
     linear_forward(stream + "_mod.lin", b.vec_act, B, p.saved.mod);
     kernels::layernorm_modulate_forward(p.saved.modulated1, p.saved.norm1, p.saved.rstd1, p.x,
-                                        p.saved.mod, p.saved.mod + C, 6 * C, shape, stream_);
+                                        p.saved.mod, p.saved.mod + C, 6 * C, shape, stream_,
+                                        fused_input_cast(stream + "_attn.qkv"));
     linear_forward(stream + "_attn.qkv", p.saved.modulated1, B * p.tokens, b.qkv);
     stream_into_joint(saved.attention, stream + "_attn.norm", b.qkv, 3 * C, p.first, p.tokens);
   }
@@ -673,7 +678,8 @@ void CudaFluxModel::double_block_forward(int block) {
     linear_forward(stream + "_attn.proj", s.attn, rows, s.proj);
     kernels::gated_residual_forward(p.x, s.proj, s.mod + 2 * C, 6 * C, shape, stream_);
     kernels::layernorm_modulate_forward(s.modulated2, s.norm2, s.rstd2, p.x, s.mod + 3 * C,
-                                        s.mod + 4 * C, 6 * C, shape, stream_);
+                                        s.mod + 4 * C, 6 * C, shape, stream_,
+                                        fused_input_cast(stream + "_mlp.0"));
     linear_forward(stream + "_mlp.0", s.modulated2, rows, s.mlp_hidden);
     kernels::gelu_tanh_forward(s.mlp_act, M, s.mlp_hidden, M, rows, M, stream_);
     linear_forward(stream + "_mlp.2", s.mlp_act, rows, s.mlp_out);
@@ -690,7 +696,7 @@ void CudaFluxModel::single_block_forward(int block) {
   const kernels::StreamShape shape{B, tokens_, C, tokens_};
   linear_forward(prefix + ".modulation.lin", b.vec_act, B, s.mod);
   kernels::layernorm_modulate_forward(s.modulated, s.normed, s.rstd, b.x_joint, s.mod, s.mod + C,
-                                      3 * C, shape, stream_);
+                                      3 * C, shape, stream_, fused_input_cast(prefix + ".linear1"));
   linear_forward(prefix + ".linear1", s.modulated, N, s.linear1_out);
   stream_into_joint(s.attention, prefix + ".norm", s.linear1_out, width1, 0, tokens_);
   AttentionSaved& a = s.attention;
@@ -737,7 +743,7 @@ void CudaFluxModel::forward(const FluxInputs& inputs, const float* target, bool 
   const kernels::StreamShape image{B, Li, C, tokens_};
   kernels::layernorm_modulate_forward(b.final_modulated, b.final_normed, b.final_rstd,
                                       b.x_joint + Lt * C, b.final_mod, b.final_mod + C, 2 * C,
-                                      image, stream_);
+                                      image, stream_, fused_input_cast("final_layer.linear"));
   linear_forward("final_layer.linear", b.final_modulated, B * Li, b.prediction);
   const int64_t count = B * Li * config_.in_channels;
   kernels::flow_mse_forward_backward(b.loss, b.dpred, b.prediction, b.target, count, grad_scale,

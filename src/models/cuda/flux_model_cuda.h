@@ -35,6 +35,9 @@ namespace fp8t {
 namespace gemm {
 class CublasLtGemm;
 }
+namespace ops::cuda {
+struct FusedCast;
+}
 
 // Device bytes per category, for the plan printed before step 1.
 struct CudaFluxMemory {
@@ -122,6 +125,8 @@ class CudaFluxModel {
   float* gradient(const std::string& name) const;
   // Forward and backward pieces, in the order of BFL's Flux.forward.
   void linear_forward(const std::string& name, const bf16* x, int64_t rows, bf16* y);
+  // The input cast the modulated LayerNorm before linear `name` does for it (its next forward).
+  ops::cuda::FusedCast fused_input_cast(const std::string& name);
   // dx (bf16; written, or added to when accumulate_dx; null: none), dW and db (added).
   void linear_backward(const std::string& name, const bf16* dy, const bf16* x, int64_t rows,
                        bf16* dx, bool accumulate_dx);

@@ -223,13 +223,18 @@ int norm_threads(int64_t dim) {
   return static_cast<int>(ceil_div(ceil_div(dim, kChunk), kWarpSize) * kWarpSize);
 }
 
-template <bool kVector>
+// kCast: the FusedCast of out (vector path only), from its values as stored; kBlocks: with 1x128
+// block scales.
+template <bool kVector, bool kCast = false, bool kBlocks = false>
 __global__ void __launch_bounds__(kMaxThreads)
     layernorm_modulate_forward_kernel(bf16* __restrict__ out, bf16* __restrict__ normed,
                                       float* __restrict__ rstd, const bf16* __restrict__ x,
                                       const bf16* __restrict__ shift,
                                       const bf16* __restrict__ scale, int64_t mod_stride,
-                                      StreamShape shape) {
+                                      StreamShape shape, FusedCast cast) {
+  static_assert(!kCast || kVector, "fused casts take the vector path");
+  static_assert(!kBlocks || kCast, "block scales are a fused cast's");
+  device::FusedCastState fp8(cast);
   const int64_t dim = shape.dim;
   const int64_t i = int64_t(threadIdx.x) * kChunk;
   const bool owner = i < dim;
@@ -265,6 +270,18 @@ __global__ void __launch_bounds__(kMaxThreads)
     }
     store_chunk<kVector>(normed + row * dim, i, dim, v);
     store_chunk<kVector>(out + row * dim, i, dim, shift_v);
+    if constexpr (kCast) {
+#pragma unroll
+      for (int k = 0; k < kChunk; ++k)
+        shift_v[k] = to_f32(to_bf16(shift_v[k]));  // the values as stored
+      uint8_t codes[kChunk];
+      fp8.encode<kBlocks>(shift_v, codes, row, shape.batch * shape.tokens, i);
+      if (cast.out != nullptr)
+        *reinterpret_cast<uint2*>(cast.out + row * dim + i) = *reinterpret_cast<uint2*>(codes);
+    }
+  }
+  if constexpr (kCast && !kBlocks) {
+    if (cast.amax != nullptr) fp8.publish();
   }
 }
 
@@ -841,21 +858,39 @@ int64_t flux_max_batch(int64_t dim) {
 
 void layernorm_modulate_forward(bf16* out, bf16* normed, float* rstd, const bf16* x,
                                 const bf16* shift, const bf16* scale, int64_t mod_stride,
-                                const StreamShape& shape, cudaStream_t stream) {
+                                const StreamShape& shape, cudaStream_t stream,
+                                const FusedCast& cast) {
   check_stream_shape(shape);
   check_norm_dim(shape.dim);
   check_stride("mod_stride", mod_stride, shape.dim);
   const int64_t rows = shape.batch * shape.tokens;
   check_pointers(rows, {out, normed, rstd, x, shift, scale});
+  const bool fused = cast.out != nullptr || cast.amax != nullptr;
+  const bool blocks = cast.block_scales != nullptr;
+  FP8T_CHECK(cast.out == nullptr || cast.scale != nullptr || blocks,
+             "an FP8 output needs its scale");
+  FP8T_CHECK(!blocks || (cast.out != nullptr && cast.scale == nullptr && cast.amax == nullptr),
+             "a block-scaled fused cast needs its output and takes no per-tensor scale or amax");
+  FP8T_CHECK(cast.format != Fp8Format::E8M0, "expected an FP8 data format, found e8m0");
   if (rows == 0) return;
   const int threads = norm_threads(shape.dim);
   const bool vectorized = shape.dim % kChunk == 0 && mod_stride % kChunk == 0 &&
-                          all_aligned({out, normed, x, shift, scale});
-  const auto kernel = vectorized ? layernorm_modulate_forward_kernel<true>
-                                 : layernorm_modulate_forward_kernel<false>;
+                          all_aligned({out, normed, x, shift, scale}) &&
+                          reinterpret_cast<uintptr_t>(cast.out) % kChunk == 0;
+  FP8T_CHECK(!fused || (vectorized && (!blocks || shape.dim % 128 == 0)),
+             "a fused cast needs a dim that is a multiple of {} and 16-byte aligned rows, found "
+             "dim {}",
+             blocks ? 128 : kChunk, shape.dim);
+  auto kernel = vectorized ? layernorm_modulate_forward_kernel<true>
+                           : layernorm_modulate_forward_kernel<false>;
+  if (blocks) {
+    kernel = layernorm_modulate_forward_kernel<true, true, true>;
+  } else if (fused) {
+    kernel = layernorm_modulate_forward_kernel<true, true>;
+  }
   // A block per row, up to the 32 blocks an SM can hold at once.
   const unsigned grid = device::grid_size(rows, 32);
-  kernel<<<grid, threads, 0, stream>>>(out, normed, rstd, x, shift, scale, mod_stride, shape);
+  kernel<<<grid, threads, 0, stream>>>(out, normed, rstd, x, shift, scale, mod_stride, shape, cast);
   FP8T_CUDA_CHECK_LAUNCH();
 }
 

@@ -48,9 +48,13 @@ struct StreamShape {
 
 // normed = LN(x) (saved for the backward, bf16), rstd [batch * tokens], and
 // out = normed · (1 + scale[b]) + shift[b], from the fp32 values (normed is not rounded first).
+// `cast` (ops_cuda.h): the FP8 copy and/or the amax of out in the same pass (the input of an FP8
+// linear), rows counted over batch · tokens; it needs dim a multiple of 8 (of 128 for block
+// scales) and 16-byte aligned rows.
 void layernorm_modulate_forward(bf16* out, bf16* normed, float* rstd, const bf16* x,
                                 const bf16* shift, const bf16* scale, int64_t mod_stride,
-                                const StreamShape& shape, cudaStream_t stream);
+                                const StreamShape& shape, cudaStream_t stream,
+                                const FusedCast& cast = {});
 
 // With d = dout · (1 + scale[b]):  dx (store) = rstd · (d − mean(d) − normed · mean(d · normed)),
 // dscale[b] += Σ_tokens dout · normed, dshift[b] += Σ_tokens dout (fp32 rows of stride

@@ -237,13 +237,20 @@ void CudaLinear::tensorwise_scale(const T* x, int64_t count, TensorRole role, bo
 
 FusedCast CudaLinear::fused_input_cast(bool record_amax, cudaStream_t stream) {
   FusedCast cast;
-  if (!setup_.fp8 || blockwise() || mx() || setup_.input_from != nullptr || setup_.input_relu2 ||
-      record_health_) {
+  if (!setup_.fp8 || mx() || setup_.input_from != nullptr || setup_.input_relu2 || record_health_ ||
+      (blockwise() && setup_.in_features % kScaleBlock != 0)) {
     return cast;
   }
-  cast.format = setup_.fp8_config.format_for(TensorRole::Input, setup_.family);
+  const Fp8Config& config = setup_.fp8_config;
+  cast.format = config.format_for(TensorRole::Input, setup_.family);
   float* amax = slot(TensorRole::Input, kAmaxSlot);
-  if (setup_.fp8_config.recipe == ScalingRecipe::Tensorwise) {
+  if (blockwise()) {
+    cast.out = scratch_.input;
+    cast.block_scales = scratch_.input_scales;
+    cast.power_of_2_scales = config.use_power_of_2_scales();
+    cast.amax_epsilon = config.amax_epsilon;
+    input_cast_ = InputCast::CastDone;
+  } else if (config.recipe == ScalingRecipe::Tensorwise) {
     FP8T_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
     cast.amax = amax;
     input_cast_ = InputCast::AmaxDone;

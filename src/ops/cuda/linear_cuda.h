@@ -154,10 +154,11 @@ class CudaLinear {
   void prepare_weight(const float* weight, bool record_amax, cudaStream_t stream,
                       const float* bias = nullptr);
 
-  // The cast the kernel producing this layer's next input can do for it, in the same pass
-  // (per-tensor FP8 recipes): delayed, the whole cast (x̂ and the amax); tensorwise, the amax,
-  // the scale depending on it. The next forward() does the rest. Empty (no fused work) for
-  // layers that cast their input themselves: BF16, block recipes, shared or relu² inputs.
+  // The cast the kernel producing this layer's next input can do for it, in the same pass:
+  // delayed, the whole cast (x̂ and the amax); tensorwise, the amax, the scale depending on it;
+  // blockwise, x̂ and its 1x128 block scales. The next forward() does the rest. Empty (no fused
+  // work) for layers that cast their input themselves: BF16, MXFP8, blockwise layers whose
+  // in_features are no multiple of 128, shared or relu² inputs.
   FusedCast fused_input_cast(bool record_amax, cudaStream_t stream);
 
   // y [tokens, out] = x [tokens, in]·Wᵀ (+ b), bf16, written. FP8 layers take multiples of 16

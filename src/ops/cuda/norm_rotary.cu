@@ -30,47 +30,16 @@ constexpr int kBlocksPerSm = 8;  // 2048 resident threads per SM
 
 // --- RMSNorm: a warp per row; the vector path needs dim % 8 == 0 and 16-byte aligned rows. ---
 
-// The FP8 side of a fused cast, per thread: the amax of the values seen, and their codes.
-struct CastState {
-  FusedCast cast;
-  float scale = 1.0f;
-  uint32_t amax_bits = 0;
-
-  // Folds the bf16-rounded values into the amax and, with an output, returns their codes.
-  template <int kWidth>
-  __device__ void encode(const float (&rounded)[kWidth], uint8_t (&codes)[kWidth]) {
-#pragma unroll
-    for (int k = 0; k < kWidth; ++k) {
-      amax_bits = max(amax_bits, abs_bits(rounded[k]));
-      codes[k] = fp8t::encode(__fmul_rn(rounded[k], scale), cast.format, Saturation::Saturate);
-    }
-  }
-  // One atomic per block; call from every thread of the block.
-  __device__ void publish() {
-    __shared__ uint32_t warp_max[kWarps];
-    const uint32_t warp = __reduce_max_sync(device::kFullMask, amax_bits);
-    if (threadIdx.x % kWarpSize == 0) warp_max[threadIdx.x / kWarpSize] = warp;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      uint32_t block = 0;
-      for (int w = 0; w < kWarps; ++w)
-        block = max(block, warp_max[w]);
-      atomicMax(reinterpret_cast<unsigned int*>(cast.amax), block);
-    }
-  }
-};
-
-// kCast: the FusedCast of out, from the values as stored (rounded to bf16).
-template <bool kVector, bool kCast>
+// kCast: the FusedCast of out, from the values as stored (rounded to bf16); kBlocks: with 1x128
+// block scales (vector path only, dim a multiple of 128).
+template <bool kVector, bool kCast, bool kBlocks = false>
 __global__ void __launch_bounds__(kThreads)
     rmsnorm_forward_kernel(bf16* out, float* rstd, const bf16* inp, int64_t rows, int64_t dim,
                            float eps, FusedCast cast) {
+  static_assert(!kBlocks || (kVector && kCast), "block scales take the vector path's casts");
   const int lane = threadIdx.x % kWarpSize;
   const int64_t row_stride = int64_t(gridDim.x) * kWarps;
-  CastState fp8{cast};
-  if constexpr (kCast) {
-    if (cast.out != nullptr) fp8.scale = *cast.scale;
-  }
+  device::FusedCastState fp8(cast);
   // Not __restrict__: out may be inp. Each lane reads an element before writing it.
   for (int64_t row = int64_t(blockIdx.x) * kWarps + threadIdx.x / kWarpSize; row < rows;
        row += row_stride) {
@@ -106,7 +75,7 @@ __global__ void __launch_bounds__(kThreads)
           for (int k = 0; k < kBf16Vector; ++k)
             v[k] = to_f32(to_bf16(v[k]));  // the values as stored
           uint8_t codes[kBf16Vector];
-          fp8.encode(v, codes);
+          fp8.encode<kBlocks>(v, codes, row, rows, i);
           if (cast.out != nullptr)
             *reinterpret_cast<uint2*>(cast.out + row * dim + i) = *reinterpret_cast<uint2*>(codes);
         }
@@ -125,7 +94,7 @@ __global__ void __launch_bounds__(kThreads)
     }
     if (lane == 0) rstd[row] = row_rstd;
   }
-  if constexpr (kCast) {
+  if constexpr (kCast && !kBlocks) {
     if (cast.amax != nullptr) fp8.publish();
   }
 }
@@ -485,18 +454,28 @@ void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, int64_t rows, int6
                      cudaStream_t stream, const FusedCast& cast) {
   check_rmsnorm_args(rows, dim, out, rstd, inp);
   FP8T_CHECK(eps >= 0.0f, "expected eps >= 0, found {}", eps);
-  FP8T_CHECK(cast.out == nullptr || cast.scale != nullptr, "an FP8 output needs its scale");
+  const bool blocks = cast.block_scales != nullptr;
+  FP8T_CHECK(cast.out == nullptr || cast.scale != nullptr || blocks,
+             "an FP8 output needs its scale");
   FP8T_CHECK(cast.format != Fp8Format::E8M0, "expected an FP8 data format, found e8m0");
+  FP8T_CHECK(!blocks || (cast.out != nullptr && cast.scale == nullptr && cast.amax == nullptr),
+             "a block-scaled fused cast needs its output and takes no per-tensor scale or amax");
   if (rows == 0) return;
   const unsigned grid = warp_per_row_grid(rows);
   const bool fused = cast.out != nullptr || cast.amax != nullptr;
   // The vector path stores 8 codes at once.
   const bool vector = dim % kBf16Vector == 0 && device::aligned16(out) && device::aligned16(inp) &&
                       reinterpret_cast<uintptr_t>(cast.out) % kBf16Vector == 0;
+  FP8T_CHECK(!blocks || (vector && dim % 128 == 0),
+             "a block-scaled fused cast needs a dim that is a multiple of 128 and 16-byte aligned "
+             "rows, found dim {}",
+             dim);
   const auto launch = [&](auto kernel) {
     kernel<<<grid, kThreads, 0, stream>>>(out, rstd, inp, rows, dim, eps, cast);
   };
-  if (vector) {
+  if (blocks) {
+    launch(rmsnorm_forward_kernel<true, true, true>);
+  } else if (vector) {
     fused ? launch(rmsnorm_forward_kernel<true, true>)
           : launch(rmsnorm_forward_kernel<true, false>);
   } else {

@@ -35,16 +35,25 @@ enum class GradStore : uint8_t { Write, Add };
 // stores: out = encode_saturating(value * *scale) when out is set (the bytes of
 // numerics/quantize_cuda.h's quantize), and *amax = max(*amax, max |value|) when amax is set
 // (amax bit patterns, as there). The default does neither.
+//
+// With block_scales (blockwise: out set, scale and amax null), each 1x128 block of a row takes
+// the scale of its own amax instead, and its inverse lands at block_scales[block * rows + row]:
+// the bytes and block-major scales of quantize_blocks() with Rows1x128, which the block-scaled
+// GEMMs read.
 struct FusedCast {
   const float* scale = nullptr;
   Fp8Format format = Fp8Format::E4M3;
   uint8_t* out = nullptr;  // [rows, dim] like the bf16 output
   float* amax = nullptr;
+  float* block_scales = nullptr;  // [dim / 128, rows]
+  bool power_of_2_scales = true;  // of the block scales, as BlockQuantization's
+  float amax_epsilon = 0.0f;
 };
 
 // out = inp * rstd, rstd = 1 / sqrt(mean(inp^2) + eps) (writes out and rstd [rows]). eps as the
 // CPU op's: ops::kRmsNormEps, the float machine epsilon. out may be inp (in place). `cast`: the
-// FP8 copy and/or the amax of out, in the same pass (the input of an FP8 linear).
+// FP8 copy and/or the amax of out, in the same pass (the input of an FP8 linear); block scales
+// need dim a multiple of 128 and 16-byte aligned rows.
 void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, int64_t rows, int64_t dim, float eps,
                      cudaStream_t stream, const FusedCast& cast = {});
 
@@ -182,6 +191,7 @@ void pad_tile_scale_grid(float* out, const float* grid, int64_t grid_rows, int64
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "numerics/scaling.h"
 
 namespace fp8t::ops::cuda::device {
 
@@ -335,6 +345,66 @@ __device__ inline T block_sum(T value) {
   __syncthreads();  // warp_sums may be reused by the caller's next block_sum
   return total;
 }
+
+// The FP8 side of a FusedCast in the kernel that produces its tensor, per thread: the amax of the
+// values the thread saw, and their codes under the per-tensor scale or their 1x128 block's.
+// Vectors of 8 values; for block scales the 16 lanes of a half warp hold one block (a row's
+// columns [128 b, 128 b + 128) at lanes 16 h .. 16 h + 15, 8 each, all of them active together).
+struct FusedCastState {
+  FusedCast cast;
+  float scale = 1.0f;
+  uint32_t amax_bits = 0;
+
+  // Reads the per-tensor scale (when there is one to cast with).
+  __device__ explicit FusedCastState(const FusedCast& fused) : cast(fused) {
+    if (cast.out != nullptr && cast.block_scales == nullptr) scale = *cast.scale;
+  }
+
+  // The codes of kWidth values as stored (rounded to bf16), folding them into the amax. With
+  // block scales (kWidth 8): the values at `column` of `row` in a tensor of `rows` rows, each
+  // block's inverse scale stored block-major. The bytes of quantize() or of quantize_blocks()
+  // (numerics/quantize_cuda.h).
+  template <bool kBlocks = false, int kWidth>
+  __device__ void encode(const float (&rounded)[kWidth], uint8_t (&codes)[kWidth], int64_t row = 0,
+                         int64_t rows = 0, int64_t column = 0) {
+    static_assert(!kBlocks || kWidth == kBf16Vector, "a block's lanes hold 8 values each");
+    constexpr int kBlockLanes = 128 / kBf16Vector;
+#pragma unroll
+    for (int k = 0; k < kWidth; ++k)
+      amax_bits = max(amax_bits, abs_bits(rounded[k]));
+    float multiplier = scale;
+    if constexpr (kBlocks) {
+      const int lane = threadIdx.x % kWarpSize;
+      const unsigned half_warp = 0xFFFFu << (lane & kBlockLanes);
+      uint32_t block_amax = amax_bits;
+#pragma unroll
+      for (int offset = kBlockLanes / 2; offset > 0; offset /= 2)
+        block_amax = max(block_amax, __shfl_xor_sync(half_warp, block_amax, offset));
+      multiplier = fp8t::scale_from_amax(bits_to_float(block_amax), format_max(cast.format),
+                                         cast.power_of_2_scales, cast.amax_epsilon);
+      if (lane % kBlockLanes == 0) cast.block_scales[column / 128 * rows + row] = 1.0f / multiplier;
+      amax_bits = 0;  // a block's amax is its own
+    }
+#pragma unroll
+    for (int k = 0; k < kWidth; ++k)
+      codes[k] = fp8t::encode(__fmul_rn(rounded[k], multiplier), cast.format, Saturation::Saturate);
+  }
+
+  // The block's amax into *cast.amax, one atomic per block: call from every thread of the block
+  // (whole warps; it synchronizes them).
+  __device__ void publish() {
+    __shared__ uint32_t warp_max[kWarpSize];
+    const uint32_t warp = __reduce_max_sync(kFullMask, amax_bits);
+    if (threadIdx.x % kWarpSize == 0) warp_max[threadIdx.x / kWarpSize] = warp;
+    __syncthreads();
+    if (threadIdx.x == 0) {
+      uint32_t block = 0;
+      for (unsigned w = 0; w < blockDim.x / kWarpSize; ++w)
+        block = max(block, warp_max[w]);
+      atomicMax(reinterpret_cast<unsigned int*>(cast.amax), block);
+    }
+  }
+};
 
 }  // namespace fp8t::ops::cuda::device
 #endif
