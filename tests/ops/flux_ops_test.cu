@@ -274,16 +274,12 @@ TEST_F(FluxOpsCuda, LayerNormModulateMatchesCpu) {
       } else {
         fused_forward(cast, fused_out);
         expect_bitwise_equal(fused_out.download(), gpu_out, "fused block cast out, " + shape);
-        const BlockQuantization spec{BlockScaling::Rows1x128, cast.format, cast.power_of_2_scales,
-                                     cast.amax_epsilon};
-        std::vector<uint8_t> expected(n);
-        std::vector<float> grid(static_cast<size_t>(blocks * rows)), block_major(grid.size());
-        quantize_blocks(gpu_out.data(), rows, c.dim, spec, expected.data(), grid.data());
-        for (int64_t r = 0; r < rows; ++r)
-          for (int64_t b = 0; b < blocks; ++b)
-            block_major[size_t(b * rows + r)] = grid[size_t(r * blocks + b)];
-        expect_bitwise_equal(codes.download(), expected, "fused block cast codes, " + shape);
-        expect_bitwise_equal(scales.download(), block_major, "fused block cast scales, " + shape);
+        const BlockMajorCast expected = block_major_cast(
+            gpu_out, rows, c.dim,
+            {BlockScaling::Rows1x128, cast.format, cast.power_of_2_scales, cast.amax_epsilon});
+        expect_bitwise_equal(codes.download(), expected.codes, "fused block cast codes, " + shape);
+        expect_bitwise_equal(scales.download(), expected.scales,
+                             "fused block cast scales, " + shape);
       }
     }
 

@@ -22,6 +22,7 @@
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
 #include "numerics/float_bits.h"
+#include "numerics/quantize.h"
 #include "numerics/test_util.h"
 #include "ops/cuda/ops_cuda.h"
 
@@ -138,6 +139,24 @@ void expect_close_sums(const std::vector<T>& gpu, const std::vector<double>& cpu
   if (verbose()) {
     std::printf("[ compare  ] %s: worst error / allowed %.3g\n", what.c_str(), worst_ratio);
   }
+}
+
+// The CPU's 1x128 block cast of x [rows, cols] (quantize_blocks), its scales moved to the GEMMs'
+// block-major layout (block b of row r at b · rows + r): what the fused block casts write.
+struct BlockMajorCast {
+  std::vector<uint8_t> codes;
+  std::vector<float> scales;
+};
+inline BlockMajorCast block_major_cast(const std::vector<bf16>& x, int64_t rows, int64_t cols,
+                                       const BlockQuantization& spec) {
+  const int64_t blocks = scale_grid(spec.scaling, rows, cols).cols;
+  BlockMajorCast cast{std::vector<uint8_t>(x.size()), std::vector<float>(size_t(blocks * rows))};
+  std::vector<float> grid(cast.scales.size());
+  quantize_blocks(x.data(), rows, cols, spec, cast.codes.data(), grid.data());
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b = 0; b < blocks; ++b)
+      cast.scales[size_t(b * rows + r)] = grid[size_t(r * blocks + b)];
+  return cast;
 }
 
 // |values|: inputs for a CPU run whose sums are the terms' magnitudes.

@@ -164,8 +164,7 @@ TEST_F(OpsCuda, RmsNormMatchesCpu) {
           const std::string where =
               fmt::format("rmsnorm_forward {} block cast{}, {}", format_name(format),
                           power_of_2 ? " (power-of-2 scales)" : "", shape);
-          const int64_t blocks = c.dim / 128;
-          const auto scale_count = static_cast<size_t>(blocks * c.rows);
+          const auto scale_count = static_cast<size_t>(c.dim / 128 * c.rows);
           Device<bf16> fused_out(n);
           Device<float> fused_rstd(static_cast<size_t>(c.rows));
           Device<uint8_t> codes(n);
@@ -184,16 +183,11 @@ TEST_F(OpsCuda, RmsNormMatchesCpu) {
                                      c.dim, kEps, stream_, cast);
           expect_bitwise_equal(fused_out.download(), gpu_out, where + " out");
           expect_bitwise_equal(fused_rstd.download(), gpu_rstd, where + " rstd");
-          const BlockQuantization spec{BlockScaling::Rows1x128, format, power_of_2,
-                                       cast.amax_epsilon};
-          std::vector<uint8_t> expected(n);
-          std::vector<float> grid(scale_count), block_major(scale_count);
-          quantize_blocks(gpu_out.data(), c.rows, c.dim, spec, expected.data(), grid.data());
-          for (int64_t r = 0; r < c.rows; ++r)
-            for (int64_t b = 0; b < blocks; ++b)
-              block_major[size_t(b * c.rows + r)] = grid[size_t(r * blocks + b)];
-          expect_bitwise_equal(codes.download(), expected, where + " codes");
-          expect_bitwise_equal(scales.download(), block_major, where + " scales");
+          const BlockMajorCast expected =
+              block_major_cast(gpu_out, c.rows, c.dim,
+                               {BlockScaling::Rows1x128, format, power_of_2, cast.amax_epsilon});
+          expect_bitwise_equal(codes.download(), expected.codes, where + " codes");
+          expect_bitwise_equal(scales.download(), expected.scales, where + " scales");
         }
       }
     } else {

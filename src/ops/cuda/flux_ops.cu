@@ -867,27 +867,20 @@ void layernorm_modulate_forward(bf16* out, bf16* normed, float* rstd, const bf16
   check_pointers(rows, {out, normed, rstd, x, shift, scale});
   const bool fused = cast.out != nullptr || cast.amax != nullptr;
   const bool blocks = cast.block_scales != nullptr;
-  FP8T_CHECK(cast.out == nullptr || cast.scale != nullptr || blocks,
-             "an FP8 output needs its scale");
-  FP8T_CHECK(!blocks || (cast.out != nullptr && cast.scale == nullptr && cast.amax == nullptr),
-             "a block-scaled fused cast needs its output and takes no per-tensor scale or amax");
-  FP8T_CHECK(cast.format != Fp8Format::E8M0, "expected an FP8 data format, found e8m0");
-  if (rows == 0) return;
-  const int threads = norm_threads(shape.dim);
   const bool vectorized = shape.dim % kChunk == 0 && mod_stride % kChunk == 0 &&
                           all_aligned({out, normed, x, shift, scale}) &&
                           reinterpret_cast<uintptr_t>(cast.out) % kChunk == 0;
-  FP8T_CHECK(!fused || (vectorized && (!blocks || shape.dim % 128 == 0)),
+  device::check_fused_cast(cast, shape.dim, vectorized);
+  FP8T_CHECK(!fused || vectorized,
              "a fused cast needs a dim that is a multiple of {} and 16-byte aligned rows, found "
              "dim {}",
-             blocks ? 128 : kChunk, shape.dim);
-  auto kernel = vectorized ? layernorm_modulate_forward_kernel<true>
-                           : layernorm_modulate_forward_kernel<false>;
-  if (blocks) {
-    kernel = layernorm_modulate_forward_kernel<true, true, true>;
-  } else if (fused) {
-    kernel = layernorm_modulate_forward_kernel<true, true>;
-  }
+             kChunk, shape.dim);
+  if (rows == 0) return;
+  const int threads = norm_threads(shape.dim);
+  const auto kernel = blocks       ? layernorm_modulate_forward_kernel<true, true, true>
+                      : fused      ? layernorm_modulate_forward_kernel<true, true>
+                      : vectorized ? layernorm_modulate_forward_kernel<true>
+                                   : layernorm_modulate_forward_kernel<false>;
   // A block per row, up to the 32 blocks an SM can hold at once.
   const unsigned grid = device::grid_size(rows, 32);
   kernel<<<grid, threads, 0, stream>>>(out, normed, rstd, x, shift, scale, mod_stride, shape, cast);

@@ -17,6 +17,7 @@ namespace {
 
 // cuBLASLt's FP8 GEMMs want every reduced dimension and every FP8 row a multiple of 16.
 constexpr int64_t kFp8Multiple = 16;
+static_assert(kFusedCastBlock == kScaleBlock, "the norms' fused block casts are blockwise's");
 
 }  // namespace
 

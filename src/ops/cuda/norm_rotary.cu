@@ -455,21 +455,13 @@ void rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, int64_t rows, int6
   check_rmsnorm_args(rows, dim, out, rstd, inp);
   FP8T_CHECK(eps >= 0.0f, "expected eps >= 0, found {}", eps);
   const bool blocks = cast.block_scales != nullptr;
-  FP8T_CHECK(cast.out == nullptr || cast.scale != nullptr || blocks,
-             "an FP8 output needs its scale");
-  FP8T_CHECK(cast.format != Fp8Format::E8M0, "expected an FP8 data format, found e8m0");
-  FP8T_CHECK(!blocks || (cast.out != nullptr && cast.scale == nullptr && cast.amax == nullptr),
-             "a block-scaled fused cast needs its output and takes no per-tensor scale or amax");
-  if (rows == 0) return;
-  const unsigned grid = warp_per_row_grid(rows);
-  const bool fused = cast.out != nullptr || cast.amax != nullptr;
   // The vector path stores 8 codes at once.
   const bool vector = dim % kBf16Vector == 0 && device::aligned16(out) && device::aligned16(inp) &&
                       reinterpret_cast<uintptr_t>(cast.out) % kBf16Vector == 0;
-  FP8T_CHECK(!blocks || (vector && dim % 128 == 0),
-             "a block-scaled fused cast needs a dim that is a multiple of 128 and 16-byte aligned "
-             "rows, found dim {}",
-             dim);
+  device::check_fused_cast(cast, dim, vector);
+  if (rows == 0) return;
+  const unsigned grid = warp_per_row_grid(rows);
+  const bool fused = cast.out != nullptr || cast.amax != nullptr;
   const auto launch = [&](auto kernel) {
     kernel<<<grid, kThreads, 0, stream>>>(out, rstd, inp, rows, dim, eps, cast);
   };

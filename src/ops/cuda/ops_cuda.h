@@ -31,6 +31,8 @@ enum class GradStore : uint8_t { Write, Add };
 
 // --- RMSNorm without weight (ops/rmsnorm.h), row by row over [rows, dim] (norm_rotary.cu) ---
 
+inline constexpr int kFusedCastBlock = 128;  // the columns of a fused cast's block scale
+
 // An FP8 cast fused into the kernel that produces a bf16 tensor, reading the bf16 values it
 // stores: out = encode_saturating(value * *scale) when out is set (the bytes of
 // numerics/quantize_cuda.h's quantize), and *amax = max(*amax, max |value|) when amax is set
@@ -45,7 +47,7 @@ struct FusedCast {
   Fp8Format format = Fp8Format::E4M3;
   uint8_t* out = nullptr;  // [rows, dim] like the bf16 output
   float* amax = nullptr;
-  float* block_scales = nullptr;  // [dim / 128, rows]
+  float* block_scales = nullptr;  // [dim / kFusedCastBlock, rows]
   bool power_of_2_scales = true;  // of the block scales, as BlockQuantization's
   float amax_epsilon = 0.0f;
 };
@@ -232,6 +234,22 @@ inline void check_pointers(int64_t count, std::initializer_list<const void*> poi
     FP8T_CHECK(count == 0 || pointer != nullptr, "null device pointer for {} elements", count);
 }
 
+// A FusedCast a launcher over rows of `dim` values was given: an FP8 format, a scale for a
+// per-tensor output, and block scales only with an output and neither scale nor amax, on the
+// launcher's vector path (`vector_path`) and for dim a multiple of kFusedCastBlock.
+inline void check_fused_cast(const FusedCast& cast, int64_t dim, bool vector_path) {
+  const bool blocks = cast.block_scales != nullptr;
+  FP8T_CHECK(cast.out == nullptr || cast.scale != nullptr || blocks,
+             "an FP8 output needs its scale");
+  FP8T_CHECK(cast.format != Fp8Format::E8M0, "expected an FP8 data format, found e8m0");
+  FP8T_CHECK(!blocks || (cast.out != nullptr && cast.scale == nullptr && cast.amax == nullptr),
+             "a block-scaled fused cast needs its output and takes no per-tensor scale or amax");
+  FP8T_CHECK(!blocks || (vector_path && dim % kFusedCastBlock == 0),
+             "a block-scaled fused cast needs a dim that is a multiple of {} and 16-byte aligned "
+             "rows, found dim {}",
+             kFusedCastBlock, dim);
+}
+
 __device__ inline float to_f32(bf16 value) {
   return __uint_as_float(uint32_t{value.bits} << 16);
 }
@@ -368,7 +386,7 @@ struct FusedCastState {
   __device__ void encode(const float (&rounded)[kWidth], uint8_t (&codes)[kWidth], int64_t row = 0,
                          int64_t rows = 0, int64_t column = 0) {
     static_assert(!kBlocks || kWidth == kBf16Vector, "a block's lanes hold 8 values each");
-    constexpr int kBlockLanes = 128 / kBf16Vector;
+    constexpr int kBlockLanes = kFusedCastBlock / kBf16Vector;
 #pragma unroll
     for (int k = 0; k < kWidth; ++k)
       amax_bits = max(amax_bits, abs_bits(rounded[k]));
@@ -382,7 +400,8 @@ struct FusedCastState {
         block_amax = max(block_amax, __shfl_xor_sync(half_warp, block_amax, offset));
       multiplier = fp8t::scale_from_amax(bits_to_float(block_amax), format_max(cast.format),
                                          cast.power_of_2_scales, cast.amax_epsilon);
-      if (lane % kBlockLanes == 0) cast.block_scales[column / 128 * rows + row] = 1.0f / multiplier;
+      if (lane % kBlockLanes == 0)
+        cast.block_scales[column / kFusedCastBlock * rows + row] = 1.0f / multiplier;
       amax_bits = 0;  // a block's amax is its own
     }
 #pragma unroll
