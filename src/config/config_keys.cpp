@@ -635,7 +635,8 @@ std::vector<ConfigKey> build_keys() {
   keys.push_back(integer_key(
       "tensor_model_parallel_size", S::Run,
       [](auto& c) -> auto& { return c.run.tensor_model_parallel_size; }, {1},
-      "Tensor parallelism (Megatron's), CPU path: groups of this many consecutive ranks split "
+      "Tensor parallelism (Megatron's), the GPT on both paths and Flux on the CPU path: groups "
+      "of this many consecutive ranks split "
       "each block's heads (the query, key and value projections by output, the attention's "
       "output projection by input) and MLP hidden features (the first MLP linear by output, the "
       "second by input; Flux's single blocks: linear1 by output, linear2 by input), sum the "

@@ -30,6 +30,36 @@ NcclGroup::NcclGroup(Communicator& host) {
   FP8T_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
 }
 
+NcclGroup::NcclGroup(ncclComm* comm) : comm_(comm) {
+  FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  FP8T_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
+}
+
+std::unique_ptr<NcclGroup> NcclGroup::tensor_parallel_group(const ParallelLayout& layout) {
+  // Megatron's order: a replica's ranks (colour) in their tensor-parallel order (key).
+  ncclComm* comm = nullptr;
+  check_nccl(ncclCommSplit(comm_, layout.data_rank, layout.tensor_rank, &comm, nullptr),
+             "ncclCommSplit");
+  return std::unique_ptr<NcclGroup>(new NcclGroup(comm));
+}
+
+DeviceTensorParallel NcclGroup::device_tensor_parallel(const ParallelLayout& layout) {
+  DeviceTensorParallel group;
+  group.size = layout.tensor;
+  group.rank = layout.tensor_rank;
+  if (!group.split()) return group;
+  group.sum_bf16 = [this](bf16* values, size_t count, cudaStream_t stream) {
+    sum(values, count, stream);
+  };
+  group.sum = [this](float* values, size_t count, cudaStream_t stream) {
+    sum(values, count, stream);
+  };
+  group.max = [this](float* values, size_t count, cudaStream_t stream) {
+    max(values, count, stream);
+  };
+  return group;
+}
+
 NcclGroup::~NcclGroup() {
   cudaStreamSynchronize(stream_);
   cudaEventDestroy(ready_);
@@ -51,6 +81,11 @@ void NcclGroup::join(cudaStream_t consumer) {
 
 void NcclGroup::sum(float* values, size_t count, cudaStream_t stream) {
   check_nccl(ncclAllReduce(values, values, count, ncclFloat32, ncclSum, comm_, stream),
+             "ncclAllReduce");
+}
+
+void NcclGroup::sum(bf16* values, size_t count, cudaStream_t stream) {
+  check_nccl(ncclAllReduce(values, values, count, ncclBfloat16, ncclSum, comm_, stream),
              "ncclAllReduce");
 }
 

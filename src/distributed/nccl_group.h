@@ -3,11 +3,15 @@
 #pragma once
 
 #include <cstddef>
+#include <memory>
 #include <vector>
 
 #include <cuda_runtime_api.h>
 
 #include "distributed/communicator.h"
+#include "distributed/tensor_parallel_group.h"
+#include "models/cuda/device_tensor_parallel.h"
+#include "numerics/float_bits.h"
 
 struct ncclComm;
 
@@ -21,8 +25,16 @@ class NcclGroup {
   NcclGroup(const NcclGroup&) = delete;
   NcclGroup& operator=(const NcclGroup&) = delete;
 
+  // The ranks of `layout`'s tensor-parallel group, split off this group (every rank of it calls
+  // it together): a group of its own, which outlives this one if need be.
+  std::unique_ptr<NcclGroup> tensor_parallel_group(const ParallelLayout& layout);
+  // The collectives of this group for a GPU model, which must not outlive it; `layout` as given
+  // to tensor_parallel_group().
+  DeviceTensorParallel device_tensor_parallel(const ParallelLayout& layout);
+
   // In place on the device, queued on `stream`; the same result on every rank.
   void sum(float* values, size_t count, cudaStream_t stream);
+  void sum(bf16* values, size_t count, cudaStream_t stream);
   void max(float* values, size_t count, cudaStream_t stream);
 
   // A buffer of `bytes` bytes on every rank that `root` holds the current values of.
@@ -41,6 +53,8 @@ class NcclGroup {
   void join(cudaStream_t consumer);
 
  private:
+  explicit NcclGroup(ncclComm* comm);
+
   ncclComm* comm_ = nullptr;
   cudaStream_t stream_ = nullptr;  // sum_after's
   cudaEvent_t ready_ = nullptr;    // records a producer's or the own stream's progress

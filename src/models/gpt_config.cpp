@@ -155,4 +155,17 @@ void check_tensor_parallel(const GptConfig& config, int size) {
                              {"MLP hidden features", 4 * int64_t{config.n_embd}}});
 }
 
+TensorSplit gpt_tensor_split(std::string_view linear) {
+  for (const std::string_view name : {".attn.c_q", ".attn.c_k", ".attn.c_v", ".mlp.c_fc"})
+    if (linear.ends_with(name)) return TensorSplit::Outputs;
+  for (const std::string_view name : {".attn.c_proj", ".mlp.c_proj"})
+    if (linear.ends_with(name)) return TensorSplit::Inputs;
+  return TensorSplit::None;
+}
+
+bool gpt_split_parameter(const ParamSpec& spec) {
+  return spec.kind == ParamKind::BlockLinear || spec.name.ends_with(".attn.ve_gate.weight") ||
+         spec.name.starts_with("value_embeds.");
+}
+
 }  // namespace fp8t

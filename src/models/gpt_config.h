@@ -65,6 +65,15 @@ struct ParamSpec {
 // heads, the kv heads and the MLP's hidden features evenly.
 void check_tensor_parallel(const GptConfig& config, int size);
 
+enum class TensorSplit : uint8_t;  // models/tensor_parallel.h
+// How tensor parallelism splits a linear (by name): q, k, v and the MLP's first linear by
+// outputs, the attention's and the MLP's output projections by inputs, the rest not at all.
+TensorSplit gpt_tensor_split(std::string_view linear);
+// Whether tensor parallelism splits a parameter over the group, so that each rank computes the
+// gradient of its share only: the blocks' linears, the value gates' and the value embeddings'
+// columns of each rank's kv heads.
+bool gpt_split_parameter(const ParamSpec& spec);
+
 // Every parameter, in nanochat's state_dict order.
 std::vector<ParamSpec> gpt_parameters(const GptConfig& config);
 

@@ -30,20 +30,7 @@ void add(float* out, const float* a, const float* b, int64_t n) {
     out[i] = a[i] + b[i];
 }
 
-bool ends_with(const std::string& text, std::string_view suffix) {
-  return text.size() >= suffix.size() &&
-         text.compare(text.size() - suffix.size(), suffix.size(), suffix) == 0;
-}
-
 }  // namespace
-
-GptModel::Split GptModel::split_of(const std::string& linear) {
-  for (const char* name : {".attn.c_q", ".attn.c_k", ".attn.c_v", ".mlp.c_fc"})
-    if (ends_with(linear, name)) return Split::Outputs;
-  for (const char* name : {".attn.c_proj", ".mlp.c_proj"})
-    if (ends_with(linear, name)) return Split::Inputs;
-  return Split::None;
-}
 
 GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
                    const GptPrecision& precision, const RecomputeOptions& recompute,
@@ -93,7 +80,8 @@ GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
   linear_precision_ = decide_precision(config_, precision_.policy);
   for (LinearPrecision& decision : linear_precision_) {
     const int64_t in = decision.linear.in_features, out = decision.linear.out_features;
-    const Split split = tensor_parallel_.split() ? split_of(decision.linear.name) : Split::None;
+    const Split split =
+        tensor_parallel_.split() ? gpt_tensor_split(decision.linear.name) : Split::None;
     // This rank's run of rows (its heads, its hidden features) or of columns.
     const int64_t run = (split == Split::Outputs ? out : in) / group;
     Linear layer{decision.linear.name + ".weight",
@@ -246,12 +234,8 @@ void GptModel::sum_over_group(const TensorView& partial) {
 
 void GptModel::gather_split_gradients() {
   if (!tensor_parallel_.split()) return;
-  for (const ParamSpec& spec : gradients_->specs()) {
-    const bool split = spec.kind == ParamKind::BlockLinear ||
-                       ends_with(spec.name, ".attn.ve_gate.weight") ||
-                       spec.name.starts_with("value_embeds.");
-    if (split) sum_over_group((*gradients_)[spec.name]);
-  }
+  for (const ParamSpec& spec : gradients_->specs())
+    if (gpt_split_parameter(spec)) sum_over_group((*gradients_)[spec.name]);
 }
 
 void GptModel::end_step() {

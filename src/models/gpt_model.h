@@ -88,7 +88,6 @@ class GptModel {
 
  private:
   using Split = TensorSplit;
-  static Split split_of(const std::string& linear);
   struct Linear {
     std::string weight;                   // parameter name
     ops::LinearShape shape;               // this rank's share

@@ -2,7 +2,10 @@
 // mirrors of the parameters and the optimizer state for checkpoints and sampling. With several
 // ranks (one GPU each) the gradients and the delayed-scaling amaxes are reduced through NCCL;
 // with shard_optimizer_state each rank's GPU holds the state of its own parameters only, and
-// the host mirror is gathered whole for a checkpoint.
+// the host mirror is gathered whole for a checkpoint. Under tensor parallelism the model's
+// blocks are split over each group's GPUs (an NCCL communicator of the group's own); once the
+// split gradients are gathered, every rank of a group holds the same gradients, so the sum over
+// all ranks is the replicas' sum times the group size, which the mean over ranks divides out.
 #include <memory>
 #include <optional>
 #include <string>
@@ -25,6 +28,7 @@
 #include "core/cuda_resources.h"
 #include "models/cuda/gpt_model_cuda.h"
 #if FP8TRAIN_WITH_NCCL
+#include "distributed/nccl_group.h"
 #include "train/cuda_rank_sums.h"
 #endif
 #include "ops/cuda/gpt_gates.h"
@@ -58,6 +62,27 @@ void check_gpu_precision(const ModelPrecision& precision) {
 
 namespace {
 
+// This rank's tensor-parallel group on the GPU: an NCCL communicator of the group's own ranks,
+// split off one of every rank. No group without tensor parallelism (and in builds without NCCL,
+// where make_cuda_engine refuses several ranks).
+struct TensorGroup {
+#if FP8TRAIN_WITH_NCCL
+  std::unique_ptr<distributed::NcclGroup> nccl;
+#endif
+  DeviceTensorParallel device;
+
+  explicit TensorGroup(const EngineSetup& setup) {
+#if FP8TRAIN_WITH_NCCL
+    if (setup.communicator == nullptr || setup.layout.tensor == 1) return;
+    distributed::NcclGroup every_rank(*setup.communicator);
+    nccl = every_rank.tensor_parallel_group(setup.layout);
+    device = nccl->device_tensor_parallel(setup.layout);
+#else
+    static_cast<void>(setup);
+#endif
+  }
+};
+
 class CudaEngine final : public TrainingEngine {
  public:
   CudaEngine(const EngineSetup& setup, GpuInfo gpu)
@@ -68,6 +93,7 @@ class CudaEngine final : public TrainingEngine {
                     ParameterSet::planned_bytes(setup.model, DType::F32)),
         host_parameters_(host_arena_, setup.model, DType::F32),
         sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
+        tensor_group_(setup),
         host_optimizer_(setup.model, setup.optimizer, setup.tokens_per_step,
                         sharded_ ? setup.communicator->rank() : 0,
                         sharded_ ? setup.communicator->size() : 1),
@@ -75,7 +101,7 @@ class CudaEngine final : public TrainingEngine {
             setup.model, setup.batch, setup.seq, setup.precision, stream_.get(),
             [&](const CudaGptMemory& planned, const optim::DeviceParameterLayout& layout,
                 size_t lendable) { check_fits(setup, planned, layout, lendable); },
-            setup.recompute),
+            setup.recompute, tensor_group_.device),
         optimizer_(host_optimizer_, model_.layout(), model_.gemm(),
                    model_.scratch_between_steps().data(), model_.scratch_between_steps().size()),
         norm_host_(1),
@@ -85,7 +111,9 @@ class CudaEngine final : public TrainingEngine {
     model_.gemm().configure_tuning(setup.gemm_tuning);
 #if FP8TRAIN_WITH_NCCL
     if (communicator_ != nullptr) {
-      rank_sums_ = std::make_unique<GptRankSums>(*communicator_, model_, setup.overlap_grad_reduce,
+      // Overlapped sums would reduce the split gradients before they are gathered.
+      rank_sums_ = std::make_unique<GptRankSums>(*communicator_, model_,
+                                                 setup.overlap_grad_reduce && layout_.tensor == 1,
                                                  sharded_ ? &host_optimizer_.shard() : nullptr);
     }
 #endif
@@ -147,6 +175,7 @@ class CudaEngine final : public TrainingEngine {
     }
     float* gradients = model_.gradients();
     const int64_t count = model_.layout().total_elements;
+    model_.gather_split_gradients();
     if (ranks > 1) sum_gradients();
     for (const int64_t offset : nan_injections_) {
       // Bytes 0xFF make a float NaN.
@@ -294,11 +323,12 @@ class CudaEngine final : public TrainingEngine {
 
   GpuInfo gpu_;
   distributed::Communicator* communicator_;
-  distributed::ParallelLayout layout_;  // data parallel only: one rank per group
+  distributed::ParallelLayout layout_;
   CudaStream stream_;
   Arena host_arena_;
   ParameterSet host_parameters_;
   bool sharded_;  // ZeRO-1: this rank updates its share of the parameters
+  TensorGroup tensor_group_;
   optim::GptOptimizer host_optimizer_;
   CudaGptModel model_;
   optim::CudaGptOptimizer optimizer_;

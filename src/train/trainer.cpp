@@ -217,10 +217,10 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   if (several) validate(config, communicator.size());  // the batch against the job's replicas
   const distributed::ParallelLayout layout = distributed::parallel_layout(
       communicator.size(), communicator.rank(), config.run.tensor_model_parallel_size);
-  if (layout.tensor > 1 && use_cuda(config.run.device)) {
+  if (layout.tensor > 1 && config.is_flux() && use_cuda(config.run.device)) {
     throw ConfigError(fmt::format(
-        "tensor_model_parallel_size: {} runs on the CPU path only (device: cpu); the GPU path "
-        "has data parallelism alone",
+        "tensor_model_parallel_size: {} splits the Flux model on the CPU path only (device: "
+        "cpu); on the GPU path it splits the GPT, and Flux has data parallelism alone",
         layout.tensor));
   }
   if (config.is_flux()) return run_flux_training(config, communicator);

@@ -1,7 +1,9 @@
 // The GPU GPT against the CPU GPT: the same weights and tokens give the same loss and
-// gradients within bf16-activation tolerances, in BF16 and in FP8 (tensorwise, delayed).
+// gradients within bf16-activation tolerances, in BF16 and in FP8 (tensorwise, delayed); and
+// split over a tensor-parallel group, against itself whole.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -22,7 +24,9 @@
 #include "models/golden.h"
 #include "models/gpt_model.h"
 #include "models/recompute_checks.h"
+#include "models/tensor_parallel_checks.h"
 #include "numerics/test_util.h"
+#include "ops/fp8_linear_layout.h"
 #include "ops/gpu_compare.h"
 
 namespace fp8t {
@@ -139,8 +143,9 @@ void expect_gradients_match(const CudaGptModel& gpu, const GptConfig& config, do
   // scalars are compared together, as one vector.
   std::vector<float> got(gpu_scalars.begin(), gpu_scalars.end());
   std::vector<float> want(reference_scalars.begin(), reference_scalars.end());
-  EXPECT_LT(relative_error(got.data(), want.data(), std::ssize(got)), 3 * bound)
-      << "the scalars' gradients";
+  const double scalars_error = relative_error(got.data(), want.data(), std::ssize(got));
+  if (test::verbose()) fmt::print("{:40} error {:.2e}\n", "the scalars", scalars_error);
+  EXPECT_LT(scalars_error, 3 * bound) << "the scalars' gradients";
 }
 
 class GptModelGpuTest : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
@@ -451,6 +456,181 @@ INSTANTIATE_TEST_SUITE_P(Precisions, GptRecomputeGpu,
                                            std::pair{Fp8Mode::Hybrid, ScalingRecipe::Tensorwise},
                                            std::pair{Fp8Mode::Hybrid, ScalingRecipe::Delayed},
                                            std::pair{Fp8Mode::Hybrid, ScalingRecipe::Blockwise}));
+
+// A GPU model's tensor-parallel collectives among the threads of a test on one GPU (NCCL takes one
+// GPU per rank): each rank's values go through host memory, where the group combines them in
+// rank order. bf16 values are summed in fp32 and rounded once, as NCCL's bf16 sums do.
+DeviceTensorParallel device_member(testing::ThreadGroup& group, int rank) {
+  using Combine = std::function<float(float, float)>;
+  const auto reduce = [&group, rank](float* values, size_t count, cudaStream_t stream,
+                                     const Combine& combine) {
+    std::vector<float> host(count);
+    FP8T_CUDA_CHECK(cudaMemcpyAsync(host.data(), values, count * sizeof(float),
+                                    cudaMemcpyDeviceToHost, stream));
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+    group.reduce(rank, host.data(), count, combine);
+    FP8T_CUDA_CHECK(cudaMemcpyAsync(values, host.data(), count * sizeof(float),
+                                    cudaMemcpyHostToDevice, stream));
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+  };
+  const Combine add = [](float a, float b) { return a + b; };
+  DeviceTensorParallel member;
+  member.size = group.size();
+  member.rank = rank;
+  member.sum = [reduce, add](float* values, size_t count, cudaStream_t stream) {
+    reduce(values, count, stream, add);
+  };
+  member.max = [reduce](float* values, size_t count, cudaStream_t stream) {
+    reduce(values, count, stream, [](float a, float b) { return std::max(a, b); });
+  };
+  member.sum_bf16 = [&group, rank, add](bf16* values, size_t count, cudaStream_t stream) {
+    std::vector<bf16> host(count);
+    FP8T_CUDA_CHECK(
+        cudaMemcpyAsync(host.data(), values, count * sizeof(bf16), cudaMemcpyDeviceToHost, stream));
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+    std::vector<float> wide(count);
+    std::transform(host.begin(), host.end(), wide.begin(), bf16_to_float);
+    group.reduce(rank, wide.data(), count, add);
+    std::transform(wide.begin(), wide.end(), host.begin(), float_to_bf16);
+    FP8T_CUDA_CHECK(
+        cudaMemcpyAsync(values, host.data(), count * sizeof(bf16), cudaMemcpyHostToDevice, stream));
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+  };
+  return member;
+}
+
+// Every scale slot of a model's FP8 linears (per-tensor recipes), read back.
+std::vector<float> scales_of(CudaGptModel& model, size_t linears) {
+  std::vector<float> floats(model.scalings().float_count());
+  FP8T_CUDA_CHECK(cudaMemcpy(floats.data(), model.scalings().device_floats(),
+                             floats.size() * sizeof(float), cudaMemcpyDeviceToHost));
+  std::vector<float> scales;
+  for (size_t linear = 0; linear < linears; ++linear) {
+    for (const TensorRole role : kTensorRoles) {
+      scales.push_back(
+          floats[linear * ops::kLinearScalingFloats +
+                 static_cast<size_t>(role) * ops::kScalingFloatsPerRole + ops::kScaleSlot]);
+    }
+  }
+  return scales;
+}
+
+// Tensor parallelism over two ranks (threads on one GPU, each on its own stream) against the
+// same model whole, over two steps (the second on the scales the first's amaxes gave): every
+// rank has the whole model's loss and, once gathered, its gradients, within the rounding of the
+// partial sums; the ranks agree bit for bit on the loss, the split gradients and every FP8 scale,
+// and their weights' scales are the whole weights' (from the group's largest amax).
+class GptTensorParallelGpu : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
+
+TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeModel) {
+  const auto [mode, recipe] = GetParam();
+  GptConfig config = small_config();
+  config.n_embd = 256;  // two heads of 128: each rank's share is whole 1x128 blocks
+  config.n_kv_head = 2;
+  const GptPrecision precision = precision_for(mode, recipe);
+  const bool fp8 = mode != Fp8Mode::None;
+  const bool per_tensor =
+      fp8 && (recipe == ScalingRecipe::Tensorwise || recipe == ScalingRecipe::Delayed);
+  test::TestRng rng;
+  SCOPED_TRACE(rng.trace());
+  GptModel cpu(config, kBatch, kSeq, GptPrecision::fp32_reference());
+  init_with_gradient_everywhere(cpu, config, rng);
+
+  constexpr int kRanks = 2;
+  std::vector<cudaStream_t> streams(kRanks + 1);
+  for (cudaStream_t& stream : streams)
+    FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
+  {
+    CudaGptModel whole(config, kBatch, kSeq, precision, streams[kRanks]);
+    whole.upload_parameters(cpu.parameters());
+    testing::ThreadGroup group(kRanks);
+    std::vector<std::unique_ptr<CudaGptModel>> ranks;
+    for (int rank = 0; rank < kRanks; ++rank) {
+      ranks.push_back(std::make_unique<CudaGptModel>(
+          config, kBatch, kSeq, precision, streams[static_cast<size_t>(rank)],
+          CudaGptModel::PlanCheck{}, RecomputeOptions{}, device_member(group, rank)));
+      ranks.back()->upload_parameters(cpu.parameters());
+      ASSERT_EQ(ranks.back()->linear_precision().size(), whole.linear_precision().size());
+      for (size_t i = 0; i < whole.linear_precision().size(); ++i)
+        ASSERT_EQ(ranks.back()->linear_precision()[i].fp8, whole.linear_precision()[i].fp8);
+      EXPECT_LT(ranks.back()->memory().activations, whole.memory().activations);
+    }
+    Arena arena("gradients", ParameterSet::planned_bytes(config, DType::F32));
+    ParameterSet whole_gradients(arena, config, DType::F32);
+    size_t fp8_linears = 0;
+    for (const LinearPrecision& decision : whole.linear_precision())
+      fp8_linears += decision.fp8 && decision.linear.kind != ParamKind::Gate;
+
+    for (int step = 1; step <= 2; ++step) {
+      SCOPED_TRACE(fmt::format("step {}", step));
+      const Tokens tokens = random_tokens(rng, config);
+      whole.zero_gradients();
+      whole.forward(tokens.idx.data(), tokens.targets.data(), true);
+      const double loss = whole.loss_value();
+      whole.backward();
+      std::vector<double> losses(kRanks);
+      testing::run_ranks<CudaGptModel>(ranks, [&](CudaGptModel& model, size_t rank) {
+        model.zero_gradients();
+        model.forward(tokens.idx.data(), tokens.targets.data(), true);
+        losses[rank] = model.loss_value();
+        model.backward();
+        model.gather_split_gradients();
+      });
+      EXPECT_EQ(losses[1], losses[0]);
+      EXPECT_NEAR(losses[0], loss, 2e-3 * loss);
+      whole.download_gradients(whole_gradients);
+      // Delayed scaling's first step casts at scale 1, where most gradients underflow: its
+      // gradients are compared once the first step's amaxes have set the scales.
+      for (const auto& rank : ranks) {
+        if (recipe == ScalingRecipe::Delayed && fp8 && step == 1) break;
+        if (test::verbose()) fmt::print("step {}, rank {}:\n", step, &rank - ranks.data());
+        // The partial sums round to bf16 once more than the whole model's outputs, which moves
+        // an FP8 code now and then (E5M2 codes of the gradients are 12.5 to 25 % apart): over 8
+        // seeds on the H200 a tensor moved by up to 0.02 in BF16 and 0.14 in FP8, the scalars
+        // together by 0.09 and 0.30. The bounds are the GPU-against-CPU test's.
+        expect_gradients_match(*rank, config, fp8 ? 0.2 : 0.05, [&](const std::string& name) {
+          return whole_gradients[name].data<float>();
+        });
+      }
+      for (const ParamSpec& spec : gpt_parameters(config)) {
+        if (gpt_split_parameter(spec)) {
+          EXPECT_EQ(gradient_of(*ranks[1], config, spec.name),
+                    gradient_of(*ranks[0], config, spec.name))
+              << spec.name;
+        }
+      }
+      if (per_tensor && recipe == ScalingRecipe::Tensorwise) {
+        EXPECT_EQ(scales_of(*ranks[1], fp8_linears), scales_of(*ranks[0], fp8_linears));
+      }
+      whole.end_step();
+      testing::run_ranks<CudaGptModel>(ranks,
+                                       [](CudaGptModel& model, size_t) { model.end_step(); });
+      if (per_tensor) {  // the weights' scales, from the same weights whole and split
+        const std::vector<float> want = scales_of(whole, fp8_linears);
+        const std::vector<float> got = scales_of(*ranks[0], fp8_linears);
+        for (size_t linear = 0; linear < fp8_linears; ++linear) {
+          const size_t weight =
+              linear * std::size(kTensorRoles) + static_cast<size_t>(TensorRole::Weight);
+          EXPECT_EQ(got[weight], want[weight]) << "FP8 linear " << linear;
+        }
+      }
+      testing::expect_same_delayed_scalings(ranks[0]->delayed_scalings(),
+                                            ranks[1]->delayed_scalings());
+    }
+  }
+  for (cudaStream_t stream : streams)
+    FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+INSTANTIATE_TEST_SUITE_P(Precisions, GptTensorParallelGpu,
+                         ::testing::Values(std::pair{Fp8Mode::None, ScalingRecipe::Tensorwise},
+                                           std::pair{Fp8Mode::Hybrid, ScalingRecipe::Tensorwise},
+                                           std::pair{Fp8Mode::Hybrid, ScalingRecipe::Delayed},
+                                           std::pair{Fp8Mode::Hybrid, ScalingRecipe::Blockwise}),
+                         [](const auto& test_param) {
+                           return fmt::format("{}_{}", mode_name(test_param.param.first),
+                                              recipe_name(test_param.param.second));
+                         });
 
 }  // namespace
 }  // namespace fp8t

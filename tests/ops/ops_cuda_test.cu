@@ -600,6 +600,70 @@ TEST_F(OpsCuda, EmbeddingBadIdsGiveNanRowsAndNoGradient) {
                "embedding_backward_deterministic, bad ids");
 }
 
+// A run of each row's columns of a wider table (a tensor-parallel rank's share of the GPT's value
+// embeddings): the rows of that run, and its gradient added into those columns only.
+TEST_F(OpsCuda, EmbeddingReadsAndAddsARunOfAWiderTable) {
+  SCOPED_TRACE(rng_.trace());
+  struct Run {
+    int64_t stride, first, dim;
+  };
+  const int64_t tokens = 300, vocab = 90;
+  for (const Run run : {Run{256, 128, 128}, Run{42, 10, 21}}) {
+    const std::string shape =
+        fmt::format("columns {} to {} of {}", run.first, run.first + run.dim, run.stride);
+    EmbeddingCase c{tokens, vocab, run.dim, 0.3, 0};
+    const std::vector<int32_t> ids = random_ids(rng_, c);
+    const std::vector<float> table = random_floats(rng_, static_cast<size_t>(vocab * run.stride));
+    std::vector<double> cut(static_cast<size_t>(vocab * run.dim));  // the run, as a table
+    for (int64_t row = 0; row < vocab; ++row)
+      for (int64_t i = 0; i < run.dim; ++i)
+        cut[size_t(row * run.dim + i)] = table[size_t(row * run.stride + run.first + i)];
+    Device<int32_t> device_ids(ids);
+    Device<float> device_table(table);
+
+    const size_t n = static_cast<size_t>(tokens * run.dim);
+    Device<bf16> out(n);
+    out.poison_nan();
+    ops::cuda::embedding_forward(out.get(), device_ids.get(), device_table.get() + run.first,
+                                 tokens, vocab, run.dim, stream_, run.stride);
+    std::vector<double> cpu_out(n);
+    ops::embedding_forward(cpu_out.data(), ids.data(), cut.data(), tokens, vocab, run.dim);
+    std::vector<bf16> rounded(n);
+    for (size_t i = 0; i < n; ++i)
+      rounded[i] = float_to_bf16(static_cast<float>(cpu_out[i]));
+    expect_bitwise_equal(out.download(), rounded, "embedding_forward, " + shape);
+
+    const std::vector<bf16> dout = random_bf16(rng_, n);
+    Device<bf16> device_dout(dout);
+    std::vector<double> cpu_dcut(cut.size(), 0.0);
+    ops::embedding_backward(cpu_dcut.data(), widen(dout).data(), ids.data(), tokens, vocab,
+                            run.dim);
+    const std::vector<float> dtable_start = random_floats(rng_, table.size());
+    std::vector<double> expected = widen(dtable_start);
+    for (int64_t row = 0; row < vocab; ++row)
+      for (int64_t i = 0; i < run.dim; ++i)
+        expected[size_t(row * run.stride + run.first + i)] += cpu_dcut[size_t(row * run.dim + i)];
+    Device<float> dtable(dtable_start);
+    ops::cuda::embedding_backward(dtable.get() + run.first, device_dout.get(), device_ids.get(),
+                                  tokens, vocab, run.dim, stream_, run.stride);
+    const std::vector<float> got = dtable.download();
+    expect_close(widen(got), expected, kFp32Tolerance, "embedding_backward, " + shape);
+    for (int64_t row = 0; row < vocab; ++row) {  // the other columns untouched
+      for (int64_t column = 0; column < run.stride; ++column) {
+        const auto at = static_cast<size_t>(row * run.stride + column);
+        if (column < run.first || column >= run.first + run.dim) {
+          ASSERT_EQ(std::memcmp(&got[at], &dtable_start[at], sizeof(float)), 0)
+              << shape << ": row " << row << " column " << column;
+        }
+      }
+    }
+  }
+  EXPECT_THROW(
+      ops::cuda::embedding_forward(static_cast<bf16*>(nullptr), nullptr,
+                                   static_cast<const float*>(nullptr), 0, 10, 16, stream_, 8),
+      Error);
+}
+
 // ---------------------------------------------------------------------------------------------
 // Soft-capped cross-entropy
 

@@ -16,6 +16,7 @@
 #include "gemm/cublaslt_gemm.h"
 #include "models/cuda/linear_scalings.h"
 #include "models/cuda/parameter_copies.h"
+#include "models/tensor_parallel.h"
 #include "ops/cross_entropy.h"
 #include "ops/cuda/attention_cudnn.h"
 #include "ops/cuda/attention_fp8_cuda.h"
@@ -48,12 +49,33 @@ struct PinnedBuffer {
   PinnedBuffer& operator=(const PinnedBuffer&) = delete;
 };
 
+// A linear's share on this rank of a tensor-parallel group (the whole linear without one).
+struct LinearShare {
+  TensorSplit split = TensorSplit::None;
+  int64_t in_features = 0, out_features = 0;
+  int64_t offset = 0;  // where the share starts in the whole weight, in elements
+};
+
+LinearShare share_of(const LinearSpec& linear, const DeviceTensorParallel& group) {
+  LinearShare share{group.split() ? gpt_tensor_split(linear.name) : TensorSplit::None,
+                    linear.in_features, linear.out_features, 0};
+  if (share.split == TensorSplit::Outputs) {  // this rank's run of whole rows
+    share.out_features /= group.size;
+    share.offset = group.rank * share.out_features * linear.in_features;
+  } else if (share.split == TensorSplit::Inputs) {  // this rank's run of each row's columns
+    share.in_features /= group.size;
+    share.offset = group.rank * share.in_features;
+  }
+  return share;
+}
+
 }  // namespace
 
 struct CudaGptModel::Linear {
   std::string weight;  // parameter name
   std::unique_ptr<kernels::CudaLinear> layer;
   int fp8_index = -1;  // its CudaLinearScalings index; -1 outside FP8
+  int64_t offset = 0;  // where this rank's share starts in the whole weight (LinearShare)
 };
 
 // What one block saves for backward.
@@ -110,7 +132,8 @@ struct CudaGptModel::Buffers {
   bf16 *dres = nullptr, *dres_next = nullptr, *dbackout = nullptr, *dx0 = nullptr;
   bf16 *dnorm = nullptr, *dattn_out = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
   bf16 *dq_lin = nullptr, *dk_lin = nullptr, *dvalue_embed = nullptr, *dfc_act = nullptr;
-  uint8_t* region = nullptr;  // where the pieces of one phase take turns (lay_out)
+  float* weight_staging = nullptr;  // row-parallel shares' columns (LinearSetup::weight_stride)
+  uint8_t* region = nullptr;        // where the pieces of one phase take turns (lay_out)
   size_t region_bytes = 0;
   bool forward_has_gradient = false;
 
@@ -123,15 +146,32 @@ struct CudaGptModel::Buffers {
 
 CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
                            const GptPrecision& precision, cudaStream_t stream,
-                           const PlanCheck& check_plan, const RecomputeOptions& recompute)
+                           const PlanCheck& check_plan, const RecomputeOptions& recompute,
+                           const DeviceTensorParallel& tensor_parallel)
     : config_(config),
       batch_(batch),
       seq_(seq),
       tokens_(batch * seq),
       precision_(precision),
       recompute_groups_(recompute_groups(recompute, config.n_layer)),
+      tensor_parallel_(tensor_parallel),
       stream_(stream) {
   config_.validate();
+  const int group_size = tensor_parallel_.size;
+  check_tensor_parallel(config_, group_size);
+  FP8T_CHECK(tensor_parallel_.rank >= 0 && tensor_parallel_.rank < group_size,
+             "expected a tensor-parallel rank in [0, {}), found {}", group_size,
+             tensor_parallel_.rank);
+  FP8T_CHECK(!tensor_parallel_.split() ||
+                 (tensor_parallel_.sum_bf16 && tensor_parallel_.sum && tensor_parallel_.max),
+             "expected the tensor-parallel group's collectives, found none");
+  if (tensor_parallel_.split() && precision_.fp8_attention) {
+    throw ConfigError(fmt::format(
+        "fp8_dot_product_attention does not run with tensor_model_parallel_size {}", group_size));
+  }
+  heads_ = config_.n_head / group_size;
+  kv_heads_ = config_.n_kv_head / group_size;
+  hidden_ = 4 * int64_t{config_.n_embd} / group_size;
   FP8T_CHECK(batch >= 1, "expected a batch of at least 1, found {}", batch);
   FP8T_CHECK(seq >= 2 && seq <= config_.sequence_len,
              "expected a sequence of 2 to {} tokens, found {}", config_.sequence_len, seq);
@@ -146,6 +186,15 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
   }
   buffers_ = std::make_unique<Buffers>(static_cast<size_t>(tokens_), precision_);
   linear_precision_ = decide_precision(config_, precision_.policy);
+  for (LinearPrecision& decision : linear_precision_) {  // shares a block recipe cannot cast
+    const LinearShare share = share_of(decision.linear, tensor_parallel_);
+    if (std::optional<std::string> why = tensor_parallel_share_reason(
+            share.in_features, share.out_features, precision_.fp8.recipe, tensor_parallel_.size);
+        decision.fp8 && share.split != TensorSplit::None && why) {
+      decision.fp8 = false;
+      decision.reason = *why;
+    }
+  }
 
   layout_ = optim::device_parameter_layout(config_, /*bf16_embeddings=*/true);
   plan_gradient_ranges();
@@ -159,9 +208,10 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
     CudaGptMemory planned = memory_;
     for (const LinearPrecision& decision : linear_precision_) {
       if (decision.linear.kind == ParamKind::Gate) continue;  // kernels of their own
+      const LinearShare share = share_of(decision.linear, tensor_parallel_);
       planned.linear_copies +=
-          ops::linear_weight_bytes(decision.linear.in_features, decision.linear.out_features,
-                                   /*bias=*/false, decision.fp8, precision_.fp8.recipe);
+          ops::linear_weight_bytes(share.in_features, share.out_features, /*bias=*/false,
+                                   decision.fp8, precision_.fp8.recipe);
     }
     check_plan(planned, layout_, buffers_->region_bytes);
   }
@@ -193,7 +243,8 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
   for (const LinearPrecision& decision : linear_precision_)
     fp8_of[decision.linear.name] = decision.fp8;
   // Blockwise: c_q, c_k and c_v compute their weight gradients as one GEMM where all three are
-  // FP8 and their gradients lie back to back (kernels::LinearSetup::wgrad_group).
+  // FP8 and their gradients lie back to back (kernels::LinearSetup::wgrad_group): whole, not as
+  // tensor-parallel shares.
   const auto qkv_wgrad_group = [&](const LinearSpec& linear) {
     kernels::LinearSetup::WgradGroup group;
     constexpr std::array<std::string_view, 3> kParts = {"attn.c_q", "attn.c_k", "attn.c_v"};
@@ -202,7 +253,7 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
     });
     const int64_t rows = linear.out_features;  // each of the three is [rows, in]
     if (part == kParts.end() || precision_.fp8.recipe != ScalingRecipe::Blockwise ||
-        !precision_.fp8_wgrad ||
+        !precision_.fp8_wgrad || tensor_parallel_.split() ||
         !kernels::holds_wgrad_group(buffers_->fp8_scratch, tokens_, linear.in_features, 3 * rows)) {
       return group;
     }
@@ -219,9 +270,23 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
   };
   for (const LinearPrecision& decision : linear_precision_) {
     if (decision.linear.kind == ParamKind::Gate) continue;  // the gates are kernels of their own
+    const LinearShare share = share_of(decision.linear, tensor_parallel_);
     kernels::LinearSetup setup;
-    setup.in_features = decision.linear.in_features;
-    setup.out_features = decision.linear.out_features;
+    setup.in_features = share.in_features;
+    setup.out_features = share.out_features;
+    if (share.split == TensorSplit::Inputs) {
+      setup.weight_stride = decision.linear.in_features;
+      setup.weight_staging = buffers_->weight_staging;
+    }
+    if (share.split != TensorSplit::None) {
+      // Column-parallel: the weight and the output gradient are shares, the input is whole;
+      // row-parallel: the input and the weight are shares.
+      const bool outputs = share.split == TensorSplit::Outputs;
+      setup.split_roles = {!outputs, true, outputs};
+      setup.group_max = [this](float* amax, cudaStream_t amax_stream) {
+        tensor_parallel_.max(amax, 1, amax_stream);
+      };
+    }
     setup.max_tokens = tokens_;
     setup.fp8 = decision.fp8;
     setup.fp8_config = precision_.fp8;
@@ -243,6 +308,7 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
     if (decision.fp8) setup.wgrad_group = qkv_wgrad_group(decision.linear);
     Linear linear;
     linear.weight = decision.linear.name + ".weight";
+    linear.offset = share.offset;
     const std::string& name = decision.linear.name;
     if (decision.fp8) {
       const int index = static_cast<int>(fp8_index_of.size());
@@ -305,9 +371,10 @@ void CudaGptModel::lay_out() {
   Buffers& b = *buffers_;
   const auto N = static_cast<size_t>(tokens_);
   const auto C = static_cast<size_t>(config_.n_embd);
-  const auto H = static_cast<size_t>(config_.n_head);
-  const auto Hkv = static_cast<size_t>(config_.n_kv_head);
+  const auto H = static_cast<size_t>(heads_);
+  const auto Hkv = static_cast<size_t>(kv_heads_);
   const auto D = static_cast<size_t>(config_.head_dim());
+  const auto hidden = static_cast<size_t>(hidden_);
   const auto vocab = static_cast<size_t>(config_.padded_vocab());
 
   parameters_ = b.parameters.take<float>(static_cast<size_t>(layout_.fp32_parameter_elements()));
@@ -349,7 +416,7 @@ void CudaGptModel::lay_out() {
     }
     layer.mlp_norm = act.take<bf16>(N * C);
     layer.mlp_rstd = act.take<float>(N);
-    layer.fc = act.take<bf16>(N * 4 * C);
+    layer.fc = act.take<bf16>(N * hidden);
   };
   // Full recompute: the blocks at the same place of their groups share one set, and only a
   // group's last block (and the backout layer, which the final mix reads) keeps its output.
@@ -394,7 +461,7 @@ void CudaGptModel::lay_out() {
   // recompute the forward runs inside the backward too: its temporaries follow the backward's.
   const auto lay_out_region = [&](uint8_t* base) {
     RegionPieces both(base, 0);
-    b.fc_act = both.take<bf16>(N * 4 * C);
+    b.fc_act = both.take<bf16>(N * hidden);
     b.value_embed = both.take<bf16>(N * Hkv * D);
     RegionPieces backward(base, both.end());
     b.dres = backward.take<bf16>(N * C);
@@ -408,7 +475,7 @@ void CudaGptModel::lay_out() {
     b.dq_lin = backward.take<bf16>(N * H * D);
     b.dk_lin = backward.take<bf16>(N * Hkv * D);
     b.dvalue_embed = backward.take<bf16>(N * Hkv * D);
-    b.dfc_act = backward.take<bf16>(N * 4 * C);
+    b.dfc_act = backward.take<bf16>(N * hidden);
     RegionPieces forward(base, recompute_groups_.empty() ? both.end() : backward.end());
     b.input = forward.take<bf16>(N * C);
     b.mid = forward.take<bf16>(N * C);
@@ -426,22 +493,27 @@ void CudaGptModel::lay_out() {
                                ws.take<uint8_t>(N * Hkv * D), ws.take<uint8_t>(N * Hkv * D)};
   }
 
-  // FP8: the scaling floats and the quantization scratch of the largest linear.
+  // FP8: the scaling floats and the quantization scratch of the largest linear (share); the
+  // row-parallel shares' columns of their weights, gathered in turn.
   int fp8_count = 0;
-  size_t max_in = 0, max_out = 0;
+  int64_t max_in = 0, max_out = 0, max_staged = 0;
   for (const LinearPrecision& decision : linear_precision_) {
-    if (!decision.fp8 || decision.linear.kind == ParamKind::Gate) continue;
+    if (decision.linear.kind == ParamKind::Gate) continue;
+    const LinearShare share = share_of(decision.linear, tensor_parallel_);
+    if (share.split == TensorSplit::Inputs)
+      max_staged = std::max(max_staged, share.in_features * share.out_features);
+    if (!decision.fp8) continue;
     ++fp8_count;
-    max_in = std::max(max_in, static_cast<size_t>(decision.linear.in_features));
-    max_out = std::max(max_out, static_cast<size_t>(decision.linear.out_features));
+    max_in = std::max(max_in, share.in_features);
+    max_out = std::max(max_out, share.out_features);
   }
+  b.weight_staging = max_staged > 0 ? ws.take<float>(static_cast<size_t>(max_staged)) : nullptr;
   b.scalings.take(b.linear_scratch, fp8_count);
   if (fp8_count > 0) {
     DeviceArena& scratch = b.linear_scratch;
     // The backward scratch fits the MLP's layers whole; lm_head takes its tokens in chunks.
-    b.fp8_scratch = kernels::take_fp8_scratch(scratch, precision_.fp8.recipe, tokens_,
-                                              static_cast<int64_t>(max_in),
-                                              static_cast<int64_t>(max_out), 4 * config_.n_embd);
+    b.fp8_scratch = kernels::take_fp8_scratch(scratch, precision_.fp8.recipe, tokens_, max_in,
+                                              max_out, std::max<int64_t>(hidden_, C));
   }
 }
 
@@ -471,9 +543,22 @@ float* CudaGptModel::gradient(const std::string& name) const {
   return gradients_ + layout_[name].offset;
 }
 
+const float* CudaGptModel::weight(const Linear& linear) const {
+  return parameter(linear.weight) + linear.offset;
+}
+
+float* CudaGptModel::weight_gradient(const Linear& linear) const {
+  return gradient(linear.weight) + linear.offset;
+}
+
+void CudaGptModel::sum_partials(bf16* values, int64_t count) {
+  if (tensor_parallel_.split())
+    tensor_parallel_.sum_bf16(values, static_cast<size_t>(count), stream_);
+}
+
 const bf16* CudaGptModel::mlp_activation(const bf16* fc, const ops::cuda::CudaLinear& mlp_proj) {
   if (mlp_proj.input_relu2()) return fc;
-  const int64_t count = tokens_ * 4 * config_.n_embd;
+  const int64_t count = tokens_ * hidden_;
   ops::cuda::relu2_forward(buffers_->fc_act, fc, count, stream_);
   return buffers_->fc_act;
 }
@@ -510,14 +595,19 @@ double CudaGptModel::loss_value() {
 
 void CudaGptModel::prepare_weights() {
   for (auto& [name, linear] : buffers_->linears)
-    linear.layer->prepare_weight(parameter(linear.weight), training_, stream_);
+    linear.layer->prepare_weight(weight(linear), training_, stream_);
   weights_ready_ = true;
 }
 
 void CudaGptModel::end_step() {
   weights_ready_ = false;
-  keep_cuda_fp8_health(buffers_->linears, buffers_->scalings, fp8_health_, stream_);
-  buffers_->scalings.end_step(stream_);
+  CudaLinearScalings& scalings = buffers_->scalings;
+  keep_cuda_fp8_health(buffers_->linears, scalings, fp8_health_, stream_);
+  // Delayed scaling: the group's largest amaxes, so that the split tensors' scales stay the same
+  // on every rank (the other floats are the same everywhere: their maximum is themselves).
+  if (tensor_parallel_.split() && !scalings.delayed_scalings().empty())
+    tensor_parallel_.max(scalings.device_floats(), scalings.float_count(), stream_);
+  scalings.end_step(stream_);
 }
 
 void CudaGptModel::set_record_fp8_health(bool record) {
@@ -546,7 +636,8 @@ const bf16* CudaGptModel::previous_output(int index) const {
 
 void CudaGptModel::block_forward(int index, bool record) {
   const int64_t B = batch_, T = seq_, N = tokens_, C = config_.n_embd;
-  const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
+  const int64_t H = heads_, Hkv = kv_heads_, D = config_.head_dim();
+  const int rank = tensor_parallel_.rank;
   const int64_t vocab = config_.padded_vocab();
   Buffers& b = *buffers_;
   cudaStream_t s = stream_;
@@ -562,13 +653,15 @@ void CudaGptModel::block_forward(int index, bool record) {
   c_q.forward(layer.attn_norm, N, b.q_lin, record, s);
   linear(prefix + "attn.c_k").layer->forward(layer.attn_norm, N, b.k_lin, record, s);
   linear(prefix + "attn.c_v").layer->forward(layer.attn_norm, N, layer.v, record, s);
-  if (config_.has_value_embedding(index)) {
-    kernels::embedding_forward(b.value_embed, b.idx,
-                               embedding_table(fmt::format("value_embeds.{}.weight", index)), N,
-                               vocab, Hkv * D, s);
-    kernels::value_gate_forward(layer.v, layer.value_gate, layer.attn_norm, b.value_embed,
-                                parameter(prefix + "attn.ve_gate.weight"),
-                                {N, C, Hkv, D, kValueGateChannels}, s);
+  if (config_.has_value_embedding(index)) {  // this rank's kv heads' columns and gates
+    kernels::embedding_forward(
+        b.value_embed, b.idx,
+        embedding_table(fmt::format("value_embeds.{}.weight", index)) + rank * Hkv * D, N, vocab,
+        Hkv * D, s, config_.kv_dim());
+    kernels::value_gate_forward(
+        layer.v, layer.value_gate, layer.attn_norm, b.value_embed,
+        parameter(prefix + "attn.ve_gate.weight") + rank * Hkv * kValueGateChannels,
+        {N, C, Hkv, D, kValueGateChannels}, s);
   }
   kernels::rotary_rmsnorm_forward(layer.q, layer.q_rstd, b.q_lin, b.rotary_cos, b.rotary_sin,
                                   q_shape, kEps, s);
@@ -582,14 +675,19 @@ void CudaGptModel::block_forward(int index, bool record) {
     b.attention.forward(layer.attn_out, layer.stats, layer.q, layer.k, layer.v, shape,
                         config_.attention_scale(), s);
   }
-  // The residual adds happen in the projections' GEMM epilogues.
-  linear(prefix + "attn.c_proj").layer->forward(layer.attn_out, N, b.mid, record, s, b.input);
+  // The residual adds happen in the projections' GEMM epilogues (under tensor parallelism the
+  // first rank's, before the partial outputs are summed).
+  const auto residual = [&](const bf16* x) { return rank == 0 ? x : nullptr; };
+  linear(prefix + "attn.c_proj")
+      .layer->forward(layer.attn_out, N, b.mid, record, s, residual(b.input));
+  sum_partials(b.mid, N * C);
   kernels::CudaLinear& c_fc = *linear(prefix + "mlp.c_fc").layer;
   kernels::rmsnorm_forward(layer.mlp_norm, layer.mlp_rstd, b.mid, N, C, kEps, s,
                            c_fc.fused_input_cast(record, s));
   c_fc.forward(layer.mlp_norm, N, layer.fc, record, s);
   kernels::CudaLinear& mlp_proj = *linear(prefix + "mlp.c_proj").layer;
-  mlp_proj.forward(mlp_activation(layer.fc, mlp_proj), N, layer.output, record, s, b.mid);
+  mlp_proj.forward(mlp_activation(layer.fc, mlp_proj), N, layer.output, record, s, residual(b.mid));
+  sum_partials(layer.output, N * C);
 }
 
 void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with_gradient) {
@@ -637,22 +735,36 @@ void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with
 }
 
 void CudaGptModel::plan_gradient_ranges() {
-  std::map<std::string, int> group_of;
-  for (const ParamSpec& spec : gpt_parameters(config_))
-    group_of[spec.name] = backward_gradient_group(spec, config_.n_layer);
+  std::map<std::string, const ParamSpec*> spec_of;
+  const std::vector<ParamSpec> specs = gpt_parameters(config_);
+  for (const ParamSpec& spec : specs)
+    spec_of[spec.name] = &spec;
   gradient_ranges_.assign(static_cast<size_t>(config_.n_layer + 2), {});
-  const auto& parameters = layout_.parameters;
-  for (size_t i = 0; i < parameters.size(); ++i) {
-    const int64_t offset = parameters[i].offset;
-    const int64_t end =
-        i + 1 < parameters.size() ? parameters[i + 1].offset : layout_.total_elements;
-    auto& ranges = gradient_ranges_[static_cast<size_t>(group_of.at(parameters[i].name))];
+  split_gradient_ranges_.clear();
+  const auto add = [](std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t offset,
+                      int64_t end) {
     if (!ranges.empty() && ranges.back().first + ranges.back().second == offset) {
       ranges.back().second += end - offset;  // adjacent: one range
     } else {
       ranges.emplace_back(offset, end - offset);
     }
+  };
+  const auto& parameters = layout_.parameters;
+  for (size_t i = 0; i < parameters.size(); ++i) {
+    const int64_t offset = parameters[i].offset;
+    const int64_t end =
+        i + 1 < parameters.size() ? parameters[i + 1].offset : layout_.total_elements;
+    const ParamSpec& spec = *spec_of.at(parameters[i].name);
+    add(gradient_ranges_[static_cast<size_t>(backward_gradient_group(spec, config_.n_layer))],
+        offset, end);
+    if (tensor_parallel_.split() && gpt_split_parameter(spec))
+      add(split_gradient_ranges_, offset, end);
   }
+}
+
+void CudaGptModel::gather_split_gradients() {
+  for (const auto& [offset, count] : split_gradient_ranges_)
+    tensor_parallel_.sum(gradients_ + offset, static_cast<size_t>(count), stream_);
 }
 
 void CudaGptModel::report_gradients(size_t group) const {
@@ -663,7 +775,8 @@ void CudaGptModel::report_gradients(size_t group) const {
 
 void CudaGptModel::backward() {
   const int64_t B = batch_, T = seq_, N = tokens_, C = config_.n_embd;
-  const int64_t H = config_.n_head, Hkv = config_.n_kv_head, D = config_.head_dim();
+  const int64_t H = heads_, Hkv = kv_heads_, D = config_.head_dim();
+  const int rank = tensor_parallel_.rank;
   const int64_t vocab = config_.padded_vocab();
   Buffers& b = *buffers_;
   FP8T_CHECK(b.forward_has_gradient, "backward() needs a forward with the gradient first");
@@ -702,16 +815,18 @@ void CudaGptModel::backward() {
     // MLP: output = mid + c_proj(relu²(c_fc(norm(mid))))
     Linear& mlp_proj = linear(prefix + "mlp.c_proj");
     mlp_proj.layer->backward(b.dres, mlp_activation(layer.fc, *mlp_proj.layer), N, b.dfc_act, false,
-                             gradient(mlp_proj.weight), record, s);
-    kernels::CudaLinear& c_fc = *linear(prefix + "mlp.c_fc").layer;
-    float* c_fc_gradient = gradient(prefix + "mlp.c_fc.weight");
+                             weight_gradient(mlp_proj), record, s);
+    const Linear& mlp_fc = linear(prefix + "mlp.c_fc");
+    kernels::CudaLinear& c_fc = *mlp_fc.layer;
+    float* c_fc_gradient = weight_gradient(mlp_fc);
     if (c_fc.output_relu2()) {  // its gradient cast reads d relu²(fc) and fc
       c_fc.backward(b.dfc_act, layer.mlp_norm, N, b.dnorm, false, c_fc_gradient, record, s,
                     layer.fc);
     } else {
-      kernels::relu2_backward(b.fc_act, b.dfc_act, layer.fc, N * 4 * C, GradStore::Write, s);
+      kernels::relu2_backward(b.fc_act, b.dfc_act, layer.fc, N * hidden_, GradStore::Write, s);
       c_fc.backward(b.fc_act, layer.mlp_norm, N, b.dnorm, false, c_fc_gradient, record, s);
     }
+    sum_partials(b.dnorm, N * C);
     kernels::rmsnorm_backward(b.dres, b.dnorm, layer.mlp_norm, layer.mlp_rstd, N, C, GradStore::Add,
                               s);  // dres: d mid
 
@@ -719,9 +834,9 @@ void CudaGptModel::backward() {
     const ops::AttentionShape shape{B, T, H, Hkv, D, config_.window(index)};
     if (b.fp8_attention)
       b.fp8_attention->read_output(layer.attn_out, layer.fp8_attention, shape, s);
-    linear(prefix + "attn.c_proj")
-        .layer->backward(b.dres, layer.attn_out, N, b.dattn_out, false,
-                         gradient(prefix + "attn.c_proj.weight"), record, s);
+    const Linear& attn_proj = linear(prefix + "attn.c_proj");
+    attn_proj.layer->backward(b.dres, layer.attn_out, N, b.dattn_out, false,
+                              weight_gradient(attn_proj), record, s);
     if (b.fp8_attention) {
       b.fp8_attention->backward(b.dq, b.dk, b.dv, b.dattn_out, layer.fp8_attention, layer.stats,
                                 b.fp8_attention_scratch, shape, config_.attention_scale(), s);
@@ -733,25 +848,26 @@ void CudaGptModel::backward() {
                                      b.rotary_sin, q_shape, GradStore::Write, s);
     kernels::rotary_rmsnorm_backward(b.dk_lin, b.dk, layer.k, layer.k_rstd, b.rotary_cos,
                                      b.rotary_sin, k_shape, GradStore::Write, s);
-    linear(prefix + "attn.c_q")
-        .layer->backward(b.dq_lin, layer.attn_norm, N, b.dnorm, false,
-                         gradient(prefix + "attn.c_q.weight"), record, s);
-    linear(prefix + "attn.c_k")
-        .layer->backward(b.dk_lin, layer.attn_norm, N, b.dnorm, true,
-                         gradient(prefix + "attn.c_k.weight"), record, s);
-    linear(prefix + "attn.c_v")
-        .layer->backward(b.dv, layer.attn_norm, N, b.dnorm, true,
-                         gradient(prefix + "attn.c_v.weight"), record, s);
-    if (config_.has_value_embedding(index)) {
-      const std::string table = fmt::format("value_embeds.{}.weight", index);
-      kernels::embedding_forward(b.value_embed, b.idx, embedding_table(table), N, vocab, Hkv * D,
-                                 s);
-      kernels::value_gate_backward(b.dnorm, gradient(prefix + "attn.ve_gate.weight"),
-                                   b.dvalue_embed, b.dv, layer.attn_norm, b.value_embed,
-                                   parameter(prefix + "attn.ve_gate.weight"), layer.value_gate,
-                                   {N, C, Hkv, D, kValueGateChannels}, b.reduction, s);
-      kernels::embedding_backward(gradient(table), b.dvalue_embed, b.idx, N, vocab, Hkv * D, s);
+    const std::array<std::pair<const char*, const bf16*>, 3> projections = {
+        {{"attn.c_q", b.dq_lin}, {"attn.c_k", b.dk_lin}, {"attn.c_v", b.dv}}};
+    for (const auto& [name, dy] : projections) {
+      const Linear& projection = linear(prefix + name);
+      projection.layer->backward(dy, layer.attn_norm, N, b.dnorm, dy != b.dq_lin,
+                                 weight_gradient(projection), record, s);
     }
+    if (config_.has_value_embedding(index)) {  // this rank's kv heads' columns and gates
+      const std::string table = fmt::format("value_embeds.{}.weight", index);
+      const int64_t columns = rank * Hkv * D, gates = rank * Hkv * kValueGateChannels;
+      kernels::embedding_forward(b.value_embed, b.idx, embedding_table(table) + columns, N, vocab,
+                                 Hkv * D, s, config_.kv_dim());
+      kernels::value_gate_backward(
+          b.dnorm, gradient(prefix + "attn.ve_gate.weight") + gates, b.dvalue_embed, b.dv,
+          layer.attn_norm, b.value_embed, parameter(prefix + "attn.ve_gate.weight") + gates,
+          layer.value_gate, {N, C, Hkv, D, kValueGateChannels}, b.reduction, s);
+      kernels::embedding_backward(gradient(table) + columns, b.dvalue_embed, b.idx, N, vocab,
+                                  Hkv * D, s, config_.kv_dim());
+    }
+    sum_partials(b.dnorm, N * C);
     kernels::rmsnorm_backward(b.dres, b.dnorm, layer.attn_norm, layer.attn_rstd, N, C,
                               GradStore::Add, s);  // dres: d input
 

@@ -9,6 +9,13 @@
 // category (core/device_arena.h): parameters and gradients (optim::device_parameter_layout),
 // the activations saved for backward, the workspace of one step, and the weight copies and FP8
 // scratch of the linears.
+//
+// Tensor parallelism (models/tensor_parallel.h) splits each block over a group of GPUs as the CPU
+// model does: this rank computes its heads and its share of the MLP's hidden features, the
+// output projections' partial outputs are summed over the group in bf16 (the residual added by
+// the group's first rank), as are the input gradients of q, k, v and the MLP's first linear. The
+// parameters, gradients and optimizer state stay whole on every rank; each linear reads its
+// rows of the whole weight in place, or gathers its columns once per step.
 #pragma once
 
 #include <cstdint>
@@ -21,6 +28,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "models/cuda/device_tensor_parallel.h"
 #include "models/cuda/fp8_health_cuda.h"
 #include "models/cuda/linear_scalings.h"
 #include "models/gpt_config.h"
@@ -64,9 +72,12 @@ class CudaGptModel {
   // recompute: full reruns the forward of the groups it picks before their backward
   // (models/recompute.h); the path saves what selective leaves whatever the setting. Full
   // recompute does not combine with fp8_attention, whose saved state a rerun would change.
+  // tensor_parallel: the group this rank splits its blocks with; every rank of it sees the same
+  // tokens and calls forward() and backward() in step with the others. Not with fp8_attention.
   CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq, const GptPrecision& precision,
                cudaStream_t stream, const PlanCheck& check_plan = {},
-               const RecomputeOptions& recompute = {});
+               const RecomputeOptions& recompute = {},
+               const DeviceTensorParallel& tensor_parallel = {});
   ~CudaGptModel();
   CudaGptModel(const CudaGptModel&) = delete;
   CudaGptModel& operator=(const CudaGptModel&) = delete;
@@ -100,8 +111,13 @@ class CudaGptModel {
   // Queues the forward; with_gradient also writes the loss's gradient into the logits, ready
   // for backward(). The mean loss lands on the device: loss_value() reads it.
   void forward(const int32_t* idx, const int32_t* targets, bool with_gradient);
-  // Adds d(loss)/d(parameter) to the gradients. Needs a forward with_gradient first.
+  // Adds d(loss)/d(parameter) to the gradients. Needs a forward with_gradient first. Under
+  // tensor parallelism each rank adds the gradients of its shares of the split parameters only.
   void backward();
+  // Under tensor parallelism, once per optimizer step after the last backward: the split
+  // parameters' gradients summed over the group, so that every rank holds them whole, as a
+  // model without tensor parallelism does. Nothing otherwise.
+  void gather_split_gradients();
   // Called by backward(), when set, with each range of the gradients (elements of the layout)
   // as soon as the work queued on the stream completes it: lm_head's, each block's (its value
   // embedding's with it), the block below's next, and last the rest. Data parallelism reduces
@@ -148,6 +164,13 @@ class CudaGptModel {
   // What mlp.c_proj reads: the hidden layer fc itself when it casts relu²(fc) on its own, else
   // relu²(fc) in the workspace.
   const bf16* mlp_activation(const bf16* fc, const ops::cuda::CudaLinear& mlp_proj);
+  // This rank's share of a linear's weight and of its gradient (the whole without tensor
+  // parallelism): where its rows or columns start in the whole tensor.
+  const float* weight(const Linear& linear) const;
+  float* weight_gradient(const Linear& linear) const;
+  // The sum over the tensor-parallel group of a row-parallel linear's partial outputs, or of
+  // the column-parallel linears' partial input gradients (nothing without tensor parallelism).
+  void sum_partials(bf16* values, int64_t count);
   float* parameter(const std::string& name) const;  // an fp32 parameter
   const bf16* embedding_table(const std::string& name) const;
   float* gradient(const std::string& name) const;
@@ -159,6 +182,10 @@ class CudaGptModel {
   int64_t batch_, seq_, tokens_;
   GptPrecision precision_;
   std::vector<RecomputeGroup> recompute_groups_;  // full recompute's; empty otherwise
+  DeviceTensorParallel tensor_parallel_;
+  // This rank's query and kv heads and MLP hidden features (all of them without tensor
+  // parallelism).
+  int64_t heads_, kv_heads_, hidden_;
   cudaStream_t stream_;
   bool training_ = true;
   bool weights_ready_ = false;
@@ -169,6 +196,9 @@ class CudaGptModel {
   // Per group of gradients that complete together (lm_head, blocks n-1 .. 0, the rest): ranges
   // {offset, count} of the layout, padding between tensors included.
   std::vector<std::vector<std::pair<int64_t, int64_t>>> gradient_ranges_;
+  // Ranges {offset, count} of the split parameters' gradients (tensor parallelism), adjacent
+  // ones merged.
+  std::vector<std::pair<int64_t, int64_t>> split_gradient_ranges_;
   float* parameters_ = nullptr;
   bf16* bf16_parameters_ = nullptr;
   float* gradients_ = nullptr;

@@ -24,6 +24,7 @@
 #include <array>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 
 #include <cuda_runtime_api.h>
@@ -139,6 +140,21 @@ struct LinearSetup {
     int64_t rows = 0;
   };
   WgradGroup wgrad_group;
+  // A row-parallel share under tensor parallelism (models/tensor_parallel.h): the layer's weight
+  // is in_features columns of a whole weight whose rows lie weight_stride floats apart (0: a
+  // weight of its own, rows in_features apart). prepare_weight gathers the share into
+  // weight_staging (device, in_features * out_features floats; a model's layers can share one,
+  // as they prepare one at a time on one stream), and backward adds the weight gradient into the
+  // same columns of the whole gradient. Not with a wgrad_group.
+  int64_t weight_stride = 0;
+  float* weight_staging = nullptr;
+  // Tensor parallelism, tensorwise: the roles (by TensorRole) whose tensor is this rank's share
+  // of one split over the group. Their scale comes from the group's largest amax, which
+  // group_max reduces in place on the device (queued on the stream), so that every rank casts
+  // with the same scale. Delayed scaling reduces the recorded amaxes at the step's end instead
+  // (the model's), and block scales are the blocks' own.
+  std::array<bool, 3> split_roles{};
+  std::function<void(float* amax, cudaStream_t stream)> group_max;
 };
 
 class CudaLinear {
@@ -246,6 +262,10 @@ class CudaLinear {
   gemm::Fp8Operand operand(const uint8_t* data, int64_t ld, TensorRole role,
                            const float* scales = nullptr) const;
   bool blockwise() const { return setup_.fp8_config.recipe == ScalingRecipe::Blockwise; }
+  // The row stride of the whole weight and of its gradient.
+  int64_t weight_ld() const {
+    return setup_.weight_stride != 0 ? setup_.weight_stride : setup_.in_features;
+  }
   bool mx() const { return setup_.fp8_config.recipe == ScalingRecipe::Mxfp8; }
   // MXFP8's dgrad (grad_input.data null: none) and wgrad (null: none) on the quantized dŷ and
   // dŷᵗ in the scratch, as BF16 GEMMs of the dequantized operands.

@@ -1,0 +1,27 @@
+// The GPU models' tensor-parallel group (models/tensor_parallel.h has the split and the CPU
+// models' group): its collectives take device memory and run queued on the model's stream, in
+// training through NCCL (distributed/nccl_group.h). Every rank of the group calls each one, in
+// the same order.
+#pragma once
+
+#include <cstddef>
+#include <functional>
+
+#include <cuda_runtime_api.h>
+
+#include "numerics/float_bits.h"
+
+namespace fp8t {
+
+struct DeviceTensorParallel {
+  int size = 1;  // ranks in the group; 1: no tensor parallelism
+  int rank = 0;  // this rank's place in the group, 0 .. size - 1
+  // In place over the group, the same result on every rank of it. Unset when size is 1.
+  std::function<void(bf16* values, size_t count, cudaStream_t stream)> sum_bf16;
+  std::function<void(float* values, size_t count, cudaStream_t stream)> sum;
+  std::function<void(float* values, size_t count, cudaStream_t stream)> max;
+
+  bool split() const { return size > 1; }
+};
+
+}  // namespace fp8t
