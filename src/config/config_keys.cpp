@@ -635,15 +635,15 @@ std::vector<ConfigKey> build_keys() {
   keys.push_back(integer_key(
       "tensor_model_parallel_size", S::Run,
       [](auto& c) -> auto& { return c.run.tensor_model_parallel_size; }, {1},
-      "Tensor parallelism (Megatron's), the GPT on both paths and Flux on the CPU path: groups "
-      "of this many consecutive ranks split "
-      "each block's heads (the query, key and value projections by output, the attention's "
-      "output projection by input) and MLP hidden features (the first MLP linear by output, the "
-      "second by input; Flux's single blocks: linear1 by output, linear2 by input), sum the "
-      "partial outputs over the group, and see the same micro-batches; the groups are the "
-      "data-parallel replicas. FP8 per-tensor scales of split tensors come from the group's "
-      "largest amax. Must divide the ranks, the heads (GPT: query and kv heads) and the MLP's "
-      "hidden features; the weights and optimizer state stay whole on every rank. 1: none."));
+      "Tensor parallelism (Megatron's), CPU and GPU paths: groups of this many consecutive ranks "
+      "split each block's heads (the query, key and value projections by output, the "
+      "attention's output projection by input) and MLP hidden features (the first MLP linear "
+      "by output, the second by input; Flux's single blocks: linear1 by output, linear2 by "
+      "input), sum the partial outputs over the group, and see the same micro-batches; the "
+      "groups are the data-parallel replicas. FP8 per-tensor scales of split tensors come from "
+      "the group's largest amax. Must divide the ranks, the heads (GPT: query and kv heads) and "
+      "the MLP's hidden features; the weights and optimizer state stay whole on every rank. 1: "
+      "none."));
   keys.push_back(boolean_key(
       "gemm_autotune", S::Run, [](auto& c) -> auto& { return c.run.gemm_autotune; },
       "GPU path: the first GEMM of each new problem (sizes, types, scale modes, epilogue) runs "

@@ -730,26 +730,31 @@ float* FluxModel::gradient(const std::string& name) {
   return (*gradients_)[name].data<float>();
 }
 
-WeightShare FluxModel::share_of(const FluxLinear& linear) const {
-  const int64_t out = linear.out_features, in = linear.in_features;
-  if (!tensor_parallel_.split()) return WeightShare(out, in);
-  const int64_t rank = tensor_parallel_.rank, C = config_.hidden_size;
-  const int64_t A = C / tensor_parallel_.size, M = config_.mlp_hidden() / tensor_parallel_.size;
+TensorShare flux_tensor_share(const FluxLinear& linear, const FluxConfig& config, int size,
+                              int rank) {
+  if (size == 1) return {};
+  const int64_t C = config.hidden_size, A = C / size, M = config.mlp_hidden() / size;
   const auto ends_with = [&](std::string_view suffix) { return linear.name.ends_with(suffix); };
-  // q, k and v: this rank's heads of each; the MLP: its share of the hidden features.
   const std::vector<ShareSegment> heads = {{rank * A, A}, {C + rank * A, A}, {2 * C + rank * A, A}};
-  if (ends_with("_attn.qkv")) return WeightShare(Split::Outputs, heads, out, in);
+  if (ends_with("_attn.qkv")) return {TensorSplit::Outputs, heads};
   if (ends_with(".linear1")) {
     std::vector<ShareSegment> rows = heads;
     rows.push_back({3 * C + rank * M, M});
-    return WeightShare(Split::Outputs, rows, out, in);
+    return {TensorSplit::Outputs, rows};
   }
-  if (ends_with("_mlp.0")) return WeightShare(Split::Outputs, {{rank * M, M}}, out, in);
-  if (ends_with("_attn.proj")) return WeightShare(Split::Inputs, {{rank * A, A}}, out, in);
-  if (ends_with("_mlp.2")) return WeightShare(Split::Inputs, {{rank * M, M}}, out, in);
-  if (ends_with(".linear2"))
-    return WeightShare(Split::Inputs, {{rank * A, A}, {C + rank * M, M}}, out, in);
-  return WeightShare(out, in);
+  if (ends_with("_mlp.0")) return {TensorSplit::Outputs, {{rank * M, M}}};
+  if (ends_with("_attn.proj")) return {TensorSplit::Inputs, {{rank * A, A}}};
+  if (ends_with("_mlp.2")) return {TensorSplit::Inputs, {{rank * M, M}}};
+  if (ends_with(".linear2")) return {TensorSplit::Inputs, {{rank * A, A}, {C + rank * M, M}}};
+  return {};
+}
+
+WeightShare FluxModel::share_of(const FluxLinear& linear) const {
+  const int64_t out = linear.out_features, in = linear.in_features;
+  const TensorShare share =
+      flux_tensor_share(linear, config_, tensor_parallel_.size, tensor_parallel_.rank);
+  if (share.split == Split::None) return WeightShare(out, in);
+  return WeightShare(share.split, share.segments, out, in);
 }
 
 void FluxModel::sum_over_group(float* values, int64_t count) {

@@ -50,6 +50,13 @@ struct FluxLinear {
   int block = -1;  // double blocks first, then single ones; -1 outside the blocks
 };
 
+// This rank's share of a linear under tensor parallelism over `size` ranks: for q, k and v (a
+// double block's qkv, a single block's linear1) the rank's heads of each, for the MLP its share
+// of the hidden features (by rows of mlp.0 and linear1, by columns of mlp.2 and linear2), the
+// attention's output projections by the columns of its heads; the rest is not split.
+TensorShare flux_tensor_share(const FluxLinear& linear, const FluxConfig& config, int size,
+                              int rank);
+
 // Every linear, in flux_parameters() order.
 std::vector<FluxLinear> flux_linears(const FluxConfig& config);
 

@@ -18,6 +18,13 @@ struct ShareSegment {
   int64_t count = 0;
 };
 
+// A rank's share of a linear: how tensor parallelism splits it, and the rank's runs of rows or
+// columns of the whole weight, in order (none when it is not split).
+struct TensorShare {
+  TensorSplit split = TensorSplit::None;
+  std::vector<ShareSegment> segments;
+};
+
 class WeightShare {
  public:
   // The whole weight, [whole_out, whole_in]. None: the share is the whole weight.

@@ -27,8 +27,8 @@
 #include "core/cuda_check.h"
 #include "core/cuda_resources.h"
 #include "models/cuda/gpt_model_cuda.h"
+#include "train/cuda_tensor_group.h"
 #if FP8TRAIN_WITH_NCCL
-#include "distributed/nccl_group.h"
 #include "train/cuda_rank_sums.h"
 #endif
 #include "ops/cuda/gpt_gates.h"
@@ -62,27 +62,6 @@ void check_gpu_precision(const ModelPrecision& precision) {
 
 namespace {
 
-// This rank's tensor-parallel group on the GPU: an NCCL communicator of the group's own ranks,
-// split off one of every rank. No group without tensor parallelism (and in builds without NCCL,
-// where make_cuda_engine refuses several ranks).
-struct TensorGroup {
-#if FP8TRAIN_WITH_NCCL
-  std::unique_ptr<distributed::NcclGroup> nccl;
-#endif
-  DeviceTensorParallel device;
-
-  explicit TensorGroup(const EngineSetup& setup) {
-#if FP8TRAIN_WITH_NCCL
-    if (setup.communicator == nullptr || setup.layout.tensor == 1) return;
-    distributed::NcclGroup every_rank(*setup.communicator);
-    nccl = every_rank.tensor_parallel_group(setup.layout);
-    device = nccl->device_tensor_parallel(setup.layout);
-#else
-    static_cast<void>(setup);
-#endif
-  }
-};
-
 class CudaEngine final : public TrainingEngine {
  public:
   CudaEngine(const EngineSetup& setup, GpuInfo gpu)
@@ -93,7 +72,7 @@ class CudaEngine final : public TrainingEngine {
                     ParameterSet::planned_bytes(setup.model, DType::F32)),
         host_parameters_(host_arena_, setup.model, DType::F32),
         sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
-        tensor_group_(setup),
+        tensor_group_(setup.communicator, setup.layout),
         host_optimizer_(setup.model, setup.optimizer, setup.tokens_per_step,
                         sharded_ ? setup.communicator->rank() : 0,
                         sharded_ ? setup.communicator->size() : 1),
@@ -328,7 +307,7 @@ class CudaEngine final : public TrainingEngine {
   Arena host_arena_;
   ParameterSet host_parameters_;
   bool sharded_;  // ZeRO-1: this rank updates its share of the parameters
-  TensorGroup tensor_group_;
+  CudaTensorGroup tensor_group_;
   optim::GptOptimizer host_optimizer_;
   CudaGptModel model_;
   optim::CudaGptOptimizer optimizer_;

@@ -1,5 +1,7 @@
 // The GPU path of Flux training: CudaFluxModel and CudaAdamW on the device, the parameters and
-// optimizer state mirrored on the host for checkpoints and sample grids only.
+// optimizer state mirrored on the host for checkpoints and sample grids only. Under tensor
+// parallelism the blocks split over each group's GPUs as the GPT's do (train/cuda_engine.cpp):
+// the split gradients gathered over the group, then every gradient summed over all ranks.
 #include <algorithm>
 #include <memory>
 #include <string>
@@ -23,6 +25,7 @@
 #include "models/flux_memory.h"
 #include "ops/cuda/flux_ops.h"
 #include "optim/cuda/adamw_cuda.h"
+#include "train/cuda_tensor_group.h"
 #endif
 #if FP8TRAIN_WITH_NCCL
 #include "train/cuda_rank_sums.h"
@@ -40,8 +43,9 @@ class FluxCudaEngine final : public FluxEngine {
       : gpu_(std::move(gpu)),
         communicator_(setup.communicator),
         img_ids_(setup.img_ids),
+        tensor_group_(setup.communicator, setup.layout),
         model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision,
-               stream_.get(), setup.recompute),
+               stream_.get(), setup.recompute, tensor_group_.device),
         sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
         host_arena_("parameters (host mirror)",
                     FluxParameterSet::planned_bytes(setup.model, DType::F32)),
@@ -100,7 +104,9 @@ class FluxCudaEngine final : public FluxEngine {
     model_.zero_gradients();
     StepResult result;
     // Each micro-batch's loss gradient is scaled by 1/(A·R): the gradient of the mean loss over
-    // every rank's micro-batches, once the ranks' gradients are summed.
+    // every rank's micro-batches, once the ranks' gradients are summed (under tensor parallelism
+    // a group's ranks hold the same gradients by then: the sum over all ranks counts each
+    // replica's as many times as the group has ranks, and so does R).
     const int ranks = communicator_ != nullptr ? communicator_->size() : 1;
     const auto total = static_cast<double>(std::ssize(micro_batches) * ranks);
     const auto share = static_cast<float>(1.0 / total);
@@ -109,6 +115,7 @@ class FluxCudaEngine final : public FluxEngine {
       model_.backward();
       result.loss += model_.loss_value();
     }
+    model_.gather_split_gradients();
     if (ranks > 1) {
       sum_gradients();
       communicator_->sum(&result.loss, 1);
@@ -195,6 +202,7 @@ class FluxCudaEngine final : public FluxEngine {
   distributed::Communicator* communicator_;
   CudaStream stream_;
   std::vector<float> img_ids_;
+  CudaTensorGroup tensor_group_;
   CudaFluxModel model_;
   bool sharded_;  // ZeRO-1: this rank updates its share of the parameters
   Arena host_arena_;

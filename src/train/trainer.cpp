@@ -217,12 +217,6 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   if (several) validate(config, communicator.size());  // the batch against the job's replicas
   const distributed::ParallelLayout layout = distributed::parallel_layout(
       communicator.size(), communicator.rank(), config.run.tensor_model_parallel_size);
-  if (layout.tensor > 1 && config.is_flux() && use_cuda(config.run.device)) {
-    throw ConfigError(fmt::format(
-        "tensor_model_parallel_size: {} splits the Flux model on the CPU path only (device: "
-        "cpu); on the GPU path it splits the GPT, and Flux has data parallelism alone",
-        layout.tensor));
-  }
   if (config.is_flux()) return run_flux_training(config, communicator);
   // Rank 0 prepares the run folder and the data (the built-in corpus is tokenized on first
   // use) and prints; the others wait for it, then only read.

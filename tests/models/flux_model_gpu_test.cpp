@@ -1,10 +1,12 @@
 // The GPU Flux against the CPU Flux: the same weights and inputs give the same prediction, loss
 // and gradients within bf16-activation tolerances, in BF16 and in FP8 (tensorwise, blockwise,
-// mxfp8, and delayed after two warm-up steps, whose scales are compared too).
+// mxfp8, and delayed after two warm-up steps, whose scales are compared too); and split over a
+// tensor-parallel group, against itself whole.
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cmath>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -13,6 +15,7 @@
 
 #include "core/arena.h"
 #include "models/cuda/flux_model_cuda.h"
+#include "models/device_tensor_parallel_checks.h"
 #include "models/flux_memory.h"
 #include "models/flux_model.h"
 #include "models/flux_objective.h"
@@ -246,6 +249,17 @@ TEST_F(FluxModelGpuDelayed, MatchesTheCpuModelAfterTwoWarmUpSteps) {
   expect_steps_match(models, config, random_batch(config, rng_), Fp8Mode::Hybrid);
 }
 
+// BF16 and the per-tensor and 1x128 block recipes, and their names in the tests' names.
+const auto kRecipes = ::testing::Values(std::make_pair(Fp8Mode::None, ScalingRecipe::Tensorwise),
+                                        std::make_pair(Fp8Mode::Hybrid, ScalingRecipe::Tensorwise),
+                                        std::make_pair(Fp8Mode::Hybrid, ScalingRecipe::Delayed),
+                                        std::make_pair(Fp8Mode::Hybrid, ScalingRecipe::Blockwise));
+std::string precision_name(
+    const ::testing::TestParamInfo<std::pair<Fp8Mode, ScalingRecipe>>& test_param) {
+  return fmt::format("{}_{}", mode_name(test_param.param.first),
+                     recipe_name(test_param.param.second));
+}
+
 // Full recompute against the same GPU model without it, over two steps (the second counting FP8
 // health): the same losses and predictions, gradients up to the order of atomic sums, the same
 // FP8 health counts and delayed-scaling state, fewer saved activations, and the memory plan
@@ -309,16 +323,117 @@ TEST_P(FluxRecomputeGpu, GivesTheLossesGradientsAndFp8StateOfTheModelWithout) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Precisions, FluxRecomputeGpu,
-    ::testing::Values(std::make_pair(Fp8Mode::None, ScalingRecipe::Tensorwise),
-                      std::make_pair(Fp8Mode::Hybrid, ScalingRecipe::Tensorwise),
-                      std::make_pair(Fp8Mode::Hybrid, ScalingRecipe::Delayed),
-                      std::make_pair(Fp8Mode::Hybrid, ScalingRecipe::Blockwise)),
-    [](const auto& test_param) {
-      return fmt::format("{}_{}", mode_name(test_param.param.first),
-                         recipe_name(test_param.param.second));
-    });
+INSTANTIATE_TEST_SUITE_P(Precisions, FluxRecomputeGpu, kRecipes, precision_name);
+
+// Tensor parallelism over two ranks (threads on one GPU, each on its own stream) against the
+// same model whole, over three steps (delayed scaling's first two are its warm-up, as above, and
+// not compared): every rank has the whole model's prediction,
+// loss and, once gathered, gradients within the rounding of the partial sums; the ranks agree
+// bit for bit on the prediction, the loss, the split gradients and every FP8 scale, and their
+// weights' scales are the whole weights'.
+class FluxTensorParallelGpu : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
+
+TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfTheWholeModel) {
+  const auto [mode, recipe] = GetParam();
+  FluxConfig config = small_config();
+  config.hidden_size = 256;  // two heads of 128: each rank's share is whole 1x128 blocks
+  config.axes_dim = {32, 48, 48};
+  const FluxPrecision precision = precision_for(mode, recipe);
+  const bool fp8 = mode != Fp8Mode::None;
+  TestRng rng;
+  SCOPED_TRACE(rng.trace());
+  const auto planned = FluxParameterSet::planned_bytes(config, DType::F32);
+  Arena arena("parameters", planned);
+  FluxParameterSet parameters(arena, config, DType::F32);
+  randomize(parameters, config, rng);
+
+  constexpr int kRanks = 2;
+  std::vector<cudaStream_t> streams(kRanks + 1);
+  for (cudaStream_t& stream : streams)
+    FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
+  {
+    CudaFluxModel whole(config, kBatch, kImgTokens, kTxtTokens, precision, streams[kRanks]);
+    whole.upload_parameters(parameters);
+    testing::ThreadGroup group(kRanks);
+    std::vector<std::unique_ptr<CudaFluxModel>> ranks;
+    for (int rank = 0; rank < kRanks; ++rank) {
+      ranks.push_back(std::make_unique<CudaFluxModel>(
+          config, kBatch, kImgTokens, kTxtTokens, precision, streams[size_t(rank)],
+          RecomputeOptions{}, testing::device_member(group, rank)));
+      ranks.back()->upload_parameters(parameters);
+      ASSERT_EQ(ranks.back()->linear_precision().size(), whole.linear_precision().size());
+      for (size_t i = 0; i < whole.linear_precision().size(); ++i)
+        ASSERT_EQ(ranks.back()->linear_precision()[i].fp8, whole.linear_precision()[i].fp8);
+      EXPECT_LT(ranks.back()->memory().activations, whole.memory().activations);
+    }
+    size_t fp8_linears = 0;
+    for (const FluxLinearPrecision& decision : whole.linear_precision())
+      fp8_linears += decision.fp8;
+    if (fp8) {
+      ASSERT_GT(fp8_linears, 0u) << "no linear took the FP8 path";
+    }
+    // The gradients each rank computes a share of, summed over the group.
+    std::vector<std::string> split;
+    for (const FluxLinear& linear : flux_linears(config)) {
+      if (flux_tensor_share(linear, config, kRanks, 0).split == TensorSplit::None) continue;
+      split.push_back(linear.name + ".weight");
+      split.push_back(linear.name + ".bias");
+    }
+    for (const FluxParam& param : flux_parameters(config))
+      if (param.kind == FluxParamKind::NormScale) split.push_back(param.name);
+
+    Arena whole_arena("gradients", planned), first_arena("gradients", planned),
+        second_arena("gradients", planned);
+    FluxParameterSet whole_gradients(whole_arena, config, DType::F32);
+    FluxParameterSet first_gradients(first_arena, config, DType::F32);
+    FluxParameterSet second_gradients(second_arena, config, DType::F32);
+    const bool delayed = recipe == ScalingRecipe::Delayed && fp8;
+    for (int step = 1; step <= 3; ++step) {
+      SCOPED_TRACE(fmt::format("step {}", step));
+      const Batch batch = random_batch(config, rng);
+      const Step want = gpu_step(whole, batch);
+      std::vector<Step> got(kRanks);
+      testing::run_ranks<CudaFluxModel>(ranks, [&](CudaFluxModel& model, size_t rank) {
+        got[rank] = gpu_step(model, batch);
+        model.gather_split_gradients();
+      });
+      EXPECT_EQ(got[1].loss, got[0].loss);
+      EXPECT_EQ(got[1].prediction, got[0].prediction);
+      EXPECT_NEAR(got[0].loss, want.loss, 2e-3 * want.loss);
+      // The partial sums round to bf16 once more than the whole model's outputs, which moves an
+      // FP8 code now and then: the bounds of the GPU-against-CPU test.
+      const double bound = fp8 ? 0.2 : 0.05;
+      EXPECT_LT(testing::relative_error(got[0].prediction.data(), want.prediction.data(),
+                                        std::ssize(want.prediction)),
+                bound / 2);
+      whole.download_gradients(whole_gradients);
+      ranks[0]->download_gradients(first_gradients);
+      ranks[1]->download_gradients(second_gradients);
+      if (!delayed || step == 3) {
+        for (const FluxParam& param : flux_parameters(config)) {
+          for (const FluxParameterSet* gradients : {&first_gradients, &second_gradients}) {
+            const double error =
+                testing::relative_error((*gradients)[param.name].data<float>(),
+                                        whole_gradients[param.name].data<float>(), param.numel());
+            if (test::verbose()) fmt::print("{:48} error {:.2e}\n", param.name, error);
+            EXPECT_LT(error, bound) << param.name;
+          }
+        }
+      }
+      for (const std::string& name : split) {
+        EXPECT_EQ(std::memcmp(first_gradients[name].raw(), second_gradients[name].raw(),
+                              first_gradients[name].bytes()),
+                  0)
+            << name << ": the ranks hold other gradients";
+      }
+      testing::end_step_with_same_scales(whole, ranks, fp8_linears, recipe);
+    }
+  }
+  for (cudaStream_t stream : streams)
+    FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+INSTANTIATE_TEST_SUITE_P(Precisions, FluxTensorParallelGpu, kRecipes, precision_name);
 
 }  // namespace
 }  // namespace fp8t

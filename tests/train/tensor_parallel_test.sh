@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Tensor parallelism on the CPU path: a GPT whose blocks 2 ranks split (tensor_model_parallel_size
+# Tensor parallelism (the CPU path, or with DEVICE cuda the GPUs): a GPT whose blocks 2 ranks split (tensor_model_parallel_size
 # 2) gives the losses of one process, up to the order of the partial sums, in BF16 and in FP8
 # with tensorwise scaling; so does a job of 4 ranks, 2 data-parallel replicas of 2; a checkpoint
 # of the 2 ranks resumes on one process; a group that does not divide the job is refused, and
@@ -7,8 +7,8 @@
 # Flux's demo model on 2 ranks gives one process's losses too.
 # Usage: tensor_parallel_test.sh FP8TRAIN LAUNCHER OUTPUT_DIR FLUX_CONFIG [DEVICE]
 #   LAUNCHER: the path of mpiexec, or "nproc-per-node" (ranks that meet over TCP);
-#   FLUX_CONFIG: configs/flux_tiny.yaml; DEVICE: cpu (default), or cuda for the GPT on one GPU
-#   per rank (4 GPUs for the 2 x 2 job; Flux splits on the CPU path only and is left out).
+#   FLUX_CONFIG: configs/flux_tiny.yaml; DEVICE: cpu (default), or cuda: one GPU per rank, the
+#   2-rank runs only (the 2 x 2 job, the resume and the refusals are the CPU path's).
 set -euo pipefail
 fp8train="$1"
 launcher="$2"
@@ -70,25 +70,23 @@ for precision in bf16 tensorwise; do
   compare "$output/one_$precision/metrics.jsonl" "$output/tp2_$precision/metrics.jsonl" \
     "$precision, 2 tensor-parallel ranks"
 done
-if [[ $device == cuda ]]; then
-  echo "PASS: tensor parallelism on the GPU matches one process"
-  exit 0
+if [[ $device == cpu ]]; then
+  # 2 replicas of 2 tensor-parallel ranks: one micro-batch per replica and step.
+  ranks 4 "${args[@]}" --tensor-model-parallel-size=2 --run=tp2_dp2 >"$output/tp2_dp2.log" 2>&1 ||
+    { cat "$output/tp2_dp2.log"; echo "FAIL: the 4-rank run failed"; exit 1; }
+  grep -q "1 micro-batch(es) per step on each of 2 data-parallel replica(s) of 2 tensor-parallel" \
+    "$output/tp2_dp2.log" || { cat "$output/tp2_dp2.log"; echo "FAIL: expected 2 replicas"; exit 1; }
+  compare "$output/one_bf16/metrics.jsonl" "$output/tp2_dp2/metrics.jsonl" "bf16, 2 x 2 ranks"
+  # The 2 ranks' checkpoint holds whole tensors: one process resumes it.
+  cp -r "$output/tp2_bf16" "$output/resumed"
+  rm -rf "$output/resumed/checkpoints/step_000010"
+  "$fp8train" train "${args[@]}" --run=resumed --resume-from-step=5 >"$output/resumed.log" 2>&1 ||
+    { cat "$output/resumed.log"; echo "FAIL: the resume on one process failed"; exit 1; }
+  compare "$output/one_bf16/metrics.jsonl" "$output/resumed/metrics.jsonl" "bf16, resumed on one" 6
 fi
-# 2 replicas of 2 tensor-parallel ranks: one micro-batch per replica and step.
-ranks 4 "${args[@]}" --tensor-model-parallel-size=2 --run=tp2_dp2 >"$output/tp2_dp2.log" 2>&1 ||
-  { cat "$output/tp2_dp2.log"; echo "FAIL: the 4-rank run failed"; exit 1; }
-grep -q "1 micro-batch(es) per step on each of 2 data-parallel replica(s) of 2 tensor-parallel" \
-  "$output/tp2_dp2.log" || { cat "$output/tp2_dp2.log"; echo "FAIL: expected 2 replicas"; exit 1; }
-compare "$output/one_bf16/metrics.jsonl" "$output/tp2_dp2/metrics.jsonl" "bf16, 2 x 2 ranks"
-# The 2 ranks' checkpoint holds whole tensors: one process resumes it.
-cp -r "$output/tp2_bf16" "$output/resumed"
-rm -rf "$output/resumed/checkpoints/step_000010"
-"$fp8train" train "${args[@]}" --run=resumed --resume-from-step=5 >"$output/resumed.log" 2>&1 ||
-  { cat "$output/resumed.log"; echo "FAIL: the resume on one process failed"; exit 1; }
-compare "$output/one_bf16/metrics.jsonl" "$output/resumed/metrics.jsonl" "bf16, resumed on one" 6
 # Flux: heads, MLP, linear1 and linear2 split; BF16 (flux_tiny is too narrow for FP8 linears).
 flux_args=(--config="$flux_config" --train-iters=10 --log-every=1 --eval-every=5 --eval-iters=1
-           --save-every=0 --sample-prompts= --device=cpu --output-dir="$output")
+           --save-every=0 --sample-prompts= --device="$device" --output-dir="$output")
 "$fp8train" train "${flux_args[@]}" --run=flux_one >"$output/flux_one.log" 2>&1 ||
   { cat "$output/flux_one.log"; exit 1; }
 ranks 2 "${flux_args[@]}" --tensor-model-parallel-size=2 --run=flux_tp2 >"$output/flux_tp2.log" \
@@ -96,6 +94,10 @@ ranks 2 "${flux_args[@]}" --tensor-model-parallel-size=2 --run=flux_tp2 >"$outpu
 grep -q "per step on each of 1 data-parallel replica(s) of 2 tensor-parallel ranks" \
   "$output/flux_tp2.log" || { cat "$output/flux_tp2.log"; echo "FAIL: no Flux split"; exit 1; }
 compare "$output/flux_one/metrics.jsonl" "$output/flux_tp2/metrics.jsonl" "flux, 2 tensor-parallel ranks"
+if [[ $device == cuda ]]; then
+  echo "PASS: tensor parallelism on the GPU matches one process"
+  exit 0
+fi
 # 3 ranks cannot make groups of 2.
 if ranks 3 "${args[@]}" --tensor-model-parallel-size=2 --run=bad >"$output/bad.log" 2>&1; then
   cat "$output/bad.log"; echo "FAIL: 3 ranks in groups of 2 ran"; exit 1

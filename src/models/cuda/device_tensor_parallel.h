@@ -8,7 +8,9 @@
 #include <functional>
 
 #include <cuda_runtime_api.h>
+#include <fmt/format.h>
 
+#include "core/error.h"
 #include "numerics/float_bits.h"
 
 namespace fp8t {
@@ -23,5 +25,18 @@ struct DeviceTensorParallel {
 
   bool split() const { return size > 1; }
 };
+
+// What a GPU model checks of the group it is given: a rank in it, its collectives, and no FP8
+// attention (whose per-tensor scales would follow each rank's heads).
+inline void check_device_group(const DeviceTensorParallel& group, bool fp8_attention) {
+  FP8T_CHECK(group.rank >= 0 && group.rank < group.size,
+             "expected a tensor-parallel rank in [0, {}), found {}", group.size, group.rank);
+  FP8T_CHECK(!group.split() || (group.sum_bf16 && group.sum && group.max),
+             "expected the tensor-parallel group's collectives, found none");
+  if (group.split() && fp8_attention) {
+    throw ConfigError(fmt::format(
+        "fp8_dot_product_attention does not run with tensor_model_parallel_size {}", group.size));
+  }
+}
 
 }  // namespace fp8t

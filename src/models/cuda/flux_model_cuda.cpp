@@ -5,6 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <optional>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -18,6 +20,7 @@
 #include "gemm/cublaslt_gemm.h"
 #include "models/cuda/linear_scalings.h"
 #include "models/cuda/parameter_copies.h"
+#include "models/tensor_parallel.h"
 #include "ops/cuda/attention_cudnn.h"
 #include "ops/cuda/attention_fp8_cuda.h"
 #include "ops/cuda/flux_ops.h"
@@ -42,18 +45,32 @@ void copy_rows(bf16* dst, int64_t dst_ld, const bf16* src, int64_t src_ld, int64
                                     size_t(rows), cudaMemcpyDeviceToDevice, stream));
 }
 
+// The rows (Outputs) or columns (Inputs) of a share: all of its runs.
+int64_t share_width(const TensorShare& share) {
+  int64_t width = 0;
+  for (const ShareSegment& segment : share.segments)
+    width += segment.count;
+  return width;
+}
+
 }  // namespace
 
+// Where a linear's weight and bias and their gradients are: the whole tensors, this rank's run
+// of them in place (weight_stride when it is a run of columns), or, for a share of several runs
+// (`staged`), the whole tensors, gathered into the staging buffers around each use.
 struct CudaFluxModel::Linear {
   std::unique_ptr<kernels::CudaLinear> layer;
   float* weight = nullptr;
-  float* bias = nullptr;
+  float* bias = nullptr;  // null: none on this rank (a row-parallel bias is the first rank's)
   float* grad_weight = nullptr;
   float* grad_bias = nullptr;
   int fp8_index = -1;  // its CudaLinearScalings index; -1 outside FP8
+  TensorShare staged;  // split None: not staged
+  int64_t whole_out = 0, whole_in = 0;
 };
 
-// The joint attention of a block over [txt; img]: [B·L, C] = [B, L, H, D] unless noted.
+// The joint attention of a block over [txt; img]: [B·L, A] = [B, L, H, D] unless noted, A this
+// rank's attention width (C without tensor parallelism).
 struct CudaFluxModel::AttentionSaved {
   bf16 *q = nullptr, *k = nullptr, *v = nullptr;  // the attention's inputs
   bf16 *q_normed = nullptr, *k_normed = nullptr;  // before the scale and the rotation
@@ -136,6 +153,10 @@ struct CudaFluxModel::Buffers {
   bf16 *dq = nullptr, *dk = nullptr, *dv = nullptr;
   bf16 *d_mlp_act = nullptr, *d_mlp_hidden = nullptr, *d_qkv = nullptr;
   bf16 *d_linear1_out = nullptr, *d_linear2_in = nullptr;
+  // Tensor parallelism: the shares of several runs (Linear::staged), and the columns of a
+  // row-parallel share for its weight cast (LinearSetup::weight_staging), in turn.
+  float *staged_weight = nullptr, *staged_bias = nullptr;
+  float *staged_grad_weight = nullptr, *staged_grad_bias = nullptr;
   bool forward_has_gradient = false;
 
   // The host inputs of a micro-batch go through pinned memory: fast copies, and no wait for
@@ -154,16 +175,24 @@ struct CudaFluxModel::Buffers {
 
 CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens,
                              int64_t txt_tokens, const FluxPrecision& precision,
-                             cudaStream_t stream, const RecomputeOptions& recompute)
+                             cudaStream_t stream, const RecomputeOptions& recompute,
+                             const DeviceTensorParallel& tensor_parallel)
     : config_(config),
       batch_(batch),
       img_tokens_(img_tokens),
       txt_tokens_(txt_tokens),
       tokens_(img_tokens + txt_tokens),
       precision_(precision),
+      tensor_parallel_(tensor_parallel),
       stream_(stream),
       recompute_(flux_recompute_groups(recompute, config.double_blocks, config.single_blocks)) {
   config_.validate();
+  const int group_size = tensor_parallel_.size;
+  check_flux_tensor_parallel(config_, group_size);
+  check_device_group(tensor_parallel_, precision_.fp8_attention);
+  attention_width_ = config_.hidden_size / group_size;
+  heads_ = config_.num_heads / group_size;
+  mlp_hidden_ = config_.mlp_hidden() / group_size;
   if ((!recompute_.doubles.empty() || !recompute_.singles.empty()) && precision_.fp8_attention) {
     throw ConfigError(
         "recompute_granularity: full does not combine with fp8_dot_product_attention on the GPU "
@@ -183,6 +212,18 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
                config_.vec_in_dim + 2 * config_.timestep_dim());
   buffers_ = std::make_unique<Buffers>(precision_, static_cast<size_t>(staging_floats));
   linear_precision_ = decide_flux_precision(config_, precision_.policy);
+  for (FluxLinearPrecision& decision : linear_precision_) {  // shares a block recipe cannot cast
+    const TensorShare share = flux_tensor_share(decision.linear, config_, group_size, 0);
+    const bool outputs = share.split == TensorSplit::Outputs;
+    if (std::optional<std::string> why = tensor_parallel_share_reason(
+            outputs ? decision.linear.in_features : share_width(share),
+            outputs ? share_width(share) : decision.linear.out_features, precision_.fp8.recipe,
+            group_size);
+        decision.fp8 && share.split != TensorSplit::None && why) {
+      decision.fp8 = false;
+      decision.reason = *why;
+    }
+  }
   layout_ = optim::device_parameter_layout(config_);
   lay_out();
   for (DeviceArena* arena : {&buffers_->parameters, &buffers_->gradients, &buffers_->activations,
@@ -214,11 +255,48 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
   for (const FluxLinearPrecision& decision : linear_precision_) {
     const FluxLinear& spec = decision.linear;
     const int64_t rows = flux_linear_rows(spec, B, img_tokens_, txt_tokens_);
+    const TensorShare share = flux_tensor_share(spec, config_, group_size, tensor_parallel_.rank);
+    const TensorSplit split = share.split;
+    Linear linear;
+    linear.weight = parameter(spec.name + ".weight");
+    linear.bias = parameter(spec.name + ".bias");
+    linear.grad_weight = gradient(spec.name + ".weight");
+    linear.grad_bias = gradient(spec.name + ".bias");
+    linear.whole_out = spec.out_features;
+    linear.whole_in = spec.in_features;
     kernels::LinearSetup setup;
-    setup.in_features = spec.in_features;
-    setup.out_features = spec.out_features;
+    setup.in_features = split == TensorSplit::Inputs ? share_width(share) : spec.in_features;
+    setup.out_features = split == TensorSplit::Outputs ? share_width(share) : spec.out_features;
+    if (split == TensorSplit::Inputs && tensor_parallel_.rank != 0) {
+      linear.bias = nullptr;  // the sum over the group adds the first rank's
+      linear.grad_bias = nullptr;
+    }
+    if (share.segments.size() > 1) {
+      linear.staged = share;
+    } else if (split == TensorSplit::Outputs) {  // one run of whole rows: in place
+      const int64_t first = share.segments[0].first;
+      linear.weight += first * spec.in_features;
+      linear.grad_weight += first * spec.in_features;
+      linear.bias += first;
+      linear.grad_bias += first;
+    } else if (split == TensorSplit::Inputs) {  // one run of columns: read with the row stride
+      const int64_t first = share.segments[0].first;
+      linear.weight += first;
+      linear.grad_weight += first;
+      setup.weight_stride = spec.in_features;
+      setup.weight_staging = buffers_->staged_weight;
+    }
+    if (split != TensorSplit::None) {
+      // Column-parallel: the weight and the output gradient are shares, the input is whole;
+      // row-parallel: the input and the weight are shares.
+      const bool outputs = split == TensorSplit::Outputs;
+      setup.split_roles = {!outputs, true, outputs};
+      setup.group_max = [this](float* amax, cudaStream_t amax_stream) {
+        tensor_parallel_.max(amax, 1, amax_stream);
+      };
+    }
     setup.max_tokens = rows;
-    setup.bias = true;
+    setup.bias = linear.bias != nullptr;
     setup.fp8 = decision.fp8;
     setup.fp8_config = precision_.fp8;
     setup.family = precision_.family;
@@ -228,15 +306,21 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
       setup.health = buffers_->scalings.health(fp8_index);
       buffers_->scalings.add(spec.name, fp8_index, fp8_index);
     }
-    Linear linear{
-        std::make_unique<kernels::CudaLinear>(setup, buffers_->gemm, buffers_->fp8_scratch),
-        parameter(spec.name + ".weight"),
-        parameter(spec.name + ".bias"),
-        gradient(spec.name + ".weight"),
-        gradient(spec.name + ".bias"),
-        decision.fp8 ? fp8_index++ : -1};
+    linear.layer =
+        std::make_unique<kernels::CudaLinear>(setup, buffers_->gemm, buffers_->fp8_scratch);
+    linear.fp8_index = decision.fp8 ? fp8_index++ : -1;
     memory_.linear_copies += linear.layer->device_bytes();
     buffers_->linears.emplace(spec.name, std::move(linear));
+    if (split == TensorSplit::None) continue;
+    for (const char* tensor : {".weight", ".bias"}) {  // every rank's: the first alone adds a bias
+      const optim::DeviceParameter& whole = layout_[spec.name + tensor];
+      split_gradient_ranges_.emplace_back(whole.offset, whole.numel);
+    }
+  }
+  if (tensor_parallel_.split()) {
+    for (const optim::DeviceParameter& tensor : layout_.parameters)
+      if (tensor.name.ends_with("_norm.scale"))  // each rank's heads add their part
+        split_gradient_ranges_.emplace_back(tensor.offset, tensor.numel);
   }
   FP8T_CUDA_CHECK(cudaMemsetAsync(parameters_, 0, layout_.total_bytes(), stream_));
   FP8T_CUDA_CHECK(cudaMemsetAsync(gradients_, 0, layout_.total_bytes(), stream_));
@@ -248,8 +332,55 @@ CudaFluxModel::~CudaFluxModel() {
 
 void CudaFluxModel::end_step() {
   weights_ready_ = false;
-  keep_cuda_fp8_health(buffers_->linears, buffers_->scalings, fp8_health_, stream_);
-  buffers_->scalings.end_step(stream_);
+  CudaLinearScalings& scalings = buffers_->scalings;
+  keep_cuda_fp8_health(buffers_->linears, scalings, fp8_health_, stream_);
+  // Delayed scaling: the group's largest amaxes, so that the split tensors' scales stay the same
+  // on every rank (the other floats are the same everywhere: their maximum is themselves).
+  if (tensor_parallel_.split() && !scalings.delayed_scalings().empty())
+    tensor_parallel_.max(scalings.device_floats(), scalings.float_count(), stream_);
+  scalings.end_step(stream_);
+}
+
+void CudaFluxModel::gather_split_gradients() {
+  for (const auto& [offset, count] : split_gradient_ranges_)
+    tensor_parallel_.sum(gradients_ + offset, static_cast<size_t>(count), stream_);
+}
+
+void CudaFluxModel::sum_partials(bf16* values, int64_t count) {
+  if (tensor_parallel_.split())
+    tensor_parallel_.sum_bf16(values, static_cast<size_t>(count), stream_);
+}
+
+void CudaFluxModel::copy_staged(const Linear& linear, float* whole_weight, float* whole_bias,
+                                float* staged_weight, float* staged_bias, bool to_staging) {
+  const bool outputs = linear.staged.split == TensorSplit::Outputs;
+  const int64_t in = linear.layer->in_features(), whole_in = linear.whole_in;
+  // A run of rows is contiguous (so is its bias); a run of columns, whole_out rows of its values.
+  const auto copy = [&](float* whole, int64_t whole_ld, float* staged, int64_t staged_ld,
+                        int64_t width, int64_t rows) {
+    const size_t whole_pitch = size_t(whole_ld) * sizeof(float);
+    const size_t staged_pitch = size_t(staged_ld) * sizeof(float);
+    FP8T_CUDA_CHECK(cudaMemcpy2DAsync(
+        to_staging ? staged : whole, to_staging ? staged_pitch : whole_pitch,
+        to_staging ? whole : staged, to_staging ? whole_pitch : staged_pitch,
+        size_t(width) * sizeof(float), size_t(rows), cudaMemcpyDeviceToDevice, stream_));
+  };
+  int64_t done = 0;
+  for (const ShareSegment& segment : linear.staged.segments) {
+    if (outputs) {
+      const int64_t values = segment.count * whole_in;
+      copy(whole_weight + segment.first * whole_in, values, staged_weight + done * whole_in, values,
+           values, 1);
+      if (whole_bias != nullptr) {
+        copy(whole_bias + segment.first, segment.count, staged_bias + done, segment.count,
+             segment.count, 1);
+      }
+    } else {
+      copy(whole_weight + segment.first, whole_in, staged_weight + done, in, segment.count,
+           linear.whole_out);
+    }
+    done += segment.count;
+  }
 }
 
 void CudaFluxModel::set_record_fp8_health(bool record) {
@@ -276,7 +407,8 @@ void CudaFluxModel::lay_out() {
   Buffers& b = *buffers_;
   const auto B = size_t(batch_), Li = size_t(img_tokens_), Lt = size_t(txt_tokens_);
   const auto L = size_t(tokens_), C = size_t(config_.hidden_size);
-  const auto M = size_t(config_.mlp_hidden()), H = size_t(config_.num_heads);
+  // This rank's attention width, MLP hidden features and heads.
+  const auto A = size_t(attention_width_), M = size_t(mlp_hidden_), H = size_t(heads_);
   const auto D = size_t(config_.head_dim()), Cin = size_t(config_.in_channels);
   const auto ctx = size_t(config_.context_in_dim), vec = size_t(config_.vec_in_dim);
   const auto sinusoid = size_t(config_.timestep_dim());
@@ -299,23 +431,24 @@ void CudaFluxModel::lay_out() {
   b.vec_act = act.take<bf16>(B * C);
   const auto attention = [&](AttentionSaved& a) {
     for (bf16** view : {&a.q, &a.k, &a.v, &a.q_normed, &a.k_normed, &a.out})
-      *view = act.take<bf16>(N * C);
+      *view = act.take<bf16>(N * A);
     a.q_rstd = act.take<float>(N * H);
     a.k_rstd = act.take<float>(N * H);
     a.stats = act.take<float>(B * H * L);
     if (precision_.fp8_attention) {
       for (uint8_t** codes : {&a.fp8.q, &a.fp8.k, &a.fp8.v, &a.fp8.out})
-        *codes = act.take<uint8_t>(N * C);
+        *codes = act.take<uint8_t>(N * A);
       a.fp8.floats = act.take<float>(size_t(kernels::kAttentionFp8Floats));
     }
   };
   const auto take_double = [&](DoubleBlock& block) {
     for (auto [stream, rows] : {std::pair{&block.img, B * Li}, std::pair{&block.txt, B * Lt}}) {
       stream->mod = act.take<bf16>(B * 6 * C);
-      for (bf16** view : {&stream->norm1, &stream->modulated1, &stream->attn, &stream->proj,
-                          &stream->norm2, &stream->modulated2, &stream->mlp_out}) {
+      for (bf16** view : {&stream->norm1, &stream->modulated1, &stream->proj, &stream->norm2,
+                          &stream->modulated2, &stream->mlp_out}) {
         *view = act.take<bf16>(rows * C);
       }
+      stream->attn = act.take<bf16>(rows * A);
       stream->rstd1 = act.take<float>(rows);
       stream->rstd2 = act.take<float>(rows);
       stream->mlp_hidden = act.take<bf16>(rows * M);
@@ -328,9 +461,9 @@ void CudaFluxModel::lay_out() {
     block.normed = act.take<bf16>(N * C);
     block.modulated = act.take<bf16>(N * C);
     block.rstd = act.take<float>(N);
-    block.linear1_out = act.take<bf16>(N * (3 * C + M));
+    block.linear1_out = act.take<bf16>(N * (3 * A + M));
     attention(block.attention);
-    block.linear2_in = act.take<bf16>(N * (C + M));
+    block.linear2_in = act.take<bf16>(N * (A + M));
     block.out = act.take<bf16>(N * C);
   };
   // Full recompute: the blocks at the same place of their groups share one set of saved
@@ -381,7 +514,7 @@ void CudaFluxModel::lay_out() {
   b.x_txt = ws.take<bf16>(B * Lt * C);
   b.x_joint = ws.take<bf16>(N * C);
   b.embedding = ws.take<bf16>(B * C);
-  b.qkv = ws.take<bf16>(B * Ls * 3 * C);
+  b.qkv = ws.take<bf16>(B * Ls * 3 * A);
   b.d_img = ws.take<bf16>(B * Li * C);
   b.d_txt = ws.take<bf16>(B * Lt * C);
   b.d_joint = ws.take<bf16>(N * C);
@@ -391,28 +524,46 @@ void CudaFluxModel::lay_out() {
   b.dmod = ws.take<bf16>(B * 6 * C);
   for (bf16** view : {&b.d_vec_act, &b.d_vec, &b.d_embed_act, &b.d_embed_hidden})
     *view = ws.take<bf16>(B * C);
-  for (bf16** view : {&b.d_branch, &b.d_modulated, &b.d_attn, &b.dq, &b.dk, &b.dv})
+  // d_modulated also holds the attention projections' input gradients ([rows, A]).
+  for (bf16** view : {&b.d_branch, &b.d_modulated})
     *view = ws.take<bf16>(N * C);
+  for (bf16** view : {&b.d_attn, &b.dq, &b.dk, &b.dv})
+    *view = ws.take<bf16>(N * A);
   b.d_mlp_act = ws.take<bf16>(B * Ls * M);
   b.d_mlp_hidden = ws.take<bf16>(B * Ls * M);
-  b.d_qkv = ws.take<bf16>(B * Ls * 3 * C);
-  b.d_linear1_out = config_.single_blocks > 0 ? ws.take<bf16>(N * (3 * C + M)) : nullptr;
-  b.d_linear2_in = config_.single_blocks > 0 ? ws.take<bf16>(N * (C + M)) : nullptr;
+  b.d_qkv = ws.take<bf16>(B * Ls * 3 * A);
+  b.d_linear1_out = config_.single_blocks > 0 ? ws.take<bf16>(N * (3 * A + M)) : nullptr;
+  b.d_linear2_in = config_.single_blocks > 0 ? ws.take<bf16>(N * (A + M)) : nullptr;
   if (precision_.fp8_attention) {
-    b.fp8_attention_scratch = {ws.take<uint8_t>(N * C), ws.take<uint8_t>(N * C),
-                               ws.take<uint8_t>(N * C), ws.take<uint8_t>(N * C)};
+    b.fp8_attention_scratch = {ws.take<uint8_t>(N * A), ws.take<uint8_t>(N * A),
+                               ws.take<uint8_t>(N * A), ws.take<uint8_t>(N * A)};
   }
 
-  // FP8: the scaling floats and the quantization scratch of the largest linear.
+  // FP8: the scaling floats and the quantization scratch of the largest linear (share); the
+  // staging buffers of the split linears' shares.
   int fp8_count = 0;
-  int64_t max_in = 0, max_out = 0, max_rows = 0;
+  int64_t max_in = 0, max_out = 0, max_rows = 0, max_staged = 0, max_staged_rows = 0;
   for (const FluxLinearPrecision& decision : linear_precision_) {
+    const TensorShare share = flux_tensor_share(decision.linear, config_, tensor_parallel_.size, 0);
+    int64_t in = decision.linear.in_features, out = decision.linear.out_features;
+    if (share.split == TensorSplit::Outputs) out = share_width(share);
+    if (share.split == TensorSplit::Inputs) in = share_width(share);
+    if (share.split != TensorSplit::None) {
+      max_staged = std::max(max_staged, in * out);
+      max_staged_rows = std::max(max_staged_rows, out);
+    }
     if (!decision.fp8) continue;
     ++fp8_count;
-    max_in = std::max(max_in, decision.linear.in_features);
-    max_out = std::max(max_out, decision.linear.out_features);
+    max_in = std::max(max_in, in);
+    max_out = std::max(max_out, out);
     max_rows =
         std::max(max_rows, flux_linear_rows(decision.linear, batch_, img_tokens_, txt_tokens_));
+  }
+  if (max_staged > 0) {
+    b.staged_weight = ws.take<float>(size_t(max_staged));
+    b.staged_bias = ws.take<float>(size_t(max_staged_rows));
+    b.staged_grad_weight = ws.take<float>(size_t(max_staged));
+    b.staged_grad_bias = ws.take<float>(size_t(max_staged_rows));
   }
   b.scalings.take(b.linear_scratch, fp8_count);
   if (fp8_count > 0) {
@@ -420,7 +571,7 @@ void CudaFluxModel::lay_out() {
     // The backward scratch fits the MLPs whole; the single blocks' linear1 and linear2 take
     // their tokens in chunks.
     b.fp8_scratch = kernels::take_fp8_scratch(scratch, precision_.fp8.recipe, max_rows, max_in,
-                                              max_out, config_.mlp_hidden());
+                                              max_out, std::max<int64_t>(C, M));
   }
 }
 
@@ -483,8 +634,20 @@ std::vector<float> CudaFluxModel::prediction() const {
 }
 
 void CudaFluxModel::prepare_weights() {
-  for (auto& [name, linear] : buffers_->linears)
-    linear.layer->prepare_weight(linear.weight, training_, stream_, linear.bias);
+  Buffers& b = *buffers_;
+  for (auto& [name, linear] : b.linears) {
+    if (linear.staged.split == TensorSplit::None) {
+      linear.layer->prepare_weight(linear.weight, training_, stream_, linear.bias);
+      continue;
+    }
+    // The staging buffers serve one linear after the other: the cast reads them before the next
+    // gather, in the stream's order.
+    const bool rows = linear.staged.split == TensorSplit::Outputs;
+    copy_staged(linear, linear.weight, rows ? linear.bias : nullptr, b.staged_weight, b.staged_bias,
+                true);
+    linear.layer->prepare_weight(b.staged_weight, training_, stream_,
+                                 rows ? b.staged_bias : linear.bias);
+  }
   weights_ready_ = true;
 }
 
@@ -498,10 +661,26 @@ kernels::FusedCast CudaFluxModel::fused_input_cast(const std::string& name) {
 
 void CudaFluxModel::linear_backward(const std::string& name, const bf16* dy, const bf16* x,
                                     int64_t rows, bf16* dx, bool accumulate_dx) {
+  Buffers& b = *buffers_;
   Linear& layer = linear(name);
-  layer.layer->backward(dy, x, rows, dx, accumulate_dx, layer.grad_weight, training_, stream_);
-  kernels::bias_backward(layer.grad_bias, dy, rows, layer.layer->out_features(),
-                         buffers_->reduction, stream_);
+  float* grad_weight = layer.grad_weight;
+  float* grad_bias = layer.grad_bias;
+  const bool staged = layer.staged.split != TensorSplit::None;
+  const bool staged_bias = layer.staged.split == TensorSplit::Outputs;
+  if (staged) {  // the gradients so far into the staging buffers, added to there, and back
+    copy_staged(layer, layer.grad_weight, staged_bias ? layer.grad_bias : nullptr,
+                b.staged_grad_weight, b.staged_grad_bias, true);
+    grad_weight = b.staged_grad_weight;
+    if (staged_bias) grad_bias = b.staged_grad_bias;
+  }
+  layer.layer->backward(dy, x, rows, dx, accumulate_dx, grad_weight, training_, stream_);
+  if (grad_bias != nullptr) {
+    kernels::bias_backward(grad_bias, dy, rows, layer.layer->out_features(), b.reduction, stream_);
+  }
+  if (staged) {
+    copy_staged(layer, layer.grad_weight, staged_bias ? layer.grad_bias : nullptr,
+                b.staged_grad_weight, b.staged_grad_bias, false);
+  }
 }
 
 void CudaFluxModel::upload_inputs(const FluxInputs& inputs, const float* target) {
@@ -581,58 +760,59 @@ void CudaFluxModel::embedder_backward(const std::string& name, int index, const 
 }
 
 void CudaFluxModel::into_joint(bf16* joint, const bf16* rows, int64_t ld, int64_t first,
-                               int64_t tokens) {
-  const int64_t C = config_.hidden_size;
+                               int64_t tokens, int64_t width) {
   for (int64_t b = 0; b < batch_; ++b) {
-    copy_rows(joint + (b * tokens_ + first) * C, C, rows + b * tokens * ld, ld, tokens, C, stream_);
+    copy_rows(joint + (b * tokens_ + first) * width, width, rows + b * tokens * ld, ld, tokens,
+              width, stream_);
   }
 }
 
 void CudaFluxModel::out_of_joint(bf16* rows, int64_t ld, const bf16* joint, int64_t first,
-                                 int64_t tokens) {
-  const int64_t C = config_.hidden_size;
+                                 int64_t tokens, int64_t width) {
   for (int64_t b = 0; b < batch_; ++b) {
-    copy_rows(rows + b * tokens * ld, ld, joint + (b * tokens_ + first) * C, C, tokens, C, stream_);
+    copy_rows(rows + b * tokens * ld, ld, joint + (b * tokens_ + first) * width, width, tokens,
+              width, stream_);
   }
 }
 
 void CudaFluxModel::stream_into_joint(AttentionSaved& attention, const std::string& norm,
                                       const bf16* raw, int64_t ld, int64_t first, int64_t tokens) {
   Buffers& b = *buffers_;
-  const int64_t C = config_.hidden_size, H = config_.num_heads, D = config_.head_dim();
+  const int64_t A = attention_width_, H = heads_, D = config_.head_dim();
   const kernels::JointRows rows{batch_, tokens, first, tokens_};
   kernels::qk_norm_rope_forward(attention.q, attention.q_normed, attention.q_rstd, raw, ld,
                                 parameter(norm + ".query_norm.scale"), b.rope_cos, b.rope_sin, rows,
                                 H, D, stream_);
-  kernels::qk_norm_rope_forward(attention.k, attention.k_normed, attention.k_rstd, raw + C, ld,
+  kernels::qk_norm_rope_forward(attention.k, attention.k_normed, attention.k_rstd, raw + A, ld,
                                 parameter(norm + ".key_norm.scale"), b.rope_cos, b.rope_sin, rows,
                                 H, D, stream_);
-  into_joint(attention.v, raw + 2 * C, ld, first, tokens);
+  into_joint(attention.v, raw + 2 * A, ld, first, tokens, A);
 }
 
 void CudaFluxModel::stream_from_joint(const AttentionSaved& attention, const std::string& norm,
                                       bf16* draw, int64_t ld, int64_t first, int64_t tokens) {
   Buffers& b = *buffers_;
-  const int64_t C = config_.hidden_size, H = config_.num_heads, D = config_.head_dim();
+  const int64_t A = attention_width_, H = heads_, D = config_.head_dim();
   const kernels::JointRows rows{batch_, tokens, first, tokens_};
   kernels::qk_norm_rope_backward(draw, ld, gradient(norm + ".query_norm.scale"), b.dq,
                                  attention.q_normed, attention.q_rstd,
                                  parameter(norm + ".query_norm.scale"), b.rope_cos, b.rope_sin,
                                  rows, H, D, b.reduction, stream_);
-  kernels::qk_norm_rope_backward(draw + C, ld, gradient(norm + ".key_norm.scale"), b.dk,
+  kernels::qk_norm_rope_backward(draw + A, ld, gradient(norm + ".key_norm.scale"), b.dk,
                                  attention.k_normed, attention.k_rstd,
                                  parameter(norm + ".key_norm.scale"), b.rope_cos, b.rope_sin, rows,
                                  H, D, b.reduction, stream_);
-  out_of_joint(draw + 2 * C, ld, b.dv, first, tokens);
+  out_of_joint(draw + 2 * A, ld, b.dv, first, tokens, A);
 }
 
 namespace {
 
-ops::AttentionShape joint_attention(const FluxConfig& config, int64_t batch, int64_t tokens) {
+ops::AttentionShape joint_attention(const FluxConfig& config, int64_t batch, int64_t tokens,
+                                    int64_t heads) {
   return {.batch = batch,
           .seq_len = tokens,
-          .heads = config.num_heads,
-          .kv_heads = config.num_heads,
+          .heads = heads,
+          .kv_heads = heads,
           .head_dim = config.head_dim(),
           .window = 0,
           .causal = false};
@@ -647,7 +827,7 @@ float attention_scale(const FluxConfig& config) {
 void CudaFluxModel::double_block_forward(int block) {
   Buffers& b = *buffers_;
   DoubleBlock& saved = b.doubles[size_t(block)];
-  const int64_t B = batch_, C = config_.hidden_size, M = config_.mlp_hidden();
+  const int64_t B = batch_, C = config_.hidden_size, A = attention_width_, M = mlp_hidden_;
   const std::string prefix = fmt::format("double_blocks.{}.", block);
   struct Part {
     const char* name;
@@ -665,7 +845,7 @@ void CudaFluxModel::double_block_forward(int block) {
                                         p.saved.mod, p.saved.mod + C, 6 * C, shape, stream_,
                                         fused_input_cast(stream + "_attn.qkv"));
     linear_forward(stream + "_attn.qkv", p.saved.modulated1, B * p.tokens, b.qkv);
-    stream_into_joint(saved.attention, stream + "_attn.norm", b.qkv, 3 * C, p.first, p.tokens);
+    stream_into_joint(saved.attention, stream + "_attn.norm", b.qkv, 3 * A, p.first, p.tokens);
   }
   AttentionSaved& a = saved.attention;
   joint_attention_forward(a);
@@ -674,8 +854,9 @@ void CudaFluxModel::double_block_forward(int block) {
     const kernels::StreamShape shape{B, p.tokens, C, p.tokens};
     const int64_t rows = B * p.tokens;
     Stream& s = p.saved;
-    out_of_joint(s.attn, C, a.out, p.first, p.tokens);
+    out_of_joint(s.attn, A, a.out, p.first, p.tokens, A);
     linear_forward(stream + "_attn.proj", s.attn, rows, s.proj);
+    sum_partials(s.proj, rows * C);
     kernels::gated_residual_forward(p.x, s.proj, s.mod + 2 * C, 6 * C, shape, stream_);
     kernels::layernorm_modulate_forward(s.modulated2, s.norm2, s.rstd2, p.x, s.mod + 3 * C,
                                         s.mod + 4 * C, 6 * C, shape, stream_,
@@ -683,6 +864,7 @@ void CudaFluxModel::double_block_forward(int block) {
     linear_forward(stream + "_mlp.0", s.modulated2, rows, s.mlp_hidden);
     kernels::gelu_tanh_forward(s.mlp_act, M, s.mlp_hidden, M, rows, M, stream_);
     linear_forward(stream + "_mlp.2", s.mlp_act, rows, s.mlp_out);
+    sum_partials(s.mlp_out, rows * C);
     kernels::gated_residual_forward(p.x, s.mlp_out, s.mod + 5 * C, 6 * C, shape, stream_);
   }
 }
@@ -690,8 +872,8 @@ void CudaFluxModel::double_block_forward(int block) {
 void CudaFluxModel::single_block_forward(int block) {
   Buffers& b = *buffers_;
   SingleBlock& s = b.singles[size_t(block)];
-  const int64_t B = batch_, C = config_.hidden_size, M = config_.mlp_hidden();
-  const int64_t N = B * tokens_, width1 = 3 * C + M, width2 = C + M;
+  const int64_t B = batch_, C = config_.hidden_size, A = attention_width_, M = mlp_hidden_;
+  const int64_t N = B * tokens_, width1 = 3 * A + M, width2 = A + M;
   const std::string prefix = fmt::format("single_blocks.{}", block);
   const kernels::StreamShape shape{B, tokens_, C, tokens_};
   linear_forward(prefix + ".modulation.lin", b.vec_act, B, s.mod);
@@ -701,10 +883,11 @@ void CudaFluxModel::single_block_forward(int block) {
   stream_into_joint(s.attention, prefix + ".norm", s.linear1_out, width1, 0, tokens_);
   AttentionSaved& a = s.attention;
   joint_attention_forward(a);
-  copy_rows(s.linear2_in, width2, a.out, C, N, C, stream_);
-  kernels::gelu_tanh_forward(s.linear2_in + C, width2, s.linear1_out + 3 * C, width1, N, M,
+  copy_rows(s.linear2_in, width2, a.out, A, N, A, stream_);
+  kernels::gelu_tanh_forward(s.linear2_in + A, width2, s.linear1_out + 3 * A, width1, N, M,
                              stream_);
   linear_forward(prefix + ".linear2", s.linear2_in, N, s.out);
+  sum_partials(s.out, N * C);
   kernels::gated_residual_forward(b.x_joint, s.out, s.mod + 2 * C, 3 * C, shape, stream_);
 }
 
@@ -731,8 +914,8 @@ void CudaFluxModel::forward(const FluxInputs& inputs, const float* target, bool 
     double_block_forward(block);
   }
   // The single blocks run on [txt; img].
-  into_joint(b.x_joint, b.x_txt, C, 0, Lt);
-  into_joint(b.x_joint, b.x_img, C, Lt, Li);
+  into_joint(b.x_joint, b.x_txt, C, 0, Lt, C);
+  into_joint(b.x_joint, b.x_img, C, Lt, Li, C);
   for (int block = 0; block < config_.single_blocks; ++block) {
     save_group_input(false, block);
     single_block_forward(block);
@@ -793,7 +976,7 @@ void CudaFluxModel::rerun_group_ending_at(bool doubles, int block) {
 
 void CudaFluxModel::joint_attention_forward(AttentionSaved& a) {
   Buffers& b = *buffers_;
-  const ops::AttentionShape shape = joint_attention(config_, batch_, tokens_);
+  const ops::AttentionShape shape = joint_attention(config_, batch_, tokens_, heads_);
   if (b.fp8_attention) {
     b.fp8_attention->forward(a.out, a.stats, a.q, a.k, a.v, a.fp8, shape, attention_scale(config_),
                              stream_);
@@ -804,7 +987,7 @@ void CudaFluxModel::joint_attention_forward(AttentionSaved& a) {
 
 void CudaFluxModel::joint_attention_backward(AttentionSaved& a) {
   Buffers& b = *buffers_;
-  const ops::AttentionShape shape = joint_attention(config_, batch_, tokens_);
+  const ops::AttentionShape shape = joint_attention(config_, batch_, tokens_, heads_);
   if (b.fp8_attention) {
     b.fp8_attention->backward(b.dq, b.dk, b.dv, b.d_attn, a.fp8, a.stats, b.fp8_attention_scratch,
                               shape, attention_scale(config_), stream_);
@@ -817,21 +1000,22 @@ void CudaFluxModel::joint_attention_backward(AttentionSaved& a) {
 void CudaFluxModel::single_block_backward(int block) {
   Buffers& b = *buffers_;
   SingleBlock& s = b.singles[size_t(block)];
-  const int64_t B = batch_, C = config_.hidden_size, M = config_.mlp_hidden();
-  const int64_t N = B * tokens_, width1 = 3 * C + M, width2 = C + M;
+  const int64_t B = batch_, C = config_.hidden_size, A = attention_width_, M = mlp_hidden_;
+  const int64_t N = B * tokens_, width1 = 3 * A + M, width2 = A + M;
   const std::string prefix = fmt::format("single_blocks.{}", block);
   const kernels::StreamShape shape{B, tokens_, C, tokens_};
   FP8T_CUDA_CHECK(cudaMemsetAsync(b.dmod_img, 0, size_t(B * 3 * C) * sizeof(float), stream_));
   kernels::gated_residual_backward(b.d_branch, b.dmod_img + 2 * C, 3 * C, b.d_joint, s.out,
                                    s.mod + 2 * C, 3 * C, shape, b.reduction, stream_);
   linear_backward(prefix + ".linear2", b.d_branch, s.linear2_in, N, b.d_linear2_in, false);
-  kernels::gelu_tanh_backward(b.d_linear1_out + 3 * C, width1, b.d_linear2_in + C, width2,
-                              s.linear1_out + 3 * C, width1, N, M, stream_);
-  copy_rows(b.d_attn, C, b.d_linear2_in, width2, N, C, stream_);
+  kernels::gelu_tanh_backward(b.d_linear1_out + 3 * A, width1, b.d_linear2_in + A, width2,
+                              s.linear1_out + 3 * A, width1, N, M, stream_);
+  copy_rows(b.d_attn, A, b.d_linear2_in, width2, N, A, stream_);
   AttentionSaved& a = s.attention;
   joint_attention_backward(a);
   stream_from_joint(a, prefix + ".norm", b.d_linear1_out, width1, 0, tokens_);
   linear_backward(prefix + ".linear1", b.d_linear1_out, s.modulated, N, b.d_modulated, false);
+  sum_partials(b.d_modulated, N * C);
   kernels::layernorm_modulate_backward(b.d_joint, b.dmod_img, b.dmod_img + C, 3 * C, b.d_modulated,
                                        s.normed, s.rstd, s.mod + C, 3 * C, shape, GradStore::Add,
                                        b.reduction, stream_);
@@ -842,7 +1026,7 @@ void CudaFluxModel::single_block_backward(int block) {
 void CudaFluxModel::double_block_backward(int block) {
   Buffers& b = *buffers_;
   DoubleBlock& saved = b.doubles[size_t(block)];
-  const int64_t B = batch_, C = config_.hidden_size, M = config_.mlp_hidden();
+  const int64_t B = batch_, C = config_.hidden_size, A = attention_width_, M = mlp_hidden_;
   const std::string prefix = fmt::format("double_blocks.{}.", block);
   struct Part {
     const char* name;
@@ -866,13 +1050,14 @@ void CudaFluxModel::double_block_backward(int block) {
     kernels::gelu_tanh_backward(b.d_mlp_hidden, M, b.d_mlp_act, M, s.mlp_hidden, M, rows, M,
                                 stream_);
     linear_backward(stream + "_mlp.0", b.d_mlp_hidden, s.modulated2, rows, b.d_modulated, false);
+    sum_partials(b.d_modulated, rows * C);
     kernels::layernorm_modulate_backward(p.dx, p.dmod + 3 * C, p.dmod + 4 * C, 6 * C, b.d_modulated,
                                          s.norm2, s.rstd2, s.mod + 4 * C, 6 * C, shape,
                                          GradStore::Add, b.reduction, stream_);
     kernels::gated_residual_backward(b.d_branch, p.dmod + 2 * C, 6 * C, p.dx, s.proj, s.mod + 2 * C,
                                      6 * C, shape, b.reduction, stream_);
     linear_backward(stream + "_attn.proj", b.d_branch, s.attn, rows, b.d_modulated, false);
-    into_joint(b.d_attn, b.d_modulated, C, p.first, p.tokens);
+    into_joint(b.d_attn, b.d_modulated, A, p.first, p.tokens, A);
   }
   AttentionSaved& a = saved.attention;
   joint_attention_backward(a);
@@ -881,8 +1066,9 @@ void CudaFluxModel::double_block_backward(int block) {
     const kernels::StreamShape shape{B, p.tokens, C, p.tokens};
     const int64_t rows = B * p.tokens;
     Stream& s = p.saved;
-    stream_from_joint(a, stream + "_attn.norm", b.d_qkv, 3 * C, p.first, p.tokens);
+    stream_from_joint(a, stream + "_attn.norm", b.d_qkv, 3 * A, p.first, p.tokens);
     linear_backward(stream + "_attn.qkv", b.d_qkv, s.modulated1, rows, b.d_modulated, false);
+    sum_partials(b.d_modulated, rows * C);
     kernels::layernorm_modulate_backward(p.dx, p.dmod, p.dmod + C, 6 * C, b.d_modulated, s.norm1,
                                          s.rstd1, s.mod + C, 6 * C, shape, GradStore::Add,
                                          b.reduction, stream_);
@@ -912,8 +1098,8 @@ void CudaFluxModel::backward() {
     rerun_group_ending_at(false, block);
     single_block_backward(block);
   }
-  out_of_joint(b.d_txt, C, b.d_joint, 0, Lt);
-  out_of_joint(b.d_img, C, b.d_joint, Lt, Li);
+  out_of_joint(b.d_txt, C, b.d_joint, 0, Lt, C);
+  out_of_joint(b.d_img, C, b.d_joint, Lt, Li, C);
   for (int block = config_.double_blocks - 1; block >= 0; --block) {
     rerun_group_ending_at(true, block);
     double_block_backward(block);

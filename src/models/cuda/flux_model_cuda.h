@@ -11,6 +11,15 @@
 // FP8 recipes: delayed, tensorwise, blockwise and mxfp8 (emulated). Delayed scaling runs as in
 // the GPU GPT (models/cuda/linear_scalings.h): the histories on the host, the step's amaxes read
 // back once per step by end_step().
+//
+// Tensor parallelism splits the blocks over a group of GPUs as the CPU model does
+// (flux_tensor_share): this rank computes its heads and its share of the MLP's hidden features;
+// the row-parallel linears' partial outputs (their bias added by the group's first rank) and the
+// column-parallel linears' input gradients are summed over the group in bf16. Parameters,
+// gradients and optimizer state stay whole on every rank: a share of one run of whole rows is
+// read in place, one of a run of columns with the whole weight's row stride, and the others
+// (qkv, linear1, linear2) go through a staging buffer: their runs gathered before the weight
+// cast, their gradients gathered before a backward adds to them and put back after it.
 #pragma once
 
 #include <cstddef>
@@ -22,6 +31,7 @@
 
 #include <cuda_runtime_api.h>
 
+#include "models/cuda/device_tensor_parallel.h"
 #include "models/cuda/fp8_health_cuda.h"
 #include "models/cuda/linear_scalings.h"
 #include "models/flux_config.h"
@@ -55,10 +65,13 @@ class CudaFluxModel {
   // batch · txt_tokens must be multiples of 16 (the FP8 GEMMs' rows). recompute: full reruns
   // the forward of the groups of blocks flux_recompute_groups picks (models/recompute.h) from
   // their saved input, before their backward; not with fp8_attention, whose saved scales a
-  // rerun would change. Selective saves what none saves here.
+  // rerun would change. Selective saves what none saves here. tensor_parallel: the group this
+  // rank splits its blocks with; every rank of it sees the same inputs and calls forward() and
+  // backward() in step with the others. Not with fp8_attention.
   CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens, int64_t txt_tokens,
                 const FluxPrecision& precision, cudaStream_t stream,
-                const RecomputeOptions& recompute = {});
+                const RecomputeOptions& recompute = {},
+                const DeviceTensorParallel& tensor_parallel = {});
   ~CudaFluxModel();
   CudaFluxModel(const CudaFluxModel&) = delete;
   CudaFluxModel& operator=(const CudaFluxModel&) = delete;
@@ -84,8 +97,13 @@ class CudaFluxModel {
   // accumulate), ready for backward().
   void forward(const FluxInputs& inputs, const float* target, bool with_gradient,
                float grad_scale = 1.0f);
-  // Adds d(loss)/d(parameter) to the gradients. Needs a forward with_gradient first.
+  // Adds d(loss)/d(parameter) to the gradients. Needs a forward with_gradient first. Under
+  // tensor parallelism each rank adds its shares' gradients (and its heads' part of the QK norms'
+  // scales') only.
   void backward();
+  // Under tensor parallelism, once per optimizer step after the last backward: those gradients
+  // summed over the group, so that every rank holds them whole. Nothing otherwise.
+  void gather_split_gradients();
   void zero_gradients();
   // Waits for the stream and returns the loss of the last forward.
   double loss_value();
@@ -132,10 +150,19 @@ class CudaFluxModel {
                        bf16* dx, bool accumulate_dx);
   void embedder_forward(const std::string& name, int index, bf16* out);
   void embedder_backward(const std::string& name, int index, const bf16* dout);
-  // Per sample, a stream's `tokens` rows of `hidden` values (row stride ld) into and out of rows
-  // first .. first + tokens of a joint [B, L, hidden] tensor.
-  void into_joint(bf16* joint, const bf16* rows, int64_t ld, int64_t first, int64_t tokens);
-  void out_of_joint(bf16* rows, int64_t ld, const bf16* joint, int64_t first, int64_t tokens);
+  // Per sample, a stream's `tokens` rows of `width` values (row stride ld) into and out of rows
+  // first .. first + tokens of a joint [B, L, width] tensor.
+  void into_joint(bf16* joint, const bf16* rows, int64_t ld, int64_t first, int64_t tokens,
+                  int64_t width);
+  void out_of_joint(bf16* rows, int64_t ld, const bf16* joint, int64_t first, int64_t tokens,
+                    int64_t width);
+  // The sum over the tensor-parallel group of partial outputs or input gradients (nothing
+  // without tensor parallelism).
+  void sum_partials(bf16* values, int64_t count);
+  // A staged share's runs between the whole weight and bias (or their gradients; the bias when
+  // its rows are split) and their staging buffers: gathered (to_staging) or put back.
+  void copy_staged(const Linear& linear, float* whole_weight, float* whole_bias,
+                   float* staged_weight, float* staged_bias, bool to_staging);
   // One stream's q, k (QK norm with its scales, RoPE) and v into the joint sequence of
   // `attention`, from raw [B·L_s, ·] with row stride ld; and the way back.
   // The joint attention of a block, in BF16 or FP8 (fp8_dot_product_attention): forward writes
@@ -162,6 +189,10 @@ class CudaFluxModel {
   FluxConfig config_;
   int64_t batch_, img_tokens_, txt_tokens_, tokens_;
   FluxPrecision precision_;
+  DeviceTensorParallel tensor_parallel_;
+  // This rank's attention width (its heads' features), heads and MLP hidden features: all of
+  // them without tensor parallelism.
+  int64_t attention_width_, heads_, mlp_hidden_;
   cudaStream_t stream_;
   bool weights_ready_ = false;
   CudaFp8HealthRecording fp8_health_;
@@ -172,6 +203,8 @@ class CudaFluxModel {
   optim::DeviceParameterLayout layout_;
   float* parameters_ = nullptr;
   float* gradients_ = nullptr;
+  // Ranges {offset, count} of the gradients gather_split_gradients() sums.
+  std::vector<std::pair<int64_t, int64_t>> split_gradient_ranges_;
   CudaFluxMemory memory_;
   std::unique_ptr<Buffers> buffers_;
 };

@@ -159,16 +159,7 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
   config_.validate();
   const int group_size = tensor_parallel_.size;
   check_tensor_parallel(config_, group_size);
-  FP8T_CHECK(tensor_parallel_.rank >= 0 && tensor_parallel_.rank < group_size,
-             "expected a tensor-parallel rank in [0, {}), found {}", group_size,
-             tensor_parallel_.rank);
-  FP8T_CHECK(!tensor_parallel_.split() ||
-                 (tensor_parallel_.sum_bf16 && tensor_parallel_.sum && tensor_parallel_.max),
-             "expected the tensor-parallel group's collectives, found none");
-  if (tensor_parallel_.split() && precision_.fp8_attention) {
-    throw ConfigError(fmt::format(
-        "fp8_dot_product_attention does not run with tensor_model_parallel_size {}", group_size));
-  }
+  check_device_group(tensor_parallel_, precision_.fp8_attention);
   heads_ = config_.n_head / group_size;
   kv_heads_ = config_.n_kv_head / group_size;
   hidden_ = 4 * int64_t{config_.n_embd} / group_size;
