@@ -61,7 +61,8 @@ struct ModelSummaryOptions {
   FluxModelOptions flux;
   int64_t img_tokens = 4096;
   int64_t txt_tokens = 512;
-  std::vector<int> gpus = {1};           // a plan per data-parallel GPU count
+  std::vector<int> gpus = {1};           // a plan per GPU count
+  int tensor_parallel = 1;               // GPUs per tensor-parallel group; it divides each count
   std::optional<double> gpu_memory_gib;  // one GPU's; unset: an H200's
 };
 

@@ -66,6 +66,15 @@ std::string blocks_text(const FluxConfig& config) {
 // per data-parallel GPU count.
 int run_flux_summary(const ModelSummaryOptions& options) {
   const FluxConfig config = flux_config_of(options.flux);
+  const int tensor = options.tensor_parallel;
+  for (const int gpus : options.gpus) {
+    if (gpus % tensor != 0) {
+      throw ConfigError(fmt::format(
+          "--tensor-parallel {} must divide each --gpus count, and {} GPUs are no groups of {}",
+          tensor, gpus, tensor));
+    }
+  }
+  check_flux_tensor_parallel(config, tensor);
   const FluxConfig preset = FluxConfig::preset(options.flux.preset);
   const bool reduced =
       config.double_blocks != preset.double_blocks || config.single_blocks != preset.single_blocks;
@@ -110,23 +119,29 @@ int run_flux_summary(const ModelSummaryOptions& options) {
   fmt::print(
       "\nmemory per GPU (GiB), GPU path, micro-batch {} x ({} image + {} text tokens):\n"
       "  data parallel with ZeRO-1: the AdamW moments sharded over the GPUs; parameters, "
-      "gradients and activations whole on each (shard_optimizer_state)\n"
+      "gradients and activations whole on each (shard_optimizer_state){}\n"
       "  fits: the total and {:.2f} GiB for the CUDA context and library workspaces within "
       "{:.1f} GiB\n",
-      micro_batch.batch, micro_batch.img_tokens, micro_batch.txt_tokens, in_gib(reserve),
-      capacity_gib);
+      micro_batch.batch, micro_batch.img_tokens, micro_batch.txt_tokens,
+      tensor == 1 ? ""
+                  : fmt::format("\n  tensor parallel over groups of {} GPUs: each holds its "
+                                "heads' and MLP share's activations and weight copies (the first "
+                                "of a group's, with the row-parallel biases, planned)",
+                                tensor),
+      in_gib(reserve), capacity_gib);
   const auto print_table = [&](const RecomputeOptions& recompute) {
     fmt::print(
         "| GPUs | parameters | gradients | AdamW moments | activations | workspace | linear copies "
         "| total | fits |\n|---|---|---|---|---|---|---|---|---|\n");
     for (const int gpus : options.gpus) {
-      const FluxMemoryPlan plan = plan_flux_memory(config, micro_batch, precision, gpus, recompute);
+      const FluxMemoryPlan plan =
+          plan_flux_memory(config, micro_batch, precision, gpus, recompute, tensor);
       std::string fits;
       if (flux_fits(config, micro_batch, plan, capacity)) {
         fits = fmt::format("yes, {:.2f} free", in_gib(capacity - plan.total() - reserve));
       } else {
         const std::optional<FluxConfig> largest =
-            largest_fitting_flux(config, micro_batch, precision, gpus, capacity, recompute);
+            largest_fitting_flux(config, micro_batch, precision, gpus, capacity, recompute, tensor);
         fits =
             largest ? fmt::format("no; {} fit", blocks_text(*largest)) : "no; not one block fits";
       }

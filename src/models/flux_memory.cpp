@@ -6,6 +6,7 @@
 
 #include "core/device_arena.h"
 #include "core/error.h"
+#include "models/tensor_parallel.h"
 #include "numerics/float_bits.h"
 #include "numerics/quantize.h"
 #include "ops/fp8_linear_layout.h"
@@ -40,20 +41,22 @@ bool block_scaled(ScalingRecipe recipe) {
   return recipe == ScalingRecipe::Blockwise || recipe == ScalingRecipe::Mxfp8;
 }
 
-// The shapes CudaFluxModel::lay_out() sizes its tensors by.
+// The shapes CudaFluxModel::lay_out() sizes its tensors by: A, M and H are one tensor-parallel
+// rank's attention width, MLP hidden features and heads.
 struct Dims {
-  int64_t B, Li, Lt, L, C, M, H, D, Cin, ctx, vec, sinusoid, N, Ls;
+  int64_t B, Li, Lt, L, C, A, M, H, D, Cin, ctx, vec, sinusoid, N, Ls;
 };
 
-Dims dims_of(const FluxConfig& config, const FluxMicroBatch& micro_batch) {
+Dims dims_of(const FluxConfig& config, const FluxMicroBatch& micro_batch, int tensor_parallel) {
   Dims d{};
   d.B = micro_batch.batch;
   d.Li = micro_batch.img_tokens;
   d.Lt = micro_batch.txt_tokens;
   d.L = d.Li + d.Lt;
   d.C = config.hidden_size;
-  d.M = config.mlp_hidden();
-  d.H = config.num_heads;
+  d.A = config.hidden_size / tensor_parallel;
+  d.M = config.mlp_hidden() / tensor_parallel;
+  d.H = config.num_heads / tensor_parallel;
   d.D = config.head_dim();
   d.Cin = config.in_channels;
   d.ctx = config.context_in_dim;
@@ -81,7 +84,7 @@ size_t activation_bytes(const FluxConfig& config, const Dims& d,
   act.take<bf16>(d.B * d.C);  // SiLU(vec)
   const auto attention = [&] {
     for (int view = 0; view < 6; ++view)  // q, k, v, q and k before scale and rotation, out
-      act.take<bf16>(d.N * d.C);
+      act.take<bf16>(d.N * d.A);
     act.take<float>(d.N * d.H);        // q's rstd
     act.take<float>(d.N * d.H);        // k's rstd
     act.take<float>(d.B * d.H * d.L);  // softmax statistics
@@ -89,8 +92,9 @@ size_t activation_bytes(const FluxConfig& config, const Dims& d,
   const auto double_block = [&] {
     for (const int64_t rows : {d.B * d.Li, d.B * d.Lt}) {
       act.take<bf16>(d.B * 6 * d.C);        // modulation
-      for (int view = 0; view < 7; ++view)  // norm1, modulated1, attn, proj, norm2, ...
+      for (int view = 0; view < 6; ++view)  // norm1, modulated1, proj, norm2, ...
         act.take<bf16>(rows * d.C);
+      act.take<bf16>(rows * d.A);  // the attention's output
       act.take<float>(rows);       // rstd1
       act.take<float>(rows);       // rstd2
       act.take<bf16>(rows * d.M);  // MLP hidden
@@ -103,9 +107,9 @@ size_t activation_bytes(const FluxConfig& config, const Dims& d,
     act.take<bf16>(d.N * d.C);              // normed
     act.take<bf16>(d.N * d.C);              // modulated
     act.take<float>(d.N);                   // rstd
-    act.take<bf16>(d.N * (3 * d.C + d.M));  // linear1's output
+    act.take<bf16>(d.N * (3 * d.A + d.M));  // linear1's output
     attention();
-    act.take<bf16>(d.N * (d.C + d.M));  // linear2's input
+    act.take<bf16>(d.N * (d.A + d.M));  // linear2's input
     act.take<bf16>(d.N * d.C);          // linear2's output
   };
   // Full recompute: the blocks outside the groups save their own; those in groups share one set
@@ -130,8 +134,25 @@ size_t activation_bytes(const FluxConfig& config, const Dims& d,
   return act.bytes();
 }
 
+// A linear's share on the first rank of a tensor-parallel group: its inputs and outputs, and
+// whether it is split.
+struct Share {
+  int64_t in, out;
+  bool split;
+};
+
+Share first_rank_share(const FluxLinear& linear, const FluxConfig& config, int tensor_parallel) {
+  const TensorShare share = flux_tensor_share(linear, config, tensor_parallel, 0);
+  int64_t width = 0;
+  for (const ShareSegment& segment : share.segments)
+    width += segment.count;
+  if (share.split == TensorSplit::Outputs) return {linear.in_features, width, true};
+  if (share.split == TensorSplit::Inputs) return {width, linear.out_features, true};
+  return {linear.in_features, linear.out_features, false};
+}
+
 // The temporaries of one step, in lay_out()'s order.
-size_t workspace_bytes(const FluxConfig& config, const Dims& d) {
+size_t workspace_bytes(const FluxConfig& config, const Dims& d, int tensor_parallel) {
   ArenaBytes ws;
   ws.take<float>(d.B * d.Li * d.Cin);  // img, fp32 from the host
   ws.take<float>(d.B * d.Lt * d.ctx);  // txt
@@ -147,7 +168,7 @@ size_t workspace_bytes(const FluxConfig& config, const Dims& d) {
   ws.take<bf16>(d.B * d.Lt * d.C);      // x_txt
   ws.take<bf16>(d.N * d.C);             // x_joint
   ws.take<bf16>(d.B * d.C);             // embedding
-  ws.take<bf16>(d.B * d.Ls * 3 * d.C);  // a stream's qkv
+  ws.take<bf16>(d.B * d.Ls * 3 * d.A);  // a stream's qkv
   ws.take<bf16>(d.B * d.Li * d.C);      // d_img
   ws.take<bf16>(d.B * d.Lt * d.C);      // d_txt
   ws.take<bf16>(d.N * d.C);             // d_joint
@@ -157,14 +178,31 @@ size_t workspace_bytes(const FluxConfig& config, const Dims& d) {
   ws.take<bf16>(d.B * 6 * d.C);         // their bf16 copy
   for (int view = 0; view < 4; ++view)  // d_vec_act, d_vec, d_embed_act, d_embed_hidden
     ws.take<bf16>(d.B * d.C);
-  for (int view = 0; view < 6; ++view)  // d_branch, d_modulated, d_attn, dq, dk, dv
+  for (int view = 0; view < 2; ++view)  // d_branch, d_modulated
     ws.take<bf16>(d.N * d.C);
+  for (int view = 0; view < 4; ++view)  // d_attn, dq, dk, dv
+    ws.take<bf16>(d.N * d.A);
   ws.take<bf16>(d.B * d.Ls * d.M);      // d_mlp_act
   ws.take<bf16>(d.B * d.Ls * d.M);      // d_mlp_hidden
-  ws.take<bf16>(d.B * d.Ls * 3 * d.C);  // d_qkv
+  ws.take<bf16>(d.B * d.Ls * 3 * d.A);  // d_qkv
   if (config.single_blocks > 0) {
-    ws.take<bf16>(d.N * (3 * d.C + d.M));  // d(linear1's output)
-    ws.take<bf16>(d.N * (d.C + d.M));      // d(linear2's input)
+    ws.take<bf16>(d.N * (3 * d.A + d.M));  // d(linear1's output)
+    ws.take<bf16>(d.N * (d.A + d.M));      // d(linear2's input)
+  }
+  // Tensor parallelism: the staging of the largest split weight and bias, and of their
+  // gradients.
+  int64_t staged = 0, staged_rows = 0;
+  for (const FluxLinear& linear : flux_linears(config)) {
+    const Share share = first_rank_share(linear, config, tensor_parallel);
+    if (!share.split) continue;
+    staged = std::max(staged, share.in * share.out);
+    staged_rows = std::max(staged_rows, share.out);
+  }
+  if (staged > 0) {
+    for (int copy = 0; copy < 2; ++copy) {  // the weights', then the gradients'
+      ws.take<float>(staged);
+      ws.take<float>(staged_rows);
+    }
   }
   return ws.bytes();
 }
@@ -199,23 +237,29 @@ size_t fp8_scratch_bytes(ScalingRecipe recipe, int64_t fp8_count, int64_t max_to
 }
 
 size_t linear_copy_bytes(const FluxConfig& config, const FluxMicroBatch& micro_batch,
-                         const FluxPrecision& precision) {
+                         const FluxPrecision& precision, int tensor_parallel) {
   const ScalingRecipe recipe = precision.fp8.recipe;
   size_t bytes = 0;
   int64_t fp8_count = 0, max_in = 0, max_out = 0, max_rows = 0;
   for (const FluxLinearPrecision& decision : decide_flux_precision(config, precision.policy)) {
-    bytes += ops::linear_weight_bytes(decision.linear.in_features, decision.linear.out_features,
-                                      /*bias=*/true, decision.fp8, recipe);
-    if (!decision.fp8) continue;
+    const Share share = first_rank_share(decision.linear, config, tensor_parallel);
+    // A share a block recipe cannot cast in whole blocks stays in BF16, as the model decides.
+    const bool fp8 = decision.fp8 &&
+                     !(share.split &&
+                       tensor_parallel_share_reason(share.in, share.out, recipe, tensor_parallel));
+    bytes += ops::linear_weight_bytes(share.in, share.out, /*bias=*/true, fp8, recipe);
+    if (!fp8) continue;
     ++fp8_count;
-    max_in = std::max(max_in, decision.linear.in_features);
-    max_out = std::max(max_out, decision.linear.out_features);
+    max_in = std::max(max_in, share.in);
+    max_out = std::max(max_out, share.out);
     max_rows = std::max(max_rows, flux_linear_rows(decision.linear, micro_batch.batch,
                                                    micro_batch.img_tokens, micro_batch.txt_tokens));
   }
   // CudaFluxModel's backward operands fit the MLPs whole; linear1 and linear2 run in chunks.
   if (fp8_count > 0) {
-    bytes += fp8_scratch_bytes(recipe, fp8_count, max_rows, max_in, max_out, config.mlp_hidden());
+    const int64_t mlp = config.mlp_hidden() / tensor_parallel;
+    bytes += fp8_scratch_bytes(recipe, fp8_count, max_rows, max_in, max_out,
+                               std::max<int64_t>(config.hidden_size, mlp));
   }
   return bytes;
 }
@@ -224,14 +268,15 @@ size_t linear_copy_bytes(const FluxConfig& config, const FluxMicroBatch& micro_b
 
 FluxMemoryPlan plan_flux_memory(const FluxConfig& config, const FluxMicroBatch& micro_batch,
                                 const FluxPrecision& precision, int gpus,
-                                const RecomputeOptions& recompute) {
+                                const RecomputeOptions& recompute, int tensor_parallel) {
   config.validate();
+  check_flux_tensor_parallel(config, tensor_parallel);
   FP8T_CHECK(micro_batch.batch >= 1 && micro_batch.img_tokens >= 1 && micro_batch.txt_tokens >= 1,
              "expected a batch, image and text tokens of at least 1, found {}, {}, {}",
              micro_batch.batch, micro_batch.img_tokens, micro_batch.txt_tokens);
   FP8T_CHECK(gpus >= 1, "expected at least one GPU, found {}", gpus);
   const optim::DeviceParameterLayout layout = optim::device_parameter_layout(config);
-  const Dims dims = dims_of(config, micro_batch);
+  const Dims dims = dims_of(config, micro_batch, tensor_parallel);
   FluxMemoryPlan plan;
   plan.parameters = layout.total_bytes();
   plan.gradients = layout.total_bytes();
@@ -239,8 +284,8 @@ FluxMemoryPlan plan_flux_memory(const FluxConfig& config, const FluxMicroBatch& 
   plan.optimizer_state =
       2 * round_up(shard_elements * sizeof(float), optim::DeviceParameterLayout::kAlignmentBytes);
   plan.activations = activation_bytes(config, dims, recompute);
-  plan.workspace = workspace_bytes(config, dims);
-  plan.linear_copies = linear_copy_bytes(config, micro_batch, precision);
+  plan.workspace = workspace_bytes(config, dims, tensor_parallel);
+  plan.linear_copies = linear_copy_bytes(config, micro_batch, precision, tensor_parallel);
   return plan;
 }
 
@@ -254,11 +299,9 @@ bool flux_fits(const FluxConfig& config, const FluxMicroBatch& micro_batch,
   return plan.total() + flux_runtime_reserve_bytes(config, micro_batch) <= capacity_bytes;
 }
 
-std::optional<FluxConfig> largest_fitting_flux(const FluxConfig& config,
-                                               const FluxMicroBatch& micro_batch,
-                                               const FluxPrecision& precision, int gpus,
-                                               size_t capacity_bytes,
-                                               const RecomputeOptions& recompute) {
+std::optional<FluxConfig> largest_fitting_flux(
+    const FluxConfig& config, const FluxMicroBatch& micro_batch, const FluxPrecision& precision,
+    int gpus, size_t capacity_bytes, const RecomputeOptions& recompute, int tensor_parallel) {
   // With double blocks, their count steps and the single blocks follow in proportion; without,
   // the single blocks step alone. Memory grows with each block, so the first fit is the largest.
   const bool by_double = config.double_blocks > 0;
@@ -272,7 +315,7 @@ std::optional<FluxConfig> largest_fitting_flux(const FluxConfig& config,
       candidate.single_blocks = step;
     }
     const FluxMemoryPlan plan =
-        plan_flux_memory(candidate, micro_batch, precision, gpus, recompute);
+        plan_flux_memory(candidate, micro_batch, precision, gpus, recompute, tensor_parallel);
     if (flux_fits(candidate, micro_batch, plan, capacity_bytes)) return candidate;
   }
   return std::nullopt;

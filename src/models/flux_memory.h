@@ -44,10 +44,13 @@ inline constexpr double kH200MemoryGib = 139.8;
 // 1/gpus of the AdamW moments (ceil(elements / gpus) of the parameter buffer, rounded up to the
 // arenas' alignment). The FP8 linears are those of decide_flux_precision(config,
 // precision.policy), run with precision.fp8.recipe; FP8 linears keep no saved input: they share
-// the scratch's transposed input. Full recompute saves the activations of fewer blocks.
+// the scratch's transposed input. Full recompute saves the activations of fewer blocks. With
+// tensor_parallel > 1, the plan of the first rank of a tensor-parallel group of that many GPUs
+// (the largest: it also holds the row-parallel biases' copies): its heads' and MLP share's
+// activations and workspace, its shares' weight copies and the split linears' staging buffers.
 FluxMemoryPlan plan_flux_memory(const FluxConfig& config, const FluxMicroBatch& micro_batch,
                                 const FluxPrecision& precision, int gpus = 1,
-                                const RecomputeOptions& recompute = {});
+                                const RecomputeOptions& recompute = {}, int tensor_parallel = 1);
 
 // What a GPU needs beyond the plan: the CUDA context with the kernels, cuBLASLt's workspace,
 // cuDNN's attention workspace (which grows with the micro-batch's tokens) and, with several
@@ -64,11 +67,12 @@ bool flux_fits(const FluxConfig& config, const FluxMicroBatch& micro_batch,
 // with config's ratio of single to double blocks: d ≤ config.double_blocks double blocks and
 // round(d · single_blocks / double_blocks) single ones, the largest d that fits (with no double
 // blocks, the most single blocks up to config's). config itself when it fits; nullopt when not
-// even the smallest such model does.
+// even the smallest such model does. tensor_parallel as for plan_flux_memory.
 std::optional<FluxConfig> largest_fitting_flux(const FluxConfig& config,
                                                const FluxMicroBatch& micro_batch,
                                                const FluxPrecision& precision, int gpus,
                                                size_t capacity_bytes,
-                                               const RecomputeOptions& recompute = {});
+                                               const RecomputeOptions& recompute = {},
+                                               int tensor_parallel = 1);
 
 }  // namespace fp8t

@@ -223,9 +223,9 @@ class FluxCudaEngine final : public FluxEngine {
 void check_flux_fits(const FluxEngineSetup& setup, const GpuInfo& gpu) {
   const auto plan_for = [&](int64_t batch) {
     const FluxMicroBatch micro_batch{batch, setup.img_tokens, setup.txt_tokens};
-    return std::pair(
-        plan_flux_memory(setup.model, micro_batch, setup.precision, 1, setup.recompute),
-        double(flux_runtime_reserve_bytes(setup.model, micro_batch)));
+    return std::pair(plan_flux_memory(setup.model, micro_batch, setup.precision, 1, setup.recompute,
+                                      setup.layout.tensor),
+                     double(flux_runtime_reserve_bytes(setup.model, micro_batch)));
   };
   const int64_t most = ops::cuda::flux_max_batch(setup.model.hidden_size);
   if (setup.batch > most) {

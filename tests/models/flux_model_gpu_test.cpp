@@ -330,7 +330,7 @@ INSTANTIATE_TEST_SUITE_P(Precisions, FluxRecomputeGpu, kRecipes, precision_name)
 // not compared): every rank has the whole model's prediction,
 // loss and, once gathered, gradients within the rounding of the partial sums; the ranks agree
 // bit for bit on the prediction, the loss, the split gradients and every FP8 scale, and their
-// weights' scales are the whole weights'.
+// weights' scales are the whole weights'. The memory plan counts what the first rank takes.
 class FluxTensorParallelGpu : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
 
 TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfTheWholeModel) {
@@ -366,6 +366,13 @@ TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfT
         ASSERT_EQ(ranks.back()->linear_precision()[i].fp8, whole.linear_precision()[i].fp8);
       EXPECT_LT(ranks.back()->memory().activations, whole.memory().activations);
     }
+    const FluxMemoryPlan plan = plan_flux_memory(
+        config, {.batch = kBatch, .img_tokens = kImgTokens, .txt_tokens = kTxtTokens}, precision, 1,
+        {}, kRanks);
+    const CudaFluxMemory& first = ranks[0]->memory();
+    EXPECT_EQ(plan.activations, first.activations);
+    EXPECT_EQ(plan.workspace, first.workspace);
+    EXPECT_EQ(plan.linear_copies, first.linear_copies);
     size_t fp8_linears = 0;
     for (const FluxLinearPrecision& decision : whole.linear_precision())
       fp8_linears += decision.fp8;
