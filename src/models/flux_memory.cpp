@@ -6,7 +6,6 @@
 
 #include "core/device_arena.h"
 #include "core/error.h"
-#include "models/tensor_parallel.h"
 #include "numerics/float_bits.h"
 #include "numerics/quantize.h"
 #include "ops/fp8_linear_layout.h"
@@ -134,23 +133,6 @@ size_t activation_bytes(const FluxConfig& config, const Dims& d,
   return act.bytes();
 }
 
-// A linear's share on the first rank of a tensor-parallel group: its inputs and outputs, and
-// whether it is split.
-struct Share {
-  int64_t in, out;
-  bool split;
-};
-
-Share first_rank_share(const FluxLinear& linear, const FluxConfig& config, int tensor_parallel) {
-  const TensorShare share = flux_tensor_share(linear, config, tensor_parallel, 0);
-  int64_t width = 0;
-  for (const ShareSegment& segment : share.segments)
-    width += segment.count;
-  if (share.split == TensorSplit::Outputs) return {linear.in_features, width, true};
-  if (share.split == TensorSplit::Inputs) return {width, linear.out_features, true};
-  return {linear.in_features, linear.out_features, false};
-}
-
 // The temporaries of one step, in lay_out()'s order.
 size_t workspace_bytes(const FluxConfig& config, const Dims& d, int tensor_parallel) {
   ArenaBytes ws;
@@ -193,10 +175,11 @@ size_t workspace_bytes(const FluxConfig& config, const Dims& d, int tensor_paral
   // gradients.
   int64_t staged = 0, staged_rows = 0;
   for (const FluxLinear& linear : flux_linears(config)) {
-    const Share share = first_rank_share(linear, config, tensor_parallel);
-    if (!share.split) continue;
-    staged = std::max(staged, share.in * share.out);
-    staged_rows = std::max(staged_rows, share.out);
+    const TensorShare share = flux_tensor_share(linear, config, tensor_parallel, 0);
+    if (share.split == TensorSplit::None) continue;
+    const auto [in, out] = share.features(linear.in_features, linear.out_features);
+    staged = std::max(staged, in * out);
+    staged_rows = std::max(staged_rows, out);
   }
   if (staged > 0) {
     for (int copy = 0; copy < 2; ++copy) {  // the weights', then the gradients'
@@ -241,17 +224,16 @@ size_t linear_copy_bytes(const FluxConfig& config, const FluxMicroBatch& micro_b
   const ScalingRecipe recipe = precision.fp8.recipe;
   size_t bytes = 0;
   int64_t fp8_count = 0, max_in = 0, max_out = 0, max_rows = 0;
-  for (const FluxLinearPrecision& decision : decide_flux_precision(config, precision.policy)) {
-    const Share share = first_rank_share(decision.linear, config, tensor_parallel);
-    // A share a block recipe cannot cast in whole blocks stays in BF16, as the model decides.
-    const bool fp8 = decision.fp8 &&
-                     !(share.split &&
-                       tensor_parallel_share_reason(share.in, share.out, recipe, tensor_parallel));
-    bytes += ops::linear_weight_bytes(share.in, share.out, /*bias=*/true, fp8, recipe);
-    if (!fp8) continue;
+  std::vector<FluxLinearPrecision> decisions = decide_flux_precision(config, precision.policy);
+  keep_unblocked_flux_shares_in_bf16(decisions, config, recipe, tensor_parallel);
+  for (const FluxLinearPrecision& decision : decisions) {
+    const auto [in, out] = flux_tensor_share(decision.linear, config, tensor_parallel, 0)
+                               .features(decision.linear.in_features, decision.linear.out_features);
+    bytes += ops::linear_weight_bytes(in, out, /*bias=*/true, decision.fp8, recipe);
+    if (!decision.fp8) continue;
     ++fp8_count;
-    max_in = std::max(max_in, share.in);
-    max_out = std::max(max_out, share.out);
+    max_in = std::max(max_in, in);
+    max_out = std::max(max_out, out);
     max_rows = std::max(max_rows, flux_linear_rows(decision.linear, micro_batch.batch,
                                                    micro_batch.img_tokens, micro_batch.txt_tokens));
   }

@@ -749,6 +749,20 @@ TensorShare flux_tensor_share(const FluxLinear& linear, const FluxConfig& config
   return {};
 }
 
+void keep_unblocked_flux_shares_in_bf16(std::vector<FluxLinearPrecision>& decisions,
+                                        const FluxConfig& config, ScalingRecipe recipe, int size) {
+  for (FluxLinearPrecision& decision : decisions) {
+    const TensorShare share = flux_tensor_share(decision.linear, config, size, 0);
+    const auto [in, out] =
+        share.features(decision.linear.in_features, decision.linear.out_features);
+    if (std::optional<std::string> why = tensor_parallel_share_reason(in, out, recipe, size);
+        decision.fp8 && share.split != TensorSplit::None && why) {
+      decision.fp8 = false;
+      decision.reason = *why;
+    }
+  }
+}
+
 WeightShare FluxModel::share_of(const FluxLinear& linear) const {
   const int64_t out = linear.out_features, in = linear.in_features;
   const TensorShare share =

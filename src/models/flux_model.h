@@ -73,6 +73,11 @@ struct FluxLinearPrecision {
 std::vector<FluxLinearPrecision> decide_flux_precision(const FluxConfig& config,
                                                        const PrecisionOptions& options);
 
+// Moves to BF16, with the reason, the FP8 decisions whose share on each of `size` ranks `recipe`
+// cannot cast in whole blocks (the CPU model's rule, make_fp8_share).
+void keep_unblocked_flux_shares_in_bf16(std::vector<FluxLinearPrecision>& decisions,
+                                        const FluxConfig& config, ScalingRecipe recipe, int size);
+
 // One line: "FP8: 8/21 linear layers; 13 kept in BF16 (5 × embedder; ...)", the BF16 ones
 // counted by reason.
 std::string flux_precision_summary(const std::vector<FluxLinearPrecision>& decisions);

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "models/tensor_parallel.h"
@@ -23,6 +24,17 @@ struct ShareSegment {
 struct TensorShare {
   TensorSplit split = TensorSplit::None;
   std::vector<ShareSegment> segments;
+
+  // The share's {in_features, out_features} of a linear [out, in]: the rows (Outputs) or columns
+  // (Inputs) of all its runs; the linear's own when it is not split.
+  std::pair<int64_t, int64_t> features(int64_t in, int64_t out) const {
+    int64_t width = 0;
+    for (const ShareSegment& segment : segments)
+      width += segment.count;
+    if (split == TensorSplit::Outputs) return {in, width};
+    if (split == TensorSplit::Inputs) return {width, out};
+    return {in, out};
+  }
 };
 
 class WeightShare {

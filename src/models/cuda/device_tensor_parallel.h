@@ -5,7 +5,10 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <functional>
+#include <utility>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 #include <fmt/format.h>
@@ -24,6 +27,18 @@ struct DeviceTensorParallel {
   std::function<void(float* values, size_t count, cudaStream_t stream)> max;
 
   bool split() const { return size > 1; }
+
+  // Row-parallel partial outputs and column-parallel input gradients: summed over the group when
+  // it is split, left alone otherwise.
+  void sum_partials(bf16* values, int64_t count, cudaStream_t stream) const {
+    if (split()) sum_bf16(values, static_cast<size_t>(count), stream);
+  }
+  // Each range {offset, count} of `values` summed over the group (split gradients).
+  void sum_ranges(float* values, const std::vector<std::pair<int64_t, int64_t>>& ranges,
+                  cudaStream_t stream) const {
+    for (const auto& [offset, count] : ranges)
+      sum(values + offset, static_cast<size_t>(count), stream);
+  }
 };
 
 // What a GPU model checks of the group it is given: a rank in it, its collectives, and no FP8

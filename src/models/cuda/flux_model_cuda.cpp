@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <optional>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -43,14 +43,6 @@ void copy_rows(bf16* dst, int64_t dst_ld, const bf16* src, int64_t src_ld, int64
   FP8T_CUDA_CHECK(cudaMemcpy2DAsync(dst, size_t(dst_ld) * sizeof(bf16), src,
                                     size_t(src_ld) * sizeof(bf16), size_t(width) * sizeof(bf16),
                                     size_t(rows), cudaMemcpyDeviceToDevice, stream));
-}
-
-// The rows (Outputs) or columns (Inputs) of a share: all of its runs.
-int64_t share_width(const TensorShare& share) {
-  int64_t width = 0;
-  for (const ShareSegment& segment : share.segments)
-    width += segment.count;
-  return width;
 }
 
 }  // namespace
@@ -212,18 +204,7 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
                config_.vec_in_dim + 2 * config_.timestep_dim());
   buffers_ = std::make_unique<Buffers>(precision_, static_cast<size_t>(staging_floats));
   linear_precision_ = decide_flux_precision(config_, precision_.policy);
-  for (FluxLinearPrecision& decision : linear_precision_) {  // shares a block recipe cannot cast
-    const TensorShare share = flux_tensor_share(decision.linear, config_, group_size, 0);
-    const bool outputs = share.split == TensorSplit::Outputs;
-    if (std::optional<std::string> why = tensor_parallel_share_reason(
-            outputs ? decision.linear.in_features : share_width(share),
-            outputs ? share_width(share) : decision.linear.out_features, precision_.fp8.recipe,
-            group_size);
-        decision.fp8 && share.split != TensorSplit::None && why) {
-      decision.fp8 = false;
-      decision.reason = *why;
-    }
-  }
+  keep_unblocked_flux_shares_in_bf16(linear_precision_, config_, precision_.fp8.recipe, group_size);
   layout_ = optim::device_parameter_layout(config_);
   lay_out();
   for (DeviceArena* arena : {&buffers_->parameters, &buffers_->gradients, &buffers_->activations,
@@ -265,8 +246,8 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
     linear.whole_out = spec.out_features;
     linear.whole_in = spec.in_features;
     kernels::LinearSetup setup;
-    setup.in_features = split == TensorSplit::Inputs ? share_width(share) : spec.in_features;
-    setup.out_features = split == TensorSplit::Outputs ? share_width(share) : spec.out_features;
+    std::tie(setup.in_features, setup.out_features) =
+        share.features(spec.in_features, spec.out_features);
     if (split == TensorSplit::Inputs && tensor_parallel_.rank != 0) {
       linear.bias = nullptr;  // the sum over the group adds the first rank's
       linear.grad_bias = nullptr;
@@ -334,21 +315,11 @@ void CudaFluxModel::end_step() {
   weights_ready_ = false;
   CudaLinearScalings& scalings = buffers_->scalings;
   keep_cuda_fp8_health(buffers_->linears, scalings, fp8_health_, stream_);
-  // Delayed scaling: the group's largest amaxes, so that the split tensors' scales stay the same
-  // on every rank (the other floats are the same everywhere: their maximum is themselves).
-  if (tensor_parallel_.split() && !scalings.delayed_scalings().empty())
-    tensor_parallel_.max(scalings.device_floats(), scalings.float_count(), stream_);
-  scalings.end_step(stream_);
+  scalings.end_step(stream_, tensor_parallel_);
 }
 
 void CudaFluxModel::gather_split_gradients() {
-  for (const auto& [offset, count] : split_gradient_ranges_)
-    tensor_parallel_.sum(gradients_ + offset, static_cast<size_t>(count), stream_);
-}
-
-void CudaFluxModel::sum_partials(bf16* values, int64_t count) {
-  if (tensor_parallel_.split())
-    tensor_parallel_.sum_bf16(values, static_cast<size_t>(count), stream_);
+  tensor_parallel_.sum_ranges(gradients_, split_gradient_ranges_, stream_);
 }
 
 void CudaFluxModel::copy_staged(const Linear& linear, float* whole_weight, float* whole_bias,
@@ -545,9 +516,8 @@ void CudaFluxModel::lay_out() {
   int64_t max_in = 0, max_out = 0, max_rows = 0, max_staged = 0, max_staged_rows = 0;
   for (const FluxLinearPrecision& decision : linear_precision_) {
     const TensorShare share = flux_tensor_share(decision.linear, config_, tensor_parallel_.size, 0);
-    int64_t in = decision.linear.in_features, out = decision.linear.out_features;
-    if (share.split == TensorSplit::Outputs) out = share_width(share);
-    if (share.split == TensorSplit::Inputs) in = share_width(share);
+    const auto [in, out] =
+        share.features(decision.linear.in_features, decision.linear.out_features);
     if (share.split != TensorSplit::None) {
       max_staged = std::max(max_staged, in * out);
       max_staged_rows = std::max(max_staged_rows, out);
@@ -856,7 +826,7 @@ void CudaFluxModel::double_block_forward(int block) {
     Stream& s = p.saved;
     out_of_joint(s.attn, A, a.out, p.first, p.tokens, A);
     linear_forward(stream + "_attn.proj", s.attn, rows, s.proj);
-    sum_partials(s.proj, rows * C);
+    tensor_parallel_.sum_partials(s.proj, rows * C, stream_);
     kernels::gated_residual_forward(p.x, s.proj, s.mod + 2 * C, 6 * C, shape, stream_);
     kernels::layernorm_modulate_forward(s.modulated2, s.norm2, s.rstd2, p.x, s.mod + 3 * C,
                                         s.mod + 4 * C, 6 * C, shape, stream_,
@@ -864,7 +834,7 @@ void CudaFluxModel::double_block_forward(int block) {
     linear_forward(stream + "_mlp.0", s.modulated2, rows, s.mlp_hidden);
     kernels::gelu_tanh_forward(s.mlp_act, M, s.mlp_hidden, M, rows, M, stream_);
     linear_forward(stream + "_mlp.2", s.mlp_act, rows, s.mlp_out);
-    sum_partials(s.mlp_out, rows * C);
+    tensor_parallel_.sum_partials(s.mlp_out, rows * C, stream_);
     kernels::gated_residual_forward(p.x, s.mlp_out, s.mod + 5 * C, 6 * C, shape, stream_);
   }
 }
@@ -887,7 +857,7 @@ void CudaFluxModel::single_block_forward(int block) {
   kernels::gelu_tanh_forward(s.linear2_in + A, width2, s.linear1_out + 3 * A, width1, N, M,
                              stream_);
   linear_forward(prefix + ".linear2", s.linear2_in, N, s.out);
-  sum_partials(s.out, N * C);
+  tensor_parallel_.sum_partials(s.out, N * C, stream_);
   kernels::gated_residual_forward(b.x_joint, s.out, s.mod + 2 * C, 3 * C, shape, stream_);
 }
 
@@ -1015,7 +985,7 @@ void CudaFluxModel::single_block_backward(int block) {
   joint_attention_backward(a);
   stream_from_joint(a, prefix + ".norm", b.d_linear1_out, width1, 0, tokens_);
   linear_backward(prefix + ".linear1", b.d_linear1_out, s.modulated, N, b.d_modulated, false);
-  sum_partials(b.d_modulated, N * C);
+  tensor_parallel_.sum_partials(b.d_modulated, N * C, stream_);
   kernels::layernorm_modulate_backward(b.d_joint, b.dmod_img, b.dmod_img + C, 3 * C, b.d_modulated,
                                        s.normed, s.rstd, s.mod + C, 3 * C, shape, GradStore::Add,
                                        b.reduction, stream_);
@@ -1050,7 +1020,7 @@ void CudaFluxModel::double_block_backward(int block) {
     kernels::gelu_tanh_backward(b.d_mlp_hidden, M, b.d_mlp_act, M, s.mlp_hidden, M, rows, M,
                                 stream_);
     linear_backward(stream + "_mlp.0", b.d_mlp_hidden, s.modulated2, rows, b.d_modulated, false);
-    sum_partials(b.d_modulated, rows * C);
+    tensor_parallel_.sum_partials(b.d_modulated, rows * C, stream_);
     kernels::layernorm_modulate_backward(p.dx, p.dmod + 3 * C, p.dmod + 4 * C, 6 * C, b.d_modulated,
                                          s.norm2, s.rstd2, s.mod + 4 * C, 6 * C, shape,
                                          GradStore::Add, b.reduction, stream_);
@@ -1068,7 +1038,7 @@ void CudaFluxModel::double_block_backward(int block) {
     Stream& s = p.saved;
     stream_from_joint(a, stream + "_attn.norm", b.d_qkv, 3 * A, p.first, p.tokens);
     linear_backward(stream + "_attn.qkv", b.d_qkv, s.modulated1, rows, b.d_modulated, false);
-    sum_partials(b.d_modulated, rows * C);
+    tensor_parallel_.sum_partials(b.d_modulated, rows * C, stream_);
     kernels::layernorm_modulate_backward(p.dx, p.dmod, p.dmod + C, 6 * C, b.d_modulated, s.norm1,
                                          s.rstd1, s.mod + C, 6 * C, shape, GradStore::Add,
                                          b.reduction, stream_);

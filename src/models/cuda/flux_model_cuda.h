@@ -156,9 +156,6 @@ class CudaFluxModel {
                   int64_t width);
   void out_of_joint(bf16* rows, int64_t ld, const bf16* joint, int64_t first, int64_t tokens,
                     int64_t width);
-  // The sum over the tensor-parallel group of partial outputs or input gradients (nothing
-  // without tensor parallelism).
-  void sum_partials(bf16* values, int64_t count);
   // A staged share's runs between the whole weight and bias (or their gradients; the bias when
   // its rows are split) and their staging buffers: gathered (to_staging) or put back.
   void copy_staged(const Linear& linear, float* whole_weight, float* whole_bias,

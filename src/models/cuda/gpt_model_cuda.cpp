@@ -542,11 +542,6 @@ float* CudaGptModel::weight_gradient(const Linear& linear) const {
   return gradient(linear.weight) + linear.offset;
 }
 
-void CudaGptModel::sum_partials(bf16* values, int64_t count) {
-  if (tensor_parallel_.split())
-    tensor_parallel_.sum_bf16(values, static_cast<size_t>(count), stream_);
-}
-
 const bf16* CudaGptModel::mlp_activation(const bf16* fc, const ops::cuda::CudaLinear& mlp_proj) {
   if (mlp_proj.input_relu2()) return fc;
   const int64_t count = tokens_ * hidden_;
@@ -594,11 +589,7 @@ void CudaGptModel::end_step() {
   weights_ready_ = false;
   CudaLinearScalings& scalings = buffers_->scalings;
   keep_cuda_fp8_health(buffers_->linears, scalings, fp8_health_, stream_);
-  // Delayed scaling: the group's largest amaxes, so that the split tensors' scales stay the same
-  // on every rank (the other floats are the same everywhere: their maximum is themselves).
-  if (tensor_parallel_.split() && !scalings.delayed_scalings().empty())
-    tensor_parallel_.max(scalings.device_floats(), scalings.float_count(), stream_);
-  scalings.end_step(stream_);
+  scalings.end_step(stream_, tensor_parallel_);
 }
 
 void CudaGptModel::set_record_fp8_health(bool record) {
@@ -671,14 +662,14 @@ void CudaGptModel::block_forward(int index, bool record) {
   const auto residual = [&](const bf16* x) { return rank == 0 ? x : nullptr; };
   linear(prefix + "attn.c_proj")
       .layer->forward(layer.attn_out, N, b.mid, record, s, residual(b.input));
-  sum_partials(b.mid, N * C);
+  tensor_parallel_.sum_partials(b.mid, N * C, stream_);
   kernels::CudaLinear& c_fc = *linear(prefix + "mlp.c_fc").layer;
   kernels::rmsnorm_forward(layer.mlp_norm, layer.mlp_rstd, b.mid, N, C, kEps, s,
                            c_fc.fused_input_cast(record, s));
   c_fc.forward(layer.mlp_norm, N, layer.fc, record, s);
   kernels::CudaLinear& mlp_proj = *linear(prefix + "mlp.c_proj").layer;
   mlp_proj.forward(mlp_activation(layer.fc, mlp_proj), N, layer.output, record, s, residual(b.mid));
-  sum_partials(layer.output, N * C);
+  tensor_parallel_.sum_partials(layer.output, N * C, stream_);
 }
 
 void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with_gradient) {
@@ -754,8 +745,7 @@ void CudaGptModel::plan_gradient_ranges() {
 }
 
 void CudaGptModel::gather_split_gradients() {
-  for (const auto& [offset, count] : split_gradient_ranges_)
-    tensor_parallel_.sum(gradients_ + offset, static_cast<size_t>(count), stream_);
+  tensor_parallel_.sum_ranges(gradients_, split_gradient_ranges_, stream_);
 }
 
 void CudaGptModel::report_gradients(size_t group) const {
@@ -817,7 +807,7 @@ void CudaGptModel::backward() {
       kernels::relu2_backward(b.fc_act, b.dfc_act, layer.fc, N * hidden_, GradStore::Write, s);
       c_fc.backward(b.fc_act, layer.mlp_norm, N, b.dnorm, false, c_fc_gradient, record, s);
     }
-    sum_partials(b.dnorm, N * C);
+    tensor_parallel_.sum_partials(b.dnorm, N * C, stream_);
     kernels::rmsnorm_backward(b.dres, b.dnorm, layer.mlp_norm, layer.mlp_rstd, N, C, GradStore::Add,
                               s);  // dres: d mid
 
@@ -858,7 +848,7 @@ void CudaGptModel::backward() {
       kernels::embedding_backward(gradient(table) + columns, b.dvalue_embed, b.idx, N, vocab,
                                   Hkv * D, s, config_.kv_dim());
     }
-    sum_partials(b.dnorm, N * C);
+    tensor_parallel_.sum_partials(b.dnorm, N * C, stream_);
     kernels::rmsnorm_backward(b.dres, b.dnorm, layer.attn_norm, layer.attn_rstd, N, C,
                               GradStore::Add, s);  // dres: d input
 

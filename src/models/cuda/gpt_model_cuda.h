@@ -168,9 +168,6 @@ class CudaGptModel {
   // parallelism): where its rows or columns start in the whole tensor.
   const float* weight(const Linear& linear) const;
   float* weight_gradient(const Linear& linear) const;
-  // The sum over the tensor-parallel group of a row-parallel linear's partial outputs, or of
-  // the column-parallel linears' partial input gradients (nothing without tensor parallelism).
-  void sum_partials(bf16* values, int64_t count);
   float* parameter(const std::string& name) const;  // an fp32 parameter
   const bf16* embedding_table(const std::string& name) const;
   float* gradient(const std::string& name) const;

@@ -102,8 +102,9 @@ std::vector<Fp8TensorHealth> CudaLinearScalings::read_health(
   return records;
 }
 
-void CudaLinearScalings::end_step(cudaStream_t stream) {
+void CudaLinearScalings::end_step(cudaStream_t stream, const DeviceTensorParallel& group) {
   if (delayed_.empty()) return;
+  if (group.split()) group.max(device_, host_.size(), stream);
   FP8T_CUDA_CHECK(cudaMemcpyAsync(host_.data(), device_, host_.size() * sizeof(float),
                                   cudaMemcpyDeviceToHost, stream));
   FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));

@@ -16,6 +16,7 @@
 #include <cuda_runtime_api.h>
 
 #include "core/device_arena.h"
+#include "models/cuda/device_tensor_parallel.h"
 #include "numerics/scaling.h"
 #include "ops/fp8_health.h"
 
@@ -55,8 +56,11 @@ class CudaLinearScalings {
   float* device_floats() const { return device_; }
   size_t float_count() const { return host_.size(); }
 
-  // Delayed: folds the step's amaxes into the histories and uploads the new scales.
-  void end_step(cudaStream_t stream);
+  // Delayed: folds the step's amaxes into the histories and uploads the new scales. Over a split
+  // tensor-parallel `group` the amaxes are first max-reduced over it, so that the split tensors'
+  // scales stay the same on every rank (the other floats are the same everywhere: their maximum
+  // is themselves).
+  void end_step(cudaStream_t stream, const DeviceTensorParallel& group = {});
   // After the histories were loaded: uploads their scales, amaxes cleared (synchronizes).
   void scalings_changed(cudaStream_t stream);
   // "<linear>.<input|weight|grad_output>" by linear name, as the CPU models name them.
