@@ -93,12 +93,11 @@ struct RunKind {
   ScalingRecipe recipe = ScalingRecipe::Tensorwise;
   bool fp8_attention = false;
   std::optional<bool> autotune;
-  bool full_recompute = false;  // uniform, one block per group
+  RecomputeGranularity recompute = RecomputeGranularity::None;  // full: one block per group
 };
 
 RecomputeOptions bench_recompute(const RunKind& run) {
-  if (!run.full_recompute) return {};
-  return {RecomputeGranularity::Full, RecomputeMethod::Uniform, 1};
+  return {run.recompute, RecomputeMethod::Uniform, 1};
 }
 
 // The GEMM selection of a run: training's (the environment over gemm_autotune's default, the
@@ -126,7 +125,10 @@ std::string tuning_suffix(const gemm::GemmTuning& tuning) {
 }
 
 std::string run_name(const RunKind& run, const std::string& formats) {
-  const char* recompute = run.full_recompute ? ", full recompute" : "";
+  const char* recompute = run.recompute == RecomputeGranularity::Full ? ", full recompute"
+                          : run.recompute == RecomputeGranularity::Selective
+                              ? ", selective recompute"
+                              : "";
   if (!run.fp8) return fmt::format("bf16{}", recompute);
   return fmt::format("fp8 {} {}{}{}{}", formats, recipe_name(run.recipe),
                      run.recipe == ScalingRecipe::Mxfp8 ? " (emulated)" : "",
@@ -356,8 +358,11 @@ std::vector<Measurement> measure_runs(const std::vector<std::string>& precisions
   };
   in_each(timing.gemm_autotune,
           [](RunKind& run, const std::string& setting) { run.autotune = setting == "on"; });
-  in_each(timing.recompute,
-          [](RunKind& run, const std::string& setting) { run.full_recompute = setting == "full"; });
+  in_each(timing.recompute, [](RunKind& run, const std::string& setting) {
+    run.recompute = setting == "full"        ? RecomputeGranularity::Full
+                    : setting == "selective" ? RecomputeGranularity::Selective
+                                             : RecomputeGranularity::None;
+  });
   std::vector<Measurement> results;
   for (const RunKind& run : runs) {
     const Measurement result = measure_run(run);

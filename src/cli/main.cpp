@@ -220,10 +220,11 @@ int main(int argc, char** argv) {
         ->check(CLI::IsMember({"off", "on"}));
     command
         ->add_option("--recompute", timing.recompute,
-                     "Measure each run without (none) and/or with activation recompute (full: "
-                     "every block its own group; docs/model.md), in the order given")
+                     "Measure each run without (none) and/or with activation recompute "
+                     "(selective; full: every block its own group; docs/model.md), in the order "
+                     "given")
         ->delimiter(',')
-        ->check(CLI::IsMember({"none", "full"}));
+        ->check(CLI::IsMember({"none", "selective", "full"}));
   };
   add_run_options(bench_gpt, bench_options.precisions, bench_options.fp8_recipes, bench_options.fp8,
                   bench_options.fp8_attention, bench_options.timing);

@@ -153,6 +153,10 @@ int run_flux_summary(const ModelSummaryOptions& options) {
   };
   print_table({});
   fmt::print(
+      "\nwith recompute_granularity: selective (GELU's outputs computed again in the backward, "
+      "one buffer for every block; model.md#activation-recompute):\n");
+  print_table({RecomputeGranularity::Selective});
+  fmt::print(
       "\nwith recompute_granularity: full, recompute_method: uniform, recompute_num_layers: 1 "
       "(each block saves only its input; model.md#activation-recompute):\n");
   print_table({RecomputeGranularity::Full, RecomputeMethod::Uniform, 1});

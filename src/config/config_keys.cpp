@@ -812,9 +812,8 @@ std::vector<ConfigKey> build_keys() {
       "again in the backward, GEMM inputs and attention statistics stay saved; full: the blocks "
       "that recompute_method picks save only their input and run their forward again just "
       "before their backward. Losses and gradients are the same, bit for bit. On the GPU path "
-      "selective saves what none saves: the GPT's never saves what selective leaves out, the "
-      "Flux's has no selective recompute yet; full does not combine with "
-      "fp8_dot_product_attention there."));
+      "the GPT's selective saves what none saves (its none never saves what selective leaves "
+      "out); full does not combine with fp8_dot_product_attention there."));
   keys.push_back(choice_key(
       "recompute_method", S::Training, [](auto& c) -> auto& { return c.training.recompute.method; },
       Choices<RecomputeMethod>(kRecomputeMethods),

@@ -69,6 +69,7 @@ Dims dims_of(const FluxConfig& config, const FluxMicroBatch& micro_batch, int te
 // The saved activations, tensor by tensor in lay_out()'s order.
 size_t activation_bytes(const FluxConfig& config, const Dims& d,
                         const RecomputeOptions& recompute) {
+  const bool selective = recompute.granularity == RecomputeGranularity::Selective;
   ArenaBytes act;
   act.take<bf16>(d.B * d.Li * d.Cin);  // img
   act.take<bf16>(d.B * d.Lt * d.ctx);  // txt
@@ -93,11 +94,11 @@ size_t activation_bytes(const FluxConfig& config, const Dims& d,
       act.take<bf16>(d.B * 6 * d.C);        // modulation
       for (int view = 0; view < 6; ++view)  // norm1, modulated1, proj, norm2, ...
         act.take<bf16>(rows * d.C);
-      act.take<bf16>(rows * d.A);  // the attention's output
-      act.take<float>(rows);       // rstd1
-      act.take<float>(rows);       // rstd2
-      act.take<bf16>(rows * d.M);  // MLP hidden
-      act.take<bf16>(rows * d.M);  // after GELU
+      act.take<bf16>(rows * d.A);                  // the attention's output
+      act.take<float>(rows);                       // rstd1
+      act.take<float>(rows);                       // rstd2
+      act.take<bf16>(rows * d.M);                  // MLP hidden
+      if (!selective) act.take<bf16>(rows * d.M);  // after GELU
     }
     attention();
   };
@@ -108,13 +109,16 @@ size_t activation_bytes(const FluxConfig& config, const Dims& d,
     act.take<float>(d.N);                   // rstd
     act.take<bf16>(d.N * (3 * d.A + d.M));  // linear1's output
     attention();
-    act.take<bf16>(d.N * (d.A + d.M));  // linear2's input
-    act.take<bf16>(d.N * d.C);          // linear2's output
+    if (!selective) act.take<bf16>(d.N * (d.A + d.M));  // linear2's input
+    act.take<bf16>(d.N * d.C);                          // linear2's output
   };
   // Full recompute: the blocks outside the groups save their own; those in groups share one set
   // per place in a group; each group saves its input (the streams, or the joint sequence).
   const FluxRecomputeGroups groups =
       flux_recompute_groups(recompute, config.double_blocks, config.single_blocks);
+  // Selective: GELU's outputs and the single blocks' linear2 input, one buffer each for all.
+  if (selective && config.double_blocks > 0) act.take<bf16>(d.B * d.Ls * d.M);
+  if (selective && config.single_blocks > 0) act.take<bf16>(d.N * (d.A + d.M));
   for (int set = 0; set < recompute_saved_sets(groups.doubles, config.double_blocks); ++set)
     double_block();
   for (size_t group = 0; group < groups.doubles.size(); ++group) {

@@ -44,7 +44,8 @@ inline constexpr double kH200MemoryGib = 139.8;
 // 1/gpus of the AdamW moments (ceil(elements / gpus) of the parameter buffer, rounded up to the
 // arenas' alignment). The FP8 linears are those of decide_flux_precision(config,
 // precision.policy), run with precision.fp8.recipe; FP8 linears keep no saved input: they share
-// the scratch's transposed input. Full recompute saves the activations of fewer blocks. With
+// the scratch's transposed input. Selective recompute saves one GELU output (and single-block
+// linear2 input) for all blocks; full recompute saves the activations of fewer blocks. With
 // tensor_parallel > 1, the plan of the first rank of a tensor-parallel group of that many GPUs
 // (the largest: it also holds the row-parallel biases' copies): its heads' and MLP share's
 // activations and workspace, its shares' weight copies and the split linears' staging buffers.

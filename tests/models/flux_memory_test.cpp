@@ -6,6 +6,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <utility>
 
 #include "core/error.h"
 
@@ -105,6 +106,27 @@ TEST(FluxMemory, EachBlockSavesItsStreamsAndItsAttention) {
             activations + 2 * double_block);
   EXPECT_EQ(plan_flux_memory(more_single, micro_batch(2), kBf16Precision).activations,
             activations + 3 * single_block);
+}
+
+TEST(FluxMemory, SelectiveRecomputeSharesGeluOutputsAmongTheBlocks) {
+  const size_t B = 2, Li = 4096, Lt = 512, N = B * (Li + Lt), C = 3072, M = 4 * C;
+  // Each double block's two streams save no [rows, M] GELU output, each single block no
+  // [N, C + M] linear2 input; one buffer of each, for the longer stream and the joint
+  // sequence, serves every block.
+  const auto saved = [&](int doubles, int singles) {
+    return size_t(doubles) * kBf16 * B * (Li + Lt) * M + size_t(singles) * kBf16 * N * (C + M);
+  };
+  const size_t shared = kBf16 * B * Li * M + kBf16 * N * (C + M);
+  for (const auto [doubles, singles] : {std::pair{1, 1}, std::pair{3, 4}}) {
+    FluxConfig config = FluxConfig::preset("flux_535m");
+    config.double_blocks = doubles;
+    config.single_blocks = singles;
+    const size_t none = plan_flux_memory(config, micro_batch(2), kBf16Precision).activations;
+    const size_t selective = plan_flux_memory(config, micro_batch(2), kBf16Precision, 1,
+                                              {RecomputeGranularity::Selective})
+                                 .activations;
+    EXPECT_EQ(selective + saved(doubles, singles), none + shared) << doubles << " + " << singles;
+  }
 }
 
 TEST(FluxMemory, Bf16LinearsKeepEveryWeightAndBiasInBf16) {

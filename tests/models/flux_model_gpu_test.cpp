@@ -260,10 +260,10 @@ std::string precision_name(
                      recipe_name(test_param.param.second));
 }
 
-// Full recompute against the same GPU model without it, over two steps (the second counting FP8
-// health): the same losses and predictions, gradients up to the order of atomic sums, the same
-// FP8 health counts and delayed-scaling state, fewer saved activations, and the memory plan
-// (models/flux_memory.h) counting what the model takes. Three double and two single blocks, so
+// Selective and full recompute against the same GPU model without it, over two steps (the second
+// counting FP8 health): the same losses and predictions, gradients up to the order of atomic sums,
+// the same FP8 health counts and delayed-scaling state, fewer saved activations, and the memory
+// plan (models/flux_memory.h) counting what the model takes. Three double and two single blocks, so
 // that groups of two end inside each stack and the block method crosses from one to the other.
 class FluxRecomputeGpu : public test::StreamTest,
                          public ::testing::WithParamInterface<std::pair<Fp8Mode, ScalingRecipe>> {};
@@ -281,7 +281,8 @@ TEST_P(FluxRecomputeGpu, GivesTheLossesGradientsAndFp8StateOfTheModelWithout) {
   const FluxMicroBatch micro_batch{
       .batch = kBatch, .img_tokens = kImgTokens, .txt_tokens = kTxtTokens};
   for (const RecomputeOptions& recompute :
-       {RecomputeOptions{RecomputeGranularity::Full, RecomputeMethod::Uniform, 1},
+       {RecomputeOptions{RecomputeGranularity::Selective},
+        RecomputeOptions{RecomputeGranularity::Full, RecomputeMethod::Uniform, 1},
         RecomputeOptions{RecomputeGranularity::Full, RecomputeMethod::Uniform, 2},
         RecomputeOptions{RecomputeGranularity::Full, RecomputeMethod::Block, 4}}) {
     SCOPED_TRACE(recompute_summary(recompute, 5));
@@ -330,7 +331,8 @@ INSTANTIATE_TEST_SUITE_P(Precisions, FluxRecomputeGpu, kRecipes, precision_name)
 // not compared): every rank has the whole model's prediction,
 // loss and, once gathered, gradients within the rounding of the partial sums; the ranks agree
 // bit for bit on the prediction, the loss, the split gradients and every FP8 scale, and their
-// weights' scales are the whole weights'. The memory plan counts what the first rank takes.
+// weights' scales are the whole weights'. The memory plan counts what the first rank takes. The
+// ranks run without recompute, then with full recompute.
 class FluxTensorParallelGpu : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
 
 TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfTheWholeModel) {
@@ -351,15 +353,18 @@ TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfT
   std::vector<cudaStream_t> streams(kRanks + 1);
   for (cudaStream_t& stream : streams)
     FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
-  {
+  // The ranks without recompute, then with full recompute (their reruns sum over the group too).
+  for (const RecomputeOptions& recompute :
+       {RecomputeOptions{}, RecomputeOptions{RecomputeGranularity::Full}}) {
+    SCOPED_TRACE(recompute_summary(recompute, config.double_blocks + config.single_blocks));
     CudaFluxModel whole(config, kBatch, kImgTokens, kTxtTokens, precision, streams[kRanks]);
     whole.upload_parameters(parameters);
     testing::ThreadGroup group(kRanks);
     std::vector<std::unique_ptr<CudaFluxModel>> ranks;
     for (int rank = 0; rank < kRanks; ++rank) {
-      ranks.push_back(std::make_unique<CudaFluxModel>(
-          config, kBatch, kImgTokens, kTxtTokens, precision, streams[size_t(rank)],
-          RecomputeOptions{}, testing::device_member(group, rank)));
+      ranks.push_back(std::make_unique<CudaFluxModel>(config, kBatch, kImgTokens, kTxtTokens,
+                                                      precision, streams[size_t(rank)], recompute,
+                                                      testing::device_member(group, rank)));
       ranks.back()->upload_parameters(parameters);
       ASSERT_EQ(ranks.back()->linear_precision().size(), whole.linear_precision().size());
       for (size_t i = 0; i < whole.linear_precision().size(); ++i)
@@ -368,7 +373,7 @@ TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfT
     }
     const FluxMemoryPlan plan = plan_flux_memory(
         config, {.batch = kBatch, .img_tokens = kImgTokens, .txt_tokens = kTxtTokens}, precision, 1,
-        {}, kRanks);
+        recompute, kRanks);
     const CudaFluxMemory& first = ranks[0]->memory();
     EXPECT_EQ(plan.activations, first.activations);
     EXPECT_EQ(plan.workspace, first.workspace);

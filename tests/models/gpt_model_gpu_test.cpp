@@ -465,7 +465,8 @@ INSTANTIATE_TEST_SUITE_P(Precisions, GptRecomputeGpu,
 // same model whole, over two steps (the second on the scales the first's amaxes gave): every
 // rank has the whole model's loss and, once gathered, its gradients, within the rounding of the
 // partial sums; the ranks agree bit for bit on the loss, the split gradients and every FP8 scale,
-// and their weights' scales are the whole weights' (from the group's largest amax).
+// and their weights' scales are the whole weights' (from the group's largest amax). The ranks run
+// without recompute, then with full recompute.
 class GptTensorParallelGpu : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
 
 TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeModel) {
@@ -484,7 +485,10 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
   std::vector<cudaStream_t> streams(kRanks + 1);
   for (cudaStream_t& stream : streams)
     FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
-  {
+  // The ranks without recompute, then with full recompute (their reruns sum over the group too).
+  for (const RecomputeOptions& recompute :
+       {RecomputeOptions{}, RecomputeOptions{RecomputeGranularity::Full}}) {
+    SCOPED_TRACE(recompute_summary(recompute, config.n_layer));
     CudaGptModel whole(config, kBatch, kSeq, precision, streams[kRanks]);
     whole.upload_parameters(cpu.parameters());
     testing::ThreadGroup group(kRanks);
@@ -492,7 +496,7 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
     for (int rank = 0; rank < kRanks; ++rank) {
       ranks.push_back(std::make_unique<CudaGptModel>(
           config, kBatch, kSeq, precision, streams[static_cast<size_t>(rank)],
-          CudaGptModel::PlanCheck{}, RecomputeOptions{}, testing::device_member(group, rank)));
+          CudaGptModel::PlanCheck{}, recompute, testing::device_member(group, rank)));
       ranks.back()->upload_parameters(cpu.parameters());
       ASSERT_EQ(ranks.back()->linear_precision().size(), whole.linear_precision().size());
       for (size_t i = 0; i < whole.linear_precision().size(); ++i)

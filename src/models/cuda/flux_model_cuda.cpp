@@ -119,6 +119,7 @@ struct CudaFluxModel::Buffers {
   bf16* embed_hidden[3] = {};
   bf16* embed_act[3] = {};
   bf16 *vec = nullptr, *vec_act = nullptr;
+  bf16 *shared_mlp_act = nullptr, *shared_linear2_in = nullptr;  // selective recompute
   std::vector<DoubleBlock> doubles;
   std::vector<SingleBlock> singles;
   // Full recompute: per group, its input saved by the forward (the img and txt streams of a
@@ -177,7 +178,8 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
       precision_(precision),
       tensor_parallel_(tensor_parallel),
       stream_(stream),
-      recompute_(flux_recompute_groups(recompute, config.double_blocks, config.single_blocks)) {
+      recompute_(flux_recompute_groups(recompute, config.double_blocks, config.single_blocks)),
+      selective_(recompute.granularity == RecomputeGranularity::Selective) {
   config_.validate();
   const int group_size = tensor_parallel_.size;
   check_flux_tensor_parallel(config_, group_size);
@@ -423,7 +425,7 @@ void CudaFluxModel::lay_out() {
       stream->rstd1 = act.take<float>(rows);
       stream->rstd2 = act.take<float>(rows);
       stream->mlp_hidden = act.take<bf16>(rows * M);
-      stream->mlp_act = act.take<bf16>(rows * M);
+      stream->mlp_act = selective_ ? b.shared_mlp_act : act.take<bf16>(rows * M);
     }
     attention(block.attention);
   };
@@ -434,7 +436,7 @@ void CudaFluxModel::lay_out() {
     block.rstd = act.take<float>(N);
     block.linear1_out = act.take<bf16>(N * (3 * A + M));
     attention(block.attention);
-    block.linear2_in = act.take<bf16>(N * (A + M));
+    block.linear2_in = selective_ ? b.shared_linear2_in : act.take<bf16>(N * (A + M));
     block.out = act.take<bf16>(N * C);
   };
   // Full recompute: the blocks at the same place of their groups share one set of saved
@@ -456,6 +458,11 @@ void CudaFluxModel::lay_out() {
       }
     }
   };
+  // Selective recompute: GELU's outputs (with the attention output beside them in a single
+  // block) in one buffer that every block shares, written again before each backward reads it.
+  b.shared_mlp_act = selective_ && config_.double_blocks > 0 ? act.take<bf16>(B * Ls * M) : nullptr;
+  b.shared_linear2_in =
+      selective_ && config_.single_blocks > 0 ? act.take<bf16>(N * (A + M)) : nullptr;
   take_blocks(b.doubles, config_.double_blocks, recompute_.doubles, take_double);
   b.double_group_inputs.clear();
   for (size_t group = 0; group < recompute_.doubles.size(); ++group)
@@ -839,11 +846,19 @@ void CudaFluxModel::double_block_forward(int block) {
   }
 }
 
+void CudaFluxModel::linear2_input(const SingleBlock& s) {
+  const int64_t A = attention_width_, M = mlp_hidden_, N = batch_ * tokens_;
+  const int64_t width1 = 3 * A + M, width2 = A + M;
+  copy_rows(s.linear2_in, width2, s.attention.out, A, N, A, stream_);
+  kernels::gelu_tanh_forward(s.linear2_in + A, width2, s.linear1_out + 3 * A, width1, N, M,
+                             stream_);
+}
+
 void CudaFluxModel::single_block_forward(int block) {
   Buffers& b = *buffers_;
   SingleBlock& s = b.singles[size_t(block)];
   const int64_t B = batch_, C = config_.hidden_size, A = attention_width_, M = mlp_hidden_;
-  const int64_t N = B * tokens_, width1 = 3 * A + M, width2 = A + M;
+  const int64_t N = B * tokens_, width1 = 3 * A + M;
   const std::string prefix = fmt::format("single_blocks.{}", block);
   const kernels::StreamShape shape{B, tokens_, C, tokens_};
   linear_forward(prefix + ".modulation.lin", b.vec_act, B, s.mod);
@@ -851,11 +866,8 @@ void CudaFluxModel::single_block_forward(int block) {
                                       3 * C, shape, stream_, fused_input_cast(prefix + ".linear1"));
   linear_forward(prefix + ".linear1", s.modulated, N, s.linear1_out);
   stream_into_joint(s.attention, prefix + ".norm", s.linear1_out, width1, 0, tokens_);
-  AttentionSaved& a = s.attention;
-  joint_attention_forward(a);
-  copy_rows(s.linear2_in, width2, a.out, A, N, A, stream_);
-  kernels::gelu_tanh_forward(s.linear2_in + A, width2, s.linear1_out + 3 * A, width1, N, M,
-                             stream_);
+  joint_attention_forward(s.attention);
+  linear2_input(s);
   linear_forward(prefix + ".linear2", s.linear2_in, N, s.out);
   tensor_parallel_.sum_partials(s.out, N * C, stream_);
   kernels::gated_residual_forward(b.x_joint, s.out, s.mod + 2 * C, 3 * C, shape, stream_);
@@ -977,6 +989,7 @@ void CudaFluxModel::single_block_backward(int block) {
   FP8T_CUDA_CHECK(cudaMemsetAsync(b.dmod_img, 0, size_t(B * 3 * C) * sizeof(float), stream_));
   kernels::gated_residual_backward(b.d_branch, b.dmod_img + 2 * C, 3 * C, b.d_joint, s.out,
                                    s.mod + 2 * C, 3 * C, shape, b.reduction, stream_);
+  if (selective_) linear2_input(s);  // the shared buffer holds a later block's
   linear_backward(prefix + ".linear2", b.d_branch, s.linear2_in, N, b.d_linear2_in, false);
   kernels::gelu_tanh_backward(b.d_linear1_out + 3 * A, width1, b.d_linear2_in + A, width2,
                               s.linear1_out + 3 * A, width1, N, M, stream_);
@@ -1016,6 +1029,8 @@ void CudaFluxModel::double_block_backward(int block) {
     FP8T_CUDA_CHECK(cudaMemsetAsync(p.dmod, 0, size_t(B * 6 * C) * sizeof(float), stream_));
     kernels::gated_residual_backward(b.d_branch, p.dmod + 5 * C, 6 * C, p.dx, s.mlp_out,
                                      s.mod + 5 * C, 6 * C, shape, b.reduction, stream_);
+    if (selective_)  // the shared buffer holds another stream's or block's
+      kernels::gelu_tanh_forward(s.mlp_act, M, s.mlp_hidden, M, rows, M, stream_);
     linear_backward(stream + "_mlp.2", b.d_branch, s.mlp_act, rows, b.d_mlp_act, false);
     kernels::gelu_tanh_backward(b.d_mlp_hidden, M, b.d_mlp_act, M, s.mlp_hidden, M, rows, M,
                                 stream_);

@@ -65,7 +65,9 @@ class CudaFluxModel {
   // batch · txt_tokens must be multiples of 16 (the FP8 GEMMs' rows). recompute: full reruns
   // the forward of the groups of blocks flux_recompute_groups picks (models/recompute.h) from
   // their saved input, before their backward; not with fp8_attention, whose saved scales a
-  // rerun would change. Selective saves what none saves here. tensor_parallel: the group this
+  // rerun would change. Selective keeps GELU's outputs (a single block's linear2 input) in one
+  // buffer shared by the blocks and computes them again before mlp.2's (linear2's) backward.
+  // tensor_parallel: the group this
   // rank splits its blocks with; every rank of it sees the same inputs and calls forward() and
   // backward() in step with the others. Not with fp8_attention.
   CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens, int64_t txt_tokens,
@@ -173,6 +175,8 @@ class CudaFluxModel {
   void double_block_forward(int block);
   void double_block_backward(int block);
   void single_block_forward(int block);
+  // A single block's linear2 input: its attention output beside GELU of its MLP input.
+  void linear2_input(const SingleBlock& block);
   void single_block_backward(int block);
   // Full recompute: before the first block of a group runs forward, its input (the streams, or
   // the joint sequence) is saved; before the backward of a group's last block, the group's
@@ -196,6 +200,7 @@ class CudaFluxModel {
   bool training_ = true;
   FluxRecomputeGroups recompute_;
   bool rerunning_ = false;  // inside rerun_group_ending_at
+  bool selective_;          // selective recompute
   std::vector<FluxLinearPrecision> linear_precision_;
   optim::DeviceParameterLayout layout_;
   float* parameters_ = nullptr;
