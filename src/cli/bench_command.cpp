@@ -1,5 +1,6 @@
 // `fp8train bench gpt` and `bench flux`: training steps on the GPU with random inputs, timed with
-// CUDA events. `bench gpt` also runs data-parallel (one rank per GPU, gradients through NCCL).
+// CUDA events. Both also run over several ranks (one per GPU, through NCCL): data parallel, and
+// tensor parallel in groups of --tensor-parallel ranks.
 #include <algorithm>
 #include <array>
 #include <chrono>
@@ -19,6 +20,8 @@
 #include "config/train_config.h"
 #include "core/error.h"
 #include "distributed/communicator.h"
+#include "distributed/launch.h"
+#include "distributed/tensor_parallel_group.h"
 #include "gemm/gemm_tuning.h"
 #include "models/flux_config.h"
 #include "models/flux_model.h"
@@ -44,6 +47,7 @@
 #include "ops/cuda/gpt_gates.h"
 #include "optim/cuda/adamw_cuda.h"
 #include "optim/cuda/gpu_optimizer.h"
+#include "train/cuda_tensor_group.h"
 #include "train/flux_engine.h"
 #include "train/training_engine.h"
 #if FP8TRAIN_WITH_NCCL
@@ -212,12 +216,15 @@ void time_steps(const BenchTiming& timing, cudaStream_t stream, const StepParts&
   }
 }
 
-// Data parallelism in `bench gpt`: the ranks of the job (one: none) and how they sum.
+// The ranks of the job (one: none), how they split into tensor-parallel groups and how they sum.
 struct BenchRanks {
   distributed::Communicator* communicator = nullptr;  // with several ranks
+  distributed::ParallelLayout layout;                 // the groups of --tensor-parallel
+  DeviceTensorParallel tensor;                        // this rank's group, when it has several
   bool overlap = false;                               // --overlap-grad-reduce
   bool shard = false;                                 // --shard-optimizer-state
   int count() const { return communicator != nullptr ? communicator->size() : 1; }
+  int replicas() const { return layout.data; }  // the micro-batches of a step
   // The rank and rank count the optimizer shards over: 0 of 1 unless sharding several ranks.
   bool sharded() const { return shard && count() > 1; }
   int shard_rank() const { return sharded() ? communicator->rank() : 0; }
@@ -231,7 +238,7 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config,
   const int64_t batch = options.batch, seq = options.sequence_len, tokens = batch * seq;
   Measurement result;
   result.name = name + tuning_suffix(tuning);
-  CudaGptModel model(config, batch, seq, precision, stream, {}, recompute);
+  CudaGptModel model(config, batch, seq, precision, stream, {}, recompute, ranks.tensor);
   model.gemm().configure_tuning(tuning);
   const optim::GptOptimizer host_optimizer(config, optim::OptimizerSettings{}, tokens,
                                            ranks.shard_rank(), ranks.shard_count());
@@ -256,6 +263,7 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config,
   const auto backward = [&] { rank_sums ? rank_sums->last_backward() : model.backward(); };
   const auto sum_over_ranks = [&] {
     if (!rank_sums) return;
+    model.gather_split_gradients();
     rank_sums->sum_gradients();
     ops::cuda::scale_f32(model.gradients(), 1.0f / float(ranks.count()),
                          model.layout().total_elements, stream);
@@ -304,7 +312,7 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config,
   result.tuning_summary = model.gemm().tuning_summary();
   result.tuning_records = model.gemm().tuning_records();
   cudaFree(norm);
-  result.throughput = double(tokens) * ranks.count() / (result.step_ms * 1e-3);
+  result.throughput = double(tokens) * ranks.replicas() / (result.step_ms * 1e-3);
   result.mfu = result.throughput / ranks.count() * gpt_flops_per_token(config) / kBf16PeakFlops;
   return result;
 }
@@ -415,7 +423,7 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
   const int64_t B = options.batch, Li = options.img_tokens, Lt = options.txt_tokens;
   Measurement result;
   result.name = name + tuning_suffix(tuning);
-  CudaFluxModel model(config, B, Li, Lt, precision, stream, recompute);
+  CudaFluxModel model(config, B, Li, Lt, precision, stream, recompute, ranks.tensor);
   model.gemm().configure_tuning(tuning);
   const optim::AdamWHyperparameters adamw{.lr = 1e-4, .weight_decay = 0.01};
   const optim::AdamWOptimizer host_optimizer(train::flux_optimized_parameters(config), adamw,
@@ -429,14 +437,18 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
   }
   result.fp8_layers = flux_precision_summary(model.linear_precision());
   // Several ranks: what a training step adds on each (train/cuda_rank_sums.h). Each rank's
-  // loss gradient is scaled by 1/ranks, as training's share of the mean over every rank.
+  // loss gradient is scaled by 1/ranks, as training's share of the mean over every rank (under
+  // tensor parallelism the sum over all ranks counts each replica's gradient once per rank of
+  // its group).
 #if FP8TRAIN_WITH_NCCL
   std::unique_ptr<train::FluxRankSums> rank_sums;
   if (ranks.communicator != nullptr)
     rank_sums = std::make_unique<train::FluxRankSums>(
         *ranks.communicator, model, ranks.sharded() ? &host_optimizer.shard() : nullptr);
   const auto sum_over_ranks = [&] {
-    if (rank_sums) rank_sums->sum_gradients();
+    if (!rank_sums) return;
+    model.gather_split_gradients();
+    rank_sums->sum_gradients();
   };
   const auto after_update = [&] {
     if (rank_sums) rank_sums->after_update();
@@ -496,17 +508,31 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
   result.tuning_summary = model.gemm().tuning_summary();
   result.tuning_records = model.gemm().tuning_records();
   cudaFree(norm);
-  result.throughput = double(B) * ranks.count() / (result.step_ms * 1e-3);
+  result.throughput = double(B) * ranks.replicas() / (result.step_ms * 1e-3);
   result.mfu =
       double(B) * flux_flops_per_sample(config, Li, Lt) / (result.step_ms * 1e-3) / kBf16PeakFlops;
   return result;
 }
 
-// Started as one of several ranks (--nproc-per-node, mpirun, srun): each rank times the same
-// micro-batch on its own GPU (LOCAL_RANK) and sums the gradients with the others; rank 0 prints.
+// --tensor-parallel against the job's ranks, before any GPU is touched.
+void check_tensor_parallel(const char* command, int tensor, int world_size) {
+  if (world_size % tensor == 0) return;
+  throw Error(fmt::format(
+      "{}: --tensor-parallel {} needs the ranks in groups of {}, and the job has {} (start it "
+      "with --nproc-per-node {}, or under mpirun or srun)",
+      command, tensor, tensor, world_size, tensor));
+}
+
+// Started as one of several ranks (--nproc-per-node, mpirun, srun): each rank times a micro-batch
+// on its own GPU (LOCAL_RANK), the same on each rank of a tensor-parallel group, and sums the
+// gradients with the others; rank 0 prints. The overlapped sums need whole gradients: none
+// under tensor parallelism, as in training.
 BenchRanks join_ranks(distributed::Communicator& communicator, const char* command, bool overlap,
-                      bool shard = false) {
-  BenchRanks ranks{.overlap = overlap, .shard = shard};
+                      bool shard, int tensor) {
+  BenchRanks ranks;
+  ranks.layout = distributed::parallel_layout(communicator.size(), communicator.rank(), tensor);
+  ranks.overlap = overlap && tensor == 1;
+  ranks.shard = shard;
   if (communicator.several()) {
 #if !FP8TRAIN_WITH_NCCL
     throw Error(fmt::format("{}: several ranks need NCCL, not in this build", command));
@@ -520,24 +546,33 @@ BenchRanks join_ranks(distributed::Communicator& communicator, const char* comma
   return ranks;
 }
 
-// The header's note on data parallelism; empty for one rank.
+// The header's note on the ranks; empty for one rank.
 std::string ranks_text(const BenchRanks& ranks, const char* unit) {
   if (ranks.count() == 1) return "";
+  const std::string tensor =
+      ranks.layout.tensor == 1
+          ? ""
+          : fmt::format(" in {} tensor-parallel group{} of {} (the blocks split over each)",
+                        ranks.replicas(), ranks.replicas() == 1 ? "" : "s", ranks.layout.tensor);
   return fmt::format(
-      " x {} ranks, data parallel (NCCL all-reduce of the fp32 gradients, {}{}); {} of all ranks, "
-      "memory of rank 0",
-      ranks.count(), ranks.overlap ? "overlapped with the backward" : "after the backward",
+      " x {} ranks{}, data parallel (NCCL all-reduce of the fp32 gradients, {}{}); {} of all "
+      "ranks, memory of rank 0",
+      ranks.count(), tensor, ranks.overlap ? "overlapped with the backward" : "after the backward",
       ranks.sharded() ? "; ZeRO-1: each rank updates its share and broadcasts it" : "", unit);
 }
 
 }  // namespace
 
 int run_bench_gpt(const BenchGptOptions& options) {
+  const distributed::LaunchInfo launch = distributed::detect_launch();
+  check_tensor_parallel("bench gpt", options.tensor_parallel, launch.world_size);
   const std::vector<GpuInfo> gpus = query_gpus();
   if (gpus.empty()) throw Error("bench gpt: no CUDA GPU is visible");
-  distributed::Communicator communicator(distributed::detect_launch(), 0);
-  const BenchRanks ranks = join_ranks(communicator, "bench gpt", options.overlap_grad_reduce,
-                                      options.shard_optimizer_state);
+  distributed::Communicator communicator(launch, 0);
+  BenchRanks ranks = join_ranks(communicator, "bench gpt", options.overlap_grad_reduce,
+                                options.shard_optimizer_state, options.tensor_parallel);
+  const train::CudaTensorGroup tensor_group(ranks.communicator, ranks.layout);
+  ranks.tensor = tensor_group.device;
   GptConfig config = GptConfig::from_depth(options.depth);
   config.vocab_size = options.vocab_size;
   config.sequence_len = options.sequence_len;
@@ -569,11 +604,15 @@ int run_bench_gpt(const BenchGptOptions& options) {
 }
 
 int run_bench_flux(const BenchFluxOptions& options) {
+  const distributed::LaunchInfo launch = distributed::detect_launch();
+  check_tensor_parallel("bench flux", options.tensor_parallel, launch.world_size);
   const std::vector<GpuInfo> gpus = query_gpus();
   if (gpus.empty()) throw Error("bench flux: no CUDA GPU is visible");
-  distributed::Communicator communicator(distributed::detect_launch(), 0);
-  const BenchRanks ranks =
-      join_ranks(communicator, "bench flux", false, options.shard_optimizer_state);
+  distributed::Communicator communicator(launch, 0);
+  BenchRanks ranks = join_ranks(communicator, "bench flux", false, options.shard_optimizer_state,
+                                options.tensor_parallel);
+  const train::CudaTensorGroup tensor_group(ranks.communicator, ranks.layout);
+  ranks.tensor = tensor_group.device;
   const FluxConfig config = flux_config_of(options.model);
   fmt::print(
       "bench flux: {} ({:.1f}M parameters; {} double + {} single blocks, hidden {}), micro-batch "

@@ -104,8 +104,8 @@ struct BenchTiming {
   // GEMM autotuning for each run, each setting in turn ("off", "on"); empty: as training does
   // (on, unless FP8TRAIN_AUTOTUNE=0 or FP8TRAIN_GEMM_BACKEND pins a backend).
   std::vector<std::string> gemm_autotune;
-  // Activation recompute for each run, each setting in turn ("none"; "full": uniform, one block
-  // per group); empty: none.
+  // Activation recompute for each run, each setting in turn ("none", "selective"; "full":
+  // uniform, one block per group); empty: none.
   std::vector<std::string> recompute;
 };
 
@@ -124,6 +124,7 @@ struct BenchGptOptions {
   BenchTiming timing;
   bool overlap_grad_reduce = false;   // with several ranks (--nproc-per-node)
   bool shard_optimizer_state = true;  // with several ranks: ZeRO-1
+  int tensor_parallel = 1;            // ranks per tensor-parallel group
 };
 
 // Times training steps of the GPT on the GPU (docs/benchmarks.md): step ms (median), tokens/s,
@@ -144,6 +145,7 @@ struct BenchFluxOptions {
   std::vector<std::string> fp8_attention = {"off"};
   BenchTiming timing;
   bool shard_optimizer_state = true;  // with several ranks: ZeRO-1
+  int tensor_parallel = 1;            // ranks per tensor-parallel group
 };
 
 // Times Flux training steps on the GPU: as run_bench_gpt, with samples/s.

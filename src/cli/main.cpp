@@ -40,6 +40,15 @@ int main(int argc, char** argv) {
                      "Start N ranks of this command on this node (data parallel, one GPU each)")
         ->check(CLI::Range(1, 1024));
   };
+  // `bench gpt|flux`: the ranks split into tensor-parallel groups of T.
+  const auto add_tensor_parallel = [](CLI::App* command, int& tensor_parallel) {
+    command
+        ->add_option("--tensor-parallel", tensor_parallel,
+                     "Ranks per tensor-parallel group (tensor_model_parallel_size); it must "
+                     "divide the ranks, the groups being data-parallel replicas")
+        ->capture_default_str()
+        ->check(CLI::Range(1, 1024));
+  };
   app.require_subcommand(1);
 
   fp8t::cli::DoctorOptions doctor_options;
@@ -229,8 +238,10 @@ int main(int argc, char** argv) {
   add_run_options(bench_gpt, bench_options.precisions, bench_options.fp8_recipes, bench_options.fp8,
                   bench_options.fp8_attention, bench_options.timing);
   add_nproc_per_node(bench_gpt);
+  add_tensor_parallel(bench_gpt, bench_options.tensor_parallel);
   bench_gpt->add_flag("--overlap-grad-reduce", bench_options.overlap_grad_reduce,
-                      "With several ranks: sum each block's gradients while the backward goes on");
+                      "With several ranks: sum each block's gradients while the backward goes on "
+                      "(not with --tensor-parallel above 1)");
   bench_gpt->add_flag("--shard-optimizer-state,!--no-shard-optimizer-state",
                       bench_options.shard_optimizer_state,
                       "With several ranks: ZeRO-1 (the default), each rank updates its share of "
@@ -259,6 +270,7 @@ int main(int argc, char** argv) {
                   bench_flux_options.fp8, bench_flux_options.fp8_attention,
                   bench_flux_options.timing);
   add_nproc_per_node(bench_flux);
+  add_tensor_parallel(bench_flux, bench_flux_options.tensor_parallel);
   bench_flux->add_flag("--shard-optimizer-state,!--no-shard-optimizer-state",
                        bench_flux_options.shard_optimizer_state,
                        "With several ranks: ZeRO-1 (the default), each rank updates its share of "
