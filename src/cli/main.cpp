@@ -152,13 +152,12 @@ int main(int argc, char** argv) {
           ->delimiter(',')
           ->capture_default_str()
           ->check(CLI::Range(1, 1 << 16)));
-  flux_only.push_back(
-      model
-          ->add_option("--tensor-parallel", model_options.tensor_parallel,
-                       "Flux: GPUs per tensor-parallel group (tensor_model_parallel_size); "
-                       "divides each --gpus count")
-          ->capture_default_str()
-          ->check(CLI::Range(1, 1 << 16)));
+  model
+      ->add_option("--tensor-parallel", model_options.tensor_parallel,
+                   "Ranks per tensor-parallel group (tensor_model_parallel_size): the plans are "
+                   "one rank's (Flux: it divides each --gpus count)")
+      ->capture_default_str()
+      ->check(CLI::Range(1, 1 << 16));
   flux_only.push_back(model
                           ->add_option("--gpu-memory", model_options.gpu_memory_gib,
                                        "Flux: GiB one GPU holds (default: an H200's 139.8)")

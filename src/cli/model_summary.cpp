@@ -180,6 +180,8 @@ int run_model_summary(const ModelSummaryOptions& options) {
   config.sequence_len = options.sequence_len;
   config.window_pattern = options.window_pattern;
   config.validate();
+  const int tensor = options.tensor_parallel;
+  check_tensor_parallel(config, tensor);
 
   fmt::print(
       "model: nanochat GPT, depth {}: {} layers, dim {}, {} heads x {} ({} kv), vocab {} (padded "
@@ -209,9 +211,14 @@ int run_model_summary(const ModelSummaryOptions& options) {
   fmt::print("\nfp8: {}, recipe {}\n{}\n", options.fp8, options.fp8_recipe,
              precision_summary(decide_precision(config, precision_policy(options))));
 
-  const GptMemoryPlan plan = plan_gpt_memory(config, options.batch, config.sequence_len);
-  fmt::print("\nmemory plan, CPU path (f32), micro-batch {} x {} tokens:\n", options.batch,
-             config.sequence_len);
+  const GptMemoryPlan plan =
+      plan_gpt_memory(config, options.batch, config.sequence_len, {}, tensor);
+  fmt::print("\nmemory plan, CPU path (f32), micro-batch {} x {} tokens{}:\n", options.batch,
+             config.sequence_len,
+             tensor == 1 ? ""
+                         : fmt::format(", one rank of a tensor-parallel group of {} (its heads' "
+                                       "and MLP share's activations and workspace)",
+                                       tensor));
   fmt::print("  {:<18}{}\n", "parameters", gibibytes(plan.parameters));
   fmt::print("  {:<18}{}\n", "gradients", gibibytes(plan.gradients));
   fmt::print("  {:<18}{}\n", "optimizer state", gibibytes(plan.optimizer_state));
@@ -227,7 +234,7 @@ int run_model_summary(const ModelSummaryOptions& options) {
         std::pair{"full, uniform, 1", full_per_block}}) {
     fmt::print("  {:<18}{}\n", name,
                gibibytes(GptActivations::planned_bytes(config, options.batch, config.sequence_len,
-                                                       DType::F32, recompute)));
+                                                       DType::F32, recompute, tensor)));
   }
   return kExitOk;
 }
