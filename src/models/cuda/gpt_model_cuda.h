@@ -68,7 +68,8 @@ class CudaGptModel {
       std::function<void(const CudaGptMemory& planned, const optim::DeviceParameterLayout& layout,
                          size_t scratch_between_steps)>;
 
-  // Runs on the current CUDA device. fp8 recipes: delayed and tensorwise (OCP formats).
+  // Runs on the current CUDA device. fp8 recipes: delayed, tensorwise, blockwise and mxfp8
+  // (emulated), in the OCP formats.
   // recompute: full reruns the forward of the groups it picks before their backward
   // (models/recompute.h); the path saves what selective leaves whatever the setting. Full
   // recompute does not combine with fp8_attention, whose saved state a rerun would change.
