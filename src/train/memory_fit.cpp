@@ -41,7 +41,9 @@ void check_gpu_memory_plan(const GpuMemoryPlan& plan, int64_t batch, double free
   const std::string advice =
       fits > 0 ? fmt::format(
                      "micro_batch_size {} would fit (gradient accumulation keeps the {} "
-                     "per step); more GPUs do not help, each holds the whole model",
+                     "per step); more data-parallel GPUs shard only the optimizer state, while "
+                     "recompute_granularity and tensor_model_parallel_size take activations off "
+                     "each GPU",
                      fits, step_unit)
                : std::string(when_none);
   check_memory_plan(fmt::format("the GPU path, with micro_batch_size {},", batch), items, free,
