@@ -514,13 +514,17 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
   return result;
 }
 
-// --tensor-parallel against the job's ranks, before any GPU is touched.
-void check_tensor_parallel(const char* command, int tensor, int world_size) {
-  if (world_size % tensor == 0) return;
-  throw Error(fmt::format(
-      "{}: --tensor-parallel {} needs the ranks in groups of {}, and the job has {} (start it "
-      "with --nproc-per-node {}, or under mpirun or srun)",
-      command, tensor, tensor, world_size, tensor));
+// The job's ranks in groups of --tensor-parallel, known before any GPU is touched; an error
+// that says how to start the ranks when they do not make whole groups.
+distributed::ParallelLayout bench_layout(const char* command, int tensor,
+                                         const distributed::LaunchInfo& launch) {
+  if (launch.world_size % tensor != 0) {
+    throw Error(fmt::format(
+        "{}: --tensor-parallel {} needs the ranks in groups of {}, and the job has {} (start it "
+        "with --nproc-per-node {}, or under mpirun or srun)",
+        command, tensor, tensor, launch.world_size, tensor));
+  }
+  return distributed::parallel_layout(launch.world_size, launch.rank, tensor);
 }
 
 // Started as one of several ranks (--nproc-per-node, mpirun, srun): each rank times a micro-batch
@@ -528,10 +532,10 @@ void check_tensor_parallel(const char* command, int tensor, int world_size) {
 // gradients with the others; rank 0 prints. The overlapped sums need whole gradients: none
 // under tensor parallelism, as in training.
 BenchRanks join_ranks(distributed::Communicator& communicator, const char* command, bool overlap,
-                      bool shard, int tensor) {
+                      bool shard, const distributed::ParallelLayout& layout) {
   BenchRanks ranks;
-  ranks.layout = distributed::parallel_layout(communicator.size(), communicator.rank(), tensor);
-  ranks.overlap = overlap && tensor == 1;
+  ranks.layout = layout;
+  ranks.overlap = overlap && layout.tensor == 1;
   ranks.shard = shard;
   if (communicator.several()) {
 #if !FP8TRAIN_WITH_NCCL
@@ -565,12 +569,13 @@ std::string ranks_text(const BenchRanks& ranks, const char* unit) {
 
 int run_bench_gpt(const BenchGptOptions& options) {
   const distributed::LaunchInfo launch = distributed::detect_launch();
-  check_tensor_parallel("bench gpt", options.tensor_parallel, launch.world_size);
+  const distributed::ParallelLayout layout =
+      bench_layout("bench gpt", options.tensor_parallel, launch);
   const std::vector<GpuInfo> gpus = query_gpus();
   if (gpus.empty()) throw Error("bench gpt: no CUDA GPU is visible");
   distributed::Communicator communicator(launch, 0);
   BenchRanks ranks = join_ranks(communicator, "bench gpt", options.overlap_grad_reduce,
-                                options.shard_optimizer_state, options.tensor_parallel);
+                                options.shard_optimizer_state, layout);
   const train::CudaTensorGroup tensor_group(ranks.communicator, ranks.layout);
   ranks.tensor = tensor_group.device;
   GptConfig config = GptConfig::from_depth(options.depth);
@@ -605,12 +610,13 @@ int run_bench_gpt(const BenchGptOptions& options) {
 
 int run_bench_flux(const BenchFluxOptions& options) {
   const distributed::LaunchInfo launch = distributed::detect_launch();
-  check_tensor_parallel("bench flux", options.tensor_parallel, launch.world_size);
+  const distributed::ParallelLayout layout =
+      bench_layout("bench flux", options.tensor_parallel, launch);
   const std::vector<GpuInfo> gpus = query_gpus();
   if (gpus.empty()) throw Error("bench flux: no CUDA GPU is visible");
   distributed::Communicator communicator(launch, 0);
-  BenchRanks ranks = join_ranks(communicator, "bench flux", false, options.shard_optimizer_state,
-                                options.tensor_parallel);
+  BenchRanks ranks =
+      join_ranks(communicator, "bench flux", false, options.shard_optimizer_state, layout);
   const train::CudaTensorGroup tensor_group(ranks.communicator, ranks.layout);
   ranks.tensor = tensor_group.device;
   const FluxConfig config = flux_config_of(options.model);

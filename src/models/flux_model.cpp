@@ -753,10 +753,10 @@ void keep_unblocked_flux_shares_in_bf16(std::vector<FluxLinearPrecision>& decisi
                                         const FluxConfig& config, ScalingRecipe recipe, int size) {
   for (FluxLinearPrecision& decision : decisions) {
     const TensorShare share = flux_tensor_share(decision.linear, config, size, 0);
+    if (!decision.fp8 || share.split == TensorSplit::None) continue;
     const auto [in, out] =
         share.features(decision.linear.in_features, decision.linear.out_features);
-    if (std::optional<std::string> why = tensor_parallel_share_reason(in, out, recipe, size);
-        decision.fp8 && share.split != TensorSplit::None && why) {
+    if (std::optional<std::string> why = tensor_parallel_share_reason(in, out, recipe, size)) {
       decision.fp8 = false;
       decision.reason = *why;
     }

@@ -67,9 +67,8 @@ class CudaFluxModel {
   // their saved input, before their backward; not with fp8_attention, whose saved scales a
   // rerun would change. Selective keeps GELU's outputs (a single block's linear2 input) in one
   // buffer shared by the blocks and computes them again before mlp.2's (linear2's) backward.
-  // tensor_parallel: the group this
-  // rank splits its blocks with; every rank of it sees the same inputs and calls forward() and
-  // backward() in step with the others. Not with fp8_attention.
+  // tensor_parallel: the group this rank splits its blocks with; every rank of it sees the same
+  // inputs and calls forward() and backward() in step with the others. Not with fp8_attention.
   CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens, int64_t txt_tokens,
                 const FluxPrecision& precision, cudaStream_t stream,
                 const RecomputeOptions& recompute = {},
