@@ -414,50 +414,58 @@ void print_results(const std::vector<Measurement>& results, const char* unit,
   }
 }
 
+// The weights every run of a benchmark starts from (init_flux_weights, seed 1), made once: at
+// flux_12b's size that takes minutes on the host.
+struct FluxBenchWeights {
+  Arena arena;
+  FluxParameterSet parameters;
+  explicit FluxBenchWeights(const FluxConfig& config)
+      : arena("parameters", FluxParameterSet::planned_bytes(config, DType::F32)),
+        parameters(arena, config, DType::F32) {
+    init_flux_weights(parameters, config, 1);
+  }
+};
+
 // W-FLUX535's step: random latents, text and pooled embeddings and σ, the rectified-flow loss,
 // AdamW with Primus' settings (lr 1e-4, wd 0.01, betas 0.9 / 0.999) and clipping at 1.0.
 Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& config,
-                         const FluxPrecision& precision, const RecomputeOptions& recompute,
-                         const std::string& name, const gemm::GemmTuning& tuning,
-                         const BenchRanks& ranks, cudaStream_t stream) {
+                         const FluxParameterSet& initial, const FluxPrecision& precision,
+                         const RecomputeOptions& recompute, const std::string& name,
+                         const gemm::GemmTuning& tuning, const BenchRanks& ranks,
+                         cudaStream_t stream) {
   const int64_t B = options.batch, Li = options.img_tokens, Lt = options.txt_tokens;
   Measurement result;
   result.name = name + tuning_suffix(tuning);
   CudaFluxModel model(config, B, Li, Lt, precision, stream, recompute, ranks.tensor);
   model.gemm().configure_tuning(tuning);
   const optim::AdamWHyperparameters adamw{.lr = 1e-4, .weight_decay = 0.01};
-  const optim::AdamWOptimizer host_optimizer(train::flux_optimized_parameters(config), adamw,
-                                             ranks.shard_rank(), ranks.shard_count());
-  optim::CudaAdamW optimizer(model.layout(), adamw, &host_optimizer.shard());
-  {
-    Arena arena("parameters", FluxParameterSet::planned_bytes(config, DType::F32));
-    FluxParameterSet parameters(arena, config, DType::F32);
-    init_flux_weights(parameters, config, 1);
-    model.upload_parameters(parameters);
-  }
+  // ZeRO-1 over the replicas, as training's: a tensor-parallel group's ranks hold other shares.
+  const bool sharded = ranks.sharded() && ranks.replicas() > 1;
+  const optim::OptimizerShard shard =
+      optim::adamw_shard(train::flux_optimized_parameters(config),
+                         sharded ? ranks.layout.data_rank : 0, sharded ? ranks.replicas() : 1);
+  optim::CudaAdamW optimizer(model.layout(), adamw, &shard, model.gradient_shares());
+  model.upload_parameters(initial);
   result.fp8_layers = flux_precision_summary(model.linear_precision());
   // Several ranks: what a training step adds on each (train/cuda_rank_sums.h). Each rank's
-  // loss gradient is scaled by 1/ranks, as training's share of the mean over every rank (under
-  // tensor parallelism the sum over all ranks counts each replica's gradient once per rank of
-  // its group).
+  // loss gradient is scaled by 1/replicas, as training's share of the mean over the replicas.
 #if FP8TRAIN_WITH_NCCL
   std::unique_ptr<train::FluxRankSums> rank_sums;
-  if (ranks.communicator != nullptr)
-    rank_sums = std::make_unique<train::FluxRankSums>(
-        *ranks.communicator, model, ranks.sharded() ? &host_optimizer.shard() : nullptr);
+  if (ranks.communicator != nullptr && ranks.replicas() > 1)
+    rank_sums = std::make_unique<train::FluxRankSums>(*ranks.communicator, model, ranks.layout,
+                                                      sharded ? &shard : nullptr);
   const auto sum_over_ranks = [&] {
-    if (!rank_sums) return;
-    model.gather_split_gradients();
-    rank_sums->sum_gradients();
+    model.sum_partial_gradients();
+    if (rank_sums) rank_sums->sum_gradients();
   };
   const auto after_update = [&] {
     if (rank_sums) rank_sums->after_update();
   };
 #else
-  const auto sum_over_ranks = [] {};
+  const auto sum_over_ranks = [&] { model.sum_partial_gradients(); };
   const auto after_update = [] {};
 #endif
-  const float share = 1.0f / static_cast<float>(ranks.count());
+  const float share = 1.0f / static_cast<float>(ranks.replicas());
 
   std::mt19937 generator(7);
   std::normal_distribution<float> normal;
@@ -608,38 +616,71 @@ int run_bench_gpt(const BenchGptOptions& options) {
   return kExitOk;
 }
 
+namespace {
+
+// --rank-alone: the first rank of a group of `tensor` ranks, with collectives that leave their
+// values as they are (no other rank adds to them).
+distributed::ParallelLayout alone_layout(int tensor, const distributed::LaunchInfo& launch) {
+  if (tensor == 1 || launch.world_size != 1) {
+    throw Error(fmt::format(
+        "bench flux: --rank-alone times one rank of a --tensor-parallel group in one process: "
+        "expected --tensor-parallel above 1 and one rank, found {} and {}",
+        tensor, launch.world_size));
+  }
+  return {.tensor = tensor, .tensor_rank = 0, .data = 1, .data_rank = 0};
+}
+
+DeviceTensorParallel alone_in_group(int tensor) {
+  DeviceTensorParallel group;
+  group.size = tensor;
+  group.sum_bf16 = [](bf16*, size_t, cudaStream_t) {};
+  group.sum = [](float*, size_t, cudaStream_t) {};
+  group.max = [](float*, size_t, cudaStream_t) {};
+  return group;
+}
+
+}  // namespace
+
 int run_bench_flux(const BenchFluxOptions& options) {
   const distributed::LaunchInfo launch = distributed::detect_launch();
   const distributed::ParallelLayout layout =
-      bench_layout("bench flux", options.tensor_parallel, launch);
+      options.rank_alone ? alone_layout(options.tensor_parallel, launch)
+                         : bench_layout("bench flux", options.tensor_parallel, launch);
   const std::vector<GpuInfo> gpus = query_gpus();
   if (gpus.empty()) throw Error("bench flux: no CUDA GPU is visible");
   distributed::Communicator communicator(launch, 0);
   BenchRanks ranks =
       join_ranks(communicator, "bench flux", false, options.shard_optimizer_state, layout);
   const train::CudaTensorGroup tensor_group(ranks.communicator, ranks.layout);
-  ranks.tensor = tensor_group.device;
+  ranks.tensor = options.rank_alone ? alone_in_group(options.tensor_parallel) : tensor_group.device;
   const FluxConfig config = flux_config_of(options.model);
   fmt::print(
       "bench flux: {} ({:.1f}M parameters; {} double + {} single blocks, hidden {}), micro-batch "
       "{} of {} image + {} text tokens, {:.3g} FLOPs per sample; AdamW, clip 1.0, random inputs; "
-      "{} warm-up + {} timed steps\nGPU: {} ({}){}\n",
+      "{} warm-up + {} timed steps\nGPU: {} ({}){}{}\n",
       options.model.preset, double(flux_parameter_count(config)) / 1e6, config.double_blocks,
       config.single_blocks, config.hidden_size, options.batch, options.img_tokens,
       options.txt_tokens, flux_flops_per_sample(config, options.img_tokens, options.txt_tokens),
       options.timing.warmup, options.timing.steps, gpus[0].name, gpus[0].architecture(),
-      ranks_text(ranks, "samples/s"));
+      ranks_text(ranks, "samples/s"),
+      options.rank_alone
+          ? fmt::format(
+                "; the first rank of a tensor-parallel group of {} alone: its shares of the "
+                "blocks, its collectives within the group left out (losses not the model's)",
+                options.tensor_parallel)
+          : "");
 
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   print_tuning_notes(options.timing);
-  const std::vector<Measurement> results =
-      measure_runs(options.precisions, options.fp8_recipes, options.fp8_attention, options.timing,
-                   "samples/s", [&](const RunKind& run) {
-                     return measure_flux(options, config, bench_precision(run, options.fp8),
-                                         bench_recompute(run), run_name(run, options.fp8),
-                                         bench_tuning(run.autotune), ranks, stream);
-                   });
+  const FluxBenchWeights weights(config);
+  const std::vector<Measurement> results = measure_runs(
+      options.precisions, options.fp8_recipes, options.fp8_attention, options.timing, "samples/s",
+      [&](const RunKind& run) {
+        return measure_flux(options, config, weights.parameters, bench_precision(run, options.fp8),
+                            bench_recompute(run), run_name(run, options.fp8),
+                            bench_tuning(run.autotune), ranks, stream);
+      });
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
   print_results(results, "samples/s", options.timing);
   return kExitOk;
@@ -672,7 +713,9 @@ void tune_on_gpu(const TrainConfig& config, const gemm::GemmTuning& tuning) {
     fmt::print("tune: {}, micro-batch {} of {} image + {} text tokens, {}; one step on {}\n",
                config.model.name, flux.batch, flux.img_tokens, flux.txt_tokens,
                describe(precision.fp8), gpus[0].name);
-    result = measure_flux(flux, model, precision, {}, config.model.name, tuning, {}, stream);
+    const FluxBenchWeights weights(model);
+    result = measure_flux(flux, model, weights.parameters, precision, {}, config.model.name, tuning,
+                          {}, stream);
   } else {
     BenchGptOptions gpt;
     gpt.batch = config.training.micro_batch_size;

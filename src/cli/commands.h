@@ -61,8 +61,8 @@ struct ModelSummaryOptions {
   FluxModelOptions flux;
   int64_t img_tokens = 4096;
   int64_t txt_tokens = 512;
-  std::vector<int> gpus = {1};           // a plan per GPU count
-  int tensor_parallel = 1;               // ranks per tensor-parallel group; the plans are one rank's
+  std::vector<int> gpus = {1};  // a plan per GPU count
+  int tensor_parallel = 1;      // ranks per tensor-parallel group; the plans are one rank's
   std::optional<double> gpu_memory_gib;  // one GPU's; unset: an H200's
 };
 
@@ -146,6 +146,9 @@ struct BenchFluxOptions {
   BenchTiming timing;
   bool shard_optimizer_state = true;  // with several ranks: ZeRO-1
   int tensor_parallel = 1;            // ranks per tensor-parallel group
+  // One process times the first rank of one tensor-parallel group alone, its collectives within
+  // the group left out: the rank's memory and compute on one GPU, not the group's numbers.
+  bool rank_alone = false;
 };
 
 // Times Flux training steps on the GPU: as run_bench_gpt, with samples/s.

@@ -270,6 +270,11 @@ int main(int argc, char** argv) {
                   bench_flux_options.timing);
   add_nproc_per_node(bench_flux);
   add_tensor_parallel(bench_flux, bench_flux_options.tensor_parallel);
+  bench_flux->add_flag("--rank-alone", bench_flux_options.rank_alone,
+                       "With --tensor-parallel T in one process: time the first rank of a group "
+                       "alone on this GPU, its collectives within the group left out (its memory "
+                       "and compute, not the communication; the loss is not the model's): "
+                       "whether a rank fits before T GPUs are at hand");
   bench_flux->add_flag("--shard-optimizer-state,!--no-shard-optimizer-state",
                        bench_flux_options.shard_optimizer_state,
                        "With several ranks: ZeRO-1 (the default), each rank updates its share of "

@@ -125,8 +125,10 @@ int run_flux_summary(const ModelSummaryOptions& options) {
       micro_batch.batch, micro_batch.img_tokens, micro_batch.txt_tokens,
       tensor == 1 ? ""
                   : fmt::format("\n  tensor parallel over groups of {} GPUs: each holds its "
-                                "heads' and MLP share's activations and weight copies (the first "
-                                "of a group's, with the row-parallel biases, planned)",
+                                "shares of the split weights with their gradients and moments "
+                                "(ZeRO-1 over the GPUs holding the same shares), and its heads' "
+                                "and MLP share's activations and weight copies (the first of a "
+                                "group's, with the row-parallel biases, planned)",
                                 tensor),
       in_gib(reserve), capacity_gib);
   const auto print_table = [&](const RecomputeOptions& recompute) {

@@ -43,6 +43,13 @@ std::unique_ptr<NcclGroup> NcclGroup::tensor_parallel_group(const ParallelLayout
   return std::unique_ptr<NcclGroup>(new NcclGroup(comm));
 }
 
+std::unique_ptr<NcclGroup> NcclGroup::data_parallel_group(const ParallelLayout& layout) {
+  ncclComm* comm = nullptr;
+  check_nccl(ncclCommSplit(comm_, layout.tensor_rank, layout.data_rank, &comm, nullptr),
+             "ncclCommSplit");
+  return std::unique_ptr<NcclGroup>(new NcclGroup(comm));
+}
+
 DeviceTensorParallel NcclGroup::device_tensor_parallel(const ParallelLayout& layout) {
   DeviceTensorParallel group;
   group.size = layout.tensor;

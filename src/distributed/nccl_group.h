@@ -28,6 +28,9 @@ class NcclGroup {
   // The ranks of `layout`'s tensor-parallel group, split off this group (every rank of it calls
   // it together): a group of its own, which outlives this one if need be.
   std::unique_ptr<NcclGroup> tensor_parallel_group(const ParallelLayout& layout);
+  // The ranks holding the same place in their tensor-parallel groups (one per replica, in replica
+  // order), split off this group likewise: the sums of the shares' data parallelism.
+  std::unique_ptr<NcclGroup> data_parallel_group(const ParallelLayout& layout);
   // The collectives of this group for a GPU model, which must not outlive it; `layout` as given
   // to tensor_parallel_group().
   DeviceTensorParallel device_tensor_parallel(const ParallelLayout& layout);

@@ -138,7 +138,7 @@ size_t activation_bytes(const FluxConfig& config, const Dims& d,
 }
 
 // The temporaries of one step, in lay_out()'s order.
-size_t workspace_bytes(const FluxConfig& config, const Dims& d, int tensor_parallel) {
+size_t workspace_bytes(const FluxConfig& config, const Dims& d) {
   ArenaBytes ws;
   ws.take<float>(d.B * d.Li * d.Cin);  // img, fp32 from the host
   ws.take<float>(d.B * d.Lt * d.ctx);  // txt
@@ -174,22 +174,6 @@ size_t workspace_bytes(const FluxConfig& config, const Dims& d, int tensor_paral
   if (config.single_blocks > 0) {
     ws.take<bf16>(d.N * (3 * d.A + d.M));  // d(linear1's output)
     ws.take<bf16>(d.N * (d.A + d.M));      // d(linear2's input)
-  }
-  // Tensor parallelism: the staging of the largest split weight and bias, and of their
-  // gradients.
-  int64_t staged = 0, staged_rows = 0;
-  for (const FluxLinear& linear : flux_linears(config)) {
-    const TensorShare share = flux_tensor_share(linear, config, tensor_parallel, 0);
-    if (share.split == TensorSplit::None) continue;
-    const auto [in, out] = share.features(linear.in_features, linear.out_features);
-    staged = std::max(staged, in * out);
-    staged_rows = std::max(staged_rows, out);
-  }
-  if (staged > 0) {
-    for (int copy = 0; copy < 2; ++copy) {  // the weights', then the gradients'
-      ws.take<float>(staged);
-      ws.take<float>(staged_rows);
-    }
   }
   return ws.bytes();
 }
@@ -260,17 +244,22 @@ FluxMemoryPlan plan_flux_memory(const FluxConfig& config, const FluxMicroBatch& 
   FP8T_CHECK(micro_batch.batch >= 1 && micro_batch.img_tokens >= 1 && micro_batch.txt_tokens >= 1,
              "expected a batch, image and text tokens of at least 1, found {}, {}, {}",
              micro_batch.batch, micro_batch.img_tokens, micro_batch.txt_tokens);
-  FP8T_CHECK(gpus >= 1, "expected at least one GPU, found {}", gpus);
-  const optim::DeviceParameterLayout layout = optim::device_parameter_layout(config);
+  FP8T_CHECK(gpus >= 1 && gpus % tensor_parallel == 0,
+             "expected a positive multiple of the {} GPUs of a tensor-parallel group, found {}",
+             tensor_parallel, gpus);
+  const optim::DeviceParameterLayout layout =
+      optim::device_parameter_layout(flux_rank_parameters(config, tensor_parallel, 0).parameters);
   const Dims dims = dims_of(config, micro_batch, tensor_parallel);
   FluxMemoryPlan plan;
   plan.parameters = layout.total_bytes();
   plan.gradients = layout.total_bytes();
-  const auto shard_elements = static_cast<size_t>((layout.total_elements + gpus - 1) / gpus);
+  const int replicas = gpus / tensor_parallel;  // ZeRO-1 shards over a share's replicas
+  const auto shard_elements =
+      static_cast<size_t>((layout.total_elements + replicas - 1) / replicas);
   plan.optimizer_state =
       2 * round_up(shard_elements * sizeof(float), optim::DeviceParameterLayout::kAlignmentBytes);
   plan.activations = activation_bytes(config, dims, recompute);
-  plan.workspace = workspace_bytes(config, dims, tensor_parallel);
+  plan.workspace = workspace_bytes(config, dims);
   plan.linear_copies = linear_copy_bytes(config, micro_batch, precision, tensor_parallel);
   return plan;
 }

@@ -39,16 +39,17 @@ struct FluxMemoryPlan {
 // An H200's memory as the device reports it (fp8train doctor).
 inline constexpr double kH200MemoryGib = 139.8;
 
-// The plan of one GPU out of `gpus` data-parallel ones under ZeRO-1: each GPU holds the
-// parameters, gradients and activations of its own micro-batch as a single GPU does, and
-// 1/gpus of the AdamW moments (ceil(elements / gpus) of the parameter buffer, rounded up to the
-// arenas' alignment). The FP8 linears are those of decide_flux_precision(config,
-// precision.policy), run with precision.fp8.recipe; FP8 linears keep no saved input: they share
-// the scratch's transposed input. Selective recompute saves one GELU output (and single-block
-// linear2 input) for all blocks; full recompute saves the activations of fewer blocks. With
-// tensor_parallel > 1, the plan of the first rank of a tensor-parallel group of that many GPUs
-// (the largest: it also holds the row-parallel biases' copies): its heads' and MLP share's
-// activations and workspace, its shares' weight copies and the split linears' staging buffers.
+// The plan of one GPU out of `gpus` under ZeRO-1 over the data-parallel ones: each GPU holds the
+// parameters, gradients and activations of its own micro-batch as a single GPU does, and its
+// share of the AdamW moments (ceil(elements / replicas) of the parameter buffer, rounded up to
+// the arenas' alignment, where replicas = gpus / tensor_parallel). The FP8 linears are those of
+// decide_flux_precision(config, precision.policy), run with precision.fp8.recipe; FP8 linears keep
+// no saved input: they share the scratch's transposed input. Selective recompute saves one GELU
+// output (and single-block linear2 input) for all blocks; full recompute saves the activations of
+// fewer blocks. With tensor_parallel > 1 (which must divide gpus), the plan of the first rank of a
+// tensor-parallel group of that many GPUs (the largest: it also holds the row-parallel biases'
+// copies): its shares of the split tensors with their gradients and moments (flux_rank_parameters),
+// its heads' and MLP share's activations and workspace, and its shares' weight copies.
 FluxMemoryPlan plan_flux_memory(const FluxConfig& config, const FluxMicroBatch& micro_batch,
                                 const FluxPrecision& precision, int gpus = 1,
                                 const RecomputeOptions& recompute = {}, int tensor_parallel = 1);

@@ -5,6 +5,8 @@
 #include <cmath>
 #include <cstring>
 #include <initializer_list>
+#include <iterator>
+#include <map>
 #include <random>
 #include <utility>
 
@@ -526,6 +528,33 @@ std::vector<FluxLinear> flux_linears(const FluxConfig& config) {
                        param.shape[0], param.kind, param.block});
   }
   return linears;
+}
+
+FluxRankParameters flux_rank_parameters(const FluxConfig& config, int size, int rank) {
+  std::map<std::string, TensorShare> shares;
+  for (const FluxLinear& linear : flux_linears(config)) {
+    TensorShare share = flux_tensor_share(linear, config, size, rank);
+    if (share.split != TensorSplit::None) shares.emplace(linear.name, std::move(share));
+  }
+  FluxRankParameters rank_parameters;
+  std::vector<FluxParam> replicated;
+  for (FluxParam param : flux_parameters(config)) {
+    const std::string linear = param.name.substr(0, param.name.rfind('.'));
+    const auto found = shares.find(linear);
+    // A row-parallel bias stays whole: the group's first rank adds it.
+    if (found == shares.end() || (param.is_bias() && found->second.split == TensorSplit::Inputs)) {
+      replicated.push_back(std::move(param));
+      continue;
+    }
+    const int64_t out = param.shape[0], in = param.is_bias() ? 1 : param.shape[1];
+    const auto [share_in, share_out] = found->second.features(in, out);
+    param.shape = param.is_bias() ? std::vector<int64_t>{share_out}
+                                  : std::vector<int64_t>{share_out, share_in};
+    rank_parameters.parameters.push_back(std::move(param));
+  }
+  rank_parameters.shares = rank_parameters.parameters.size();
+  std::ranges::move(replicated, std::back_inserter(rank_parameters.parameters));
+  return rank_parameters;
 }
 
 std::vector<FluxLinearPrecision> decide_flux_precision(const FluxConfig& config,

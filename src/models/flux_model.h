@@ -60,6 +60,17 @@ TensorShare flux_tensor_share(const FluxLinear& linear, const FluxConfig& config
 // Every linear, in flux_parameters() order.
 std::vector<FluxLinear> flux_linears(const FluxConfig& config);
 
+// The parameters a rank of a tensor-parallel group of `size` holds on the GPU path: the split
+// linears' shares (weights [share_out, in] or [out, share_in], column-parallel biases
+// [share_out]) first, then every replicated tensor whole, each part in flux_parameters() order.
+// A share's values are its runs of rows or columns one after the other (TensorShare's order).
+// Every parameter once, whole, when size is 1.
+struct FluxRankParameters {
+  std::vector<FluxParam> parameters;
+  size_t shares = 0;  // how many of them lead as shares
+};
+FluxRankParameters flux_rank_parameters(const FluxConfig& config, int size, int rank);
+
 struct FluxLinearPrecision {
   FluxLinear linear;
   bool fp8 = false;

@@ -41,9 +41,10 @@ int64_t numel_of(const std::vector<int64_t>& shape) {
   return std::accumulate(shape.begin(), shape.end(), int64_t{1}, std::multiplies<>());
 }
 
-// The one group the shard splits: every parameter, by size.
-OptimizerShard shard_of(const std::vector<AdamWOptimizer::Parameter>& parameters, int rank,
-                        int ranks) {
+}  // namespace
+
+OptimizerShard adamw_shard(const std::vector<AdamWOptimizer::Parameter>& parameters, int rank,
+                           int ranks) {
   OptimizerGroup group{};  // only the rule and the parameters matter here
   group.rule = UpdateRule::AdamW;
   std::map<std::string, int64_t> numels;
@@ -55,11 +56,9 @@ OptimizerShard shard_of(const std::vector<AdamWOptimizer::Parameter>& parameters
       {group}, [&](const std::string& name) { return numels.at(name); }, rank, ranks);
 }
 
-}  // namespace
-
 AdamWOptimizer::AdamWOptimizer(std::vector<Parameter> parameters, const AdamWHyperparameters& hyper,
                                int rank, int ranks)
-    : hyper_(hyper), shard_(shard_of(parameters, rank, ranks)), lr_(hyper.lr) {
+    : hyper_(hyper), shard_(adamw_shard(parameters, rank, ranks)), lr_(hyper.lr) {
   for (Parameter& parameter : parameters) {
     const int64_t numel = numel_of(parameter.shape);
     slots_.push_back({std::move(parameter), std::vector<float>(size_t(numel), 0.0f),

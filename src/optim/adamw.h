@@ -70,4 +70,9 @@ class AdamWOptimizer {
   int64_t steps_ = 0;
 };
 
+// Which of `ranks` ranks updates each parameter under ZeRO-1, as AdamWOptimizer assigns them
+// (the tensors balanced by size), without its state: for the GPU path's optimizer.
+OptimizerShard adamw_shard(const std::vector<AdamWOptimizer::Parameter>& parameters, int rank,
+                           int ranks);
+
 }  // namespace fp8t::optim

@@ -60,10 +60,13 @@ void GptRankSums::after_update() {
 }
 
 FluxRankSums::FluxRankSums(distributed::Communicator& host, CudaFluxModel& model,
+                           const distributed::ParallelLayout& layout,
                            const optim::OptimizerShard* shard)
     : model_(model),
       delayed_(!model.delayed_scalings().empty()),
       nccl_(std::make_unique<distributed::NcclGroup>(host)) {
+  // A split linear's amax is the group's already; a replicated one's is the same on every rank.
+  if (layout.tensor > 1) nccl_ = nccl_->data_parallel_group(layout);
   if (shard != nullptr) {
     parameter_pieces_ = parameter_pieces(model.layout(), model.parameters(), nullptr, *shard);
   }

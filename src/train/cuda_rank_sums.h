@@ -47,11 +47,15 @@ class GptRankSums {
 class FluxRankSums {
  public:
   // Joins the ranks of `host` through NCCL on the current device (every rank together); the
-  // collectives run on the model's stream. `shard` as for GptRankSums.
+  // collectives run on the model's stream. Under tensor parallelism (layout.tensor > 1) each
+  // rank's shares are summed with the same shares of the other replicas only: the sums, the
+  // amax maxima and the shard's broadcasts run over this rank's data-parallel group. `shard`:
+  // which replica updates each parameter with ZeRO-1 (optim/optimizer_shard.h), else null.
   FluxRankSums(distributed::Communicator& host, CudaFluxModel& model,
+               const distributed::ParallelLayout& layout,
                const optim::OptimizerShard* shard = nullptr);
 
-  // Queued after the last backward: every rank's gradients summed (not yet averaged).
+  // Queued after the last backward: every replica's gradients summed (not yet averaged).
   void sum_gradients();
   // As GptRankSums::after_update.
   void after_update();

@@ -1,7 +1,9 @@
 // The GPU path of Flux training: CudaFluxModel and CudaAdamW on the device, the parameters and
 // optimizer state mirrored on the host for checkpoints and sample grids only. Under tensor
-// parallelism the blocks split over each group's GPUs as the GPT's do (train/cuda_engine.cpp):
-// the split gradients gathered over the group, then every gradient summed over all ranks.
+// parallelism each rank of a group holds its shares of the split tensors with their gradients
+// and moments: the replicated tensors' partial gradients are summed over the group, then every
+// gradient over the replicas (the ranks at the same place of the other groups); the gradient
+// norm adds the shares' squares over the group; the host mirror gathers the shares.
 #include <algorithm>
 #include <memory>
 #include <string>
@@ -46,14 +48,15 @@ class FluxCudaEngine final : public FluxEngine {
         tensor_group_(setup.communicator, setup.layout),
         model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision,
                stream_.get(), setup.recompute, tensor_group_.device),
-        sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
+        layout_(setup.layout),
+        sharded_(setup.shard_optimizer_state && setup.communicator != nullptr && layout_.data > 1),
         host_arena_("parameters (host mirror)",
                     FluxParameterSet::planned_bytes(setup.model, DType::F32)),
         host_parameters_(host_arena_, setup.model, DType::F32),
         host_optimizer_(flux_optimized_parameters(setup.model), setup.adamw,
-                        sharded_ ? setup.communicator->rank() : 0,
-                        sharded_ ? setup.communicator->size() : 1),
-        optimizer_(model_.layout(), setup.adamw, &host_optimizer_.shard()),
+                        sharded_ ? layout_.data_rank : 0, sharded_ ? layout_.data : 1),
+        optimizer_(model_.layout(), setup.adamw, &host_optimizer_.shard(),
+                   model_.gradient_shares()),
         base_lr_(setup.adamw.lr),
         lr_(setup.adamw.lr),
         norm_host_(1) {
@@ -62,8 +65,8 @@ class FluxCudaEngine final : public FluxEngine {
     FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));
     model_.gemm().configure_tuning(setup.gemm_tuning);
 #if FP8TRAIN_WITH_NCCL
-    if (communicator_ != nullptr)
-      rank_sums_ = std::make_unique<FluxRankSums>(*communicator_, model_,
+    if (communicator_ != nullptr && layout_.data > 1)
+      rank_sums_ = std::make_unique<FluxRankSums>(*communicator_, model_, layout_,
                                                   sharded_ ? &host_optimizer_.shard() : nullptr);
 #endif
     peak_memory_ = device_memory_in_use();
@@ -103,24 +106,21 @@ class FluxCudaEngine final : public FluxEngine {
     FP8T_CHECK(!micro_batches.empty(), "expected at least one micro-batch");
     model_.zero_gradients();
     StepResult result;
-    // Each micro-batch's loss gradient is scaled by 1/(A·R): the gradient of the mean loss over
-    // every rank's micro-batches, once the ranks' gradients are summed (under tensor parallelism
-    // a group's ranks hold the same gradients by then: the sum over all ranks counts each
-    // replica's as many times as the group has ranks, and so does R).
+    // Each micro-batch's loss gradient is scaled by 1/(A·D): the gradient of the mean loss over
+    // the D replicas' micro-batches, once the replicas' gradients are summed. The ranks of a
+    // tensor-parallel group see the same micro-batches: the loss is the mean over all R ranks'.
     const int ranks = communicator_ != nullptr ? communicator_->size() : 1;
-    const auto total = static_cast<double>(std::ssize(micro_batches) * ranks);
-    const auto share = static_cast<float>(1.0 / total);
+    const int64_t count = std::ssize(micro_batches);
+    const auto share = static_cast<float>(1.0 / static_cast<double>(count * layout_.data));
     for (const FluxBatch& batch : micro_batches) {
       model_.forward(inputs(batch), batch.target.data(), true, share);
       model_.backward();
       result.loss += model_.loss_value();
     }
-    model_.gather_split_gradients();
-    if (ranks > 1) {
-      sum_gradients();
-      communicator_->sum(&result.loss, 1);
-    }
-    result.loss /= total;
+    model_.sum_partial_gradients();
+    if (layout_.data > 1) sum_gradients();
+    if (ranks > 1) communicator_->sum(&result.loss, 1);
+    result.loss /= static_cast<double>(count * ranks);
     optimizer_.clip(model_.gradients(), norm_, static_cast<float>(std::max(clip_grad, 0.0)),
                     stream_.get());
     FP8T_CUDA_CHECK(cudaMemcpyAsync(norm_host_.data(), norm_, sizeof(float), cudaMemcpyDeviceToHost,
@@ -129,7 +129,7 @@ class FluxCudaEngine final : public FluxEngine {
     result.grad_norm = norm_host_.data()[0];
     if (result.finite()) {
       optimizer_.step(model_.parameters(), model_.gradients(), lr_multiplier, stream_.get());
-      if (ranks > 1) after_update();
+      if (layout_.data > 1) after_update();
       model_.end_step();
       lr_ = base_lr_ * lr_multiplier;
     }
@@ -163,30 +163,49 @@ class FluxCudaEngine final : public FluxEngine {
   std::vector<Fp8TensorHealth> take_fp8_health() override {
     return model_.take_fp8_health();
   }
+  // Under tensor parallelism every rank of the group together: the shares are gathered.
   void to_host() override {
     model_.download_parameters(host_parameters_);
     // Sharded, gather_optimizer_state() has brought the whole state already.
-    if (!sharded_) optimizer_.download_state(host_optimizer_);
+    if (!sharded_) optimizer_.download_state(host_optimizer_, state_transfer());
   }
   void from_host() override {
     model_.upload_parameters(host_parameters_);
-    optimizer_.upload_state(host_optimizer_);
+    optimizer_.upload_state(host_optimizer_, state_transfer());
     model_.scalings_changed();
   }
   void gather_optimizer_state() override {
     if (!sharded_) return;
-    optimizer_.download_state(host_optimizer_);
-    train::gather_optimizer_state(host_optimizer_.state(), host_optimizer_.shard(), *communicator_);
+    optimizer_.download_state(host_optimizer_, state_transfer());
+    // Each replica's owned moments, whole on every rank of its group: the first rank's count.
+    const optim::OptimizerShard& shard = host_optimizer_.shard();
+    for (const NamedTensor& buffer : host_optimizer_.state()) {
+      if (buffer.view.dtype() != DType::F32) continue;  // the step counter, the same everywhere
+      gather_from_owner(
+          buffer.view.data<float>(), static_cast<size_t>(buffer.view.numel()),
+          shard.owns(optim::parameter_of_state(buffer.name)) && layout_.tensor_rank == 0,
+          *communicator_);
+    }
   }
 
  private:
+  // The moments go through the model, which gathers and cuts out its shares.
+  optim::StateTransfer state_transfer() const {
+    return {[this](const std::string& name, const float* device, float* host) {
+              model_.download_tensor(name, device, host);
+            },
+            [this](const std::string& name, const float* host, float* device) {
+              model_.upload_tensor(name, host, device);
+            }};
+  }
+
   FluxInputs inputs(const FluxBatch& batch) const {
     return {batch.img.data(),       img_ids_.data(),
             batch.txt.data(),       batch.y.data(),
             batch.timesteps.data(), batch.guidance.empty() ? nullptr : batch.guidance.data()};
   }
 
-  // Every rank's fp32 gradients summed over NCCL (not yet averaged: the loss share did that).
+  // Every replica's fp32 gradients summed over NCCL (not yet averaged: the loss share did that).
   void sum_gradients() {
 #if FP8TRAIN_WITH_NCCL
     rank_sums_->sum_gradients();
@@ -204,7 +223,8 @@ class FluxCudaEngine final : public FluxEngine {
   std::vector<float> img_ids_;
   CudaTensorGroup tensor_group_;
   CudaFluxModel model_;
-  bool sharded_;  // ZeRO-1: this rank updates its share of the parameters
+  distributed::ParallelLayout layout_;
+  bool sharded_;  // ZeRO-1 over the replicas: this rank updates its share of the parameters
   Arena host_arena_;
   FluxParameterSet host_parameters_;
   optim::AdamWOptimizer host_optimizer_;  // with the shard the device optimizer follows
@@ -223,8 +243,8 @@ class FluxCudaEngine final : public FluxEngine {
 void check_flux_fits(const FluxEngineSetup& setup, const GpuInfo& gpu) {
   const auto plan_for = [&](int64_t batch) {
     const FluxMicroBatch micro_batch{batch, setup.img_tokens, setup.txt_tokens};
-    return std::pair(plan_flux_memory(setup.model, micro_batch, setup.precision, 1, setup.recompute,
-                                      setup.layout.tensor),
+    return std::pair(plan_flux_memory(setup.model, micro_batch, setup.precision,
+                                      setup.layout.tensor, setup.recompute, setup.layout.tensor),
                      double(flux_runtime_reserve_bytes(setup.model, micro_batch)));
   };
   const int64_t most = ops::cuda::flux_max_batch(setup.model.hidden_size);

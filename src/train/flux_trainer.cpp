@@ -162,8 +162,9 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   // The grid's prompts are checked before any time is spent training. They are encoded with the
   // built-in data's words; the configuration refuses prompts with shards.
   std::optional<FluxSampleGrid> grid;
-  if (std::vector<std::string> prompts = split_prompts(config.run.sample_prompts);
-      leader && !prompts.empty() && data.shapes) {
+  std::vector<std::string> prompts = split_prompts(config.run.sample_prompts);
+  const bool grids = !prompts.empty() && data.shapes;  // on the leader; every rank knows it
+  if (leader && grids) {
     try {
       grid.emplace(*data.shapes, model_config, flux_grid_options(config, std::move(prompts)));
     } catch (const Error& error) {
@@ -221,7 +222,10 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     fmt::print("activation recompute: {}\n",
                recompute_summary(setup.recompute,
                                  model_config.double_blocks + model_config.single_blocks));
-    if (several && setup.shard_optimizer_state) print_zero1_note(communicator.size(), cuda);
+    // The GPU path shards over the replicas: a tensor-parallel group's ranks hold other shares.
+    const int zero1_ranks = cuda ? layout.data : communicator.size();
+    if (several && setup.shard_optimizer_state && zero1_ranks > 1)
+      print_zero1_note(zero1_ranks, cuda);
     for (const std::string& note : setup.gemm_tuning.notes)
       fmt::print("{}\n", note);
     fmt::print(
@@ -258,10 +262,12 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     if (several && !scaling.empty()) {
       check_same_scaling_on_every_rank(scaling, communicator, at_step);
     }
-    // Every rank holds the same weights; sharded optimizer state the ranks gather together.
+    // Sharded optimizer state the ranks gather together, and so do a tensor-parallel group's
+    // ranks their shares of the weights.
     engine->gather_optimizer_state();
+    if (layout.tensor > 1) engine->to_host();
     if (!leader) return;
-    engine->to_host();
+    if (layout.tensor == 1) engine->to_host();
     nlohmann::json trainer_state = {{"train_seconds", train_seconds},
                                     {"samples_seen", at_step * samples_per_step},
                                     {"fp8_health", health.state()}};
@@ -284,10 +290,12 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   };
 
   RunLog log(run_folder, tracked.log_outputs(::isatty(STDERR_FILENO) != 0));
-  const auto write_grid = [&](int64_t at_step) {
+  // Every rank together: a tensor-parallel group's ranks gather their weights' shares.
+  const auto write_grid = [&](int64_t at_step) -> fs::path {
+    if (layout.tensor > 1 || leader) engine->to_host();
+    if (!leader) return {};  // the leader's grid alone
     const fs::path path = flux_sample_grid_path(run_folder, at_step);
     fs::create_directories(path.parent_path());
-    engine->to_host();
     grid->write(engine->host_parameters(), path);
     log.event("sample", fmt::format("samples: {}", path.string()));
     return path;
@@ -345,7 +353,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
                             flux_precision_summary(engine->linear_precision())));
     }
     const int64_t every = config.run.sample_every;
-    if (grid && every > 0 && steps_done % every == 0 && steps_done < total_steps) {
+    if (grids && every > 0 && steps_done % every == 0 && steps_done < total_steps) {
       write_grid(steps_done);
     }
   };
@@ -355,7 +363,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   outcome.last_loss = done.last_loss;
   outcome.last_val_loss = done.last_val_loss;
   outcome.stop_signal = done.stop_signal;
-  if (outcome.stop_signal == 0 && grid) outcome.sample_grid = write_grid(outcome.steps_done);
+  if (outcome.stop_signal == 0 && grids) outcome.sample_grid = write_grid(outcome.steps_done);
   tracked.finish(done, log);
   return outcome;
 }

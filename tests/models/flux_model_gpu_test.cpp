@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <memory>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "core/arena.h"
+#include "core/device_buffer.h"
 #include "models/cuda/flux_model_cuda.h"
 #include "models/device_tensor_parallel_checks.h"
 #include "models/flux_memory.h"
@@ -23,6 +25,8 @@
 #include "models/recompute_checks.h"
 #include "numerics/test_util.h"
 #include "ops/gpu_compare.h"
+#include "optim/adamw.h"
+#include "optim/optimizer_shard.h"
 
 namespace fp8t {
 namespace {
@@ -331,8 +335,82 @@ INSTANTIATE_TEST_SUITE_P(Precisions, FluxRecomputeGpu, kRecipes, precision_name)
 // not compared): every rank has the whole model's prediction,
 // loss and, once gathered, gradients within the rounding of the partial sums; the ranks agree
 // bit for bit on the prediction, the loss, the split gradients and every FP8 scale, and their
-// weights' scales are the whole weights'. The memory plan counts what the first rank takes. The
-// ranks run without recompute, then with full recompute.
+// weights' scales are the whole weights'. An optimizer over each rank's shares takes the whole
+// model's step (expect_optimizer_over_shares). The memory plan counts what the first rank takes.
+// The ranks run without recompute, then with full recompute. AdamW over each rank's layout (its
+// shares first, then the replicated tensors), after the last step's backward: the gradient norm
+// (the shares' squares summed over the group) is that of the gathered gradients; one step moves
+// every parameter, gathered from the shares, by AdamW's first step from its gathered gradient,
+// −lr·g / (|g| + eps), the same on every rank; and the moments, gathered, are (1 − β1)·g.
+void expect_optimizer_over_shares(const std::vector<std::unique_ptr<CudaFluxModel>>& ranks,
+                                  const FluxConfig& config, const FluxParameterSet& before,
+                                  const FluxParameterSet& gradients) {
+  const optim::AdamWHyperparameters adamw{.lr = 1e-2};
+  std::vector<optim::AdamWOptimizer::Parameter> specs;
+  for (const FluxParam& param : flux_parameters(config))
+    specs.push_back({param.name, param.shape});
+  const auto planned = FluxParameterSet::planned_bytes(config, DType::F32);
+  std::vector<std::unique_ptr<Arena>> arenas;
+  std::vector<std::unique_ptr<FluxParameterSet>> after;
+  std::vector<std::unique_ptr<optim::AdamWOptimizer>> states;
+  for (size_t rank = 0; rank < ranks.size(); ++rank) {
+    arenas.push_back(std::make_unique<Arena>("parameters", planned));
+    after.push_back(std::make_unique<FluxParameterSet>(*arenas.back(), config, DType::F32));
+    states.push_back(std::make_unique<optim::AdamWOptimizer>(specs, adamw));
+  }
+  std::vector<float> norms(ranks.size());
+  testing::run_ranks<CudaFluxModel>(ranks, [&](CudaFluxModel& model, size_t rank) {
+    optim::CudaAdamW optimizer(model.layout(), adamw, nullptr, model.gradient_shares());
+    DeviceBuffer<float> norm(1);
+    optimizer.clip(model.gradients(), norm.get(), 0.0f, model.stream());
+    optimizer.step(model.parameters(), model.gradients(), 1.0, model.stream());
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
+    FP8T_CUDA_CHECK(cudaMemcpy(&norms[rank], norm.get(), sizeof(float), cudaMemcpyDeviceToHost));
+    model.download_parameters(*after[rank]);
+    optimizer.download_state(*states[rank],
+                             {[&](const std::string& name, const float* device, float* host) {
+                                model.download_tensor(name, device, host);
+                              },
+                              {}});
+  });
+  double squares = 0.0;
+  for (const FluxParam& param : flux_parameters(config)) {
+    const TensorView& view = gradients[param.name];
+    for (int64_t i = 0; i < view.numel(); ++i)
+      squares += double(view.data<float>()[i]) * double(view.data<float>()[i]);
+  }
+  for (size_t rank = 0; rank < ranks.size(); ++rank)
+    EXPECT_NEAR(norms[rank], std::sqrt(squares), 1e-5 * std::sqrt(squares)) << "rank " << rank;
+
+  for (const FluxParam& param : flux_parameters(config)) {
+    const float* g = gradients[param.name].data<float>();
+    const float* p = before[param.name].data<float>();
+    std::vector<float> moved(size_t(param.numel())), want(moved.size());
+    for (size_t i = 0; i < moved.size(); ++i) {
+      moved[i] = (*after[0])[param.name].data<float>()[i] - p[i];
+      want[i] = static_cast<float>(-adamw.lr * g[i] / (std::fabs(double(g[i])) + adamw.eps));
+    }
+    EXPECT_LT(testing::relative_error(moved.data(), want.data(), param.numel()), 1e-4)
+        << param.name;
+    for (size_t rank = 1; rank < ranks.size(); ++rank) {
+      const TensorView& first = (*after[0])[param.name];
+      EXPECT_EQ(std::memcmp((*after[rank])[param.name].raw(), first.raw(), first.bytes()), 0)
+          << param.name << ": rank " << rank << " holds other parameters";
+    }
+  }
+  for (size_t rank = 0; rank < ranks.size(); ++rank) {
+    for (const NamedTensor& moment : states[rank]->state()) {
+      if (!moment.name.ends_with(".exp_avg")) continue;
+      const TensorView& gradient = gradients[optim::parameter_of_state(moment.name)];
+      for (int64_t i = 0; i < gradient.numel(); ++i) {
+        const float want = static_cast<float>(1.0 - adamw.beta1) * gradient.data<float>()[i];
+        ASSERT_NEAR(moment.view.data<float>()[i], want, 1e-6f * (1.0f + std::fabs(want)))
+            << moment.name << "[" << i << "], rank " << rank;
+      }
+    }
+  }
+}
+
 class FluxTensorParallelGpu : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
 
 TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfTheWholeModel) {
@@ -372,9 +450,12 @@ TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfT
       EXPECT_LT(ranks.back()->memory().activations, whole.memory().activations);
     }
     const FluxMemoryPlan plan = plan_flux_memory(
-        config, {.batch = kBatch, .img_tokens = kImgTokens, .txt_tokens = kTxtTokens}, precision, 1,
-        recompute, kRanks);
+        config, {.batch = kBatch, .img_tokens = kImgTokens, .txt_tokens = kTxtTokens}, precision,
+        kRanks, recompute, kRanks);
     const CudaFluxMemory& first = ranks[0]->memory();
+    EXPECT_LT(first.parameters, whole.memory().parameters);  // the shares only
+    EXPECT_EQ(plan.parameters, first.parameters);
+    EXPECT_EQ(plan.gradients, first.gradients);
     EXPECT_EQ(plan.activations, first.activations);
     EXPECT_EQ(plan.workspace, first.workspace);
     EXPECT_EQ(plan.linear_copies, first.linear_copies);
@@ -384,7 +465,7 @@ TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfT
     if (fp8) {
       ASSERT_GT(fp8_linears, 0u) << "no linear took the FP8 path";
     }
-    // The gradients each rank computes a share of, summed over the group.
+    // The gradients each rank computes a share or a part of, gathered or summed over the group.
     std::vector<std::string> split;
     for (const FluxLinear& linear : flux_linears(config)) {
       if (flux_tensor_share(linear, config, kRanks, 0).split == TensorSplit::None) continue;
@@ -407,7 +488,7 @@ TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfT
       std::vector<Step> got(kRanks);
       testing::run_ranks<CudaFluxModel>(ranks, [&](CudaFluxModel& model, size_t rank) {
         got[rank] = gpu_step(model, batch);
-        model.gather_split_gradients();
+        model.sum_partial_gradients();
       });
       EXPECT_EQ(got[1].loss, got[0].loss);
       EXPECT_EQ(got[1].prediction, got[0].prediction);
@@ -419,8 +500,9 @@ TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfT
                                         std::ssize(want.prediction)),
                 bound / 2);
       whole.download_gradients(whole_gradients);
-      ranks[0]->download_gradients(first_gradients);
-      ranks[1]->download_gradients(second_gradients);
+      testing::run_ranks<CudaFluxModel>(ranks, [&](CudaFluxModel& model, size_t rank) {
+        model.download_gradients(rank == 0 ? first_gradients : second_gradients);
+      });
       if (!delayed || step == 3) {
         for (const FluxParam& param : flux_parameters(config)) {
           for (const FluxParameterSet* gradients : {&first_gradients, &second_gradients}) {
@@ -440,6 +522,7 @@ TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfT
       }
       testing::end_step_with_same_scales(whole, ranks, fp8_linears, recipe);
     }
+    expect_optimizer_over_shares(ranks, config, parameters, first_gradients);
   }
   for (cudaStream_t stream : streams)
     FP8T_CUDA_CHECK(cudaStreamDestroy(stream));

@@ -16,10 +16,10 @@
 #include "core/cuda_check.h"
 #include "core/cuda_resources.h"
 #include "core/device_arena.h"
+#include "core/device_buffer.h"
 #include "core/error.h"
 #include "gemm/cublaslt_gemm.h"
 #include "models/cuda/linear_scalings.h"
-#include "models/cuda/parameter_copies.h"
 #include "models/tensor_parallel.h"
 #include "ops/cuda/attention_cudnn.h"
 #include "ops/cuda/attention_fp8_cuda.h"
@@ -37,6 +37,33 @@ using kernels::GradStore;
 
 namespace {
 
+// Between a whole tensor [whole_out, whole_in] (a bias: whole_in 1) and a rank's share of it,
+// the share's runs of rows or columns one after the other: from the whole into the share
+// (to_share), or from the share into its places in the whole.
+void copy_share(const TensorShare& share, int64_t whole_out, int64_t whole_in, const float* source,
+                float* target, bool to_share, cudaStream_t stream) {
+  const int64_t part_in = share.features(whole_in, whole_out).first;
+  const auto copy = [&](int64_t whole_at, int64_t whole_ld, int64_t part_at, int64_t part_ld,
+                        int64_t width, int64_t rows) {
+    const float* const from = source + (to_share ? whole_at : part_at);
+    float* const to = target + (to_share ? part_at : whole_at);
+    const size_t from_pitch = size_t(to_share ? whole_ld : part_ld) * sizeof(float);
+    const size_t to_pitch = size_t(to_share ? part_ld : whole_ld) * sizeof(float);
+    FP8T_CUDA_CHECK(cudaMemcpy2DAsync(to, to_pitch, from, from_pitch, size_t(width) * sizeof(float),
+                                      size_t(rows), cudaMemcpyDeviceToDevice, stream));
+  };
+  int64_t done = 0;
+  for (const ShareSegment& segment : share.segments) {
+    if (share.split == TensorSplit::Outputs) {  // a run of rows is contiguous
+      const int64_t values = segment.count * whole_in;
+      copy(segment.first * whole_in, values, done * whole_in, values, values, 1);
+    } else {  // a run of columns: whole_out rows of its values
+      copy(segment.first, whole_in, done, part_in, segment.count, whole_out);
+    }
+    done += segment.count;
+  }
+}
+
 // Copies rows rows of width values from src (row stride src_ld) to dst (row stride dst_ld).
 void copy_rows(bf16* dst, int64_t dst_ld, const bf16* src, int64_t src_ld, int64_t rows,
                int64_t width, cudaStream_t stream) {
@@ -47,9 +74,8 @@ void copy_rows(bf16* dst, int64_t dst_ld, const bf16* src, int64_t src_ld, int64
 
 }  // namespace
 
-// Where a linear's weight and bias and their gradients are: the whole tensors, this rank's run
-// of them in place (weight_stride when it is a run of columns), or, for a share of several runs
-// (`staged`), the whole tensors, gathered into the staging buffers around each use.
+// Where a linear's weight and bias and their gradients are: this rank's share of them (the whole
+// tensors when it is not split).
 struct CudaFluxModel::Linear {
   std::unique_ptr<kernels::CudaLinear> layer;
   float* weight = nullptr;
@@ -57,8 +83,6 @@ struct CudaFluxModel::Linear {
   float* grad_weight = nullptr;
   float* grad_bias = nullptr;
   int fp8_index = -1;  // its CudaLinearScalings index; -1 outside FP8
-  TensorShare staged;  // split None: not staged
-  int64_t whole_out = 0, whole_in = 0;
 };
 
 // The joint attention of a block over [txt; img]: [B·L, A] = [B, L, H, D] unless noted, A this
@@ -146,10 +170,6 @@ struct CudaFluxModel::Buffers {
   bf16 *dq = nullptr, *dk = nullptr, *dv = nullptr;
   bf16 *d_mlp_act = nullptr, *d_mlp_hidden = nullptr, *d_qkv = nullptr;
   bf16 *d_linear1_out = nullptr, *d_linear2_in = nullptr;
-  // Tensor parallelism: the shares of several runs (Linear::staged), and the columns of a
-  // row-parallel share for its weight cast (LinearSetup::weight_staging), in turn.
-  float *staged_weight = nullptr, *staged_bias = nullptr;
-  float *staged_grad_weight = nullptr, *staged_grad_bias = nullptr;
   bool forward_has_gradient = false;
 
   // The host inputs of a micro-batch go through pinned memory: fast copies, and no wait for
@@ -207,7 +227,12 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
   buffers_ = std::make_unique<Buffers>(precision_, static_cast<size_t>(staging_floats));
   linear_precision_ = decide_flux_precision(config_, precision_.policy);
   keep_unblocked_flux_shares_in_bf16(linear_precision_, config_, precision_.fp8.recipe, group_size);
-  layout_ = optim::device_parameter_layout(config_);
+  const FluxRankParameters rank_parameters =
+      flux_rank_parameters(config_, group_size, tensor_parallel_.rank);
+  layout_ = optim::device_parameter_layout(rank_parameters.parameters);
+  share_elements_ = rank_parameters.shares == layout_.parameters.size()
+                        ? layout_.total_elements
+                        : layout_.parameters[rank_parameters.shares].offset;
   lay_out();
   for (DeviceArena* arena : {&buffers_->parameters, &buffers_->gradients, &buffers_->activations,
                              &buffers_->workspace, &buffers_->linear_scratch}) {
@@ -245,29 +270,12 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
     linear.bias = parameter(spec.name + ".bias");
     linear.grad_weight = gradient(spec.name + ".weight");
     linear.grad_bias = gradient(spec.name + ".bias");
-    linear.whole_out = spec.out_features;
-    linear.whole_in = spec.in_features;
     kernels::LinearSetup setup;
     std::tie(setup.in_features, setup.out_features) =
         share.features(spec.in_features, spec.out_features);
     if (split == TensorSplit::Inputs && tensor_parallel_.rank != 0) {
       linear.bias = nullptr;  // the sum over the group adds the first rank's
       linear.grad_bias = nullptr;
-    }
-    if (share.segments.size() > 1) {
-      linear.staged = share;
-    } else if (split == TensorSplit::Outputs) {  // one run of whole rows: in place
-      const int64_t first = share.segments[0].first;
-      linear.weight += first * spec.in_features;
-      linear.grad_weight += first * spec.in_features;
-      linear.bias += first;
-      linear.grad_bias += first;
-    } else if (split == TensorSplit::Inputs) {  // one run of columns: read with the row stride
-      const int64_t first = share.segments[0].first;
-      linear.weight += first;
-      linear.grad_weight += first;
-      setup.weight_stride = spec.in_features;
-      setup.weight_staging = buffers_->staged_weight;
     }
     if (split != TensorSplit::None) {
       // Column-parallel: the weight and the output gradient are shares, the input is whole;
@@ -295,15 +303,18 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
     memory_.linear_copies += linear.layer->device_bytes();
     buffers_->linears.emplace(spec.name, std::move(linear));
     if (split == TensorSplit::None) continue;
-    for (const char* tensor : {".weight", ".bias"}) {  // every rank's: the first alone adds a bias
-      const optim::DeviceParameter& whole = layout_[spec.name + tensor];
-      split_gradient_ranges_.emplace_back(whole.offset, whole.numel);
+    tensor_parts_[spec.name + ".weight"] = {share, spec.out_features, spec.in_features};
+    if (split == TensorSplit::Outputs) {
+      tensor_parts_[spec.name + ".bias"] = {share, spec.out_features, 1};
+    } else {  // replicated, the first rank's gradient alone not zero
+      const optim::DeviceParameter& bias = layout_[spec.name + ".bias"];
+      partial_gradient_ranges_.emplace_back(bias.offset, bias.numel);
     }
   }
   if (tensor_parallel_.split()) {
     for (const optim::DeviceParameter& tensor : layout_.parameters)
       if (tensor.name.ends_with("_norm.scale"))  // each rank's heads add their part
-        split_gradient_ranges_.emplace_back(tensor.offset, tensor.numel);
+        partial_gradient_ranges_.emplace_back(tensor.offset, tensor.numel);
   }
   FP8T_CUDA_CHECK(cudaMemsetAsync(parameters_, 0, layout_.total_bytes(), stream_));
   FP8T_CUDA_CHECK(cudaMemsetAsync(gradients_, 0, layout_.total_bytes(), stream_));
@@ -320,40 +331,13 @@ void CudaFluxModel::end_step() {
   scalings.end_step(stream_, tensor_parallel_);
 }
 
-void CudaFluxModel::gather_split_gradients() {
-  tensor_parallel_.sum_ranges(gradients_, split_gradient_ranges_, stream_);
+void CudaFluxModel::sum_partial_gradients() {
+  tensor_parallel_.sum_ranges(gradients_, partial_gradient_ranges_, stream_);
 }
 
-void CudaFluxModel::copy_staged(const Linear& linear, float* whole_weight, float* whole_bias,
-                                float* staged_weight, float* staged_bias, bool to_staging) {
-  const bool outputs = linear.staged.split == TensorSplit::Outputs;
-  const int64_t in = linear.layer->in_features(), whole_in = linear.whole_in;
-  // A run of rows is contiguous (so is its bias); a run of columns, whole_out rows of its values.
-  const auto copy = [&](float* whole, int64_t whole_ld, float* staged, int64_t staged_ld,
-                        int64_t width, int64_t rows) {
-    const size_t whole_pitch = size_t(whole_ld) * sizeof(float);
-    const size_t staged_pitch = size_t(staged_ld) * sizeof(float);
-    FP8T_CUDA_CHECK(cudaMemcpy2DAsync(
-        to_staging ? staged : whole, to_staging ? staged_pitch : whole_pitch,
-        to_staging ? whole : staged, to_staging ? whole_pitch : staged_pitch,
-        size_t(width) * sizeof(float), size_t(rows), cudaMemcpyDeviceToDevice, stream_));
-  };
-  int64_t done = 0;
-  for (const ShareSegment& segment : linear.staged.segments) {
-    if (outputs) {
-      const int64_t values = segment.count * whole_in;
-      copy(whole_weight + segment.first * whole_in, values, staged_weight + done * whole_in, values,
-           values, 1);
-      if (whole_bias != nullptr) {
-        copy(whole_bias + segment.first, segment.count, staged_bias + done, segment.count,
-             segment.count, 1);
-      }
-    } else {
-      copy(whole_weight + segment.first, whole_in, staged_weight + done, in, segment.count,
-           linear.whole_out);
-    }
-    done += segment.count;
-  }
+optim::GradientShares CudaFluxModel::gradient_shares() const {
+  if (!tensor_parallel_.split()) return {};
+  return {share_elements_, tensor_parallel_.sum};
 }
 
 void CudaFluxModel::set_record_fp8_health(bool record) {
@@ -517,30 +501,18 @@ void CudaFluxModel::lay_out() {
                                ws.take<uint8_t>(N * A), ws.take<uint8_t>(N * A)};
   }
 
-  // FP8: the scaling floats and the quantization scratch of the largest linear (share); the
-  // staging buffers of the split linears' shares.
+  // FP8: the scaling floats and the quantization scratch of the largest linear (share).
   int fp8_count = 0;
-  int64_t max_in = 0, max_out = 0, max_rows = 0, max_staged = 0, max_staged_rows = 0;
+  int64_t max_in = 0, max_out = 0, max_rows = 0;
   for (const FluxLinearPrecision& decision : linear_precision_) {
-    const TensorShare share = flux_tensor_share(decision.linear, config_, tensor_parallel_.size, 0);
-    const auto [in, out] =
-        share.features(decision.linear.in_features, decision.linear.out_features);
-    if (share.split != TensorSplit::None) {
-      max_staged = std::max(max_staged, in * out);
-      max_staged_rows = std::max(max_staged_rows, out);
-    }
     if (!decision.fp8) continue;
+    const auto [in, out] = flux_tensor_share(decision.linear, config_, tensor_parallel_.size, 0)
+                               .features(decision.linear.in_features, decision.linear.out_features);
     ++fp8_count;
     max_in = std::max(max_in, in);
     max_out = std::max(max_out, out);
     max_rows =
         std::max(max_rows, flux_linear_rows(decision.linear, batch_, img_tokens_, txt_tokens_));
-  }
-  if (max_staged > 0) {
-    b.staged_weight = ws.take<float>(size_t(max_staged));
-    b.staged_bias = ws.take<float>(size_t(max_staged_rows));
-    b.staged_grad_weight = ws.take<float>(size_t(max_staged));
-    b.staged_grad_bias = ws.take<float>(size_t(max_staged_rows));
   }
   b.scalings.take(b.linear_scratch, fp8_count);
   if (fp8_count > 0) {
@@ -575,16 +547,58 @@ CudaFluxModel::Linear& CudaFluxModel::linear(const std::string& name) {
 }
 
 void CudaFluxModel::upload_parameters(const FluxParameterSet& host) {
-  upload_parameter_set(host, layout_, parameters_, stream_);
+  for (const optim::DeviceParameter& tensor : layout_.parameters) {
+    const TensorView& view = host[tensor.name];
+    FP8T_CHECK(view.dtype() == DType::F32, "expected f32 parameters, '{}' is {}", tensor.name,
+               dtype_name(view.dtype()));
+    upload_tensor(tensor.name, view.data<float>(), parameters_ + tensor.offset);
+  }
   weights_ready_ = false;
 }
 
 void CudaFluxModel::download_parameters(FluxParameterSet& host) const {
-  download_parameter_set(layout_, parameters_, host, stream_);
+  for (const optim::DeviceParameter& tensor : layout_.parameters)
+    download_tensor(tensor.name, parameters_ + tensor.offset, host[tensor.name].data<float>());
 }
 
 void CudaFluxModel::download_gradients(FluxParameterSet& host) const {
-  download_parameter_set(layout_, gradients_, host, stream_);
+  for (const optim::DeviceParameter& tensor : layout_.parameters)
+    download_tensor(tensor.name, gradients_ + tensor.offset, host[tensor.name].data<float>());
+}
+
+void CudaFluxModel::download_tensor(const std::string& name, const float* device,
+                                    float* host) const {
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const auto part = tensor_parts_.find(name);
+  if (part == tensor_parts_.end()) {
+    FP8T_CUDA_CHECK(cudaMemcpy(host, device, size_t(layout_[name].numel) * sizeof(float),
+                               cudaMemcpyDeviceToHost));
+    return;
+  }
+  // Each rank's share in its place among zeros, summed over the group: the whole tensor.
+  const TensorPart& p = part->second;
+  const auto count = size_t(p.whole_out * p.whole_in);
+  DeviceBuffer<float> whole(count);
+  FP8T_CUDA_CHECK(cudaMemsetAsync(whole.get(), 0, whole.bytes(), stream_));
+  copy_share(p.share, p.whole_out, p.whole_in, device, whole.get(), false, stream_);
+  tensor_parallel_.sum(whole.get(), count, stream_);
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  FP8T_CUDA_CHECK(cudaMemcpy(host, whole.get(), whole.bytes(), cudaMemcpyDeviceToHost));
+}
+
+void CudaFluxModel::upload_tensor(const std::string& name, const float* host, float* device) const {
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  const auto part = tensor_parts_.find(name);
+  if (part == tensor_parts_.end()) {
+    FP8T_CUDA_CHECK(cudaMemcpy(device, host, size_t(layout_[name].numel) * sizeof(float),
+                               cudaMemcpyHostToDevice));
+    return;
+  }
+  const TensorPart& p = part->second;
+  DeviceBuffer<float> whole(size_t(p.whole_out * p.whole_in));
+  whole.upload(host);
+  copy_share(p.share, p.whole_out, p.whole_in, whole.get(), device, true, stream_);
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 void CudaFluxModel::zero_gradients() {
@@ -611,20 +625,8 @@ std::vector<float> CudaFluxModel::prediction() const {
 }
 
 void CudaFluxModel::prepare_weights() {
-  Buffers& b = *buffers_;
-  for (auto& [name, linear] : b.linears) {
-    if (linear.staged.split == TensorSplit::None) {
-      linear.layer->prepare_weight(linear.weight, training_, stream_, linear.bias);
-      continue;
-    }
-    // The staging buffers serve one linear after the other: the cast reads them before the next
-    // gather, in the stream's order.
-    const bool rows = linear.staged.split == TensorSplit::Outputs;
-    copy_staged(linear, linear.weight, rows ? linear.bias : nullptr, b.staged_weight, b.staged_bias,
-                true);
-    linear.layer->prepare_weight(b.staged_weight, training_, stream_,
-                                 rows ? b.staged_bias : linear.bias);
-  }
+  for (auto& [name, linear] : buffers_->linears)
+    linear.layer->prepare_weight(linear.weight, training_, stream_, linear.bias);
   weights_ready_ = true;
 }
 
@@ -638,25 +640,11 @@ kernels::FusedCast CudaFluxModel::fused_input_cast(const std::string& name) {
 
 void CudaFluxModel::linear_backward(const std::string& name, const bf16* dy, const bf16* x,
                                     int64_t rows, bf16* dx, bool accumulate_dx) {
-  Buffers& b = *buffers_;
   Linear& layer = linear(name);
-  float* grad_weight = layer.grad_weight;
-  float* grad_bias = layer.grad_bias;
-  const bool staged = layer.staged.split != TensorSplit::None;
-  const bool staged_bias = layer.staged.split == TensorSplit::Outputs;
-  if (staged) {  // the gradients so far into the staging buffers, added to there, and back
-    copy_staged(layer, layer.grad_weight, staged_bias ? layer.grad_bias : nullptr,
-                b.staged_grad_weight, b.staged_grad_bias, true);
-    grad_weight = b.staged_grad_weight;
-    if (staged_bias) grad_bias = b.staged_grad_bias;
-  }
-  layer.layer->backward(dy, x, rows, dx, accumulate_dx, grad_weight, training_, stream_);
-  if (grad_bias != nullptr) {
-    kernels::bias_backward(grad_bias, dy, rows, layer.layer->out_features(), b.reduction, stream_);
-  }
-  if (staged) {
-    copy_staged(layer, layer.grad_weight, staged_bias ? layer.grad_bias : nullptr,
-                b.staged_grad_weight, b.staged_grad_bias, false);
+  layer.layer->backward(dy, x, rows, dx, accumulate_dx, layer.grad_weight, training_, stream_);
+  if (layer.grad_bias != nullptr) {
+    kernels::bias_backward(layer.grad_bias, dy, rows, layer.layer->out_features(),
+                           buffers_->reduction, stream_);
   }
 }
 

@@ -15,15 +15,15 @@
 // Tensor parallelism splits the blocks over a group of GPUs as the CPU model does
 // (flux_tensor_share): this rank computes its heads and its share of the MLP's hidden features;
 // the row-parallel linears' partial outputs (their bias added by the group's first rank) and the
-// column-parallel linears' input gradients are summed over the group in bf16. Parameters,
-// gradients and optimizer state stay whole on every rank: a share of one run of whole rows is
-// read in place, one of a run of columns with the whole weight's row stride, and the others
-// (qkv, linear1, linear2) go through a staging buffer: their runs gathered before the weight
-// cast, their gradients gathered before a backward adds to them and put back after it.
+// column-parallel linears' input gradients are summed over the group in bf16. Each rank holds
+// only its shares of the split tensors, with their gradients (flux_rank_parameters: the shares
+// first, each one contiguous matrix for the GEMMs, then the replicated tensors whole), and so
+// does an optimizer over layout(); the host copies gather the shares over the group.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
 #include <string>
 #include <utility>
@@ -38,6 +38,7 @@
 #include "models/flux_model.h"
 #include "models/recompute.h"
 #include "numerics/scaling.h"
+#include "optim/cuda/adamw_cuda.h"
 #include "optim/cuda/device_parameters.h"
 
 namespace fp8t {
@@ -83,14 +84,23 @@ class CudaFluxModel {
   const gemm::CublasLtGemm& gemm() const;
   cudaStream_t stream() const { return stream_; }
 
+  // This rank's parameters and gradients, laid out by layout() (flux_rank_parameters).
   float* parameters() const { return parameters_; }
   float* gradients() const { return gradients_; }
   const optim::DeviceParameterLayout& layout() const { return layout_; }
-  // Copies between a host FluxParameterSet (f32) and the device (synchronizes); an upload makes
-  // the next forward cast the weights again.
+  // For an optimizer over layout(): under tensor parallelism its leading shares, whose squares
+  // the gradient norm sums over the group; none otherwise.
+  optim::GradientShares gradient_shares() const;
+  // Copies between a host FluxParameterSet (f32, whole tensors) and the device (synchronizes);
+  // an upload makes the next forward cast the weights again. Under tensor parallelism each
+  // download gathers the shares over the group: every rank of it calls it together.
   void upload_parameters(const FluxParameterSet& host);
   void download_parameters(FluxParameterSet& host) const;
   void download_gradients(FluxParameterSet& host) const;
+  // One tensor of layout() (a parameter's, a gradient's or a moment's values on this rank, at
+  // `device`) from and to its whole values on the host, as the downloads above (synchronizes).
+  void download_tensor(const std::string& name, const float* device, float* host) const;
+  void upload_tensor(const std::string& name, const float* host, float* device) const;
 
   // Queues the forward of one micro-batch (host fp32 inputs, copied first) and the loss
   // mean((prediction − target)²) against target [B, L_img, in_channels] (host fp32); with
@@ -99,12 +109,13 @@ class CudaFluxModel {
   void forward(const FluxInputs& inputs, const float* target, bool with_gradient,
                float grad_scale = 1.0f);
   // Adds d(loss)/d(parameter) to the gradients. Needs a forward with_gradient first. Under
-  // tensor parallelism each rank adds its shares' gradients (and its heads' part of the QK norms'
-  // scales') only.
+  // tensor parallelism each rank adds its shares' gradients, and to the replicated tensors' its
+  // heads' part of the QK norms' scales' and (the first rank alone) the row-parallel biases'.
   void backward();
-  // Under tensor parallelism, once per optimizer step after the last backward: those gradients
-  // summed over the group, so that every rank holds them whole. Nothing otherwise.
-  void gather_split_gradients();
+  // Under tensor parallelism, once per optimizer step after the last backward: those partial
+  // gradients of replicated tensors summed over the group, so that every rank holds them whole.
+  // Nothing otherwise.
+  void sum_partial_gradients();
   void zero_gradients();
   // Waits for the stream and returns the loss of the last forward.
   double loss_value();
@@ -157,10 +168,6 @@ class CudaFluxModel {
                   int64_t width);
   void out_of_joint(bf16* rows, int64_t ld, const bf16* joint, int64_t first, int64_t tokens,
                     int64_t width);
-  // A staged share's runs between the whole weight and bias (or their gradients; the bias when
-  // its rows are split) and their staging buffers: gathered (to_staging) or put back.
-  void copy_staged(const Linear& linear, float* whole_weight, float* whole_bias,
-                   float* staged_weight, float* staged_bias, bool to_staging);
   // One stream's q, k (QK norm with its scales, RoPE) and v into the joint sequence of
   // `attention`, from raw [B·L_s, ·] with row stride ld; and the way back.
   // The joint attention of a block, in BF16 or FP8 (fp8_dot_product_attention): forward writes
@@ -204,8 +211,16 @@ class CudaFluxModel {
   optim::DeviceParameterLayout layout_;
   float* parameters_ = nullptr;
   float* gradients_ = nullptr;
-  // Ranges {offset, count} of the gradients gather_split_gradients() sums.
-  std::vector<std::pair<int64_t, int64_t>> split_gradient_ranges_;
+  // Tensor parallelism: the elements of layout_'s shares; each share's tensor by name, with its
+  // whole shape [out, in] (in 1 for a bias); the ranges {offset, count} of the gradients
+  // sum_partial_gradients() sums.
+  int64_t share_elements_ = 0;
+  struct TensorPart {
+    TensorShare share;
+    int64_t whole_out = 0, whole_in = 1;
+  };
+  std::map<std::string, TensorPart> tensor_parts_;
+  std::vector<std::pair<int64_t, int64_t>> partial_gradient_ranges_;
   CudaFluxMemory memory_;
   std::unique_ptr<Buffers> buffers_;
 };

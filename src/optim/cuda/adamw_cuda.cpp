@@ -7,6 +7,7 @@
 #include <cstring>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -45,25 +46,35 @@ struct CudaAdamW::State {
   DeviceParameterLayout layout;
   AdamWHyperparameters hyperparameters;
   MomentLayout moments;
+  GradientShares shares;
   int64_t chunk_count = 0;
   DeviceBuffer<float> exp_avg, exp_avg_sq;  // at moments.offsets
   std::unique_ptr<DeviceBuffer<cuda::AdamWChunk>> chunks;
   DeviceBuffer<double> partials{static_cast<size_t>(cuda::kNormPartials)};
+  DeviceBuffer<float> squares;  // with shares: theirs summed over the group, the rest's
 
   State(const DeviceParameterLayout& layout_, const AdamWHyperparameters& hyperparameters_,
-        const OptimizerShard* shard)
+        const OptimizerShard* shard, GradientShares shares_)
       : layout(layout_),
         hyperparameters(hyperparameters_),
         moments(layout_, shard),
+        shares(std::move(shares_)),
         exp_avg(static_cast<size_t>(std::max<int64_t>(1, moments.floats))),
-        exp_avg_sq(static_cast<size_t>(std::max<int64_t>(1, moments.floats))) {}
+        exp_avg_sq(static_cast<size_t>(std::max<int64_t>(1, moments.floats))),
+        squares(shares.elements > 0 ? 2 : 0) {}
 };
 
 CudaAdamW::CudaAdamW(const DeviceParameterLayout& layout,
-                     const AdamWHyperparameters& hyperparameters, const OptimizerShard* shard)
-    : state_(std::make_unique<State>(layout, hyperparameters, shard)) {
+                     const AdamWHyperparameters& hyperparameters, const OptimizerShard* shard,
+                     GradientShares shares)
+    : state_(std::make_unique<State>(layout, hyperparameters, shard, std::move(shares))) {
   FP8T_CHECK(layout.element_bytes == sizeof(float) && layout.total_elements > 0,
              "expected a layout of fp32 parameters");
+  const GradientShares& split = state_->shares;
+  FP8T_CHECK(split.elements >= 0 && split.elements <= layout.total_elements &&
+                 (split.elements == 0 || split.group_sum),
+             "expected the shares' {} elements within the layout's {}, with the group's sum",
+             split.elements, layout.total_elements);
   std::vector<cuda::AdamWChunk> chunks;
   for (const DeviceParameter& tensor : layout.parameters) {
     const auto owned = state_->moments.offsets.find(tensor.name);
@@ -90,7 +101,17 @@ CudaAdamW::~CudaAdamW() = default;
 
 void CudaAdamW::clip(float* grads, float* norm, float max_norm, cudaStream_t stream) {
   const int64_t count = state_->layout.total_elements;
-  cuda::sum_of_squares_norm(norm, grads, count, state_->partials.get(), stream);
+  const GradientShares& shares = state_->shares;
+  if (shares.elements > 0) {
+    float* squares = state_->squares.get();
+    cuda::sum_of_squares(squares, grads, shares.elements, state_->partials.get(), stream);
+    shares.group_sum(squares, 1, stream);
+    cuda::sum_of_squares(squares + 1, grads + shares.elements, count - shares.elements,
+                         state_->partials.get(), stream);
+    cuda::norm_of_squares(norm, squares, 2, stream);
+  } else {
+    cuda::sum_of_squares_norm(norm, grads, count, state_->partials.get(), stream);
+  }
   if (max_norm > 0.0f) cuda::clip_by_norm(grads, count, norm, max_norm, stream);
 }
 
@@ -116,7 +137,7 @@ namespace {
 // device copy).
 template <typename Visit>
 void match_state(AdamWOptimizer& host, const DeviceParameterLayout& layout,
-                 const MomentLayout& moments, Visit&& visit) {
+                 const MomentLayout& moments, bool whole, Visit&& visit) {
   for (NamedTensor& tensor : host.state()) {
     if (tensor.view.dtype() == DType::I64) {
       visit(tensor, -1, nullptr);
@@ -126,7 +147,7 @@ void match_state(AdamWOptimizer& host, const DeviceParameterLayout& layout,
       if (!tensor.name.ends_with(moment)) continue;
       const std::string name = tensor.name.substr(0, tensor.name.size() - std::strlen(moment));
       const DeviceParameter& parameter = layout[name];
-      FP8T_CHECK(tensor.view.numel() == parameter.numel,
+      FP8T_CHECK(!whole || tensor.view.numel() == parameter.numel,
                  "optimizer state: '{}' holds {} values, the parameter {}", tensor.name,
                  tensor.view.numel(), parameter.numel);
       const auto owned = moments.offsets.find(name);
@@ -138,41 +159,51 @@ void match_state(AdamWOptimizer& host, const DeviceParameterLayout& layout,
 
 }  // namespace
 
-void CudaAdamW::download_state(AdamWOptimizer& host) const {
+void CudaAdamW::download_state(AdamWOptimizer& host, const StateTransfer& transfer) const {
   FP8T_CUDA_CHECK(cudaDeviceSynchronize());
   match_state(
-      host, state_->layout, state_->moments,
+      host, state_->layout, state_->moments, !transfer.download,
       [&](NamedTensor& tensor, int64_t offset, const char* moment) {
         if (moment == nullptr) {
           *tensor.view.data<int64_t>() = steps_;
           return;
         }
         const float* source =
-            (std::strcmp(moment, ".exp_avg") == 0 ? state_->exp_avg : state_->exp_avg_sq).get();
-        FP8T_CUDA_CHECK(cudaMemcpy(tensor.view.raw(), source + offset, tensor.view.bytes(),
-                                   cudaMemcpyDeviceToHost));
+            (std::strcmp(moment, ".exp_avg") == 0 ? state_->exp_avg : state_->exp_avg_sq).get() +
+            offset;
+        if (transfer.download) {
+          transfer.download(parameter_of_state(tensor.name), source, tensor.view.data<float>());
+          return;
+        }
+        FP8T_CUDA_CHECK(
+            cudaMemcpy(tensor.view.raw(), source, tensor.view.bytes(), cudaMemcpyDeviceToHost));
       });
 }
 
-void CudaAdamW::upload_state(AdamWOptimizer& host) {
+void CudaAdamW::upload_state(AdamWOptimizer& host, const StateTransfer& transfer) {
   FP8T_CUDA_CHECK(cudaDeviceSynchronize());
   match_state(
-      host, state_->layout, state_->moments,
+      host, state_->layout, state_->moments, !transfer.upload,
       [&](NamedTensor& tensor, int64_t offset, const char* moment) {
         if (moment == nullptr) {
           steps_ = *tensor.view.data<int64_t>();
           return;
         }
         float* target =
-            (std::strcmp(moment, ".exp_avg") == 0 ? state_->exp_avg : state_->exp_avg_sq).get();
-        FP8T_CUDA_CHECK(cudaMemcpy(target + offset, tensor.view.raw(), tensor.view.bytes(),
-                                   cudaMemcpyHostToDevice));
+            (std::strcmp(moment, ".exp_avg") == 0 ? state_->exp_avg : state_->exp_avg_sq).get() +
+            offset;
+        if (transfer.upload) {
+          transfer.upload(parameter_of_state(tensor.name), tensor.view.data<float>(), target);
+          return;
+        }
+        FP8T_CUDA_CHECK(
+            cudaMemcpy(target, tensor.view.raw(), tensor.view.bytes(), cudaMemcpyHostToDevice));
       });
 }
 
 size_t CudaAdamW::device_bytes() const {
   return state_->exp_avg.bytes() + state_->exp_avg_sq.bytes() + state_->chunks->bytes() +
-         state_->partials.bytes();
+         state_->partials.bytes() + state_->squares.bytes();
 }
 
 }  // namespace fp8t::optim

@@ -4,8 +4,11 @@
 // kernel of optim/cuda/gpu_optimizer.h), the fp32 arithmetic of optim/adamw.h's adamw_step.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
+#include <string>
 
 #include <cuda_runtime_api.h>
 
@@ -15,12 +18,29 @@
 
 namespace fp8t::optim {
 
+// Under tensor parallelism, a layout whose first `elements` are this rank's shares of split
+// tensors (and the rest replicated tensors, the same on every rank of the group): the shares'
+// sum of squares is summed over the group (group_sum, in place on the device, on the stream)
+// before the gradient norm adds the rest once.
+struct GradientShares {
+  int64_t elements = 0;
+  std::function<void(float* values, size_t count, cudaStream_t stream)> group_sum;
+};
+
+// How a tensor's moments travel between the device, laid out as the layout says, and the host
+// optimizer's whole tensors: unset, a plain copy; a model whose layout holds shares of tensors
+// gathers them from the group (download) and cuts its share out (upload).
+struct StateTransfer {
+  std::function<void(const std::string& parameter, const float* device, float* host)> download;
+  std::function<void(const std::string& parameter, const float* host, float* device)> upload;
+};
+
 class CudaAdamW {
  public:
   // Allocates exp_avg and exp_avg_sq (zero) for the layout's tensors; with a shard of several
   // ranks (ZeRO-1), for the tensors this rank owns only, which are all that step() updates.
   CudaAdamW(const DeviceParameterLayout& layout, const AdamWHyperparameters& hyperparameters,
-            const OptimizerShard* shard = nullptr);
+            const OptimizerShard* shard = nullptr, GradientShares shares = {});
   ~CudaAdamW();
   CudaAdamW(const CudaAdamW&) = delete;
   CudaAdamW& operator=(const CudaAdamW&) = delete;
@@ -37,9 +57,9 @@ class CudaAdamW {
 
   // Copies the moments and the step count to and from a host AdamWOptimizer over the same
   // tensors (its state names them; synchronizes), for checkpoints: with a shard, the moments of
-  // this rank's tensors only.
-  void download_state(AdamWOptimizer& host) const;
-  void upload_state(AdamWOptimizer& host);
+  // this rank's tensors only. With a transfer's download, every rank of its group together.
+  void download_state(AdamWOptimizer& host, const StateTransfer& transfer = {}) const;
+  void upload_state(AdamWOptimizer& host, const StateTransfer& transfer = {});
 
  private:
   struct State;

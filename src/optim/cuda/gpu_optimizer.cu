@@ -387,13 +387,15 @@ __global__ void __launch_bounds__(kThreads)
   if (threadIdx.x == 0) partials[blockIdx.x] = sum;
 }
 
+// *out = the sum of `count` partials (double or float), or its square root.
+template <bool kRoot, typename Partial>
 __global__ void __launch_bounds__(kThreads)
-    finish_norm_kernel(float* norm, const double* partials, int blocks) {
+    finish_norm_kernel(float* out, const Partial* partials, int count) {
   double sum = 0.0;
-  for (int i = threadIdx.x; i < blocks; i += kThreads)
-    sum += partials[i];
+  for (int i = threadIdx.x; i < count; i += kThreads)
+    sum += double(partials[i]);
   sum = device::block_sum<kThreads>(sum);
-  if (threadIdx.x == 0) *norm = static_cast<float>(sqrt(sum));
+  if (threadIdx.x == 0) *out = static_cast<float>(kRoot ? sqrt(sum) : sum);
 }
 
 __global__ void __launch_bounds__(kThreads)
@@ -555,17 +557,38 @@ void muon_cautious_update(float* params, const int64_t* offsets, const bf16* x,
   FP8T_CUDA_CHECK_LAUNCH();
 }
 
-void sum_of_squares_norm(float* norm, const float* values, int64_t count, double* partials,
-                         cudaStream_t stream) {
-  FP8T_CHECK(count >= 0, "sum_of_squares_norm: expected count >= 0, found {}", count);
-  check_pointers({norm, partials}, "sum_of_squares_norm");
-  FP8T_CHECK(count == 0 || values != nullptr, "sum_of_squares_norm: null values for {} elements",
-             count);
+namespace {
+
+template <bool kRoot>
+void sum_squares(float* out, const float* values, int64_t count, double* partials,
+                 cudaStream_t stream, const char* what) {
+  FP8T_CHECK(count >= 0, "{}: expected count >= 0, found {}", what, count);
+  check_pointers({out, partials}, what);
+  FP8T_CHECK(count == 0 || values != nullptr, "{}: null values for {} elements", what, count);
   const auto blocks = static_cast<int>(
       std::clamp<int64_t>((count + kNormBlockElements - 1) / kNormBlockElements, 1, kNormPartials));
   sum_of_squares_kernel<<<blocks, kThreads, 0, stream>>>(partials, values, count);
   FP8T_CUDA_CHECK_LAUNCH();
-  finish_norm_kernel<<<1, kThreads, 0, stream>>>(norm, partials, blocks);
+  finish_norm_kernel<kRoot><<<1, kThreads, 0, stream>>>(out, partials, blocks);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace
+
+void sum_of_squares_norm(float* norm, const float* values, int64_t count, double* partials,
+                         cudaStream_t stream) {
+  sum_squares<true>(norm, values, count, partials, stream, "sum_of_squares_norm");
+}
+
+void sum_of_squares(float* squares, const float* values, int64_t count, double* partials,
+                    cudaStream_t stream) {
+  sum_squares<false>(squares, values, count, partials, stream, "sum_of_squares");
+}
+
+void norm_of_squares(float* norm, const float* squares, int count, cudaStream_t stream) {
+  FP8T_CHECK(count >= 1, "norm_of_squares: expected at least one sum, found {}", count);
+  check_pointers({norm, squares}, "norm_of_squares");
+  finish_norm_kernel<true><<<1, kThreads, 0, stream>>>(norm, squares, count);
   FP8T_CUDA_CHECK_LAUNCH();
 }
 

@@ -204,6 +204,11 @@ void muon_cautious_update(float* params, const int64_t* offsets, const bf16* x,
 inline constexpr int kNormPartials = 1024;
 void sum_of_squares_norm(float* norm, const float* values, int64_t count, double* partials,
                          cudaStream_t stream);
+// The same sum without the root: *squares = total (fp32), for a norm whose parts are summed over
+// a group first; norm_of_squares then writes *norm = sqrt(squares[0] + … + squares[count − 1]).
+void sum_of_squares(float* squares, const float* values, int64_t count, double* partials,
+                    cudaStream_t stream);
+void norm_of_squares(float* norm, const float* squares, int count, cudaStream_t stream);
 // values *= max_norm / (*norm + 1e-6) when *norm > max_norm and finite.
 void clip_by_norm(float* values, int64_t count, const float* norm, float max_norm,
                   cudaStream_t stream);
