@@ -3,7 +3,8 @@
 // parameters and optimizer state into host buffers for checkpoints and sampling only. Either
 // way the host views (host_parameters, host_optimizer_state, delayed_scalings) are what a
 // checkpoint saves and loads: call to_host() before saving them and from_host() after changing
-// them.
+// them. Under tensor parallelism the GPU engine's to_host() gathers the shares over the group:
+// every rank of it calls it together.
 #pragma once
 
 #include <cstdint>

@@ -265,9 +265,8 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     // Sharded optimizer state the ranks gather together, and so do a tensor-parallel group's
     // ranks their shares of the weights.
     engine->gather_optimizer_state();
-    if (layout.tensor > 1) engine->to_host();
+    if (layout.tensor > 1 || leader) engine->to_host();
     if (!leader) return;
-    if (layout.tensor == 1) engine->to_host();
     nlohmann::json trainer_state = {{"train_seconds", train_seconds},
                                     {"samples_seen", at_step * samples_per_step},
                                     {"fp8_health", health.state()}};
