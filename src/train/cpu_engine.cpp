@@ -194,11 +194,11 @@ void gather_parameters(ParameterSet& parameters, const optim::OptimizerShard& sh
 
 void gather_optimizer_state(const std::vector<NamedTensor>& state,
                             const optim::OptimizerShard& shard,
-                            distributed::Communicator& communicator) {
+                            distributed::Communicator& communicator, bool counts) {
   for (const NamedTensor& buffer : state) {
     if (buffer.view.dtype() != DType::F32) continue;  // the step counter, the same everywhere
     gather_from_owner(buffer.view.data<float>(), static_cast<size_t>(buffer.view.numel()),
-                      shard.owns(optim::parameter_of_state(buffer.name)), communicator);
+                      counts && shard.owns(optim::parameter_of_state(buffer.name)), communicator);
   }
 }
 

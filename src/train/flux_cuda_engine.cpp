@@ -178,14 +178,8 @@ class FluxCudaEngine final : public FluxEngine {
     if (!sharded_) return;
     optimizer_.download_state(host_optimizer_, state_transfer());
     // Each replica's owned moments, whole on every rank of its group: the first rank's count.
-    const optim::OptimizerShard& shard = host_optimizer_.shard();
-    for (const NamedTensor& buffer : host_optimizer_.state()) {
-      if (buffer.view.dtype() != DType::F32) continue;  // the step counter, the same everywhere
-      gather_from_owner(
-          buffer.view.data<float>(), static_cast<size_t>(buffer.view.numel()),
-          shard.owns(optim::parameter_of_state(buffer.name)) && layout_.tensor_rank == 0,
-          *communicator_);
-    }
+    train::gather_optimizer_state(host_optimizer_.state(), host_optimizer_.shard(), *communicator_,
+                                  layout_.tensor_rank == 0);
   }
 
  private:

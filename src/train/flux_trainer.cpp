@@ -257,6 +257,9 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   FP8T_CHECK(step <= total_steps, "the checkpoint is at step {}, past train_iters {}", step,
              total_steps);
 
+  // Who calls to_host() for a checkpoint or a grid: the leader, which writes them, and under
+  // tensor parallelism every rank, whose shares the GPU engine gathers.
+  const bool brings_to_host = leader || layout.tensor > 1;
   TrackedRun tracked(config, resumed, engine->device_name(), describe(setup.precision.fp8), leader);
   const auto save = [&](int64_t at_step, double train_seconds) {
     if (several && !scaling.empty()) {
@@ -265,7 +268,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     // Sharded optimizer state the ranks gather together, and so do a tensor-parallel group's
     // ranks their shares of the weights.
     engine->gather_optimizer_state();
-    if (layout.tensor > 1 || leader) engine->to_host();
+    if (brings_to_host) engine->to_host();
     if (!leader) return;
     nlohmann::json trainer_state = {{"train_seconds", train_seconds},
                                     {"samples_seen", at_step * samples_per_step},
@@ -291,7 +294,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   RunLog log(run_folder, tracked.log_outputs(::isatty(STDERR_FILENO) != 0));
   // Every rank together: a tensor-parallel group's ranks gather their weights' shares.
   const auto write_grid = [&](int64_t at_step) -> fs::path {
-    if (layout.tensor > 1 || leader) engine->to_host();
+    if (brings_to_host) engine->to_host();
     if (!leader) return {};  // the leader's grid alone
     const fs::path path = flux_sample_grid_path(run_folder, at_step);
     fs::create_directories(path.parent_path());

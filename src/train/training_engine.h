@@ -122,10 +122,12 @@ void gather_from_owner(float* values, size_t count, bool owned,
 void gather_parameters(ParameterSet& parameters, const optim::OptimizerShard& shard,
                        distributed::Communicator& communicator);
 // The optimizer's whole state (state(): "<parameter>.<kind>" buffers and an I64 step counter,
-// the same on every rank) from the owners' parts, for a checkpoint.
+// the same on every rank) from the owners' parts, for a checkpoint. counts: whether this rank's
+// owned parts count (false where another rank holds the same parts: under tensor parallelism on
+// the GPU path, where a replica's ranks each gather their owned moments whole).
 void gather_optimizer_state(const std::vector<NamedTensor>& state,
                             const optim::OptimizerShard& shard,
-                            distributed::Communicator& communicator);
+                            distributed::Communicator& communicator, bool counts = true);
 
 // The next batch of each data-parallel replica from the loader, of which this rank keeps its
 // replica's.
