@@ -517,8 +517,9 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
   result.tuning_records = model.gemm().tuning_records();
   cudaFree(norm);
   result.throughput = double(B) * ranks.replicas() / (result.step_ms * 1e-3);
-  result.mfu =
-      double(B) * flux_flops_per_sample(config, Li, Lt) / (result.step_ms * 1e-3) / kBf16PeakFlops;
+  // Per GPU: a tensor-parallel group's GPUs share each sample's FLOPs.
+  result.mfu = result.throughput / (ranks.replicas() * ranks.layout.tensor) *
+               flux_flops_per_sample(config, Li, Lt) / kBf16PeakFlops;
   return result;
 }
 

@@ -140,6 +140,7 @@ struct FluxWorkspace {
   // Backward.
   TensorView d_img, d_txt, d_joint;          // gradients of the residual streams
   TensorView d_mod_img, d_mod_txt;           // [B, 6C]: of a double block's modulation outputs
+  TensorView mod_share;                      // [B, ≤ 6C]: a split modulation's share
   TensorView d_vec_act, d_vec;               // [B, C]
   TensorView d_embed_act, d_embed_hidden;    // [B, C]
   TensorView d_branch, d_modulated, d_norm;  // [N, C]
@@ -256,7 +257,7 @@ void FluxWorkspace::visit(const FluxDims& d, Visit&& tensor) {
     tensor(*view, {N, 3 * A + M});
   for (TensorView* view : {&embedding, &d_vec_act, &d_vec, &d_embed_act, &d_embed_hidden})
     tensor(*view, {B, C});
-  for (TensorView* view : {&d_mod_img, &d_mod_txt})
+  for (TensorView* view : {&d_mod_img, &d_mod_txt, &mod_share})
     tensor(*view, {B, 6 * C});
   for (TensorView* view : {&d_mlp_act, &d_mlp_hidden})
     tensor(*view, {N, M});
@@ -772,6 +773,10 @@ TensorShare flux_tensor_share(const FluxLinear& linear, const FluxConfig& config
     return {TensorSplit::Outputs, rows};
   }
   if (ends_with("_mlp.0")) return {TensorSplit::Outputs, {{rank * M, M}}};
+  if (linear.kind == FluxParamKind::Modulation) {  // a run of the shift, scale and gate chunks
+    const int64_t chunks = linear.out_features / size;
+    return {TensorSplit::Outputs, {{rank * chunks, chunks}}};
+  }
   if (ends_with("_attn.proj")) return {TensorSplit::Inputs, {{rank * A, A}}};
   if (ends_with("_mlp.2")) return {TensorSplit::Inputs, {{rank * M, M}}};
   if (ends_with(".linear2")) return {TensorSplit::Inputs, {{rank * A, A}, {C + rank * M, M}}};
@@ -847,6 +852,40 @@ void FluxModel::linear_backward(Linear& layer, const float* dy, const float* x, 
       add(share.bias_gradient(), dy + row * out, out);
   }
   share.end_gradients();
+}
+
+void FluxModel::modulation_forward(Linear& layer, float* mod) {
+  const float* vec_act = data(activations_->vec_act);
+  if (!tensor_parallel_.split()) {
+    linear_forward(layer, vec_act, mod);
+    return;
+  }
+  // This rank's run of the chunks, placed in zeros and summed over the group: the whole chunks.
+  const auto [rows, in, share] = layer.shape;
+  const int64_t whole = share * tensor_parallel_.size, first = tensor_parallel_.rank * share;
+  float* part = data(workspace_->mod_share);
+  linear_forward(layer, vec_act, part);
+  std::fill(mod, mod + rows * whole, 0.0f);
+  for (int64_t row = 0; row < rows; ++row)
+    std::copy(part + row * share, part + (row + 1) * share, mod + row * whole + first);
+  sum_over_group(mod, rows * whole);
+}
+
+void FluxModel::modulation_backward(Linear& layer, const float* dmod) {
+  const float* vec_act = data(activations_->vec_act);
+  float* d_vec_act = data(workspace_->d_vec_act);
+  if (!tensor_parallel_.split()) {
+    linear_backward(layer, dmod, vec_act, d_vec_act);
+    return;
+  }
+  const auto [rows, in, share] = layer.shape;
+  const int64_t whole = share * tensor_parallel_.size, first = tensor_parallel_.rank * share;
+  float* part = data(workspace_->mod_share);
+  for (int64_t row = 0; row < rows; ++row) {
+    const float* from = dmod + row * whole + first;
+    std::copy(from, from + share, part + row * share);
+  }
+  linear_backward(layer, part, vec_act, d_vec_act);  // a partial sum: backward() adds the group's
 }
 
 void FluxModel::embedder_forward(const std::string& name, FluxEmbedderActivations& saved,
@@ -957,7 +996,7 @@ void FluxModel::double_block_forward(int block) {
     const int64_t rows = B * s.tokens;
     const ops::ModulationShape shape{B, s.tokens, C};
     float* mod = data(a.mod);
-    linear_forward(linear(s.prefix + "_mod.lin"), data(act.vec_act), mod);
+    modulation_forward(linear(s.prefix + "_mod.lin"), mod);
     ops::layernorm_forward(data(a.norm1), data(a.norm1_rstd), s.x, rows, C);
     ops::modulate_forward(data(a.modulated1), data(a.norm1), mod + C, mod, 6 * C, shape);
     linear_forward(linear(s.prefix + "_attn.qkv"), data(a.modulated1), data(ws.projection));
@@ -1056,7 +1095,7 @@ void FluxModel::double_block_backward(int block) {
     ops::modulate_backward(data(ws.d_norm), s.dmod + C, s.dmod, data(ws.d_modulated), data(a.norm1),
                            data(a.mod) + C, 6 * C, shape);
     ops::layernorm_backward(s.dx, data(ws.d_norm), data(a.norm1), data(a.norm1_rstd), rows, C);
-    linear_backward(linear(s.prefix + "_mod.lin"), s.dmod, data(act.vec_act), data(ws.d_vec_act));
+    modulation_backward(linear(s.prefix + "_mod.lin"), s.dmod);
   }
 }
 
@@ -1071,7 +1110,7 @@ void FluxModel::single_block_forward(int block) {
   const ops::ModulationShape shape{B, L, C};
   float* x = data(ws.joint);
   float* mod = data(a.mod);
-  linear_forward(linear(prefix + ".modulation.lin"), data(act.vec_act), mod);
+  modulation_forward(linear(prefix + ".modulation.lin"), mod);
   ops::layernorm_forward(data(a.norm), data(a.norm_rstd), x, N, C);
   ops::modulate_forward(data(a.modulated), data(a.norm), mod + C, mod, 3 * C, shape);
   linear_forward(linear(prefix + ".linear1"), data(a.modulated), data(ws.projection));
@@ -1136,7 +1175,7 @@ void FluxModel::single_block_backward(int block) {
   ops::modulate_backward(data(ws.d_norm), dmod + C, dmod, data(ws.d_modulated), data(a.norm),
                          mod + C, 3 * C, shape);
   ops::layernorm_backward(dx, data(ws.d_norm), data(a.norm), data(a.norm_rstd), N, C);
-  linear_backward(linear(prefix + ".modulation.lin"), dmod, data(act.vec_act), data(ws.d_vec_act));
+  modulation_backward(linear(prefix + ".modulation.lin"), dmod);
 }
 
 void FluxModel::forward(const FluxInputs& inputs, float* prediction) {
@@ -1202,7 +1241,7 @@ void FluxModel::forward(const FluxInputs& inputs, float* prediction) {
 
   // The final layer on the image tokens; its modulation chunks are (shift, scale).
   float* mod = data(act.final_mod);
-  linear_forward(linear("final_layer.adaLN_modulation.1"), data(act.vec_act), mod);
+  modulation_forward(linear("final_layer.adaLN_modulation.1"), mod);
   ops::layernorm_forward(data(act.final_norm), data(act.final_norm_rstd), data(ws.img), B * Li, C);
   ops::modulate_forward(data(act.final_modulated), data(act.final_norm), mod + C, mod, 2 * C,
                         {B, Li, C});
@@ -1227,8 +1266,7 @@ void FluxModel::backward(const float* grad_prediction) {
   zero(ws.d_img);
   ops::layernorm_backward(data(ws.d_img), data(ws.d_norm), data(act.final_norm),
                           data(act.final_norm_rstd), B * Li, C);
-  linear_backward(linear("final_layer.adaLN_modulation.1"), dmod, data(act.vec_act),
-                  data(ws.d_vec_act));
+  modulation_backward(linear("final_layer.adaLN_modulation.1"), dmod);
 
   zero(ws.d_txt);
   if (config_.single_blocks > 0) {
@@ -1252,6 +1290,7 @@ void FluxModel::backward(const float* grad_prediction) {
   linear_backward(linear("img_in"), data(ws.d_img), data(act.img), nullptr);
   linear_backward(linear("txt_in"), data(ws.d_txt), data(act.txt), nullptr);
 
+  sum_over_group(data(ws.d_vec_act), B * C);  // each rank's modulation shares add their part
   zero(ws.d_vec);
   silu_backward(data(ws.d_vec), data(ws.d_vec_act), data(act.vec), B * C);
   embedder_backward("time_in", act.time_in, data(ws.d_vec));

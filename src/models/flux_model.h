@@ -53,7 +53,8 @@ struct FluxLinear {
 // This rank's share of a linear under tensor parallelism over `size` ranks: for q, k and v (a
 // double block's qkv, a single block's linear1) the rank's heads of each, for the MLP its share
 // of the hidden features (by rows of mlp.0 and linear1, by columns of mlp.2 and linear2), the
-// attention's output projections by the columns of its heads; the rest is not split.
+// attention's output projections by the columns of its heads, a modulation's outputs in T
+// consecutive runs (the model gathers the chunks); the rest is not split.
 TensorShare flux_tensor_share(const FluxLinear& linear, const FluxConfig& config, int size,
                               int rank);
 
@@ -213,6 +214,10 @@ class FluxModel {
   // y = x·Wᵀ + b; and its backward, which adds into dx (when not null), dW and db.
   void linear_forward(Linear& layer, const float* x, float* y);
   void linear_backward(Linear& layer, const float* dy, const float* x, float* dx);
+  // A modulation linear on SiLU(vec): its whole chunks into mod [B, chunks·C] (gathered over the
+  // group when split); backward adds its part of d SiLU(vec) from dmod [B, chunks·C].
+  void modulation_forward(Linear& layer, float* mod);
+  void modulation_backward(Linear& layer, const float* dmod);
   // BFL's MLPEmbedder: out = out_layer(SiLU(in_layer(input))), the input already saved.
   void embedder_forward(const std::string& name, FluxEmbedderActivations& saved, float* out);
   void embedder_backward(const std::string& name, const FluxEmbedderActivations& saved,

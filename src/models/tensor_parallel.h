@@ -2,8 +2,9 @@
 // batch: the query, key, value and MLP-up projections are split by output features
 // (column-parallel: each rank computes its heads and its share of the hidden layer), the
 // attention and MLP output projections by input features (row-parallel: each rank's partial
-// output is summed over the group). What lies outside the blocks' attention and MLP (embeddings,
-// norms, modulations, the output layer) is replicated.
+// output is summed over the group). The Flux model's modulations are split by output features
+// too, their chunks gathered over the group. The rest (embeddings, norms, the output layer) is
+// replicated.
 #pragma once
 
 #include <cstddef>

@@ -205,28 +205,30 @@ TEST(FluxMemory, LargestFittingModelKeepsTheRatioOfBlocks) {
 
 TEST(FluxMemory, TensorParallelRanksHoldTheirSharesOfTheSplitTensors) {
   const FluxConfig config = FluxConfig::preset("flux_535m");
-  // Split, in pairs: per double-block stream qkv and mlp.0 with their biases, proj and mlp.2;
-  // the single block's linear1 with its bias and linear2: 339 803 136 of the 535 318 336
-  // parameters, each rank holding half of them and the other 195 515 200 whole.
-  constexpr size_t kRankParameters = 535'318'336u - 339'803'136u / 2;
+  // Split, in pairs: per double-block stream the modulation, qkv and mlp.0 with their biases,
+  // proj and mlp.2; the single block's modulation and linear1 with their biases and linear2; the
+  // final layer's modulation with its bias: 500 287 488 of the 535 318 336 parameters, each rank
+  // holding half of them and the other 35 030 848 whole.
+  constexpr size_t kRankParameters = 535'318'336u - 500'287'488u / 2;
   for (int rank = 0; rank < 2; ++rank) {
     const FluxRankParameters held = flux_rank_parameters(config, 2, rank);
     int64_t numel = 0;
     for (const FluxParam& param : held.parameters)
       numel += param.numel();
     EXPECT_EQ(size_t(numel), kRankParameters) << "rank " << rank;
-    // The double block's 8 split weights and 4 column-parallel biases, the single block's 2 and 1.
-    EXPECT_EQ(held.shares, 15u);
+    // The double block's 10 split weights and 6 column-parallel biases, the single block's 3 and
+    // 2, the final layer's 1 and 1.
+    EXPECT_EQ(held.shares, 23u);
     EXPECT_EQ(held.parameters.size(), flux_parameters(config).size());
   }
   const FluxMemoryPlan pairs = plan_flux_memory(config, micro_batch(1), kBf16Precision, 2, {}, 2);
   EXPECT_EQ(pairs.parameters, kFloat * kRankParameters);
   EXPECT_EQ(pairs.gradients, pairs.parameters);
   EXPECT_EQ(pairs.optimizer_state, 2 * pairs.parameters);  // one replica: no ZeRO-1
-  // Two replicas of a pair: ZeRO-1 halves each rank's moments, 182 708 384 floats rounded up to
+  // Two replicas of a pair: ZeRO-1 halves each rank's moments, 142 587 296 floats rounded up to
   // 64 (256 bytes).
   const FluxMemoryPlan four = plan_flux_memory(config, micro_batch(1), kBf16Precision, 4, {}, 2);
-  EXPECT_EQ(four.optimizer_state, 2 * kFloat * 182'708'416u);
+  EXPECT_EQ(four.optimizer_state, 2 * kFloat * 142'587'328u);
   EXPECT_THROW(plan_flux_memory(config, micro_batch(1), kBf16Precision, 1, {}, 2), Error);
   EXPECT_THROW(plan_flux_memory(config, micro_batch(1), kBf16Precision, 3, {}, 2), Error);
 }

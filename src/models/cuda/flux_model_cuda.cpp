@@ -164,8 +164,10 @@ struct CudaFluxModel::Buffers {
   bf16* qkv = nullptr;  // a double-block stream's qkv output
   bf16 *d_img = nullptr, *d_txt = nullptr, *d_joint = nullptr, *dpred = nullptr;
   float *dmod_img = nullptr, *dmod_txt = nullptr;  // [B, 6C]
-  bf16* dmod = nullptr;                            // [B, 6C] for the modulation linears
+  // [B, 6C] for the modulation linears; in the forward, a split modulation's outputs.
+  bf16* dmod = nullptr;
   bf16 *d_vec_act = nullptr, *d_vec = nullptr, *d_embed_act = nullptr, *d_embed_hidden = nullptr;
+  // d_branch also holds a split modulation's share of dmod.
   bf16 *d_branch = nullptr, *d_modulated = nullptr, *d_attn = nullptr;
   bf16 *dq = nullptr, *dk = nullptr, *dv = nullptr;
   bf16 *d_mlp_act = nullptr, *d_mlp_hidden = nullptr, *d_qkv = nullptr;
@@ -648,6 +650,34 @@ void CudaFluxModel::linear_backward(const std::string& name, const bf16* dy, con
   }
 }
 
+void CudaFluxModel::modulation_forward(const std::string& name, bf16* mod) {
+  Buffers& b = *buffers_;
+  if (!tensor_parallel_.split()) {
+    linear_forward(name, b.vec_act, batch_, mod);
+    return;
+  }
+  // This rank's run of the chunks, placed in zeros and summed over the group: the whole chunks.
+  const int64_t share = linear(name).layer->out_features(), whole = share * tensor_parallel_.size;
+  linear_forward(name, b.vec_act, batch_, b.dmod);
+  FP8T_CUDA_CHECK(cudaMemsetAsync(mod, 0, size_t(batch_ * whole) * sizeof(bf16), stream_));
+  copy_rows(mod + tensor_parallel_.rank * share, whole, b.dmod, share, batch_, share, stream_);
+  tensor_parallel_.sum_partials(mod, batch_ * whole, stream_);
+}
+
+void CudaFluxModel::modulation_backward(const std::string& name) {
+  Buffers& b = *buffers_;
+  if (!tensor_parallel_.split()) {
+    linear_backward(name, b.dmod, b.vec_act, batch_, b.d_vec_act, true);
+    return;
+  }
+  // This rank's run of the chunks' gradient; d SiLU(vec) gets a partial sum (backward() adds
+  // the group's).
+  const int64_t share = linear(name).layer->out_features(), whole = share * tensor_parallel_.size;
+  copy_rows(b.d_branch, share, b.dmod + tensor_parallel_.rank * share, whole, batch_, share,
+            stream_);
+  linear_backward(name, b.d_branch, b.vec_act, batch_, b.d_vec_act, true);
+}
+
 void CudaFluxModel::upload_inputs(const FluxInputs& inputs, const float* target) {
   FP8T_CHECK(inputs.img && inputs.img_ids && inputs.txt && inputs.y && inputs.timesteps && target,
              "Flux forward: expected img, img_ids, txt, y, timesteps and a target");
@@ -805,7 +835,7 @@ void CudaFluxModel::double_block_forward(int block) {
   for (const Part& p : parts) {
     const std::string stream = prefix + p.name;
     const kernels::StreamShape shape{B, p.tokens, C, p.tokens};
-    linear_forward(stream + "_mod.lin", b.vec_act, B, p.saved.mod);
+    modulation_forward(stream + "_mod.lin", p.saved.mod);
     kernels::layernorm_modulate_forward(p.saved.modulated1, p.saved.norm1, p.saved.rstd1, p.x,
                                         p.saved.mod, p.saved.mod + C, 6 * C, shape, stream_,
                                         fused_input_cast(stream + "_attn.qkv"));
@@ -849,7 +879,7 @@ void CudaFluxModel::single_block_forward(int block) {
   const int64_t N = B * tokens_, width1 = 3 * A + M;
   const std::string prefix = fmt::format("single_blocks.{}", block);
   const kernels::StreamShape shape{B, tokens_, C, tokens_};
-  linear_forward(prefix + ".modulation.lin", b.vec_act, B, s.mod);
+  modulation_forward(prefix + ".modulation.lin", s.mod);
   kernels::layernorm_modulate_forward(s.modulated, s.normed, s.rstd, b.x_joint, s.mod, s.mod + C,
                                       3 * C, shape, stream_, fused_input_cast(prefix + ".linear1"));
   linear_forward(prefix + ".linear1", s.modulated, N, s.linear1_out);
@@ -892,7 +922,7 @@ void CudaFluxModel::forward(const FluxInputs& inputs, const float* target, bool 
   }
 
   // The final layer on the image tokens, read in place from the joint sequence.
-  linear_forward("final_layer.adaLN_modulation.1", b.vec_act, B, b.final_mod);
+  modulation_forward("final_layer.adaLN_modulation.1", b.final_mod);
   const kernels::StreamShape image{B, Li, C, tokens_};
   kernels::layernorm_modulate_forward(b.final_modulated, b.final_normed, b.final_rstd,
                                       b.x_joint + Lt * C, b.final_mod, b.final_mod + C, 2 * C,
@@ -991,7 +1021,7 @@ void CudaFluxModel::single_block_backward(int block) {
                                        s.normed, s.rstd, s.mod + C, 3 * C, shape, GradStore::Add,
                                        b.reduction, stream_);
   kernels::cast_to_bf16(b.dmod, b.dmod_img, B * 3 * C, stream_);
-  linear_backward(prefix + ".modulation.lin", b.dmod, b.vec_act, B, b.d_vec_act, true);
+  modulation_backward(prefix + ".modulation.lin");
 }
 
 void CudaFluxModel::double_block_backward(int block) {
@@ -1046,7 +1076,7 @@ void CudaFluxModel::double_block_backward(int block) {
                                          s.rstd1, s.mod + C, 6 * C, shape, GradStore::Add,
                                          b.reduction, stream_);
     kernels::cast_to_bf16(b.dmod, p.dmod, B * 6 * C, stream_);
-    linear_backward(stream + "_mod.lin", b.dmod, b.vec_act, B, b.d_vec_act, true);
+    modulation_backward(stream + "_mod.lin");
   }
 }
 
@@ -1065,7 +1095,7 @@ void CudaFluxModel::backward() {
                                        b.d_modulated, b.final_normed, b.final_rstd, b.final_mod + C,
                                        2 * C, image, GradStore::Add, b.reduction, stream_);
   kernels::cast_to_bf16(b.dmod, b.dmod_img, B * 2 * C, stream_);
-  linear_backward("final_layer.adaLN_modulation.1", b.dmod, b.vec_act, B, b.d_vec_act, true);
+  modulation_backward("final_layer.adaLN_modulation.1");
 
   for (int block = config_.single_blocks - 1; block >= 0; --block) {
     rerun_group_ending_at(false, block);
@@ -1081,6 +1111,7 @@ void CudaFluxModel::backward() {
   // The inputs are not trained: the first linears need no dx.
   linear_backward("img_in", b.d_img, b.img, B * Li, nullptr, false);
   linear_backward("txt_in", b.d_txt, b.txt, B * Lt, nullptr, false);
+  tensor_parallel_.sum_partials(b.d_vec_act, B * C, stream_);  // the modulation shares' parts
   kernels::silu_backward(b.d_vec, b.d_vec_act, b.vec, B * C, GradStore::Write, stream_);
   embedder_backward("time_in", 0, b.d_vec);
   embedder_backward("vector_in", 1, b.d_vec);

@@ -160,6 +160,10 @@ class CudaFluxModel {
   // dx (bf16; written, or added to when accumulate_dx; null: none), dW and db (added).
   void linear_backward(const std::string& name, const bf16* dy, const bf16* x, int64_t rows,
                        bf16* dx, bool accumulate_dx);
+  // A modulation linear on SiLU(vec): its whole chunks into mod [B, chunks·C] (gathered over the
+  // group when split); backward reads dmod and adds its part of d SiLU(vec).
+  void modulation_forward(const std::string& name, bf16* mod);
+  void modulation_backward(const std::string& name);
   void embedder_forward(const std::string& name, int index, bf16* out);
   void embedder_backward(const std::string& name, int index, const bf16* dout);
   // Per sample, a stream's `tokens` rows of `width` values (row stride ld) into and out of rows
