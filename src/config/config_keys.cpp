@@ -639,11 +639,13 @@ std::vector<ConfigKey> build_keys() {
       "split each block's heads (the query, key and value projections by output, the "
       "attention's output projection by input) and MLP hidden features (the first MLP linear "
       "by output, the second by input; Flux's single blocks: linear1 by output, linear2 by "
-      "input), sum the partial outputs over the group, and see the same micro-batches; the "
-      "groups are the data-parallel replicas. FP8 per-tensor scales of split tensors come from "
-      "the group's largest amax. Must divide the ranks, the heads (GPT: query and kv heads) and "
-      "the MLP's hidden features; the weights and optimizer state stay whole on every rank. 1: "
-      "none."));
+      "input; Flux's modulations by output, their chunks gathered), sum the partial outputs "
+      "over the group, and see the same micro-batches; the groups are the data-parallel "
+      "replicas. FP8 per-tensor scales of split tensors come from the group's largest amax. "
+      "Must divide the ranks, the heads (GPT: query and kv heads) and the MLP's hidden "
+      "features. The GPU Flux keeps only each rank's shares of the split weights, gradients and "
+      "optimizer state, and only a group's first rank keeps the host copies for checkpoints; "
+      "elsewhere they stay whole on every rank. 1: none."));
   keys.push_back(boolean_key(
       "gemm_autotune", S::Run, [](auto& c) -> auto& { return c.run.gemm_autotune; },
       "GPU path: the first GEMM of each new problem (sizes, types, scale modes, epilogue) runs "

@@ -354,8 +354,10 @@ LoadedCheckpoint load_checkpoint(const fs::path& run_folder, int64_t step,
     throw Error(fmt::format("{}: format_version {} is not supported (this build reads {})",
                             state_path.string(), version, kFormatVersion));
   }
-  read_checkpoint_tensors(folder / "model.safetensors", contents.model);
-  read_checkpoint_tensors(folder / "optimizer.safetensors", contents.optimizer);
+  if (contents.with_tensors) {
+    read_checkpoint_tensors(folder / "model.safetensors", contents.model);
+    read_checkpoint_tensors(folder / "optimizer.safetensors", contents.optimizer);
+  }
   const fs::path fp8_path = folder / "fp8_scaling.safetensors";
   loaded.had_fp8_scaling = fs::exists(fp8_path);
   if (loaded.had_fp8_scaling && !contents.fp8_scaling.empty()) {

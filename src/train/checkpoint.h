@@ -33,6 +33,9 @@ struct CheckpointContents {
   std::vector<NamedTensor> model;
   std::vector<NamedTensor> optimizer;
   std::vector<NamedTensor> fp8_scaling;  // empty unless the recipe keeps state
+  // false: a rank that keeps no copy of the model and optimizer tensors (they reach it from
+  // another rank); a load reads everything else.
+  bool with_tensors = true;
   nlohmann::json trainer_state = nlohmann::json::object();
   std::string config_yaml;
 };
@@ -103,7 +106,8 @@ void prune_checkpoints(const std::filesystem::path& run_folder, int64_t keep);
 void discard_checkpoints_after(const std::filesystem::path& run_folder, int64_t step);
 
 // Reads the checkpoint of `step` into the buffers of `contents` (names and shapes must match:
-// a missing, extra or misshapen tensor is an error naming the file and the tensor), after
+// a missing, extra or misshapen tensor is an error naming the file and the tensor; without
+// with_tensors, the model and optimizer files are checked but not read), after
 // checking its files against the manifest (a damaged file is an error naming it). The
 // fp8_scaling buffers are filled by name from what the checkpoint has and left alone otherwise
 // (a BF16 checkpoint resumed with FP8, a linear that was not FP8 when it was saved). Throws

@@ -102,7 +102,7 @@ class FluxCpuEngine final : public FluxEngine {
   }
 
   double lr() const override { return optimizer_.lr(); }
-  FluxParameterSet& host_parameters() override { return model_.parameters(); }
+  FluxParameterSet* host_parameters() override { return &model_.parameters(); }
   std::vector<NamedTensor> host_optimizer_state() override { return optimizer_.state(); }
   std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() override {
     return model_.delayed_scalings();

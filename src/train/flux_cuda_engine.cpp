@@ -3,7 +3,9 @@
 // parallelism each rank of a group holds its shares of the split tensors with their gradients
 // and moments: the replicated tensors' partial gradients are summed over the group, then every
 // gradient over the replicas (the ranks at the same place of the other groups); the gradient
-// norm adds the shares' squares over the group; the host mirror gathers the shares.
+// norm adds the shares' squares over the group; the group's first rank alone keeps the host
+// mirror (unless ZeRO-1 gathers the state through every rank's), which gathers the shares and
+// which the group's other ranks load from.
 #include <algorithm>
 #include <memory>
 #include <string>
@@ -50,13 +52,12 @@ class FluxCudaEngine final : public FluxEngine {
                stream_.get(), setup.recompute, tensor_group_.device),
         layout_(setup.layout),
         sharded_(setup.shard_optimizer_state && setup.communicator != nullptr && layout_.data > 1),
-        host_arena_("parameters (host mirror)",
-                    FluxParameterSet::planned_bytes(setup.model, DType::F32)),
-        host_parameters_(host_arena_, setup.model, DType::F32),
-        host_optimizer_(flux_optimized_parameters(setup.model), setup.adamw,
-                        sharded_ ? layout_.data_rank : 0, sharded_ ? layout_.data : 1),
-        optimizer_(model_.layout(), setup.adamw, &host_optimizer_.shard(),
-                   model_.gradient_shares()),
+        every_rank_hosts_(layout_.tensor == 1 || sharded_),
+        shard_(optim::adamw_shard(flux_optimized_parameters(setup.model),
+                                  sharded_ ? layout_.data_rank : 0, sharded_ ? layout_.data : 1)),
+        host_(every_rank_hosts_ || layout_.tensor_rank == 0 ? std::make_unique<HostMirror>(setup)
+                                                            : nullptr),
+        optimizer_(model_.layout(), setup.adamw, &shard_, model_.gradient_shares()),
         base_lr_(setup.adamw.lr),
         lr_(setup.adamw.lr),
         norm_host_(1) {
@@ -67,7 +68,7 @@ class FluxCudaEngine final : public FluxEngine {
 #if FP8TRAIN_WITH_NCCL
     if (communicator_ != nullptr && layout_.data > 1)
       rank_sums_ = std::make_unique<FluxRankSums>(*communicator_, model_, layout_,
-                                                  sharded_ ? &host_optimizer_.shard() : nullptr);
+                                                  sharded_ ? &shard_ : nullptr);
 #endif
     peak_memory_ = device_memory_in_use();
   }
@@ -148,11 +149,11 @@ class FluxCudaEngine final : public FluxEngine {
   double lr() const override {
     return lr_;
   }
-  FluxParameterSet& host_parameters() override {
-    return host_parameters_;
+  FluxParameterSet* host_parameters() override {
+    return host_ ? &host_->parameters : nullptr;
   }
   std::vector<NamedTensor> host_optimizer_state() override {
-    return host_optimizer_.state();
+    return host_ ? host_->optimizer.state() : std::vector<NamedTensor>{};
   }
   std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() override {
     return model_.delayed_scalings();
@@ -165,24 +166,47 @@ class FluxCudaEngine final : public FluxEngine {
   }
   // Under tensor parallelism every rank of the group together: the shares are gathered.
   void to_host() override {
-    model_.download_parameters(host_parameters_);
+    model_.download_parameters(host_parameters());
     // Sharded, gather_optimizer_state() has brought the whole state already.
-    if (!sharded_) optimizer_.download_state(host_optimizer_, state_transfer());
+    if (!sharded_) optimizer_.download_state(host_optimizer(), state_transfer());
   }
+  // Under tensor parallelism every rank of the group together: the first rank's host tensors go
+  // to each, and the job's first rank's step count.
   void from_host() override {
-    model_.upload_parameters(host_parameters_);
-    optimizer_.upload_state(host_optimizer_, state_transfer());
+    model_.upload_parameters(host_parameters());
+    optimizer_.upload_state(host_optimizer(), state_transfer());
+    if (!every_rank_hosts_) {
+      int64_t steps = optimizer_.steps_taken();
+      communicator_->broadcast(&steps, sizeof steps);
+      optimizer_.set_steps_taken(steps);
+    }
     model_.scalings_changed();
   }
   void gather_optimizer_state() override {
     if (!sharded_) return;
-    optimizer_.download_state(host_optimizer_, state_transfer());
+    optimizer_.download_state(host_optimizer(), state_transfer());
     // Each replica's owned moments, whole on every rank of its group: the first rank's count.
-    train::gather_optimizer_state(host_optimizer_.state(), host_optimizer_.shard(), *communicator_,
+    train::gather_optimizer_state(host_->optimizer.state(), shard_, *communicator_,
                                   layout_.tensor_rank == 0);
   }
 
  private:
+  // The whole tensors on the host, for checkpoints and sample grids.
+  struct HostMirror {
+    Arena arena;
+    FluxParameterSet parameters;
+    optim::AdamWOptimizer optimizer;  // its state; the device optimizer steps
+    explicit HostMirror(const FluxEngineSetup& setup)
+        : arena("parameters (host mirror)",
+                FluxParameterSet::planned_bytes(setup.model, DType::F32)),
+          parameters(arena, setup.model, DType::F32),
+          optimizer(flux_optimized_parameters(setup.model), setup.adamw) {}
+  };
+
+  optim::AdamWOptimizer* host_optimizer() const {
+    return host_ ? &host_->optimizer : nullptr;
+  }
+
   // The moments go through the model, which gathers and cuts out its shares.
   optim::StateTransfer state_transfer() const {
     return {[this](const std::string& name, const float* device, float* host) {
@@ -219,9 +243,11 @@ class FluxCudaEngine final : public FluxEngine {
   CudaFluxModel model_;
   distributed::ParallelLayout layout_;
   bool sharded_;  // ZeRO-1 over the replicas: this rank updates its share of the parameters
-  Arena host_arena_;
-  FluxParameterSet host_parameters_;
-  optim::AdamWOptimizer host_optimizer_;  // with the shard the device optimizer follows
+  // Whether every rank keeps the host mirror: without tensor parallelism, and with ZeRO-1,
+  // whose gather runs through every rank's host state. Else a group's first rank alone.
+  bool every_rank_hosts_;
+  optim::OptimizerShard shard_;
+  std::unique_ptr<HostMirror> host_;  // null: this rank keeps none
   optim::CudaAdamW optimizer_;
   double base_lr_, lr_;
   float* norm_ = nullptr;

@@ -3,8 +3,9 @@
 // parameters and optimizer state into host buffers for checkpoints and sampling only. Either
 // way the host views (host_parameters, host_optimizer_state, delayed_scalings) are what a
 // checkpoint saves and loads: call to_host() before saving them and from_host() after changing
-// them. Under tensor parallelism the GPU engine's to_host() gathers the shares over the group:
-// every rank of it calls it together.
+// them. Under tensor parallelism the GPU engine's to_host() gathers the shares over the group
+// and from_host() sends the group's first rank's tensors to every rank of it: every rank of it
+// calls them together.
 #pragma once
 
 #include <cstdint>
@@ -45,7 +46,9 @@ class FluxEngine {
   virtual double evaluation_loss(const FluxBatch& batch) = 0;
   virtual double lr() const = 0;  // of the last step
 
-  virtual FluxParameterSet& host_parameters() = 0;
+  // Null and empty on a rank that keeps no host copies: under tensor parallelism on the GPU,
+  // the ranks of a group but the first, which load from it and gather to it.
+  virtual FluxParameterSet* host_parameters() = 0;
   virtual std::vector<NamedTensor> host_optimizer_state() = 0;
   virtual std::vector<std::pair<std::string, DelayedScaling*>> delayed_scalings() = 0;
   // FP8 health statistics (ops/fp8_health.h): while on, the FP8 linears' casts count;

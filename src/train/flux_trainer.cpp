@@ -198,8 +198,10 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     setup.precision = health.precision(configured_precision);
     engine = cuda ? make_flux_cuda_engine(setup) : make_flux_cpu_engine(setup);
     scaling = ScalingStateBuffers(engine->delayed_scalings());
-    contents.model = model_tensors(engine->host_parameters());
+    FluxParameterSet* host = engine->host_parameters();
+    contents.model = host != nullptr ? model_tensors(*host) : std::vector<NamedTensor>{};
     contents.optimizer = engine->host_optimizer_state();
+    contents.with_tensors = host != nullptr;  // else from_host() brings them
     contents.fp8_scaling = scaling.tensors();
   };
   build_engine();
@@ -250,8 +252,8 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     }
     step = state->at("step").get<int64_t>();
     seconds_before = state->value("train_seconds", 0.0);
-  } else {
-    init_flux_weights(engine->host_parameters(), model_config, seed);
+  } else if (FluxParameterSet* host = engine->host_parameters()) {
+    init_flux_weights(*host, model_config, seed);
   }
   engine->from_host();
   FP8T_CHECK(step <= total_steps, "the checkpoint is at step {}, past train_iters {}", step,
@@ -298,7 +300,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     if (!leader) return {};  // the leader's grid alone
     const fs::path path = flux_sample_grid_path(run_folder, at_step);
     fs::create_directories(path.parent_path());
-    grid->write(engine->host_parameters(), path);
+    grid->write(*engine->host_parameters(), path);
     log.event("sample", fmt::format("samples: {}", path.string()));
     return path;
   };

@@ -341,7 +341,8 @@ INSTANTIATE_TEST_SUITE_P(Precisions, FluxRecomputeGpu, kRecipes, precision_name)
 // shares first, then the replicated tensors), after the last step's backward: the gradient norm
 // (the shares' squares summed over the group) is that of the gathered gradients; one step moves
 // every parameter, gathered from the shares, by AdamW's first step from its gathered gradient,
-// −lr·g / (|g| + eps), the same on every rank; and the moments, gathered, are (1 − β1)·g.
+// −lr·g / (|g| + eps), the same on every rank; the moments, gathered, are (1 − β1)·g; and they
+// come back onto every rank from the first rank's host copy alone.
 void expect_optimizer_over_shares(const std::vector<std::unique_ptr<CudaFluxModel>>& ranks,
                                   const FluxConfig& config, const FluxParameterSet& before,
                                   const FluxParameterSet& gradients) {
@@ -367,7 +368,7 @@ void expect_optimizer_over_shares(const std::vector<std::unique_ptr<CudaFluxMode
     FP8T_CUDA_CHECK(cudaStreamSynchronize(model.stream()));
     FP8T_CUDA_CHECK(cudaMemcpy(&norms[rank], norm.get(), sizeof(float), cudaMemcpyDeviceToHost));
     model.download_parameters(*after[rank]);
-    optimizer.download_state(*states[rank],
+    optimizer.download_state(states[rank].get(),
                              {[&](const std::string& name, const float* device, float* host) {
                                 model.download_tensor(name, device, host);
                               },
@@ -396,6 +397,31 @@ void expect_optimizer_over_shares(const std::vector<std::unique_ptr<CudaFluxMode
       const TensorView& first = (*after[0])[param.name];
       EXPECT_EQ(std::memcmp((*after[rank])[param.name].raw(), first.raw(), first.bytes()), 0)
           << param.name << ": rank " << rank << " holds other parameters";
+    }
+  }
+  // The moments back onto the ranks from the first rank's host copy alone (the second keeps
+  // none), and gathered again: the same on every rank.
+  std::vector<std::unique_ptr<optim::AdamWOptimizer>> returned;
+  for (size_t rank = 0; rank < ranks.size(); ++rank)
+    returned.push_back(std::make_unique<optim::AdamWOptimizer>(specs, adamw));
+  testing::run_ranks<CudaFluxModel>(ranks, [&](CudaFluxModel& model, size_t rank) {
+    const optim::StateTransfer transfer{
+        [&](const std::string& name, const float* device, float* host) {
+          model.download_tensor(name, device, host);
+        },
+        [&](const std::string& name, const float* host, float* device) {
+          model.upload_tensor(name, host, device);
+        }};
+    optim::CudaAdamW restored(model.layout(), adamw, nullptr, model.gradient_shares());
+    restored.upload_state(rank == 0 ? states[0].get() : nullptr, transfer);
+    restored.download_state(returned[rank].get(), transfer);
+  });
+  for (size_t rank = 0; rank < ranks.size(); ++rank) {
+    const std::vector<NamedTensor> want = states[0]->state(), got = returned[rank]->state();
+    for (size_t i = 0; i < want.size(); ++i) {
+      if (want[i].view.dtype() != DType::F32) continue;  // the step count stays the engine's
+      EXPECT_EQ(std::memcmp(got[i].view.raw(), want[i].view.raw(), want[i].view.bytes()), 0)
+          << want[i].name << ": rank " << rank << " got other moments back";
     }
   }
   for (size_t rank = 0; rank < ranks.size(); ++rank) {
@@ -443,12 +469,15 @@ TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfT
       ranks.push_back(std::make_unique<CudaFluxModel>(config, kBatch, kImgTokens, kTxtTokens,
                                                       precision, streams[size_t(rank)], recompute,
                                                       testing::device_member(group, rank)));
-      ranks.back()->upload_parameters(parameters);
       ASSERT_EQ(ranks.back()->linear_precision().size(), whole.linear_precision().size());
       for (size_t i = 0; i < whole.linear_precision().size(); ++i)
         ASSERT_EQ(ranks.back()->linear_precision()[i].fp8, whole.linear_precision()[i].fp8);
       EXPECT_LT(ranks.back()->memory().activations, whole.memory().activations);
     }
+    // The second rank keeps no host copy: it gets every tensor from the first.
+    testing::run_ranks<CudaFluxModel>(ranks, [&](CudaFluxModel& model, size_t rank) {
+      model.upload_parameters(rank == 0 ? &parameters : nullptr);
+    });
     const FluxMemoryPlan plan = plan_flux_memory(
         config, {.batch = kBatch, .img_tokens = kImgTokens, .txt_tokens = kTxtTokens}, precision,
         kRanks, recompute, kRanks);

@@ -171,7 +171,7 @@ TEST(CudaAdamW, ShardedStepsUpdateOnlyTheOwnedTensors) {
       gpu.step(device_params.get(), device_grads.get(), 1.0, stream);
     FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
     const std::vector<float> result = device_params.download();
-    gpu.download_state(host);
+    gpu.download_state(&host);
     std::map<std::string, TensorView> moments;
     for (const NamedTensor& buffer : host.state())
       moments.emplace(buffer.name, buffer.view);

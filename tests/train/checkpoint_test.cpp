@@ -76,6 +76,19 @@ TEST_F(CheckpointTest, RoundTripsEveryBuffer) {
   EXPECT_EQ(model.tensor<float>("lm_head.weight").data, saved_weight);
 }
 
+// A rank that keeps no copy of the tensors (they reach it from another rank) reads the rest.
+TEST_F(CheckpointTest, LoadWithoutTensorsReadsTheRest) {
+  save_checkpoint(run_, contents(5));
+  CheckpointContents rest;
+  rest.with_tensors = false;
+  const LoadedCheckpoint loaded = load_checkpoint(run_, 5, rest);
+  EXPECT_EQ(loaded.trainer_state["step"], 5);
+  EXPECT_EQ(loaded.trainer_state["data_position"]["epoch"], 1);
+  EXPECT_EQ(loaded.config_yaml, "depth: 2\n");
+  rest.with_tensors = true;  // the same empty buffers, read: the file's tensors are extra
+  EXPECT_THROW(load_checkpoint(run_, 5, rest), Error);
+}
+
 TEST_F(CheckpointTest, MissingStepListsTheSavedOnes) {
   save_checkpoint(run_, contents(100));
   save_checkpoint(run_, contents(200));

@@ -548,19 +548,25 @@ CudaFluxModel::Linear& CudaFluxModel::linear(const std::string& name) {
   return found->second;
 }
 
-void CudaFluxModel::upload_parameters(const FluxParameterSet& host) {
+void CudaFluxModel::upload_parameters(const FluxParameterSet* host) {
   for (const optim::DeviceParameter& tensor : layout_.parameters) {
-    const TensorView& view = host[tensor.name];
-    FP8T_CHECK(view.dtype() == DType::F32, "expected f32 parameters, '{}' is {}", tensor.name,
-               dtype_name(view.dtype()));
-    upload_tensor(tensor.name, view.data<float>(), parameters_ + tensor.offset);
+    const float* values = nullptr;
+    if (host != nullptr) {
+      const TensorView& view = (*host)[tensor.name];
+      FP8T_CHECK(view.dtype() == DType::F32, "expected f32 parameters, '{}' is {}", tensor.name,
+                 dtype_name(view.dtype()));
+      values = view.data<float>();
+    }
+    upload_tensor(tensor.name, values, parameters_ + tensor.offset);
   }
   weights_ready_ = false;
 }
 
-void CudaFluxModel::download_parameters(FluxParameterSet& host) const {
-  for (const optim::DeviceParameter& tensor : layout_.parameters)
-    download_tensor(tensor.name, parameters_ + tensor.offset, host[tensor.name].data<float>());
+void CudaFluxModel::download_parameters(FluxParameterSet* host) const {
+  for (const optim::DeviceParameter& tensor : layout_.parameters) {
+    download_tensor(tensor.name, parameters_ + tensor.offset,
+                    host != nullptr ? (*host)[tensor.name].data<float>() : nullptr);
+  }
 }
 
 void CudaFluxModel::download_gradients(FluxParameterSet& host) const {
@@ -573,6 +579,7 @@ void CudaFluxModel::download_tensor(const std::string& name, const float* device
   FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
   const auto part = tensor_parts_.find(name);
   if (part == tensor_parts_.end()) {
+    if (host == nullptr) return;
     FP8T_CUDA_CHECK(cudaMemcpy(host, device, size_t(layout_[name].numel) * sizeof(float),
                                cudaMemcpyDeviceToHost));
     return;
@@ -585,21 +592,38 @@ void CudaFluxModel::download_tensor(const std::string& name, const float* device
   copy_share(p.share, p.whole_out, p.whole_in, device, whole.get(), false, stream_);
   tensor_parallel_.sum(whole.get(), count, stream_);
   FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  FP8T_CUDA_CHECK(cudaMemcpy(host, whole.get(), whole.bytes(), cudaMemcpyDeviceToHost));
+  if (host != nullptr)
+    FP8T_CUDA_CHECK(cudaMemcpy(host, whole.get(), whole.bytes(), cudaMemcpyDeviceToHost));
 }
 
 void CudaFluxModel::upload_tensor(const std::string& name, const float* host, float* device) const {
   FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
   const auto part = tensor_parts_.find(name);
-  if (part == tensor_parts_.end()) {
+  if (!tensor_parallel_.split()) {
+    FP8T_CHECK(host != nullptr, "'{}': expected its host values", name);
     FP8T_CUDA_CHECK(cudaMemcpy(device, host, size_t(layout_[name].numel) * sizeof(float),
                                cudaMemcpyHostToDevice));
     return;
   }
-  const TensorPart& p = part->second;
-  DeviceBuffer<float> whole(size_t(p.whole_out * p.whole_in));
-  whole.upload(host);
-  copy_share(p.share, p.whole_out, p.whole_in, whole.get(), device, true, stream_);
+  // The group's first rank's whole tensor among the others' zeros, summed over the group: the
+  // first rank's values on every rank, which keeps its share or the whole.
+  FP8T_CHECK(host != nullptr || tensor_parallel_.rank != 0,
+             "'{}': the tensor-parallel group's first rank must give its host values", name);
+  const TensorPart* p = part != tensor_parts_.end() ? &part->second : nullptr;
+  const auto count = size_t(p != nullptr ? p->whole_out * p->whole_in : layout_[name].numel);
+  DeviceBuffer<float> whole(count);
+  if (tensor_parallel_.rank == 0) {
+    whole.upload(host);
+  } else {
+    FP8T_CUDA_CHECK(cudaMemsetAsync(whole.get(), 0, whole.bytes(), stream_));
+  }
+  tensor_parallel_.sum(whole.get(), count, stream_);
+  if (p != nullptr) {
+    copy_share(p->share, p->whole_out, p->whole_in, whole.get(), device, true, stream_);
+  } else {
+    FP8T_CUDA_CHECK(
+        cudaMemcpyAsync(device, whole.get(), whole.bytes(), cudaMemcpyDeviceToDevice, stream_));
+  }
   FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 

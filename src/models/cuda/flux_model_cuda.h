@@ -92,13 +92,17 @@ class CudaFluxModel {
   // the gradient norm sums over the group; none otherwise.
   optim::GradientShares gradient_shares() const;
   // Copies between a host FluxParameterSet (f32, whole tensors) and the device (synchronizes);
-  // an upload makes the next forward cast the weights again. Under tensor parallelism each
-  // download gathers the shares over the group: every rank of it calls it together.
-  void upload_parameters(const FluxParameterSet& host);
-  void download_parameters(FluxParameterSet& host) const;
+  // an upload makes the next forward cast the weights again. Under tensor parallelism every
+  // rank of the group calls each together: a download gathers the shares over the group, and
+  // an upload sends the group's first rank's host tensors to every rank of it, so that the
+  // other ranks need no host copy (null: none; they download nothing).
+  void upload_parameters(const FluxParameterSet* host);
+  void upload_parameters(const FluxParameterSet& host) { upload_parameters(&host); }
+  void download_parameters(FluxParameterSet* host) const;
+  void download_parameters(FluxParameterSet& host) const { download_parameters(&host); }
   void download_gradients(FluxParameterSet& host) const;
   // One tensor of layout() (a parameter's, a gradient's or a moment's values on this rank, at
-  // `device`) from and to its whole values on the host, as the downloads above (synchronizes).
+  // `device`) from and to its whole values on the host, as the copies above (synchronizes).
   void download_tensor(const std::string& name, const float* device, float* host) const;
   void upload_tensor(const std::string& name, const float* host, float* device) const;
 

@@ -132,72 +132,87 @@ void CudaAdamW::step(float* params, const float* grads, double lr_multiplier, cu
 
 namespace {
 
-// Each of the host optimizer's state tensors with where it lives on the device: the moments of
-// the tensors this rank updates (those of the others are skipped), and the step counter (no
-// device copy).
+// The moments of the tensors this rank updates (those of the others are skipped) in the
+// layout's order, the same on every rank of a tensor-parallel group (whose transfers run
+// collectives in step): visit(host tensor of that name or null without a host, parameter name,
+// offset among the moments, moment).
 template <typename Visit>
-void match_state(AdamWOptimizer& host, const DeviceParameterLayout& layout,
-                 const MomentLayout& moments, bool whole, Visit&& visit) {
-  for (NamedTensor& tensor : host.state()) {
-    if (tensor.view.dtype() == DType::I64) {
-      visit(tensor, -1, nullptr);
-      continue;
-    }
-    for (const char* moment : {".exp_avg_sq", ".exp_avg"}) {
-      if (!tensor.name.ends_with(moment)) continue;
-      const std::string name = tensor.name.substr(0, tensor.name.size() - std::strlen(moment));
-      const DeviceParameter& parameter = layout[name];
-      FP8T_CHECK(!whole || tensor.view.numel() == parameter.numel,
-                 "optimizer state: '{}' holds {} values, the parameter {}", tensor.name,
-                 tensor.view.numel(), parameter.numel);
-      const auto owned = moments.offsets.find(name);
-      if (owned != moments.offsets.end()) visit(tensor, owned->second, moment);
-      break;
+void match_moments(std::vector<NamedTensor>& host, bool has_host,
+                   const DeviceParameterLayout& layout, const MomentLayout& moments, bool whole,
+                   Visit&& visit) {
+  std::map<std::string, NamedTensor*, std::less<>> named;
+  for (NamedTensor& tensor : host)
+    named[tensor.name] = &tensor;
+  for (const DeviceParameter& parameter : layout.parameters) {
+    const auto owned = moments.offsets.find(parameter.name);
+    if (owned == moments.offsets.end()) continue;
+    for (const char* moment : {".exp_avg", ".exp_avg_sq"}) {
+      NamedTensor* tensor = nullptr;
+      if (has_host) {
+        const auto found = named.find(parameter.name + moment);
+        FP8T_CHECK(found != named.end(), "optimizer state: no '{}{}' on the host", parameter.name,
+                   moment);
+        tensor = found->second;
+        FP8T_CHECK(!whole || tensor->view.numel() == parameter.numel,
+                   "optimizer state: '{}' holds {} values, the parameter {}", tensor->name,
+                   tensor->view.numel(), parameter.numel);
+      }
+      visit(tensor, parameter.name, owned->second, moment);
     }
   }
 }
 
+// The host state's step counter, or null.
+int64_t* step_counter(std::vector<NamedTensor>& host) {
+  for (NamedTensor& tensor : host)
+    if (tensor.view.dtype() == DType::I64) return tensor.view.data<int64_t>();
+  return nullptr;
+}
+
 }  // namespace
 
-void CudaAdamW::download_state(AdamWOptimizer& host, const StateTransfer& transfer) const {
+void CudaAdamW::download_state(AdamWOptimizer* host, const StateTransfer& transfer) const {
+  FP8T_CHECK(host != nullptr || transfer.download,
+             "optimizer state: a download without a host needs a transfer through the group");
   FP8T_CUDA_CHECK(cudaDeviceSynchronize());
-  match_state(
-      host, state_->layout, state_->moments, !transfer.download,
-      [&](NamedTensor& tensor, int64_t offset, const char* moment) {
-        if (moment == nullptr) {
-          *tensor.view.data<int64_t>() = steps_;
-          return;
-        }
+  std::vector<NamedTensor> state = host != nullptr ? host->state() : std::vector<NamedTensor>{};
+  match_moments(
+      state, host != nullptr, state_->layout, state_->moments, !transfer.download,
+      [&](NamedTensor* tensor, const std::string& parameter, int64_t offset, const char* moment) {
         const float* source =
             (std::strcmp(moment, ".exp_avg") == 0 ? state_->exp_avg : state_->exp_avg_sq).get() +
             offset;
+        float* target = tensor != nullptr ? tensor->view.data<float>() : nullptr;
         if (transfer.download) {
-          transfer.download(parameter_of_state(tensor.name), source, tensor.view.data<float>());
+          transfer.download(parameter, source, target);
           return;
         }
-        FP8T_CUDA_CHECK(
-            cudaMemcpy(tensor.view.raw(), source, tensor.view.bytes(), cudaMemcpyDeviceToHost));
+        FP8T_CUDA_CHECK(cudaMemcpy(target, source, tensor->view.bytes(), cudaMemcpyDeviceToHost));
       });
+  if (int64_t* steps = step_counter(state)) *steps = steps_;
 }
 
-void CudaAdamW::upload_state(AdamWOptimizer& host, const StateTransfer& transfer) {
+void CudaAdamW::upload_state(AdamWOptimizer* host, const StateTransfer& transfer) {
+  FP8T_CHECK(host != nullptr || transfer.upload,
+             "optimizer state: an upload without a host needs a transfer through the group");
   FP8T_CUDA_CHECK(cudaDeviceSynchronize());
-  match_state(
-      host, state_->layout, state_->moments, !transfer.upload,
-      [&](NamedTensor& tensor, int64_t offset, const char* moment) {
-        if (moment == nullptr) {
-          steps_ = *tensor.view.data<int64_t>();
-          return;
-        }
+  std::vector<NamedTensor> state = host != nullptr ? host->state() : std::vector<NamedTensor>{};
+  if (const int64_t* steps = step_counter(state)) {
+    FP8T_CHECK(*steps >= 0, "optimizer state: 'optimizer.step' must be >= 0, found {}", *steps);
+    steps_ = *steps;
+  }
+  match_moments(
+      state, host != nullptr, state_->layout, state_->moments, !transfer.upload,
+      [&](NamedTensor* tensor, const std::string& parameter, int64_t offset, const char* moment) {
         float* target =
             (std::strcmp(moment, ".exp_avg") == 0 ? state_->exp_avg : state_->exp_avg_sq).get() +
             offset;
+        const float* source = tensor != nullptr ? tensor->view.data<float>() : nullptr;
         if (transfer.upload) {
-          transfer.upload(parameter_of_state(tensor.name), tensor.view.data<float>(), target);
+          transfer.upload(parameter, source, target);
           return;
         }
-        FP8T_CUDA_CHECK(
-            cudaMemcpy(target, tensor.view.raw(), tensor.view.bytes(), cudaMemcpyHostToDevice));
+        FP8T_CUDA_CHECK(cudaMemcpy(target, source, tensor->view.bytes(), cudaMemcpyHostToDevice));
       });
 }
 

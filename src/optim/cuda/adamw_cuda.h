@@ -57,9 +57,12 @@ class CudaAdamW {
 
   // Copies the moments and the step count to and from a host AdamWOptimizer over the same
   // tensors (its state names them; synchronizes), for checkpoints: with a shard, the moments of
-  // this rank's tensors only. With a transfer's download, every rank of its group together.
-  void download_state(AdamWOptimizer& host, const StateTransfer& transfer = {}) const;
-  void upload_state(AdamWOptimizer& host, const StateTransfer& transfer = {});
+  // this rank's tensors only, in the layout's order. With a transfer, every rank of its group
+  // together; a rank without a host copy (null) then takes part in the transfers alone, and an
+  // upload leaves its step count to set_steps_taken().
+  void download_state(AdamWOptimizer* host, const StateTransfer& transfer = {}) const;
+  void upload_state(AdamWOptimizer* host, const StateTransfer& transfer = {});
+  void set_steps_taken(int64_t steps) { steps_ = steps; }
 
  private:
   struct State;
