@@ -87,13 +87,19 @@ class FluxCudaEngine final : public FluxEngine {
 
   std::string memory_plan() const override {
     const CudaFluxMemory& m = model_.memory();
+    const std::string host =
+        host_ ? fmt::format("host mirror {} on {}",
+                            format_bytes(double(host_->arena.capacity() +
+                                                host_->optimizer.state_bytes())),
+                            every_rank_hosts_ ? "every rank" : "each group's first rank")
+              : "no host mirror";
     return fmt::format(
         "device: parameters {}, gradients {}, optimizer {}, activations {}, workspace {}, "
-        "linear copies {}; {} in all",
+        "linear copies {}; {} in all; {}",
         format_bytes(double(m.parameters)), format_bytes(double(m.gradients)),
         format_bytes(double(optimizer_.device_bytes())), format_bytes(double(m.activations)),
         format_bytes(double(m.workspace)), format_bytes(double(m.linear_copies)),
-        format_bytes(double(m.total() + optimizer_.device_bytes())));
+        format_bytes(double(m.total() + optimizer_.device_bytes())), host);
   }
   double peak_memory_bytes() const override {
     return peak_memory_;
