@@ -37,6 +37,30 @@ __device__ inline float torch_lerp(float start, float end, float weight) {
 
 // ---- AdamW ----
 
+// AdamW and the Muon passes take vectors of kWidth elements: 8 (one 16-byte access of bf16, two
+// of fp32) where the data is whole vectors and every pointer 16-byte aligned, else 1. The bytes
+// limit these passes; single bf16 accesses reached about half the copy rate.
+template <int kWidth>
+__device__ inline void load_floats(const float* source, float (&values)[kWidth]) {
+  if constexpr (kWidth == device::kBf16Vector) {
+    device::load_f32x8(source, values);
+  } else {
+    values[0] = *source;
+  }
+}
+
+template <int kWidth>
+__device__ inline void store_floats(float* destination, const float (&values)[kWidth]) {
+  if constexpr (kWidth == device::kBf16Vector) {
+    *reinterpret_cast<float4*>(destination) =
+        make_float4(values[0], values[1], values[2], values[3]);
+    *reinterpret_cast<float4*>(destination + 4) =
+        make_float4(values[4], values[5], values[6], values[7]);
+  } else {
+    *destination = values[0];
+  }
+}
+
 // adamw_step's fp32 arithmetic on one element; returns the new parameter.
 __device__ inline float adamw_element(float param, float grad, float& m, float& v,
                                       const AdamWScalars& h) {
@@ -46,22 +70,50 @@ __device__ inline float adamw_element(float param, float grad, float& m, float& 
   return __fsub_rn(__fmul_rn(param, h.decay), __fmul_rn(h.step_size, __fdiv_rn(m, denominator)));
 }
 
+// Whether an AdamW chunk takes vectors: whole vectors of 8 elements at 16-byte aligned addresses
+// (the layouts align every chunk to 16 bytes; a tensor's last chunk may hold a part vector).
+__device__ inline bool takes_chunk_vectors(int32_t count, const void* param, const void* grad,
+                                           const void* m, const void* v) {
+  const auto address = [](const void* pointer) { return reinterpret_cast<uintptr_t>(pointer); };
+  return count % device::kBf16Vector == 0 &&
+         ((address(param) | address(grad) | address(m) | address(v)) % 16) == 0;
+}
+
+// Eight elements per thread and access (two 16-byte accesses per array) where the chunk takes
+// vectors: the bytes limit this kernel.
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(float* params, const float* grads, float* exp_avg, float* exp_avg_sq,
                  const AdamWChunk* chunks, AdamWStep step) {
+  constexpr int kWidth = device::kBf16Vector;
   const AdamWChunk chunk = chunks[blockIdx.x];
   const AdamWScalars h = step.groups[chunk.group];
   float* param = params + chunk.param;
   const float* grad = grads + chunk.grad;
   float* m = exp_avg + chunk.state;
   float* v = exp_avg_sq + chunk.state;
-  for (int i = threadIdx.x; i < chunk.count; i += kThreads)
-    param[i] = adamw_element(param[i], grad[i], m[i], v[i], h);
+  if (!takes_chunk_vectors(chunk.count, param, grad, m, v)) {
+    for (int i = threadIdx.x; i < chunk.count; i += kThreads)
+      param[i] = adamw_element(param[i], grad[i], m[i], v[i], h);
+    return;
+  }
+  for (int i = threadIdx.x * kWidth; i < chunk.count; i += kThreads * kWidth) {
+    float p8[kWidth], g8[kWidth], m8[kWidth], v8[kWidth];
+    load_floats<kWidth>(param + i, p8);
+    load_floats<kWidth>(grad + i, g8);
+    load_floats<kWidth>(m + i, m8);
+    load_floats<kWidth>(v + i, v8);
+#pragma unroll
+    for (int k = 0; k < kWidth; ++k)
+      p8[k] = adamw_element(p8[k], g8[k], m8[k], v8[k], h);
+    store_floats<kWidth>(param + i, p8);
+    store_floats<kWidth>(m + i, m8);
+    store_floats<kWidth>(v + i, v8);
+  }
 }
 
 // Parameters and moments stored in bf16: the step in fp32 from the values they hold, each result
-// rounded once. Eight elements per thread and access where the chunk allows (the layouts align
-// every chunk to 16 bytes), the bytes being what limits this kernel.
+// rounded once. Eight elements per thread and access where the chunk takes vectors, the bytes
+// being what limits this kernel.
 __global__ void __launch_bounds__(kThreads)
     adamw_bf16_kernel(bf16* params, const float* grads, bf16* exp_avg, bf16* exp_avg_sq,
                       const AdamWChunk* chunks, AdamWStep step) {
@@ -72,10 +124,7 @@ __global__ void __launch_bounds__(kThreads)
   const float* grad = grads + chunk.grad;
   bf16* m = exp_avg + chunk.state;
   bf16* v = exp_avg_sq + chunk.state;
-  const auto address = [](const void* pointer) { return reinterpret_cast<uintptr_t>(pointer); };
-  const bool vectors = chunk.count % kBf16Vector == 0 &&
-                       ((address(param) | address(grad) | address(m) | address(v)) % 16) == 0;
-  if (!vectors) {
+  if (!takes_chunk_vectors(chunk.count, param, grad, m, v)) {
     for (int i = threadIdx.x; i < chunk.count; i += kThreads) {
       float m_i = to_float(m[i]), v_i = to_float(v[i]);
       param[i] = float_to_bf16(adamw_element(to_float(param[i]), grad[i], m_i, v_i, h));
@@ -100,30 +149,6 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 // ---- Muon ----
-
-// The Muon passes take vectors of kWidth elements: 8 (one 16-byte access of bf16, two of fp32)
-// where every row is whole vectors and every pointer 16-byte aligned, else 1. The bytes limit
-// these passes; single bf16 accesses reached about half the copy rate.
-template <int kWidth>
-__device__ inline void load_floats(const float* source, float (&values)[kWidth]) {
-  if constexpr (kWidth == device::kBf16Vector) {
-    device::load_f32x8(source, values);
-  } else {
-    values[0] = *source;
-  }
-}
-
-template <int kWidth>
-__device__ inline void store_floats(float* destination, const float (&values)[kWidth]) {
-  if constexpr (kWidth == device::kBf16Vector) {
-    *reinterpret_cast<float4*>(destination) =
-        make_float4(values[0], values[1], values[2], values[3]);
-    *reinterpret_cast<float4*>(destination + 4) =
-        make_float4(values[4], values[5], values[6], values[7]);
-  } else {
-    *destination = values[0];
-  }
-}
 
 // Elementwise passes over `vectors` vectors of each matrix: blockIdx.y is the matrix, the x
 // blocks stride over its vectors.
