@@ -116,12 +116,16 @@ int run_flux_summary(const ModelSummaryOptions& options) {
   const double capacity_gib = options.gpu_memory_gib.value_or(kH200MemoryGib);
   const auto capacity = static_cast<size_t>(capacity_gib * double(1 << 30));
   const size_t reserve = flux_runtime_reserve_bytes(config, micro_batch);
+  const size_t host_mirror = FluxParameterSet::planned_bytes(config, DType::F32) +
+                             2 * sizeof(float) * static_cast<size_t>(flux_parameter_count(config));
   fmt::print(
       "\nmemory per GPU (GiB), GPU path, micro-batch {} x ({} image + {} text tokens):\n"
       "  data parallel with ZeRO-1: the AdamW moments sharded over the GPUs; parameters, "
       "gradients and activations whole on each (shard_optimizer_state){}\n"
       "  fits: the total and {:.2f} GiB for the CUDA context and library workspaces within "
-      "{:.1f} GiB\n",
+      "{:.1f} GiB\n"
+      "  host memory for checkpoints: {:.2f} GiB per process (the fp32 weights and AdamW "
+      "moments, whole){}\n",
       micro_batch.batch, micro_batch.img_tokens, micro_batch.txt_tokens,
       tensor == 1 ? ""
                   : fmt::format("\n  tensor parallel over groups of {} GPUs: each holds its "
@@ -130,7 +134,10 @@ int run_flux_summary(const ModelSummaryOptions& options) {
                                 "and MLP share's activations and weight copies (the first of a "
                                 "group's, with the row-parallel biases, planned)",
                                 tensor),
-      in_gib(reserve), capacity_gib);
+      in_gib(reserve), capacity_gib, in_gib(host_mirror),
+      tensor == 1 ? ""
+                  : "; under tensor parallelism only each group's first process keeps it, "
+                    "unless ZeRO-1 spans several groups");
   const auto print_table = [&](const RecomputeOptions& recompute) {
     fmt::print(
         "| GPUs | parameters | gradients | AdamW moments | activations | workspace | linear copies "
