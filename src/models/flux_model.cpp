@@ -866,8 +866,7 @@ void FluxModel::modulation_forward(Linear& layer, float* mod) {
   float* part = data(workspace_->mod_share);
   linear_forward(layer, vec_act, part);
   std::fill(mod, mod + rows * whole, 0.0f);
-  for (int64_t row = 0; row < rows; ++row)
-    std::copy(part + row * share, part + (row + 1) * share, mod + row * whole + first);
+  copy_tokens(mod + first, {1, 0, whole}, part, {1, 0, share}, rows, 1, share);
   sum_over_group(mod, rows * whole);
 }
 
@@ -881,10 +880,7 @@ void FluxModel::modulation_backward(Linear& layer, const float* dmod) {
   const auto [rows, in, share] = layer.shape;
   const int64_t whole = share * tensor_parallel_.size, first = tensor_parallel_.rank * share;
   float* part = data(workspace_->mod_share);
-  for (int64_t row = 0; row < rows; ++row) {
-    const float* from = dmod + row * whole + first;
-    std::copy(from, from + share, part + row * share);
-  }
+  copy_tokens(part, {1, 0, share}, dmod + first, {1, 0, whole}, rows, 1, share);
   linear_backward(layer, part, vec_act, d_vec_act);  // a partial sum: backward() adds the group's
 }
 
