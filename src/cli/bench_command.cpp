@@ -72,6 +72,7 @@ double median(std::vector<double> values) {
 
 struct Measurement {
   std::string name;
+  bool out_of_memory = false;  // the run did not fit the GPU: nothing below was measured
   double step_ms = 0.0;
   double forward_ms = 0.0, backward_ms = 0.0, optimizer_ms = 0.0;
   // Host time to issue forward + backward (no waits in them): near their GPU time, the GPU
@@ -98,6 +99,7 @@ struct RunKind {
   bool fp8_attention = false;
   std::optional<bool> autotune;
   RecomputeGranularity recompute = RecomputeGranularity::None;  // full: one block per group
+  ops::WeightTransposes weight_transposes = ops::WeightTransposes::Kept;
 };
 
 RecomputeOptions bench_recompute(const RunKind& run) {
@@ -134,9 +136,12 @@ std::string run_name(const RunKind& run, const std::string& formats) {
                               ? ", selective recompute"
                               : "";
   if (!run.fp8) return fmt::format("bf16{}", recompute);
-  return fmt::format("fp8 {} {}{}{}{}", formats, recipe_name(run.recipe),
-                     run.recipe == ScalingRecipe::Mxfp8 ? " (emulated)" : "",
-                     run.fp8_attention ? " + fp8 attention" : "", recompute);
+  return fmt::format(
+      "fp8 {} {}{}{}{}{}", formats, recipe_name(run.recipe),
+      run.recipe == ScalingRecipe::Mxfp8 ? " (emulated)" : "",
+      run.fp8_attention ? " + fp8 attention" : "",
+      run.weight_transposes == ops::WeightTransposes::InBackward ? ", Ŵᵗ in backward" : "",
+      recompute);
 }
 
 ModelPrecision bench_precision(const RunKind& run, const std::string& formats) {
@@ -148,6 +153,7 @@ ModelPrecision bench_precision(const RunKind& run, const std::string& formats) {
   precision.policy.recipe = run.recipe;
   precision.family = Fp8Family::Ocp;
   precision.fp8_attention = run.fp8 && run.fp8_attention;
+  precision.fp8_weight_transposes = run.weight_transposes;
   return precision;
 }
 
@@ -327,12 +333,14 @@ std::string format_rate(double rate) {
 }
 
 // Each precision in turn, and for fp8 each recipe with each attention setting ("off", "on"):
-// measure_run(RunKind) per run, a line each.
+// measure_run(RunKind) per run, a line each. In one process a run that runs out of GPU memory
+// is reported as such and the next one measured (with several, the others would wait for it).
 template <typename Measure>
 std::vector<Measurement> measure_runs(const std::vector<std::string>& precisions,
                                       const std::vector<std::string>& fp8_recipes,
                                       const std::vector<std::string>& fp8_attention,
-                                      const BenchTiming& timing, const char* unit,
+                                      const std::string& formats, const BenchTiming& timing,
+                                      const char* unit, bool one_process,
                                       const Measure& measure_run) {
   std::vector<RunKind> runs;
   for (const std::string& precision : precisions) {
@@ -371,9 +379,38 @@ std::vector<Measurement> measure_runs(const std::vector<std::string>& precisions
                     : setting == "selective" ? RecomputeGranularity::Selective
                                              : RecomputeGranularity::None;
   });
+  if (!timing.fp8_weight_transposes.empty()) {  // the FP8 runs only
+    std::vector<RunKind> expanded;
+    for (const RunKind& run : runs) {
+      if (!run.fp8) {
+        expanded.push_back(run);
+        continue;
+      }
+      for (const std::string& setting : timing.fp8_weight_transposes) {
+        expanded.push_back(run);
+        expanded.back().weight_transposes = setting == "in_backward"
+                                                ? ops::WeightTransposes::InBackward
+                                                : ops::WeightTransposes::Kept;
+        check_fp8_weight_transposes(expanded.back().weight_transposes, run.recipe,
+                                    "--fp8-weight-transposes");
+      }
+    }
+    runs = std::move(expanded);
+  }
   std::vector<Measurement> results;
   for (const RunKind& run : runs) {
-    const Measurement result = measure_run(run);
+    Measurement result;
+    try {
+      result = measure_run(run);
+    } catch (const DeviceOutOfMemory& error) {
+      if (!one_process) throw;
+      result = Measurement{};
+      result.name = run_name(run, formats);
+      result.out_of_memory = true;
+      fmt::print("{}: out of GPU memory: {}\n", result.name, error.what());
+      results.push_back(result);
+      continue;
+    }
     if (!result.tuning_summary.empty()) fmt::print("{}\n", result.tuning_summary);
     fmt::print(
         "{}: {:.1f} ms/step (forward {:.1f}, backward {:.1f}, optimizer {:.1f}; forward + "
@@ -383,22 +420,32 @@ std::vector<Measurement> measure_runs(const std::vector<std::string>& precisions
         train::format_bytes(result.peak_memory), result.final_loss, result.fp8_layers);
     results.push_back(result);
   }
+  if (std::all_of(results.begin(), results.end(),
+                  [](const Measurement& result) { return result.out_of_memory; })) {
+    throw DeviceOutOfMemory("bench: no run fits in the GPU's memory (see above)");
+  }
   return results;
 }
 
 void print_results(const std::vector<Measurement>& results, const char* unit,
                    const BenchTiming& timing) {
+  const Measurement& base = *std::find_if(results.begin(), results.end(),
+                                          [](const auto& result) { return !result.out_of_memory; });
   fmt::print(
       "\n| run | step ms | {} | bf16-MFU | peak memory | forward | backward | optimizer | vs {} "
       "|\n|---|---|---|---|---|---|---|---|---|\n",
-      unit, results.front().name);
+      unit, base.name);
   for (const Measurement& result : results) {
+    if (result.out_of_memory) {
+      fmt::print("| {} | out of memory | | | | | | | |\n", result.name);
+      continue;
+    }
     fmt::print(
         "| {} | {:.1f} | {} | {:.1f} % | {} | {:.1f} ms | {:.1f} ms | {:.1f} ms | {:.3f}x "
         "step |\n",
         result.name, result.step_ms, format_rate(result.throughput), 100.0 * result.mfu,
         train::format_bytes(result.peak_memory), result.forward_ms, result.backward_ms,
-        result.optimizer_ms, result.step_ms / results.front().step_ms);
+        result.optimizer_ms, result.step_ms / base.step_ms);
   }
   if (!timing.phases) return;
   fmt::print(
@@ -408,6 +455,7 @@ void print_results(const std::vector<Measurement>& results, const char* unit,
       timing.steps, step_phase_name(StepPhase::Gemm), step_phase_name(StepPhase::Attention),
       step_phase_name(StepPhase::Quantization));
   for (const Measurement& result : results) {
+    if (result.out_of_memory) continue;
     fmt::print("| {} | {:.1f} | {:.1f} | {:.1f} | {:.1f} | {:.1f} |\n", result.name,
                result.phase_ms[0], result.phase_ms[1], result.phase_ms[2], result.other_ms,
                result.optimizer_ms);
@@ -607,8 +655,8 @@ int run_bench_gpt(const BenchGptOptions& options) {
   FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   print_tuning_notes(options.timing);
   const std::vector<Measurement> results = measure_runs(
-      options.precisions, options.fp8_recipes, options.fp8_attention, options.timing, "tokens/s",
-      [&](const RunKind& run) {
+      options.precisions, options.fp8_recipes, options.fp8_attention, options.fp8, options.timing,
+      "tokens/s", launch.world_size == 1, [&](const RunKind& run) {
         return measure(options, config, bench_precision(run, options.fp8), bench_recompute(run),
                        run_name(run, options.fp8), bench_tuning(run.autotune), ranks, stream);
       });
@@ -676,8 +724,8 @@ int run_bench_flux(const BenchFluxOptions& options) {
   print_tuning_notes(options.timing);
   const FluxBenchWeights weights(config);
   const std::vector<Measurement> results = measure_runs(
-      options.precisions, options.fp8_recipes, options.fp8_attention, options.timing, "samples/s",
-      [&](const RunKind& run) {
+      options.precisions, options.fp8_recipes, options.fp8_attention, options.fp8, options.timing,
+      "samples/s", launch.world_size == 1, [&](const RunKind& run) {
         return measure_flux(options, config, weights.parameters, bench_precision(run, options.fp8),
                             bench_recompute(run), run_name(run, options.fp8),
                             bench_tuning(run.autotune), ranks, stream);

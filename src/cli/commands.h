@@ -53,6 +53,7 @@ struct ModelSummaryOptions {
   int64_t batch = 1;
   std::string fp8 = "hybrid";
   std::string fp8_recipe = "tensorwise";
+  std::string fp8_weight_transposes = "kept";  // Flux: the GPU's FP8 linears, for the plan
   bool lm_head_fp8 = true;
   bool first_last_layers_bf16 = false;
   int layers_at_start_in_bf16 = 1;
@@ -107,6 +108,9 @@ struct BenchTiming {
   // Activation recompute for each run, each setting in turn ("none", "selective"; "full":
   // uniform, one block per group); empty: none.
   std::vector<std::string> recompute;
+  // Each FP8 run with its linears' Ŵᵗ kept and/or made in backward ("kept", "in_backward";
+  // fp8_weight_transposes); empty: kept.
+  std::vector<std::string> fp8_weight_transposes;
 };
 
 struct BenchGptOptions {

@@ -158,6 +158,13 @@ int main(int argc, char** argv) {
                    "one rank's (Flux: it divides each --gpus count)")
       ->capture_default_str()
       ->check(CLI::Range(1, 1 << 16));
+  flux_only.push_back(
+      model
+          ->add_option("--fp8-weight-transposes", model_options.fp8_weight_transposes,
+                       "Flux: the FP8 linears' transposed weights kept or made before each "
+                       "backward (in_backward), for the plan (fp8_weight_transposes)")
+          ->capture_default_str()
+          ->check(CLI::IsMember({"kept", "in_backward"})));
   flux_only.push_back(model
                           ->add_option("--gpu-memory", model_options.gpu_memory_gib,
                                        "Flux: GiB one GPU holds (default: an H200's 139.8)")
@@ -233,6 +240,13 @@ int main(int argc, char** argv) {
                      "given")
         ->delimiter(',')
         ->check(CLI::IsMember({"none", "selective", "full"}));
+    command
+        ->add_option("--fp8-weight-transposes", timing.fp8_weight_transposes,
+                     "Measure each FP8 run with its linears' transposed weights kept and/or made "
+                     "before each backward (in_backward; fp8_weight_transposes), in the order "
+                     "given (default: kept)")
+        ->delimiter(',')
+        ->check(CLI::IsMember({"kept", "in_backward"}));
   };
   add_run_options(bench_gpt, bench_options.precisions, bench_options.fp8_recipes, bench_options.fp8,
                   bench_options.fp8_attention, bench_options.timing);

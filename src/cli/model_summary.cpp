@@ -75,6 +75,14 @@ int run_flux_summary(const ModelSummaryOptions& options) {
     }
   }
   check_flux_tensor_parallel(config, tensor);
+  FluxPrecision precision;
+  precision.fp8 = fp8_config(options);
+  precision.policy = precision_policy(options);
+  for (const auto& [name, value] : ops::kWeightTransposesNames) {
+    if (name == options.fp8_weight_transposes) precision.fp8_weight_transposes = value;
+  }
+  check_fp8_weight_transposes(precision.fp8_weight_transposes, precision.fp8.recipe,
+                              "--fp8-weight-transposes");
   const FluxConfig preset = FluxConfig::preset(options.flux.preset);
   const bool reduced =
       config.double_blocks != preset.double_blocks || config.single_blocks != preset.single_blocks;
@@ -107,10 +115,8 @@ int run_flux_summary(const ModelSummaryOptions& options) {
              micro_batch.img_tokens, micro_batch.txt_tokens,
              flux_flops_per_sample(config, micro_batch.img_tokens, micro_batch.txt_tokens));
 
-  FluxPrecision precision;
-  precision.fp8 = fp8_config(options);
-  precision.policy = precision_policy(options);
-  fmt::print("\nfp8: {}, recipe {}\n{}\n", options.fp8, options.fp8_recipe,
+  fmt::print("\nfp8: {}, recipe {}, weight transposes {}\n{}\n", options.fp8, options.fp8_recipe,
+             options.fp8_weight_transposes,
              flux_precision_summary(decide_flux_precision(config, precision.policy)));
 
   const double capacity_gib = options.gpu_memory_gib.value_or(kH200MemoryGib);

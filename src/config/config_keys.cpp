@@ -515,6 +515,16 @@ to attention in FP8, and attention hands its output to the output projection in 
 BF16 round trips. Not implemented: only `false` is accepted; `true` is an error that says so.
 `fp8_dot_product_attention` puts the attention products themselves in FP8.)";
 
+constexpr std::string_view kWeightTransposesDetails =
+    R"(The input-gradient GEMM of an FP8 linear reads the transposed FP8 weight Ŵᵗ (Hopper's FP8
+GEMMs take both operands K-major). `kept`: each FP8 linear keeps Ŵᵗ beside Ŵ from its weight
+cast, once per optimizer step. `in_backward`: it keeps Ŵ alone and transposes it into one
+buffer shared by the linears just before its backward: the same bytes (a per-tensor cast is
+elementwise, and a 128x128 tile's scale is its transpose's), one byte per FP8 weight less to
+hold, one more pass over Ŵ per backward. The GPU path only (the CPU path's linears cast per
+call); not with `fp8_recipe: mxfp8`, whose Ŵᵗ has blocks of its own. `fp8train model --preset
+... --fp8-weight-transposes in_backward` plans a Flux model with it.)";
+
 constexpr std::string_view kEdgeLayersDetails =
     R"(Primus's precision override: with `first_last_layers_bf16: true`, the linear layers of the
 first `num_layers_at_start_in_bf16` and the last `num_layers_at_end_in_bf16` transformer
@@ -946,6 +956,12 @@ std::vector<ConfigKey> build_keys() {
   keys.push_back(boolean_key(
       "fp8_wgrad", S::Fp8, [](auto& c) -> auto& { return c.fp8.wgrad; },
       "The weight-gradient GEMM in FP8; false: in BF16.", kWgradDetails));
+  keys.push_back(choice_key(
+      "fp8_weight_transposes", S::Fp8, [](auto& c) -> auto& { return c.fp8.weight_transposes; },
+      Choices<ops::WeightTransposes>(ops::kWeightTransposesNames),
+      "GPU: each FP8 linear keeps its transposed weight (kept), or makes it before its backward "
+      "(in_backward: a byte per weight less).",
+      kWeightTransposesDetails));
   keys.push_back(boolean_key(
       "fp8_dot_product_attention", S::Fp8,
       [](auto& c) -> auto& { return c.fp8.dot_product_attention; },

@@ -563,6 +563,8 @@ void check_whole(const TrainConfig& config, int world_size,
   }
   validate(config.fp8.scaling, source);
   if (!config.is_flux()) check_nan_guard(config, origin);
+  check_fp8_weight_transposes(config.fp8.weight_transposes, config.fp8.scaling.recipe,
+                              origin("fp8_weight_transposes"));
   if (config.fp8.dot_product_attention && config.fp8.scaling.mode == Fp8Mode::None) {
     throw ConfigError(
         fmt::format("{}: true needs fp8 other than none", origin("fp8_dot_product_attention")));

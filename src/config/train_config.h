@@ -154,6 +154,7 @@ struct Fp8Section {
     return bf16;
   }();
   bool wgrad = true;
+  ops::WeightTransposes weight_transposes = ops::WeightTransposes::Kept;  // the GPU's FP8 linears
   bool dot_product_attention = false;  // attention's products in FP8 (ops/attention_fp8.h)
   bool multi_head_attention = false;   // reserved: not implemented, only false
   bool lm_head_fp8 = true;

@@ -9,8 +9,14 @@ namespace fp8t {
 
 [[noreturn]] inline void throw_cuda_failure(const char* file, int line, const char* statement,
                                             cudaError_t status) {
-  throw Error(fmt::format("{}:{}: CUDA call '{}' failed: {} ({})", file, line, statement,
-                          cudaGetErrorString(status), cudaGetErrorName(status)));
+  const std::string message =
+      fmt::format("{}:{}: CUDA call '{}' failed: {} ({})", file, line, statement,
+                  cudaGetErrorString(status), cudaGetErrorName(status));
+  if (status == cudaErrorMemoryAllocation) {
+    cudaGetLastError();  // an allocation's failure is no sticky error: clear it
+    throw DeviceOutOfMemory(message);
+  }
+  throw Error(message);
 }
 
 }  // namespace fp8t

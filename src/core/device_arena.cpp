@@ -25,11 +25,13 @@ void DeviceArena::allocate_planned() {
     size_t free = 0, total = 0;
     cudaGetLastError();  // clear the allocation error
     cudaMemGetInfo(&free, &total);
-    throw Error(fmt::format(
+    const std::string message = fmt::format(
         "cannot allocate {:.2f} GiB of GPU memory for {}: {} ({:.2f} GiB free of {:.2f} GiB); "
         "lower micro_batch_size, sequence_len or depth",
         double(planned_) / double(1 << 30), name_, cudaGetErrorString(status),
-        double(free) / double(1 << 30), double(total) / double(1 << 30)));
+        double(free) / double(1 << 30), double(total) / double(1 << 30));
+    if (status == cudaErrorMemoryAllocation) throw DeviceOutOfMemory(message);
+    throw Error(message);
   }
   memory_ = static_cast<std::byte*>(memory);
   used_ = 0;

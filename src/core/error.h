@@ -22,6 +22,13 @@ class ConfigError : public Error {
   using Error::Error;
 };
 
+// A GPU allocation failed for want of memory: the device is left usable, so a caller may go
+// on with less (the benchmarks report such a run and measure the next).
+class DeviceOutOfMemory : public Error {
+ public:
+  using Error::Error;
+};
+
 [[noreturn]] void throw_check_failure(const char* file, int line, const char* statement,
                                       const std::string& message);
 

@@ -184,7 +184,8 @@ size_t workspace_bytes(const FluxConfig& config, const Dims& d) {
 // (x̂ᵗ, dŷ, dŷᵗ) hold max_tokens rows of backward_width bytes, and at least 128 rows of the
 // widest layer: wider layers run their backward in chunks of rows.
 size_t fp8_scratch_bytes(ScalingRecipe recipe, int64_t fp8_count, int64_t max_tokens,
-                         int64_t max_in, int64_t max_out, int64_t backward_width) {
+                         int64_t max_in, int64_t max_out, int64_t backward_width,
+                         const ops::WeightTScratch& weight_t) {
   ArenaBytes scratch;
   scratch.take<float>(fp8_count * ops::kLinearScalingFloats);
   scratch.take<CastHealth>(fp8_count * ops::kHealthCountersPerLinear);
@@ -192,6 +193,8 @@ size_t fp8_scratch_bytes(ScalingRecipe recipe, int64_t fp8_count, int64_t max_to
   const int64_t backward = ops::fp8_backward_elements(max_tokens, max_in, max_out, backward_width);
   for (int buffer = 0; buffer < 3; ++buffer)
     scratch.take<uint8_t>(backward);
+  scratch.take<uint8_t>(weight_t.bytes);  // the largest Ŵᵗ and its scales, if made in backward
+  scratch.take<float>(weight_t.scale_floats);
   if (!block_scaled(recipe)) return scratch.bytes();
   const int64_t widest = std::max(max_in, max_out);
   const int64_t floats = ops::fp8_scale_scratch_floats(max_tokens, max_in, max_out);
@@ -212,24 +215,28 @@ size_t linear_copy_bytes(const FluxConfig& config, const FluxMicroBatch& micro_b
   const ScalingRecipe recipe = precision.fp8.recipe;
   size_t bytes = 0;
   int64_t fp8_count = 0, max_in = 0, max_out = 0, max_rows = 0;
+  ops::WeightTScratch weight_t;
   std::vector<FluxLinearPrecision> decisions = decide_flux_precision(config, precision.policy);
   keep_unblocked_flux_shares_in_bf16(decisions, config, recipe, tensor_parallel);
   for (const FluxLinearPrecision& decision : decisions) {
     const auto [in, out] = flux_tensor_share(decision.linear, config, tensor_parallel, 0)
                                .features(decision.linear.in_features, decision.linear.out_features);
-    bytes += ops::linear_weight_bytes(in, out, /*bias=*/true, decision.fp8, recipe);
+    bytes += ops::linear_weight_bytes(in, out, /*bias=*/true, decision.fp8, recipe,
+                                      precision.fp8_weight_transposes);
     if (!decision.fp8) continue;
     ++fp8_count;
     max_in = std::max(max_in, in);
     max_out = std::max(max_out, out);
     max_rows = std::max(max_rows, flux_linear_rows(decision.linear, micro_batch.batch,
                                                    micro_batch.img_tokens, micro_batch.txt_tokens));
+    if (precision.fp8_weight_transposes == ops::WeightTransposes::InBackward)
+      weight_t.fit(in, out, recipe);
   }
   // CudaFluxModel's backward operands fit the MLPs whole; linear1 and linear2 run in chunks.
   if (fp8_count > 0) {
     const int64_t mlp = config.mlp_hidden() / tensor_parallel;
     bytes += fp8_scratch_bytes(recipe, fp8_count, max_rows, max_in, max_out,
-                               std::max<int64_t>(config.hidden_size, mlp));
+                               std::max<int64_t>(config.hidden_size, mlp), weight_t);
   }
   return bytes;
 }

@@ -12,6 +12,16 @@
 
 namespace fp8t {
 
+void check_fp8_weight_transposes(ops::WeightTransposes transposes, ScalingRecipe recipe,
+                                 std::string_view origin) {
+  if (transposes == ops::WeightTransposes::InBackward && recipe == ScalingRecipe::Mxfp8) {
+    throw ConfigError(fmt::format(
+        "{}: in_backward transposes Ŵ, but an mxfp8 Ŵᵗ has 1x32 blocks of its own; expected "
+        "kept with fp8_recipe: mxfp8",
+        origin));
+  }
+}
+
 ModelPrecision ModelPrecision::fp32_reference() {
   ModelPrecision precision;
   precision.fp8.mode = Fp8Mode::None;

@@ -5,11 +5,13 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "models/gpt_config.h"
 #include "numerics/scaling.h"
 #include "ops/attention_fp8.h"
+#include "ops/fp8_linear_layout.h"
 #include "ops/linear.h"
 
 namespace fp8t {
@@ -44,6 +46,8 @@ struct ModelPrecision {
   Fp8Family family = Fp8Family::Ocp;  // resolved for the platform
   PrecisionOptions policy;            // which linears may be FP8
   bool fp8_wgrad = true;
+  // The GPU's FP8 linears: Ŵᵗ kept, or transposed from Ŵ in backward (fp8_weight_transposes).
+  ops::WeightTransposes fp8_weight_transposes = ops::WeightTransposes::Kept;
   ops::LinearOperands other_linears = ops::LinearOperands::Fp32;
   // fp8_dot_product_attention: attention's products on FP8 operands (ops/attention_fp8.h).
   // Only with fp8 other than none.
@@ -52,6 +56,11 @@ struct ModelPrecision {
   // Everything in fp32: the reference golden files and FP8 runs are compared with.
   static ModelPrecision fp32_reference();
 };
+
+// Throws ConfigError, prefixed with `origin` (where fp8_weight_transposes was given), for
+// in_backward under mxfp8, whose Ŵᵗ is no transpose of Ŵ.
+void check_fp8_weight_transposes(ops::WeightTransposes transposes, ScalingRecipe recipe,
+                                 std::string_view origin);
 
 // The formats and scale rounding of FP8 attention: the recipe's input and gradient formats for
 // the family, its power-of-2 rule and amax epsilon.

@@ -6,11 +6,22 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <string_view>
+#include <utility>
 
 #include "numerics/float_bits.h"
 #include "numerics/scaling.h"
 
 namespace fp8t::ops {
+
+// Where an FP8 linear's Ŵᵗ (the dgrad's weight operand) comes from. Kept: its own copy, cast with
+// Ŵ once per optimizer step. InBackward: Ŵ transposed into the shared scratch before each
+// backward, the same bytes (a per-tensor cast is elementwise; a 128x128 tile's scale is the
+// transposed tile's), one byte per weight less to hold and one transpose pass more per
+// backward. Not for MXFP8, whose Ŵᵗ has its own 1x32 blocks.
+enum class WeightTransposes : uint8_t { Kept, InBackward };
+inline constexpr std::pair<std::string_view, WeightTransposes> kWeightTransposesNames[] = {
+    {"kept", WeightTransposes::Kept}, {"in_backward", WeightTransposes::InBackward}};
 
 // The device floats of one FP8 linear's per-tensor scaling: for each TensorRole (input, weight,
 // grad_output, in that order) the inverse scale the GEMM reads, the scale the cast uses and the
@@ -66,21 +77,39 @@ inline int64_t weight_grid_floats(int64_t max_in, int64_t max_out) {
 }
 
 // The bytes one linear [in -> out] allocates itself: its bf16 bias and the weight copies of its
-// precision (bf16; or FP8 Ŵ and Ŵᵗ, with their block scales, and for MXFP8 both dequantized).
+// precision (bf16; or FP8 Ŵ and, when kept, Ŵᵗ, with their block scales, and for MXFP8 both
+// dequantized).
 inline size_t linear_weight_bytes(int64_t in, int64_t out, bool bias, bool fp8,
-                                  ScalingRecipe recipe) {
+                                  ScalingRecipe recipe,
+                                  WeightTransposes transposes = WeightTransposes::Kept) {
   const auto weights = static_cast<size_t>(in * out);
   size_t bytes = bias ? static_cast<size_t>(out) * sizeof(bf16) : 0;
   if (!fp8) return bytes + weights * sizeof(bf16);
-  bytes += 2 * weights;
+  const bool kept = transposes == WeightTransposes::Kept;
+  bytes += (kept ? 2 : 1) * weights;
   if (recipe == ScalingRecipe::Mxfp8) {
     bytes += 2 * weights * sizeof(bf16);
     bytes +=
         static_cast<size_t>(mx_scale_floats(out, in) + mx_scale_floats(in, out)) * sizeof(float);
   } else if (recipe == ScalingRecipe::Blockwise) {
-    bytes += static_cast<size_t>(tile_floats(out, in) + tile_floats(in, out)) * sizeof(float);
+    bytes += static_cast<size_t>(tile_floats(out, in) + (kept ? tile_floats(in, out) : 0)) *
+             sizeof(float);
   }
   return bytes;
 }
+
+// The shared scratch's Ŵᵗ under WeightTransposes::InBackward: room for the largest FP8 weight
+// of a model, and for blockwise its padded 128x128 scale grid. Empty when Ŵᵗ are kept.
+struct WeightTScratch {
+  int64_t bytes = 0;
+  int64_t scale_floats = 0;
+
+  // Makes room for an FP8 linear [in -> out].
+  void fit(int64_t in, int64_t out, ScalingRecipe recipe) {
+    bytes = std::max(bytes, in * out);
+    if (recipe == ScalingRecipe::Blockwise)
+      scale_floats = std::max(scale_floats, tile_floats(in, out));
+  }
+};
 
 }  // namespace fp8t::ops

@@ -61,6 +61,7 @@ ModelPrecision model_precision(const TrainConfig& config, bool cuda) {
       resolve_family(precision.fp8.dtype_family, cuda ? fp8_architecture(query_gpus()) : "cpu");
   precision.policy = config.precision_options();
   precision.fp8_wgrad = config.fp8.wgrad;
+  precision.fp8_weight_transposes = config.fp8.weight_transposes;
   precision.fp8_attention = config.fp8.dot_product_attention && precision.fp8.mode != Fp8Mode::None;
   precision.other_linears = ops::LinearOperands::Bf16;
   return precision;

@@ -469,6 +469,11 @@ TEST(TrainConfig, CommandLineErrorsNameTheFlag) {
       {{"--fp8-recipe=delayed", "--fp8-amax-epsilon=0.5"},
        "fp8_amax_epsilon: applies to tensorwise and blockwise only, found 0.5 with fp8_recipe: "
        "delayed"},
+      {{"--fp8-recipe=mxfp8", "--fp8-weight-transposes=in_backward"},
+       "--fp8-weight-transposes: in_backward transposes Ŵ, but an mxfp8 Ŵᵗ has 1x32 blocks of its "
+       "own; expected kept with fp8_recipe: mxfp8"},
+      {{"--fp8-weight-transposes=dropped"},
+       "--fp8-weight-transposes: unknown value 'dropped'; allowed: kept, in_backward"},
   };
   for (const Case& c : cases) {
     EXPECT_EQ(load_error(c.args), "command line: " + c.expected);
@@ -499,6 +504,7 @@ TEST(TrainConfig, EveryKeyRoundTripsThroughYaml) {
   config.fp8.scaling.amax_epsilon = 1e-12f;
   config.fp8.scaling.dtype_family = FamilySetting::Fnuz;
   config.fp8.wgrad = false;
+  config.fp8.weight_transposes = ops::WeightTransposes::InBackward;
   config.fp8.dot_product_attention = true;
   config.fp8.num_layers_at_end_in_bf16 = 2;
   config.run.nan_restore_after = 2;

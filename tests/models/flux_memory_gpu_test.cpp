@@ -1,5 +1,6 @@
 // The host memory plan (models/flux_memory.h) against what the GPU path allocates: every
-// category of CudaFluxModel::memory() and CudaAdamW's moments, byte for byte, in BF16 and FP8.
+// category of CudaFluxModel::memory() and CudaAdamW's moments, byte for byte, in BF16 and FP8
+// (with FP8 weight transposes kept, and made in backward).
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -24,11 +25,14 @@ struct PlanCase {
   bool guidance;
   Fp8Mode mode;
   ScalingRecipe recipe;
+  ops::WeightTransposes transposes = ops::WeightTransposes::Kept;
 };
 
 std::string case_name(const PlanCase& plan_case) {
-  return fmt::format("{}{}_{}_{}", plan_case.preset, plan_case.guidance ? "_guidance" : "",
-                     mode_name(plan_case.mode), recipe_name(plan_case.recipe));
+  return fmt::format(
+      "{}{}_{}_{}{}", plan_case.preset, plan_case.guidance ? "_guidance" : "",
+      mode_name(plan_case.mode), recipe_name(plan_case.recipe),
+      plan_case.transposes == ops::WeightTransposes::InBackward ? "_transposes_in_backward" : "");
 }
 
 // gtest prints a case by its name instead of its bytes.
@@ -47,6 +51,7 @@ TEST_P(FluxMemoryGpuTest, PlanMatchesTheModelAndOptimizerAllocations) {
   precision.fp8.recipe = plan_case.recipe;
   precision.policy.mode = plan_case.mode;
   precision.policy.recipe = plan_case.recipe;
+  precision.fp8_weight_transposes = plan_case.transposes;
   // 2 samples of 64 image and 16 text tokens: FP8 row counts are multiples of 16, and flux_tiny's
   // narrow tensors leave pieces the arenas pad.
   const FluxMicroBatch micro_batch{.batch = 2, .img_tokens = 64, .txt_tokens = 16};
@@ -92,6 +97,10 @@ INSTANTIATE_TEST_SUITE_P(
                       PlanCase{"flux_small", false, Fp8Mode::None, ScalingRecipe::Tensorwise},
                       PlanCase{"flux_small", false, Fp8Mode::Hybrid, ScalingRecipe::Tensorwise},
                       PlanCase{"flux_small", true, Fp8Mode::Hybrid, ScalingRecipe::Blockwise},
+                      PlanCase{"flux_small", false, Fp8Mode::Hybrid, ScalingRecipe::Tensorwise,
+                               ops::WeightTransposes::InBackward},
+                      PlanCase{"flux_small", false, Fp8Mode::Hybrid, ScalingRecipe::Blockwise,
+                               ops::WeightTransposes::InBackward},
                       PlanCase{"flux_small", false, Fp8Mode::Hybrid, ScalingRecipe::Mxfp8}),
     [](const auto& test_param) { return case_name(test_param.param); });
 

@@ -162,6 +162,29 @@ TEST(FluxMemory, Fp8TensorwiseAddsOnlyTheSharedQuantizationScratch) {
   EXPECT_EQ(fp8.optimizer_state, bf16.optimizer_state);
 }
 
+TEST(FluxMemory, WeightTransposesMadeInBackwardSaveAByteAWeight) {
+  const FluxConfig config = FluxConfig::preset("flux_12b");
+  FluxPrecision in_backward = precision_for(Fp8Mode::Hybrid);
+  in_backward.fp8_weight_transposes = ops::WeightTransposes::InBackward;
+  const FluxMemoryPlan kept =
+      plan_flux_memory(config, micro_batch(1), precision_for(Fp8Mode::Hybrid));
+  const FluxMemoryPlan made = plan_flux_memory(config, micro_batch(1), in_backward);
+  // The FP8 linears' weights, C = 3072 and M = 4C: a double block's two streams each hold qkv
+  // (3C²), proj (C²), mlp.0 and mlp.2 (4C² each); a single block linear1 ([3C + M, C]: 7C²) and
+  // linear2 ([C, C + M]: 5C²). 19 double and 38 single blocks: 19·24C² + 38·12C² = 912C² Ŵᵗ
+  // bytes are no longer kept; the shared scratch holds the largest, linear1's 7C².
+  const size_t C2 = size_t{3072} * 3072;
+  EXPECT_EQ(kept.linear_copies - made.linear_copies, 912 * C2 - 7 * C2);
+  EXPECT_EQ(made.activations, kept.activations);
+  EXPECT_EQ(made.parameters, kept.parameters);
+  // Blockwise also drops each Ŵᵗ's 128x128 scales and adds the largest grid to the scratch.
+  FluxPrecision blockwise = precision_for(Fp8Mode::Hybrid, ScalingRecipe::Blockwise);
+  const size_t blockwise_kept = plan_flux_memory(config, micro_batch(1), blockwise).linear_copies;
+  blockwise.fp8_weight_transposes = ops::WeightTransposes::InBackward;
+  EXPECT_GT(blockwise_kept - plan_flux_memory(config, micro_batch(1), blockwise).linear_copies,
+            905 * C2);
+}
+
 TEST(FluxMemory, BlockRecipesAddScalesToTheTensorwiseCopies) {
   const FluxConfig config = FluxConfig::preset("flux_535m");
   const size_t tensorwise =

@@ -3,12 +3,15 @@
 // GEMM row under the same scales), dW up to the order of its fp32 sums, for every recipe and for
 // the relu² input; the backward through relu² against relu2_backward and the plain backward;
 // and the forward's residual; the joint weight gradient of layers sharing an input against
-// separate ones; the input cast fused into the norm before against the layer's own. The models'
-// GPU tests compare the whole-layer path with the CPU.
+// separate ones; the input cast fused into the norm before against the layer's own; Ŵᵗ
+// transposed in backward against the kept one, and the transposes against host transposes. The
+// models' GPU tests compare the whole-layer path with the CPU.
 #include <gtest/gtest.h>
 
+#include <limits>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include <cuda_runtime_api.h>
@@ -21,6 +24,7 @@
 #include "numerics/scaling.h"
 #include "ops/cuda/linear_cuda.h"
 #include "ops/cuda/ops_cuda.h"
+#include "ops/fp8_linear_layout.h"
 // The GPU tests target has no tests/ include directory.
 #include "ops/gpu_compare.h"
 
@@ -36,6 +40,18 @@ constexpr int64_t kNarrowWidth = 64;
 // Weight gradients summed in another order: fp32 rounding only.
 constexpr Tolerance kReorderedSums{1e-5, 1e-4, 1e-6};
 
+// An FP8 linear [kIn -> kOut] over kTokens tokens under `recipe`, with its scaling floats.
+kernels::LinearSetup layer_setup(ScalingRecipe recipe, float* scaling) {
+  kernels::LinearSetup setup;
+  setup.in_features = kIn;
+  setup.out_features = kOut;
+  setup.max_tokens = kTokens;
+  setup.fp8 = true;
+  setup.fp8_config.recipe = recipe;
+  setup.scaling = scaling;
+  return setup;
+}
+
 // One linear (FP8 unless told, then BF16) with its own scratch and scaling floats (scales 1,
 // amaxes 0).
 struct LinearUnderTest {
@@ -45,10 +61,14 @@ struct LinearUnderTest {
   std::unique_ptr<kernels::CudaLinear> layer;
 
   LinearUnderTest(ScalingRecipe recipe, bool relu2, int64_t backward_width,
-                  gemm::CublasLtGemm& gemm, bool fp8 = true, bool output_relu2 = false) {
+                  gemm::CublasLtGemm& gemm, bool fp8 = true, bool output_relu2 = false,
+                  ops::WeightTransposes transposes = ops::WeightTransposes::Kept) {
+    ops::WeightTScratch weight_t;
+    if (transposes == ops::WeightTransposes::InBackward) weight_t.fit(kIn, kOut, recipe);
     for (bool planning : {true, false}) {
       scaling = arena.take<float>(kernels::kLinearScalingFloats);
-      scratch = kernels::take_fp8_scratch(arena, recipe, kTokens, kIn, kOut, backward_width);
+      scratch =
+          kernels::take_fp8_scratch(arena, recipe, kTokens, kIn, kOut, backward_width, weight_t);
       if (planning) arena.allocate_planned();
     }
     std::vector<float> initial(kernels::kLinearScalingFloats, 0.0f);
@@ -58,15 +78,11 @@ struct LinearUnderTest {
     }
     FP8T_CUDA_CHECK(cudaMemcpy(scaling, initial.data(), initial.size() * sizeof(float),
                                cudaMemcpyHostToDevice));
-    kernels::LinearSetup setup;
-    setup.in_features = kIn;
-    setup.out_features = kOut;
-    setup.max_tokens = kTokens;
+    kernels::LinearSetup setup = layer_setup(recipe, scaling);
     setup.fp8 = fp8;
-    setup.fp8_config.recipe = recipe;
-    setup.scaling = scaling;
     setup.input_relu2 = relu2;
     setup.output_relu2 = output_relu2;
+    setup.weight_transposes = transposes;
     layer = std::make_unique<kernels::CudaLinear>(setup, gemm, scratch);
   }
 
@@ -330,6 +346,121 @@ TEST_F(LinearCuda, JointWeightGradientMatchesSeparateOnes) {
   tensorwise.wgrad_group = {0, kLayers * kOut};
   EXPECT_THROW(std::make_unique<kernels::CudaLinear>(tensorwise, gemm_, linears.scratch), Error)
       << "a joint weight gradient with per-tensor scales";
+}
+
+}  // namespace
+}  // namespace fp8t
+
+namespace fp8t {
+namespace {
+
+// Ŵᵗ transposed from Ŵ before the backward holds the bytes (and, blockwise, the scales) the
+// weight cast gives the kept Ŵᵗ: y, dx, dW and the scaling floats are equal bit for bit, with
+// the backward whole and in chunks (one transpose before them), and the layer holds a byte per
+// weight less (and, blockwise, no transposed grid of scales).
+TEST_F(LinearCuda, WeightTransposedInBackwardMatchesTheKeptOne) {
+  SCOPED_TRACE(rng_.trace());
+  for (ScalingRecipe recipe :
+       {ScalingRecipe::Tensorwise, ScalingRecipe::Delayed, ScalingRecipe::Blockwise}) {
+    for (int64_t width : {kOut, kNarrowWidth}) {
+      const std::string name = fmt::format("{}, backward width {}", recipe_name(recipe), width);
+      std::vector<bf16> y[2], dx[2];
+      std::vector<float> dweight[2], scaling[2];
+      size_t bytes[2] = {};
+      for (int in_backward : {0, 1}) {
+        LinearUnderTest linear(
+            recipe, /*relu2=*/false, width, gemm_, /*fp8=*/true,
+            /*output_relu2=*/false,
+            in_backward ? ops::WeightTransposes::InBackward : ops::WeightTransposes::Kept);
+        AfterForward step(*this, linear);
+        linear.layer->backward(dy_.get(), x_.get(), kTokens, step.dx.get(), false,
+                               step.dweight.get(), /*record_amax=*/true, stream_);
+        FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+        y[in_backward] = step.y.download();
+        dx[in_backward] = step.dx.download();
+        dweight[in_backward] = step.dweight.download();
+        scaling[in_backward] = linear.scaling_floats();
+        bytes[in_backward] = linear.layer->device_bytes();
+      }
+      expect_bitwise_equal(y[1], y[0], name + " y");
+      expect_bitwise_equal(dx[1], dx[0], name + " dx");
+      expect_bitwise_equal(dweight[1], dweight[0], name + " dW");
+      expect_bitwise_equal(scaling[1], scaling[0], name + " scaling floats");
+      const size_t scales = recipe == ScalingRecipe::Blockwise
+                                ? sizeof(float) * size_t(ops::tile_floats(kIn, kOut))
+                                : 0;
+      EXPECT_EQ(bytes[0] - bytes[1], size_t(kIn * kOut) + scales) << name;
+    }
+  }
+}
+
+TEST_F(LinearCuda, WeightTransposedInBackwardNeedsRoomAndATransposableRecipe) {
+  const auto setup_for = [](ScalingRecipe recipe, float* scaling) {
+    kernels::LinearSetup setup = layer_setup(recipe, scaling);
+    setup.weight_transposes = ops::WeightTransposes::InBackward;
+    return setup;
+  };
+  // Room for a weight 16 rows smaller than this layer's.
+  LinearUnderTest small(ScalingRecipe::Tensorwise, false, kOut, gemm_);
+  small.scratch.weight_t_room.fit(kIn, kOut - 16, ScalingRecipe::Tensorwise);
+  EXPECT_THROW(kernels::CudaLinear(setup_for(ScalingRecipe::Tensorwise, small.scaling), gemm_,
+                                   small.scratch),
+               Error)
+      << "no room";
+  LinearUnderTest mx(ScalingRecipe::Mxfp8, false, kOut, gemm_);
+  mx.scratch.weight_t_room.fit(kIn, kOut, ScalingRecipe::Mxfp8);
+  EXPECT_THROW(kernels::CudaLinear(setup_for(ScalingRecipe::Mxfp8, mx.scaling), gemm_, mx.scratch),
+               Error)
+      << "mxfp8";
+}
+
+// The transposes on shapes that fill no tile and on whole tiles, against host transposes; the
+// outputs poisoned first, and the pads of the grid's input too.
+TEST_F(LinearCuda, TransposesMatchHostTransposes) {
+  SCOPED_TRACE(rng_.trace());
+  const std::pair<int64_t, int64_t> shapes[] = {{4, 4},    {20, 36},   {64, 64},
+                                                {132, 68}, {16, 1000}, {1000, 16}};
+  for (const auto& [rows, cols] : shapes) {
+    std::vector<uint8_t> bytes(size_t(rows * cols));
+    for (uint8_t& byte : bytes)
+      byte = static_cast<uint8_t>(rng_.bits());
+    const Device<uint8_t> in(bytes);
+    Device<uint8_t> out(bytes.size());
+    out.poison_nan();
+    kernels::transpose_fp8(in.get(), rows, cols, out.get(), stream_);
+    std::vector<uint8_t> expected(bytes.size());
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t c = 0; c < cols; ++c)
+        expected[size_t(c * rows + r)] = bytes[size_t(r * cols + c)];
+    }
+    expect_bitwise_equal(out.download(), expected, fmt::format("[{}, {}] bytes", rows, cols));
+  }
+  const Device<uint8_t> six_rows(48);
+  Device<uint8_t> six_cols(48);
+  EXPECT_THROW(kernels::transpose_fp8(six_rows.get(), 6, 8, six_cols.get(), stream_), Error)
+      << "6 rows";
+
+  const auto padded = [](int64_t count) { return (count + 3) / 4 * 4; };
+  const std::pair<int64_t, int64_t> grids[] = {{1, 1}, {3, 5}, {5, 9}, {8, 4}};
+  for (const auto& [grid_rows, grid_cols] : grids) {
+    std::vector<float> grid(size_t(grid_rows * padded(grid_cols)),
+                            std::numeric_limits<float>::quiet_NaN());
+    for (int64_t r = 0; r < grid_rows; ++r) {
+      for (int64_t c = 0; c < grid_cols; ++c)
+        grid[size_t(r * padded(grid_cols) + c)] = static_cast<float>(rng_.uniform(0.5, 4.0));
+    }
+    const Device<float> in(grid);
+    Device<float> out(size_t(grid_cols * padded(grid_rows)));
+    out.poison_nan();
+    kernels::transpose_tile_scale_grid(out.get(), in.get(), grid_rows, grid_cols, stream_);
+    std::vector<float> expected(size_t(grid_cols * padded(grid_rows)), 0.0f);
+    for (int64_t r = 0; r < grid_rows; ++r) {
+      for (int64_t c = 0; c < grid_cols; ++c)
+        expected[size_t(c * padded(grid_rows) + r)] = grid[size_t(r * padded(grid_cols) + c)];
+    }
+    expect_bitwise_equal(out.download(), expected,
+                         fmt::format("[{}, {}] scale grid", grid_rows, grid_cols));
+  }
 }
 
 }  // namespace

@@ -294,6 +294,7 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
     setup.fp8_config = precision_.fp8;
     setup.family = precision_.family;
     setup.fp8_wgrad = precision_.fp8_wgrad;
+    setup.weight_transposes = precision_.fp8_weight_transposes;
     if (decision.fp8) {
       setup.scaling = buffers_->scalings.floats(fp8_index);
       setup.health = buffers_->scalings.health(fp8_index);
@@ -506,6 +507,7 @@ void CudaFluxModel::lay_out() {
   // FP8: the scaling floats and the quantization scratch of the largest linear (share).
   int fp8_count = 0;
   int64_t max_in = 0, max_out = 0, max_rows = 0;
+  ops::WeightTScratch weight_t;
   for (const FluxLinearPrecision& decision : linear_precision_) {
     if (!decision.fp8) continue;
     const auto [in, out] = flux_tensor_share(decision.linear, config_, tensor_parallel_.size, 0)
@@ -515,6 +517,8 @@ void CudaFluxModel::lay_out() {
     max_out = std::max(max_out, out);
     max_rows =
         std::max(max_rows, flux_linear_rows(decision.linear, batch_, img_tokens_, txt_tokens_));
+    if (precision_.fp8_weight_transposes == ops::WeightTransposes::InBackward)
+      weight_t.fit(in, out, precision_.fp8.recipe);
   }
   b.scalings.take(b.linear_scratch, fp8_count);
   if (fp8_count > 0) {
@@ -522,7 +526,7 @@ void CudaFluxModel::lay_out() {
     // The backward scratch fits the MLPs whole; the single blocks' linear1 and linear2 take
     // their tokens in chunks.
     b.fp8_scratch = kernels::take_fp8_scratch(scratch, precision_.fp8.recipe, max_rows, max_in,
-                                              max_out, std::max<int64_t>(C, M));
+                                              max_out, std::max<int64_t>(C, M), weight_t);
   }
 }
 

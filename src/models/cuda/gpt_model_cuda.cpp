@@ -200,9 +200,9 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
     for (const LinearPrecision& decision : linear_precision_) {
       if (decision.linear.kind == ParamKind::Gate) continue;  // kernels of their own
       const LinearShare share = share_of(decision.linear, tensor_parallel_);
-      planned.linear_copies +=
-          ops::linear_weight_bytes(share.in_features, share.out_features, /*bias=*/false,
-                                   decision.fp8, precision_.fp8.recipe);
+      planned.linear_copies += ops::linear_weight_bytes(
+          share.in_features, share.out_features, /*bias=*/false, decision.fp8,
+          precision_.fp8.recipe, precision_.fp8_weight_transposes);
     }
     check_plan(planned, layout_, buffers_->region_bytes);
   }
@@ -283,6 +283,7 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
     setup.fp8_config = precision_.fp8;
     setup.family = precision_.family;
     setup.fp8_wgrad = precision_.fp8_wgrad;
+    setup.weight_transposes = precision_.fp8_weight_transposes;
     // mlp.c_proj casts relu² of the MLP's hidden layer itself: the activation is never stored.
     // With delayed and blockwise scaling mlp.c_fc casts the gradient through relu² too, so the
     // hidden layer's gradient is never stored either; tensorwise reads both of that cast's
@@ -488,6 +489,7 @@ void CudaGptModel::lay_out() {
   // row-parallel shares' columns of their weights, gathered in turn.
   int fp8_count = 0;
   int64_t max_in = 0, max_out = 0, max_staged = 0;
+  ops::WeightTScratch weight_t;
   for (const LinearPrecision& decision : linear_precision_) {
     if (decision.linear.kind == ParamKind::Gate) continue;
     const LinearShare share = share_of(decision.linear, tensor_parallel_);
@@ -497,6 +499,8 @@ void CudaGptModel::lay_out() {
     ++fp8_count;
     max_in = std::max(max_in, share.in_features);
     max_out = std::max(max_out, share.out_features);
+    if (precision_.fp8_weight_transposes == ops::WeightTransposes::InBackward)
+      weight_t.fit(share.in_features, share.out_features, precision_.fp8.recipe);
   }
   b.weight_staging = max_staged > 0 ? ws.take<float>(static_cast<size_t>(max_staged)) : nullptr;
   b.scalings.take(b.linear_scratch, fp8_count);
@@ -504,7 +508,7 @@ void CudaGptModel::lay_out() {
     DeviceArena& scratch = b.linear_scratch;
     // The backward scratch fits the MLP's layers whole; lm_head takes its tokens in chunks.
     b.fp8_scratch = kernels::take_fp8_scratch(scratch, precision_.fp8.recipe, tokens_, max_in,
-                                              max_out, std::max<int64_t>(hidden_, C));
+                                              max_out, std::max<int64_t>(hidden_, C), weight_t);
   }
 }
 

@@ -22,7 +22,8 @@ static_assert(kFusedCastBlock == kScaleBlock, "the norms' fused block casts are 
 }  // namespace
 
 Fp8Scratch take_fp8_scratch(DeviceArena& arena, ScalingRecipe recipe, int64_t max_tokens,
-                            int64_t max_in, int64_t max_out, int64_t backward_width) {
+                            int64_t max_in, int64_t max_out, int64_t backward_width,
+                            const WeightTScratch& weight_t) {
   const auto count = [](int64_t a, int64_t b) { return static_cast<size_t>(a * b); };
   Fp8Scratch scratch;
   scratch.input = arena.take<uint8_t>(count(max_tokens, max_in));
@@ -32,6 +33,11 @@ Fp8Scratch take_fp8_scratch(DeviceArena& arena, ScalingRecipe recipe, int64_t ma
   scratch.input_t_holder = std::make_shared<InputTHolder>();
   scratch.grad_output = arena.take<uint8_t>(backward_count);
   scratch.grad_output_t = arena.take<uint8_t>(backward_count);
+  scratch.weight_t_room = weight_t;
+  if (weight_t.bytes > 0)
+    scratch.weight_t = arena.take<uint8_t>(static_cast<size_t>(weight_t.bytes));
+  if (weight_t.scale_floats > 0)
+    scratch.weight_t_scales = arena.take<float>(static_cast<size_t>(weight_t.scale_floats));
   if (recipe != ScalingRecipe::Blockwise && recipe != ScalingRecipe::Mxfp8) return scratch;
   const int64_t max_features = std::max(max_in, max_out);
   scratch.scale_floats = fp8_scale_scratch_floats(max_tokens, max_in, max_out);
@@ -107,6 +113,15 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
                "a linear can share the input quantization only of an FP8 linear of the same input "
                "that quantizes it itself");
   }
+  FP8T_CHECK(weight_t_kept() || !mx(),
+             "an FP8 linear transposes its weight in backward only under a per-tensor or "
+             "blockwise recipe");
+  FP8T_CHECK(weight_t_kept() ||
+                 (scratch.weight_t_room.bytes >= in * out &&
+                  (!blockwise() || scratch.weight_t_room.scale_floats >= tile_floats(in, out))),
+             "the FP8 scratch holds a Ŵᵗ of {} bytes ({} scale floats), less than a [{} -> {}] "
+             "linear's",
+             scratch.weight_t_room.bytes, scratch.weight_t_room.scale_floats, in, out);
   FP8T_CHECK(!mx() || (in % kMxScaleBlock == 0 && out % kMxScaleBlock == 0),
              "an MXFP8 linear needs features that are multiples of {}, found [{} -> {}]",
              kMxScaleBlock, in, out);
@@ -131,7 +146,7 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
                group.rows, setup.max_tokens, scratch.backward_elements);
   }
   weight_fp8_ = std::make_unique<DeviceBuffer<uint8_t>>(weight_count);
-  weight_fp8_t_ = std::make_unique<DeviceBuffer<uint8_t>>(weight_count);
+  if (weight_t_kept()) weight_fp8_t_ = std::make_unique<DeviceBuffer<uint8_t>>(weight_count);
   if (mx()) {
     FP8T_CHECK(scratch.input_scales != nullptr && scratch.input_t_scales != nullptr &&
                    scratch.grad_output_scales != nullptr &&
@@ -151,7 +166,8 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
                "a blockwise linear needs the block-scale scratch");
     const auto floats = [](int64_t count) { return static_cast<size_t>(count); };
     weight_scales_ = std::make_unique<DeviceBuffer<float>>(floats(tile_floats(out, in)));
-    weight_t_scales_ = std::make_unique<DeviceBuffer<float>>(floats(tile_floats(in, out)));
+    if (weight_t_kept())
+      weight_t_scales_ = std::make_unique<DeviceBuffer<float>>(floats(tile_floats(in, out)));
   }
 }
 
@@ -339,9 +355,9 @@ void CudaLinear::prepare_weight(const float* weight, bool record_amax, cudaStrea
     cast_to_bf16(weight_bf16_->get(), weight, in * out, stream);
     return;
   }
-  quantize(weight, out, in, TensorRole::Weight, weight_fp8_->get(), weight_fp8_t_->get(),
-           ScaleSource::Measure, record_amax, stream,
-           weight_scales_ ? weight_scales_->get() : nullptr,
+  quantize(weight, out, in, TensorRole::Weight, weight_fp8_->get(),
+           weight_fp8_t_ ? weight_fp8_t_->get() : nullptr, ScaleSource::Measure, record_amax,
+           stream, weight_scales_ ? weight_scales_->get() : nullptr,
            weight_t_scales_ ? weight_t_scales_->get() : nullptr);
   if (mx()) {
     dequantize_mx(weight_fp8_->get(), weight_scales_->get(), out, in, TensorRole::Weight,
@@ -426,6 +442,7 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
     return;
   }
   if (dx == nullptr && !fp8_wgrad) return;
+  if (dx != nullptr && !weight_t_kept()) transpose_weight(stream);
   const int64_t chunk = backward_chunk(tokens);
   ScaleSource grad_scale = ScaleSource::Measure;
   if (chunk < tokens && setup_.fp8_config.recipe == ScalingRecipe::Tensorwise) {
@@ -484,9 +501,8 @@ void CudaLinear::backward_rows(const bf16* dy, const bf16* x, int64_t first_row,
     gemm_.fp8_gemm(
         rows, in, out,
         operand(scratch_.grad_output, out, TensorRole::GradOutput, scratch_.grad_output_scales),
-        operand(weight_fp8_t_->get(), out, TensorRole::Weight,
-                weight_t_scales_ ? weight_t_scales_->get() : nullptr),
-        grad_input, /*fast_accumulation=*/false, stream);
+        operand(weight_t(), out, TensorRole::Weight, weight_t_scales()), grad_input,
+        /*fast_accumulation=*/false, stream);
   }
   if (!wgrad) return;
   int64_t wgrad_rows = out;
@@ -501,6 +517,25 @@ void CudaLinear::backward_rows(const bf16* dy, const bf16* x, int64_t first_row,
       operand(scratch_.grad_output_t, rows, TensorRole::GradOutput, scratch_.grad_output_t_scales),
       input_owner().operand(scratch_.input_t, rows, TensorRole::Input, scratch_.input_t_scales),
       grad_weight, /*fast_accumulation=*/false, stream);
+}
+
+const uint8_t* CudaLinear::weight_t() const {
+  return weight_t_kept() ? weight_fp8_t_->get() : scratch_.weight_t;
+}
+
+const float* CudaLinear::weight_t_scales() const {
+  if (!blockwise()) return nullptr;
+  return weight_t_kept() ? weight_t_scales_->get() : scratch_.weight_t_scales;
+}
+
+void CudaLinear::transpose_weight(cudaStream_t stream) {
+  const PhaseScope timed(StepPhase::Quantization, stream);
+  const int64_t in = setup_.in_features, out = setup_.out_features;
+  transpose_fp8(weight_fp8_->get(), out, in, scratch_.weight_t, stream);
+  if (blockwise()) {
+    transpose_tile_scale_grid(scratch_.weight_t_scales, weight_scales_->get(), scale_blocks(out),
+                              scale_blocks(in), stream);
+  }
 }
 
 float* CudaLinear::joint_wgrad(float* dweight) {

@@ -15,6 +15,8 @@
 // derives each scale from the tensor's own amax on the device; delayed reads the scale its
 // history gave and records the amax, which the model folds into the history at the end of the
 // step. The backward cast reuses the forward's scale, so x̂ᵗ holds the forward's numbers.
+// Ŵᵗ is kept from the weight cast, or (WeightTransposes::InBackward) transposed from Ŵ into the
+// shared scratch before each backward: the same bytes for one byte per weight less.
 //
 // MXFP8 (1x32 blocks, E8M0 scales) is emulated: Hopper has no MX GEMM, so each operand is
 // quantized as the recipe says, dequantized to bf16 (exact: FP8 values times powers of two) and
@@ -84,14 +86,21 @@ struct Fp8Scratch {
   // above hold E8M0 bytes.
   bf16* dequantized_lhs = nullptr;
   bf16* dequantized_rhs = nullptr;
+  // WeightTransposes::InBackward only: Ŵᵗ of the layer whose backward runs, and for blockwise
+  // its padded 128x128 scales, in the room weight_t_room says.
+  uint8_t* weight_t = nullptr;
+  float* weight_t_scales = nullptr;
+  WeightTScratch weight_t_room;
 };
 
 // Takes from `arena` (a planning arena only counts) the scratch of a model's FP8 linears under
 // `recipe`, for at most max_tokens rows and the largest in_features and out_features among them,
 // with backward operands of max_tokens * backward_width elements (at most the widest layer's,
-// at least 128 rows of it): layers wider than backward_width run their backward in chunks.
+// at least 128 rows of it): layers wider than backward_width run their backward in chunks. With
+// WeightTransposes::InBackward also weight_t, the room its largest Ŵᵗ needs.
 Fp8Scratch take_fp8_scratch(DeviceArena& arena, ScalingRecipe recipe, int64_t max_tokens,
-                            int64_t max_in, int64_t max_out, int64_t backward_width);
+                            int64_t max_in, int64_t max_out, int64_t backward_width,
+                            const WeightTScratch& weight_t = {});
 
 // Whether `scratch` holds a joint weight gradient (LinearSetup::wgrad_group) of `rows` rows over
 // max_tokens tokens, for layers of in_features inputs: their x̂ᵗ and every row's dŷᵗ and scales.
@@ -107,6 +116,9 @@ struct LinearSetup {
   Fp8Config fp8_config;
   Fp8Family family = Fp8Family::Ocp;  // cuBLASLt runs OCP formats only
   bool fp8_wgrad = true;
+  // FP8: Ŵᵗ kept from the weight cast, or transposed from Ŵ into the scratch in backward (not
+  // with MXFP8).
+  WeightTransposes weight_transposes = WeightTransposes::Kept;
   // y = x·Wᵀ + b: the bias (fp32 master, cast to bf16 with the weight) is added by the GEMM's
   // epilogue; its gradient, a column sum of dy, is the caller's (ops/cuda/flux_ops.h).
   bool bias = false;
@@ -159,7 +171,7 @@ struct LinearSetup {
 
 class CudaLinear {
  public:
-  // Allocates the weight copy (bf16, or FP8 Ŵ and Ŵᵗ, and for MXFP8 their bf16
+  // Allocates the weight copy (bf16, or FP8 Ŵ and, when kept, Ŵᵗ, and for MXFP8 their bf16
   // dequantizations). Throws for shapes cuBLASLt's FP8 GEMMs cannot take (features and tokens
   // must be multiples of 16; 32 for MXFP8's features) and for the fnuz family.
   CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm, const Fp8Scratch& scratch);
@@ -251,6 +263,12 @@ class CudaLinear {
   void cast_input_t(const bf16* x, int64_t first_row, int64_t rows, cudaStream_t stream);
   // Rows per chunk of an FP8 backward over `tokens` rows: all of them, or what the scratch holds.
   int64_t backward_chunk(int64_t tokens) const;
+  bool weight_t_kept() const { return setup_.weight_transposes == WeightTransposes::Kept; }
+  // Ŵᵗ and its block scales (null for per-tensor recipes): the kept ones, or the scratch's.
+  const uint8_t* weight_t() const;
+  const float* weight_t_scales() const;
+  // WeightTransposes::InBackward: Ŵ transposed into the scratch, with its block scales.
+  void transpose_weight(cudaStream_t stream);
   // The FP8 backward of rows [first_row, first_row + rows): dy, x, dx and y point at that row.
   void backward_rows(const bf16* dy, const bf16* x, int64_t first_row, int64_t rows, bf16* dx,
                      bool accumulate_dx, float* dweight, bool record_amax, ScaleSource grad_scale,

@@ -183,6 +183,16 @@ void softcap_cross_entropy_with_gradient(bf16* logits, const int32_t* targets, i
 void pad_tile_scale_grid(float* out, const float* grid, int64_t grid_rows, int64_t grid_cols,
                          cudaStream_t stream);
 
+// --- Transposes of cast FP8 weights (fp8_transpose.cu) ---
+// out [cols, rows] = the bytes of in [rows, cols] transposed; rows and cols multiples of 4,
+// both buffers 4-byte aligned.
+void transpose_fp8(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out,
+                   cudaStream_t stream);
+// A 128x128 grid [grid_rows, grid_cols] in the GEMMs' padded layout (as pad_tile_scale_grid
+// writes it) into its transpose's, out [grid_cols, ceil(grid_rows / 4) * 4], zeros in the pads.
+void transpose_tile_scale_grid(float* out, const float* padded, int64_t grid_rows,
+                               int64_t grid_cols, cudaStream_t stream);
+
 }  // namespace fp8t::ops::cuda
 
 #if defined(__CUDACC__)
