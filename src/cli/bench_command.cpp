@@ -388,11 +388,10 @@ std::vector<Measurement> measure_runs(const std::vector<std::string>& precisions
       }
       for (const std::string& setting : timing.fp8_weight_transposes) {
         expanded.push_back(run);
-        expanded.back().weight_transposes = setting == "in_backward"
-                                                ? ops::WeightTransposes::InBackward
-                                                : ops::WeightTransposes::Kept;
-        check_fp8_weight_transposes(expanded.back().weight_transposes, run.recipe,
-                                    "--fp8-weight-transposes");
+        const ops::WeightTransposes transposes =
+            weight_transposes_named(setting, "--fp8-weight-transposes");
+        check_fp8_weight_transposes(transposes, run.recipe, "--fp8-weight-transposes");
+        expanded.back().weight_transposes = transposes;
       }
     }
     runs = std::move(expanded);

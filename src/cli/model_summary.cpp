@@ -78,9 +78,8 @@ int run_flux_summary(const ModelSummaryOptions& options) {
   FluxPrecision precision;
   precision.fp8 = fp8_config(options);
   precision.policy = precision_policy(options);
-  for (const auto& [name, value] : ops::kWeightTransposesNames) {
-    if (name == options.fp8_weight_transposes) precision.fp8_weight_transposes = value;
-  }
+  precision.fp8_weight_transposes =
+      weight_transposes_named(options.fp8_weight_transposes, "--fp8-weight-transposes");
   check_fp8_weight_transposes(precision.fp8_weight_transposes, precision.fp8.recipe,
                               "--fp8-weight-transposes");
   const FluxConfig preset = FluxConfig::preset(options.flux.preset);

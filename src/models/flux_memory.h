@@ -43,13 +43,15 @@ inline constexpr double kH200MemoryGib = 139.8;
 // parameters, gradients and activations of its own micro-batch as a single GPU does, and its
 // share of the AdamW moments (ceil(elements / replicas) of the parameter buffer, rounded up to
 // the arenas' alignment, where replicas = gpus / tensor_parallel). The FP8 linears are those of
-// decide_flux_precision(config, precision.policy), run with precision.fp8.recipe; FP8 linears keep
-// no saved input: they share the scratch's transposed input. Selective recompute saves one GELU
-// output (and single-block linear2 input) for all blocks; full recompute saves the activations of
-// fewer blocks. With tensor_parallel > 1 (which must divide gpus), the plan of the first rank of a
-// tensor-parallel group of that many GPUs (the largest: it also holds the row-parallel biases'
-// copies): its shares of the split tensors with their gradients and moments (flux_rank_parameters),
-// its heads' and MLP share's activations and workspace, and its shares' weight copies.
+// decide_flux_precision(config, precision.policy), run with precision.fp8.recipe and
+// precision.fp8_weight_transposes (in_backward: Ŵ alone, the largest Ŵᵗ in the scratch); FP8
+// linears keep no saved input: they share the scratch's transposed input. Selective recompute saves
+// one GELU output (and single-block linear2 input) for all blocks; full recompute saves the
+// activations of fewer blocks. With tensor_parallel > 1 (which must divide gpus), the plan of the
+// first rank of a tensor-parallel group of that many GPUs (the largest: it also holds the
+// row-parallel biases' copies): its shares of the split tensors with their gradients and moments
+// (flux_rank_parameters), its heads' and MLP share's activations and workspace, and its shares'
+// weight copies.
 FluxMemoryPlan plan_flux_memory(const FluxConfig& config, const FluxMicroBatch& micro_batch,
                                 const FluxPrecision& precision, int gpus = 1,
                                 const RecomputeOptions& recompute = {}, int tensor_parallel = 1);

@@ -12,6 +12,14 @@
 
 namespace fp8t {
 
+ops::WeightTransposes weight_transposes_named(std::string_view name, std::string_view origin) {
+  for (const auto& [each, value] : ops::kWeightTransposesNames) {
+    if (each == name) return value;
+  }
+  throw ConfigError(
+      fmt::format("{}: unknown value '{}'; allowed: kept, in_backward", origin, name));
+}
+
 void check_fp8_weight_transposes(ops::WeightTransposes transposes, ScalingRecipe recipe,
                                  std::string_view origin) {
   if (transposes == ops::WeightTransposes::InBackward && recipe == ScalingRecipe::Mxfp8) {

@@ -57,6 +57,10 @@ struct ModelPrecision {
   static ModelPrecision fp32_reference();
 };
 
+// The fp8_weight_transposes setting of that name ("kept", "in_backward"); throws ConfigError
+// naming `origin` and the allowed names for another.
+ops::WeightTransposes weight_transposes_named(std::string_view name, std::string_view origin);
+
 // Throws ConfigError, prefixed with `origin` (where fp8_weight_transposes was given), for
 // in_backward under mxfp8, whose Ŵᵗ is no transpose of Ŵ.
 void check_fp8_weight_transposes(ops::WeightTransposes transposes, ScalingRecipe recipe,

@@ -20,6 +20,27 @@ int fp8_count(const std::vector<LinearPrecision>& decisions) {
   return count;
 }
 
+TEST(PrecisionPolicy, WeightTransposesByNameAndRecipe) {
+  EXPECT_EQ(weight_transposes_named("kept", "--x"), ops::WeightTransposes::Kept);
+  EXPECT_EQ(weight_transposes_named("in_backward", "--x"), ops::WeightTransposes::InBackward);
+  try {
+    weight_transposes_named("dropped", "--x");
+    ADD_FAILURE() << "an unknown name was taken";
+  } catch (const ConfigError& error) {
+    EXPECT_STREQ(error.what(), "--x: unknown value 'dropped'; allowed: kept, in_backward");
+  }
+  for (ScalingRecipe recipe :
+       {ScalingRecipe::Delayed, ScalingRecipe::Tensorwise, ScalingRecipe::Blockwise}) {
+    EXPECT_NO_THROW(check_fp8_weight_transposes(ops::WeightTransposes::InBackward, recipe, "--x"))
+        << recipe_name(recipe);
+  }
+  EXPECT_NO_THROW(
+      check_fp8_weight_transposes(ops::WeightTransposes::Kept, ScalingRecipe::Mxfp8, "--x"));
+  EXPECT_THROW(
+      check_fp8_weight_transposes(ops::WeightTransposes::InBackward, ScalingRecipe::Mxfp8, "--x"),
+      ConfigError);
+}
+
 TEST(PrecisionPolicy, Depth24DefaultsKeep145Of158InFp8) {
   const std::vector<LinearPrecision> decisions =
       decide_precision(GptConfig::from_depth(24), PrecisionOptions{});
