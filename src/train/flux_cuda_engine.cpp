@@ -88,10 +88,10 @@ class FluxCudaEngine final : public FluxEngine {
   std::string memory_plan() const override {
     const CudaFluxMemory& m = model_.memory();
     const std::string host =
-        host_ ? fmt::format("host mirror {} on {}",
-                            format_bytes(double(host_->arena.capacity() +
-                                                host_->optimizer.state_bytes())),
-                            every_rank_hosts_ ? "every rank" : "each group's first rank")
+        host_ ? fmt::format(
+                    "host mirror {} on {}",
+                    format_bytes(double(host_->arena.capacity() + host_->optimizer.state_bytes())),
+                    every_rank_hosts_ ? "every rank" : "each group's first rank")
               : "no host mirror";
     return fmt::format(
         "device: parameters {}, gradients {}, optimizer {}, activations {}, workspace {}, "
@@ -300,13 +300,29 @@ void check_flux_fits(const FluxEngineSetup& setup, const GpuInfo& gpu) {
     return low;
   };
   const auto [plan, reserve] = plan_for(setup.batch);
+  // An FP8 run that keeps its weight transposes could hold less.
+  double weight_transposes_saving = 0.0;
+  const ModelPrecision& precision = setup.precision;
+  if (precision.fp8.mode != Fp8Mode::None &&
+      precision.fp8_weight_transposes == ops::WeightTransposes::Kept &&
+      precision.fp8.recipe != ScalingRecipe::Mxfp8) {
+    ModelPrecision in_backward = precision;
+    in_backward.fp8_weight_transposes = ops::WeightTransposes::InBackward;
+    const FluxMicroBatch micro_batch{setup.batch, setup.img_tokens, setup.txt_tokens};
+    weight_transposes_saving =
+        double(plan.linear_copies) -
+        double(plan_flux_memory(setup.model, micro_batch, in_backward, setup.layout.tensor,
+                                setup.recompute, setup.layout.tensor)
+                   .linear_copies);
+  }
   check_gpu_memory_plan({.parameters = double(plan.parameters),
                          .gradients = double(plan.gradients),
                          .optimizer = double(plan.optimizer_state),
                          .activations = double(plan.activations),
                          .workspace = double(plan.workspace),
                          .linear_copies = double(plan.linear_copies),
-                         .runtime = reserve},
+                         .runtime = reserve,
+                         .weight_transposes_saving = weight_transposes_saving},
                         setup.batch, double(free), gpu.name, "samples", largest_fitting,
                         "not even one sample per micro-batch fits: fewer blocks or smaller images");
 }

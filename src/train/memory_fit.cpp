@@ -38,7 +38,7 @@ void check_gpu_memory_plan(const GpuMemoryPlan& plan, int64_t batch, double free
     total += item.bytes;
   if (free <= 0.0 || total <= free) return;
   const int64_t fits = largest_fitting();
-  const std::string advice =
+  std::string advice =
       fits > 0 ? fmt::format(
                      "micro_batch_size {} would fit (gradient accumulation keeps the {} "
                      "per step); more data-parallel GPUs shard only the optimizer state, while "
@@ -46,6 +46,10 @@ void check_gpu_memory_plan(const GpuMemoryPlan& plan, int64_t batch, double free
                      "each GPU",
                      fits, step_unit)
                : std::string(when_none);
+  if (plan.weight_transposes_saving > 0.0) {
+    advice += fmt::format("; fp8_weight_transposes: in_backward takes {} off the linear copies",
+                          format_bytes(plan.weight_transposes_saving));
+  }
   check_memory_plan(fmt::format("the GPU path, with micro_batch_size {},", batch), items, free,
                     fmt::format("is free on {}", gpu_name), advice);
 }

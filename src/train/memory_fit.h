@@ -30,12 +30,16 @@ struct GpuMemoryPlan {
   double workspace = 0.0;
   double linear_copies = 0.0;
   double runtime = 0.0;  // the CUDA context, cuBLASLt's and cuDNN's workspaces, NCCL's buffers
+  // What fp8_weight_transposes: in_backward would take off the linear copies (0: nothing, or
+  // not asked), named in the advice when the plan does not fit.
+  double weight_transposes_saving = 0.0;
 };
 
 // check_memory_plan for a GPU path at micro_batch_size `batch` against the `free` bytes of the
 // GPU `gpu_name`. Only when it does not fit is `largest_fitting` called: the error names the
 // micro-batch it returns (gradient accumulation keeps the `step_unit`s, tokens or samples, per
-// step), or says `when_none` when it returns 0.
+// step), or says `when_none` when it returns 0; then what fp8_weight_transposes: in_backward
+// would save, when plan.weight_transposes_saving says.
 void check_gpu_memory_plan(const GpuMemoryPlan& plan, int64_t batch, double free,
                            std::string_view gpu_name, std::string_view step_unit,
                            const std::function<int64_t()>& largest_fitting,

@@ -55,6 +55,17 @@ TEST(MemoryFit, GpuPlanAsksForTheFittingBatchOnlyWhenItDoesNotFit) {
         "tensor_model_parallel_size take activations off each GPU");
   }
   EXPECT_EQ(asked, 1);
+  GpuMemoryPlan fp8 = plan;
+  fp8.weight_transposes_saving = 0.5 * kGiB;
+  try {
+    check_gpu_memory_plan(fp8, 4, 3.5 * kGiB, "GPU 0", "samples", three, "none");
+    FAIL() << "expected an error";
+  } catch (const ConfigError& error) {
+    EXPECT_TRUE(std::string(error.what())
+                    .ends_with("take activations off each GPU; fp8_weight_transposes: "
+                               "in_backward takes 512.0 MiB off the linear copies"))
+        << error.what();
+  }
   EXPECT_THROW(
       {
         try {
