@@ -267,10 +267,10 @@ class FluxCudaEngine final : public FluxEngine {
 // The host plan (models/flux_memory.h) against the GPU's free memory, before anything is
 // allocated: an error naming the plan and the micro-batch that would fit.
 void check_flux_fits(const FluxEngineSetup& setup, const GpuInfo& gpu) {
-  const auto plan_for = [&](int64_t batch) {
+  const auto plan_for = [&](int64_t batch, const ModelPrecision& precision) {
     const FluxMicroBatch micro_batch{batch, setup.img_tokens, setup.txt_tokens};
-    return std::pair(plan_flux_memory(setup.model, micro_batch, setup.precision,
-                                      setup.layout.tensor, setup.recompute, setup.layout.tensor),
+    return std::pair(plan_flux_memory(setup.model, micro_batch, precision, setup.layout.tensor,
+                                      setup.recompute, setup.layout.tensor),
                      double(flux_runtime_reserve_bytes(setup.model, micro_batch)));
   };
   const int64_t most = ops::cuda::flux_max_batch(setup.model.hidden_size);
@@ -283,7 +283,7 @@ void check_flux_fits(const FluxEngineSetup& setup, const GpuInfo& gpu) {
   size_t free = 0, total = 0;
   FP8T_CUDA_CHECK(cudaMemGetInfo(&free, &total));
   const auto fits = [&](int64_t batch) {
-    const auto [plan, reserve] = plan_for(batch);
+    const auto [plan, reserve] = plan_for(batch, setup.precision);
     return double(plan.total()) + reserve <= double(free);
   };
   // Plans grow with the batch: bisection for the largest below the asked one that fits.
@@ -299,21 +299,17 @@ void check_flux_fits(const FluxEngineSetup& setup, const GpuInfo& gpu) {
     }
     return low;
   };
-  const auto [plan, reserve] = plan_for(setup.batch);
-  // An FP8 run that keeps its weight transposes could hold less.
+  const auto [plan, reserve] = plan_for(setup.batch, setup.precision);
+  // An FP8 run that keeps its weight transposes and does not fit could hold less.
   double weight_transposes_saving = 0.0;
   const ModelPrecision& precision = setup.precision;
-  if (precision.fp8.mode != Fp8Mode::None &&
+  if (double(plan.total()) + reserve > double(free) && precision.fp8.mode != Fp8Mode::None &&
       precision.fp8_weight_transposes == ops::WeightTransposes::Kept &&
       precision.fp8.recipe != ScalingRecipe::Mxfp8) {
     ModelPrecision in_backward = precision;
     in_backward.fp8_weight_transposes = ops::WeightTransposes::InBackward;
-    const FluxMicroBatch micro_batch{setup.batch, setup.img_tokens, setup.txt_tokens};
     weight_transposes_saving =
-        double(plan.linear_copies) -
-        double(plan_flux_memory(setup.model, micro_batch, in_backward, setup.layout.tensor,
-                                setup.recompute, setup.layout.tensor)
-                   .linear_copies);
+        double(plan.linear_copies) - double(plan_for(setup.batch, in_backward).first.linear_copies);
   }
   check_gpu_memory_plan({.parameters = double(plan.parameters),
                          .gradients = double(plan.gradients),

@@ -602,7 +602,6 @@ void CudaFluxModel::download_tensor(const std::string& name, const float* device
 
 void CudaFluxModel::upload_tensor(const std::string& name, const float* host, float* device) const {
   FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  const auto part = tensor_parts_.find(name);
   if (!tensor_parallel_.split()) {
     FP8T_CHECK(host != nullptr, "'{}': expected its host values", name);
     FP8T_CUDA_CHECK(cudaMemcpy(device, host, size_t(layout_[name].numel) * sizeof(float),
@@ -613,6 +612,7 @@ void CudaFluxModel::upload_tensor(const std::string& name, const float* host, fl
   // first rank's values on every rank, which keeps its share or the whole.
   FP8T_CHECK(host != nullptr || tensor_parallel_.rank != 0,
              "'{}': the tensor-parallel group's first rank must give its host values", name);
+  const auto part = tensor_parts_.find(name);
   const TensorPart* p = part != tensor_parts_.end() ? &part->second : nullptr;
   const auto count = size_t(p != nullptr ? p->whole_out * p->whole_in : layout_[name].numel);
   DeviceBuffer<float> whole(count);

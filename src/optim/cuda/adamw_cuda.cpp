@@ -135,11 +135,12 @@ namespace {
 // The moments of the tensors this rank updates (those of the others are skipped) in the
 // layout's order, the same on every rank of a tensor-parallel group (whose transfers run
 // collectives in step): visit(host tensor of that name or null without a host, parameter name,
-// offset among the moments, moment).
+// offset among the moments, moment). An empty `host` is none: a host state always holds the
+// step counter.
 template <typename Visit>
-void match_moments(std::vector<NamedTensor>& host, bool has_host,
-                   const DeviceParameterLayout& layout, const MomentLayout& moments, bool whole,
-                   Visit&& visit) {
+void match_moments(std::vector<NamedTensor>& host, const DeviceParameterLayout& layout,
+                   const MomentLayout& moments, bool whole, Visit&& visit) {
+  const bool has_host = !host.empty();
   std::map<std::string, NamedTensor*, std::less<>> named;
   for (NamedTensor& tensor : host)
     named[tensor.name] = &tensor;
@@ -177,7 +178,7 @@ void CudaAdamW::download_state(AdamWOptimizer* host, const StateTransfer& transf
   FP8T_CUDA_CHECK(cudaDeviceSynchronize());
   std::vector<NamedTensor> state = host != nullptr ? host->state() : std::vector<NamedTensor>{};
   match_moments(
-      state, host != nullptr, state_->layout, state_->moments, !transfer.download,
+      state, state_->layout, state_->moments, !transfer.download,
       [&](NamedTensor* tensor, const std::string& parameter, int64_t offset, const char* moment) {
         const float* source =
             (std::strcmp(moment, ".exp_avg") == 0 ? state_->exp_avg : state_->exp_avg_sq).get() +
@@ -202,7 +203,7 @@ void CudaAdamW::upload_state(AdamWOptimizer* host, const StateTransfer& transfer
     steps_ = *steps;
   }
   match_moments(
-      state, host != nullptr, state_->layout, state_->moments, !transfer.upload,
+      state, state_->layout, state_->moments, !transfer.upload,
       [&](NamedTensor* tensor, const std::string& parameter, int64_t offset, const char* moment) {
         float* target =
             (std::strcmp(moment, ".exp_avg") == 0 ? state_->exp_avg : state_->exp_avg_sq).get() +
