@@ -697,6 +697,61 @@ TEST_F(FluxOpsCuda, QkNormRopeMatchesCpu) {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Row copies between streams and the joint sequence
+
+struct RowCopyCase {
+  int64_t samples, rows, width;
+  int64_t dst_ld, dst_sample_rows, src_ld, src_sample_rows;
+  size_t offset;
+};
+
+// Every sample's rows land where the strides say, bit for bit, and every other destination
+// value keeps what it held (random values there beforehand).
+TEST_F(FluxOpsCuda, CopyRowsMovesEachSamplesRowsAndNothingElse) {
+  SCOPED_TRACE(rng_.trace());
+  const RowCopyCase cases[] = {
+      {3, 5, 16, 24, 9, 16, 5, 0},          // vectors, gaps between rows and samples
+      {2, 7, 13, 13, 7, 20, 10, 0},         // odd width: element by element
+      {1, 4, 64, 64, 4, 64, 4, 1},          // unaligned
+      {4, 96, 384, 384, 160, 1152, 96, 0},  // a stream's v into the joint sequence
+      {4, 64, 384, 1152, 64, 384, 160, 0},  // and its gradient out of it
+      {0, 5, 8, 8, 5, 8, 5, 0}};
+  for (const RowCopyCase& c : cases) {
+    const std::string what = fmt::format(
+        "copy_rows of {} samples of [{}, {}], dst ld {} every {} rows, src ld {} every "
+        "{} rows{}",
+        c.samples, c.rows, c.width, c.dst_ld, c.dst_sample_rows, c.src_ld, c.src_sample_rows,
+        c.offset ? ", unaligned" : "");
+    const size_t dst_count = size_t(std::max<int64_t>(c.samples, 1) * c.dst_sample_rows * c.dst_ld);
+    const size_t src_count = size_t(std::max<int64_t>(c.samples, 1) * c.src_sample_rows * c.src_ld);
+    std::vector<bf16> expected = random_bf16(rng_, dst_count);
+    const std::vector<bf16> src = random_bf16(rng_, src_count);
+    Device<bf16> device_dst(expected, c.offset);
+    const Device<bf16> device_src(src, c.offset);
+    for (int64_t b = 0; b < c.samples; ++b) {
+      for (int64_t r = 0; r < c.rows; ++r) {
+        for (int64_t k = 0; k < c.width; ++k) {
+          expected[size_t((b * c.dst_sample_rows + r) * c.dst_ld + k)] =
+              src[size_t((b * c.src_sample_rows + r) * c.src_ld + k)];
+        }
+      }
+    }
+    ops::cuda::copy_rows({device_dst.get(), c.dst_ld, c.dst_sample_rows},
+                         {device_src.get(), c.src_ld, c.src_sample_rows}, c.samples, c.rows,
+                         c.width, stream_);
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    expect_bitwise_equal(device_dst.download(), expected, what);
+  }
+  Device<bf16> a(64), b(64);
+  EXPECT_THROW(ops::cuda::copy_rows({a.get(), 4, 2}, {b.get(), 8, 2}, 2, 2, 8, stream_), Error)
+      << "dst ld below the width";
+  EXPECT_THROW(ops::cuda::copy_rows({a.get(), 8, 1}, {b.get(), 8, 2}, 2, 2, 8, stream_), Error)
+      << "samples overlapping in dst";
+  EXPECT_THROW(ops::cuda::copy_rows({nullptr, 8, 2}, {b.get(), 8, 2}, 2, 2, 8, stream_), Error)
+      << "null dst";
+}
+
+// ---------------------------------------------------------------------------------------------
 // Bias gradients and the loss
 
 struct BiasCase {
@@ -720,18 +775,26 @@ TEST_F(FluxOpsCuda, BiasBackwardMatchesCpu) {
       cpu_dbias[i % size_t(c.cols)] += bf16_to_float(dy[i]);
       terms[i % size_t(c.cols)] += std::fabs(bf16_to_float(dy[i]));
     }
+    float cpu_amax = 0.0f;
+    for (bf16 value : dy)
+      cpu_amax = std::max(cpu_amax, std::fabs(bf16_to_float(value)));
     Device<float> workspace(static_cast<size_t>(ops::cuda::flux_reduction_workspace_floats()));
     std::vector<float> first;
-    for (int run = 0; run < 2; ++run) {
+    // Runs 1 and 2 also take dy's amax, into a zero and into a larger amax already there.
+    for (int run = 0; run < 3; ++run) {
       const std::string what = fmt::format("bias_backward (run {}), {}", run, shape);
       Device<float> dbias(dbias_start);
+      const float amax_start = run == 2 ? 2.0f * cpu_amax + 1.0f : 0.0f;
+      Device<float> amax(std::vector<float>{amax_start});
       workspace.poison_nan();
       ops::cuda::bias_backward(dbias.get(), device_dy.get(), c.rows, c.cols, workspace.get(),
-                               stream_);
+                               stream_, run > 0 ? amax.get() : nullptr);
       const std::vector<float> gpu = dbias.download();
       expect_close_sums(widen(gpu), cpu_dbias, terms, what);
       if (run == 0) first = gpu;
       expect_bitwise_equal(gpu, first, what + " repeated");
+      const float expected_amax = run == 0 ? 0.0f : std::max(amax_start, cpu_amax);
+      EXPECT_EQ(amax.download()[0], expected_amax) << what << ": amax";
     }
   }
 }

@@ -3,7 +3,8 @@
 // GEMM row under the same scales), dW up to the order of its fp32 sums, for every recipe and for
 // the relu² input; the backward through relu² against relu2_backward and the plain backward;
 // and the forward's residual; the joint weight gradient of layers sharing an input against
-// separate ones; the input cast fused into the norm before against the layer's own; Ŵᵗ
+// separate ones; the input cast fused into the norm before against the layer's own, and dy's
+// amax taken by the bias gradient against the layer's own; Ŵᵗ
 // transposed in backward against the kept one, and the transposes against host transposes. The
 // models' GPU tests compare the whole-layer path with the CPU.
 #include <gtest/gtest.h>
@@ -22,6 +23,7 @@
 #include "core/error.h"
 #include "gemm/cublaslt_gemm.h"
 #include "numerics/scaling.h"
+#include "ops/cuda/flux_ops.h"
 #include "ops/cuda/linear_cuda.h"
 #include "ops/cuda/ops_cuda.h"
 #include "ops/fp8_linear_layout.h"
@@ -260,6 +262,72 @@ TEST_F(LinearCuda, NormFusedInputCastMatchesTheLayersOwnCast) {
   LinearUnderTest mx(ScalingRecipe::Mxfp8, false, kOut, gemm_);
   const kernels::FusedCast none = mx.layer->fused_input_cast(true, stream_);
   EXPECT_TRUE(none.out == nullptr && none.amax == nullptr) << "MXFP8 casts its input itself";
+}
+
+// Tensorwise, dy's amax taken by the bias gradient's pass before the backward (the Flux linears'
+// order) gives the backward of a layer measuring it itself, bit for bit, whole and in chunks; the
+// backward reads the taken amax (a larger one written into the slot gives a smaller dy scale) and
+// only once (the next backward measures again). The other recipes take no amax of dy first.
+TEST_F(LinearCuda, GradOutputAmaxTakenByTheBiasGradientMatchesTheLayersOwn) {
+  SCOPED_TRACE(rng_.trace());
+  const int grad_amax = static_cast<int>(TensorRole::GradOutput) * kernels::kScalingFloatsPerRole +
+                        kernels::kAmaxSlot;
+  const int grad_scale = static_cast<int>(TensorRole::GradOutput) * kernels::kScalingFloatsPerRole +
+                         kernels::kScaleSlot;
+  Device<float> workspace(size_t(kernels::flux_reduction_workspace_floats()));
+  for (int64_t width : {kOut, kNarrowWidth}) {
+    const std::string name = fmt::format("tensorwise, backward width {}", width);
+    std::vector<bf16> dx[2];
+    std::vector<float> dweight[2], dbias[2], scaling[2];
+    for (int fused : {0, 1}) {
+      LinearUnderTest linear(ScalingRecipe::Tensorwise, false, width, gemm_);
+      AfterForward step(*this, linear);
+      Device<float> dbias_out(std::vector<float>(size_t(kOut), 0.0f));
+      workspace.poison_nan();
+      float* amax = fused == 1 ? linear.layer->fused_grad_output_amax(stream_) : nullptr;
+      EXPECT_EQ(amax != nullptr, fused == 1) << name;
+      kernels::bias_backward(dbias_out.get(), dy_.get(), kTokens, kOut, workspace.get(), stream_,
+                             amax);
+      linear.layer->backward(dy_.get(), x_.get(), kTokens, step.dx.get(), false, step.dweight.get(),
+                             /*record_amax=*/true, stream_);
+      FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      dx[fused] = step.dx.download();
+      dweight[fused] = step.dweight.download();
+      dbias[fused] = dbias_out.download();
+      scaling[fused] = linear.scaling_floats();
+    }
+    expect_bitwise_equal(scaling[1], scaling[0], name + " scaling floats");
+    expect_bitwise_equal(dx[1], dx[0], name + " dx");
+    expect_bitwise_equal(dweight[1], dweight[0], name + " dW");
+    expect_bitwise_equal(dbias[1], dbias[0], name + " dbias");
+
+    // The backward reads the slot: four times dy's amax there quarters dy's scale. The backward
+    // after it measures dy again.
+    LinearUnderTest linear(ScalingRecipe::Tensorwise, false, width, gemm_);
+    AfterForward step(*this, linear);
+    float* amax = linear.layer->fused_grad_output_amax(stream_);
+    const float larger = 4.0f * scaling[0][size_t(grad_amax)];
+    FP8T_CUDA_CHECK(cudaMemcpyAsync(amax, &larger, sizeof(float), cudaMemcpyHostToDevice, stream_));
+    linear.layer->backward(dy_.get(), x_.get(), kTokens, step.dx.get(), false, step.dweight.get(),
+                           true, stream_);
+    const std::vector<float> read = linear.scaling_floats();
+    EXPECT_EQ(read[size_t(grad_amax)], larger) << name;
+    EXPECT_EQ(read[size_t(grad_scale)], scaling[0][size_t(grad_scale)] / 4.0f) << name;
+    linear.layer->backward(dy_.get(), x_.get(), kTokens, step.dx.get(), false, step.dweight.get(),
+                           true, stream_);
+    EXPECT_EQ(linear.scaling_floats()[size_t(grad_amax)], scaling[0][size_t(grad_amax)])
+        << name << ": the next backward measures dy";
+  }
+  for (ScalingRecipe recipe :
+       {ScalingRecipe::Delayed, ScalingRecipe::Blockwise, ScalingRecipe::Mxfp8}) {
+    LinearUnderTest linear(recipe, false, kOut, gemm_);
+    EXPECT_EQ(linear.layer->fused_grad_output_amax(stream_), nullptr) << recipe_name(recipe);
+  }
+  LinearUnderTest relu2(ScalingRecipe::Tensorwise, false, kOut, gemm_, true, true);
+  EXPECT_EQ(relu2.layer->fused_grad_output_amax(stream_), nullptr)
+      << "a gradient through relu² is cast from more than dy";
+  LinearUnderTest bf16(ScalingRecipe::Tensorwise, false, kOut, gemm_, false);
+  EXPECT_EQ(bf16.layer->fused_grad_output_amax(stream_), nullptr) << "BF16";
 }
 
 // Three blockwise layers reading one input (the GPT's c_q, c_k, c_v), their weight gradients back

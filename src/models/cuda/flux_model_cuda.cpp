@@ -67,9 +67,7 @@ void copy_share(const TensorShare& share, int64_t whole_out, int64_t whole_in, c
 // Copies rows rows of width values from src (row stride src_ld) to dst (row stride dst_ld).
 void copy_rows(bf16* dst, int64_t dst_ld, const bf16* src, int64_t src_ld, int64_t rows,
                int64_t width, cudaStream_t stream) {
-  FP8T_CUDA_CHECK(cudaMemcpy2DAsync(dst, size_t(dst_ld) * sizeof(bf16), src,
-                                    size_t(src_ld) * sizeof(bf16), size_t(width) * sizeof(bf16),
-                                    size_t(rows), cudaMemcpyDeviceToDevice, stream));
+  kernels::copy_rows({dst, dst_ld, rows}, {src, src_ld, rows}, 1, rows, width, stream);
 }
 
 }  // namespace
@@ -671,11 +669,12 @@ kernels::FusedCast CudaFluxModel::fused_input_cast(const std::string& name) {
 void CudaFluxModel::linear_backward(const std::string& name, const bf16* dy, const bf16* x,
                                     int64_t rows, bf16* dx, bool accumulate_dx) {
   Linear& layer = linear(name);
-  layer.layer->backward(dy, x, rows, dx, accumulate_dx, layer.grad_weight, training_, stream_);
-  if (layer.grad_bias != nullptr) {
+  if (layer.grad_bias != nullptr) {  // first: its pass over dy also takes dy's amax
     kernels::bias_backward(layer.grad_bias, dy, rows, layer.layer->out_features(),
-                           buffers_->reduction, stream_);
+                           buffers_->reduction, stream_,
+                           layer.layer->fused_grad_output_amax(stream_));
   }
+  layer.layer->backward(dy, x, rows, dx, accumulate_dx, layer.grad_weight, training_, stream_);
 }
 
 void CudaFluxModel::modulation_forward(const std::string& name, bf16* mod) {
@@ -784,18 +783,14 @@ void CudaFluxModel::embedder_backward(const std::string& name, int index, const 
 
 void CudaFluxModel::into_joint(bf16* joint, const bf16* rows, int64_t ld, int64_t first,
                                int64_t tokens, int64_t width) {
-  for (int64_t b = 0; b < batch_; ++b) {
-    copy_rows(joint + (b * tokens_ + first) * width, width, rows + b * tokens * ld, ld, tokens,
-              width, stream_);
-  }
+  kernels::copy_rows({joint + first * width, width, tokens_}, {rows, ld, tokens}, batch_, tokens,
+                     width, stream_);
 }
 
 void CudaFluxModel::out_of_joint(bf16* rows, int64_t ld, const bf16* joint, int64_t first,
                                  int64_t tokens, int64_t width) {
-  for (int64_t b = 0; b < batch_; ++b) {
-    copy_rows(rows + b * tokens * ld, ld, joint + (b * tokens_ + first) * width, width, tokens,
-              width, stream_);
-  }
+  kernels::copy_rows({rows, ld, tokens}, {joint + first * width, width, tokens_}, batch_, tokens,
+                     width, stream_);
 }
 
 void CudaFluxModel::stream_into_joint(AttentionSaved& attention, const std::string& norm,

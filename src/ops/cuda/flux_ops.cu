@@ -371,6 +371,13 @@ constexpr int kTileRows = 16;          // threads down a tile
 constexpr int kTileThreads = kTileLanes * kTileRows;
 constexpr int64_t kTileColumns = int64_t{kTileLanes} * kChunk;
 
+// Ops of the column sums that also take the amax of what they read: a member `float* amax`, the
+// target (null: none taken), and apply(..., sums, amax_bits).
+template <typename Op, typename = void>
+constexpr bool kTakesAmax = false;
+template <typename Op>
+constexpr bool kTakesAmax<Op, std::void_t<decltype(Op::amax)>> = true;
+
 // Block (tile, part, group): rows part · 16 + r, stepping 16 · parts, of the group's rows; thread
 // (r, lane) takes the chunk at column tile · 256 + 8 lane. op.apply<kVector>(group, row, column,
 // sums) adds a chunk's terms to sums (and writes the op's pointwise output). The 16 row lanes'
@@ -388,9 +395,20 @@ __global__ void __launch_bounds__(kTileThreads)
   const int64_t tile_start = int64_t(blockIdx.x) * kTileColumns;
   const int64_t column = tile_start + lane * kChunk;
   float sums[kChunk] = {};
+  FusedCast amax_only;
+  if constexpr (kTakesAmax<Op>) amax_only.amax = op.amax;
+  device::FusedCastState amax(amax_only);
   if (column < cols) {
-    for (int64_t row = part * kTileRows + row_lane; row < rows; row += parts * kTileRows)
-      op.template apply<kVector>(group, row, column, sums);
+    for (int64_t row = part * kTileRows + row_lane; row < rows; row += parts * kTileRows) {
+      if constexpr (kTakesAmax<Op>) {
+        op.template apply<kVector>(group, row, column, sums, amax.amax_bits);
+      } else {
+        op.template apply<kVector>(group, row, column, sums);
+      }
+    }
+  }
+  if constexpr (kTakesAmax<Op>) {
+    if (op.amax != nullptr) amax.publish();  // the same for every thread of the block
   }
 #pragma unroll
   for (int k = 0; k < kChunk; ++k)
@@ -451,14 +469,18 @@ struct GatedResidualTerms {
 struct BiasTerms {
   const bf16* dy;
   int64_t cols;
+  float* amax;
 
   template <bool kVector>
-  __device__ void apply(int64_t, int64_t row, int64_t column, float (&sums)[kChunk]) const {
+  __device__ void apply(int64_t, int64_t row, int64_t column, float (&sums)[kChunk],
+                        uint32_t& amax_bits) const {
     float v[kChunk];
     load_chunk<kVector>(dy + row * cols, column, cols, v);
 #pragma unroll
-    for (int k = 0; k < kChunk; ++k)
+    for (int k = 0; k < kChunk; ++k) {
       sums[k] += v[k];
+      amax_bits = max(amax_bits, abs_bits(v[k]));
+    }
   }
 };
 
@@ -565,6 +587,28 @@ struct GeluBackward {
       x[k] = derivative * dy[k];
     }
     device::store_bf16(din + row * din_ld + column, x);
+  }
+};
+
+// Row r of the [samples · rows, width] copy: sample r / rows, its row r % rows, in each tensor.
+struct RowCopy {
+  SampleRows<bf16> dst;
+  SampleRows<const bf16> src;
+  int64_t rows;
+
+  template <int kWidth>
+  __device__ void apply(int64_t row, int64_t column) const {
+    const int64_t sample = row / rows;
+    const int64_t r = row - sample * rows;
+    bf16* to = dst.data + (sample * dst.sample_rows + r) * dst.ld + column;
+    const bf16* from = src.data + (sample * src.sample_rows + r) * src.ld + column;
+    if constexpr (kWidth == kBf16Vector) {
+      *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+    } else {
+#pragma unroll
+      for (int k = 0; k < kWidth; ++k)
+        to[k] = from[k];
+    }
   }
 };
 
@@ -963,6 +1007,22 @@ bool rows_aligned(int64_t rows, std::initializer_list<const void*> pointers,
 
 }  // namespace
 
+void copy_rows(const SampleRows<bf16>& dst, const SampleRows<const bf16>& src, int64_t samples,
+               int64_t rows, int64_t width, cudaStream_t stream) {
+  FP8T_CHECK(samples >= 0, "expected samples >= 0, found {}", samples);
+  check_rows_cols(rows, width);
+  check_stride("dst.ld", dst.ld, width);
+  check_stride("src.ld", src.ld, width);
+  FP8T_CHECK(samples <= 1 || (dst.sample_rows >= rows && src.sample_rows >= rows),
+             "expected sample strides of at least {} rows, found {} (dst) and {} (src)", rows,
+             dst.sample_rows, src.sample_rows);
+  check_pointers(samples * rows * width, {dst.data, src.data});
+  if (samples * rows * width == 0) return;
+  const bool vectorized = all_aligned({dst.data, src.data}) && width % kBf16Vector == 0 &&
+                          dst.ld % kBf16Vector == 0 && src.ld % kBf16Vector == 0;
+  launch_rows_pointwise(RowCopy{dst, src, rows}, samples * rows, width, vectorized, stream);
+}
+
 void gelu_tanh_forward(bf16* out, int64_t out_ld, const bf16* in, int64_t in_ld, int64_t rows,
                        int64_t cols, cudaStream_t stream) {
   check_rows_cols(rows, cols);
@@ -1068,13 +1128,13 @@ void qk_norm_rope_backward(bf16* draw, int64_t draw_ld, float* dscale, const bf1
 }
 
 void bias_backward(float* dbias, const bf16* dy, int64_t rows, int64_t cols, float* workspace,
-                   cudaStream_t stream) {
+                   cudaStream_t stream, float* amax) {
   check_rows_cols(rows, cols);
   FP8T_CHECK(cols >= 1, "expected cols >= 1, found {}", cols);
   check_pointers(rows, {dbias, dy, workspace});
   if (rows == 0) return;
   const bool vectorized = cols % kChunk == 0 && device::aligned16(dy);
-  launch_column_sums(BiasTerms{dy, cols}, vectorized, 1, rows, cols, workspace,
+  launch_column_sums(BiasTerms{dy, cols, amax}, vectorized, 1, rows, cols, workspace,
                      {dbias, nullptr, cols, 0}, stream);
 }
 

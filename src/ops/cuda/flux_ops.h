@@ -1,9 +1,10 @@
 // The GPU counterparts of the Flux CPU ops (ops/layernorm.h, modulation.h, gelu.h, flux_rope.h,
 // the QK norm of models/flux_model.cpp, SiLU, bias gradients and the rectified-flow MSE of
-// models/flux_objective.h), fused where the model runs them back to back. Conventions as
-// ops/cuda/ops_cuda.h: bf16 activations and activation gradients, fp32 statistics, parameters,
-// parameter gradients and modulation gradients, fp32 math inside the kernels; host launchers
-// check their arguments (throwing fp8t::Error) and launch on the given stream.
+// models/flux_objective.h) and the row copies between the streams and the joint sequence, fused
+// where the model runs them back to back. Conventions as ops/cuda/ops_cuda.h: bf16 activations
+// and activation gradients, fp32 statistics, parameters, parameter gradients and modulation
+// gradients, fp32 math inside the kernels; host launchers check their arguments (throwing
+// fp8t::Error) and launch on the given stream.
 //
 // Sums over tokens (modulation, QK-norm scale and bias gradients, the loss) are deterministic:
 // per-block partial sums in a workspace, then one pass adds them in block order. The workspace
@@ -76,6 +77,21 @@ void gated_residual_backward(bf16* dbranch, float* dgate, int64_t dmod_stride, c
                              const bf16* branch, const bf16* gate, int64_t mod_stride,
                              const StreamShape& shape, float* workspace, cudaStream_t stream);
 
+// --- Row copies between a stream and the joint sequence (or any row-strided tensors) ---
+
+// Rows of values: row r of sample b at data + (b · sample_rows + r) · ld.
+template <typename T>
+struct SampleRows {
+  T* data;
+  int64_t ld;
+  int64_t sample_rows;
+};
+
+// For each of `samples` samples, its `rows` rows of `width` values from src to dst, in one launch
+// (the strides of one sample's rows and of the samples may differ between the two).
+void copy_rows(const SampleRows<bf16>& dst, const SampleRows<const bf16>& src, int64_t samples,
+               int64_t rows, int64_t width, cudaStream_t stream);
+
 // --- tanh-GELU over [rows, cols] with row strides (so that a single block's MLP half of
 // linear1's output and linear2's input are read and written in place) ---
 
@@ -128,9 +144,11 @@ void qk_norm_rope_backward(bf16* draw, int64_t draw_ld, float* dscale, const bf1
 
 // --- Linear biases and the loss ---
 
-// dbias[c] += Σ_rows dy[r, c] (dy [rows, cols] bf16, dbias fp32).
+// dbias[c] += Σ_rows dy[r, c] (dy [rows, cols] bf16, dbias fp32). With amax: also *amax =
+// max(*amax, max |dy|) in the same pass (amax bit patterns, as numerics/quantize_cuda.h's amax),
+// the per-tensor amax of an FP8 linear's dy (CudaLinear::fused_grad_output_amax).
 void bias_backward(float* dbias, const bf16* dy, int64_t rows, int64_t cols, float* workspace,
-                   cudaStream_t stream);
+                   cudaStream_t stream, float* amax = nullptr);
 
 // *loss = mean((pred − target)²) over n >= 1 values (fp32 differences, summed in double, written as
 // fp32) and dpred (writes) = dloss · 2 · (pred − target) / n.

@@ -291,6 +291,17 @@ FusedCast CudaLinear::fused_input_cast(bool record_amax, cudaStream_t stream) {
   return cast;
 }
 
+float* CudaLinear::fused_grad_output_amax(cudaStream_t stream) {
+  if (!setup_.fp8 || setup_.fp8_config.recipe != ScalingRecipe::Tensorwise ||
+      cast_input(TensorRole::GradOutput) != fp8t::cuda::CastInput::Value) {
+    return nullptr;
+  }
+  float* amax = slot(TensorRole::GradOutput, kAmaxSlot);
+  FP8T_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  grad_output_amax_done_ = true;
+  return amax;
+}
+
 void CudaLinear::cast_input_t(const bf16* x, int64_t first_row, int64_t rows, cudaStream_t stream) {
   InputTHolder& holder = *scratch_.input_t_holder;
   if (setup_.input_from != nullptr) {
@@ -419,6 +430,7 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
              setup_.max_tokens, tokens);
   FP8T_CHECK(setup_.output_relu2 == (y != nullptr),
              "the backward of a linear whose output feeds relu² takes that output, and only it");
+  const bool grad_amax_done = std::exchange(grad_output_amax_done_, false);
   const bool fp8_wgrad = setup_.fp8 && dweight != nullptr && setup_.fp8_wgrad;
   if (dweight != nullptr && !fp8_wgrad) {
     FP8T_CHECK(x != nullptr, "a BF16 weight gradient needs the forward's input");
@@ -444,11 +456,11 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
   if (dx == nullptr && !fp8_wgrad) return;
   if (dx != nullptr && !weight_t_kept()) transpose_weight(stream);
   const int64_t chunk = backward_chunk(tokens);
-  ScaleSource grad_scale = ScaleSource::Measure;
+  ScaleSource grad_scale = grad_amax_done ? ScaleSource::Measured : ScaleSource::Measure;
   if (chunk < tokens && setup_.fp8_config.recipe == ScalingRecipe::Tensorwise) {
     // Every chunk takes the whole dy's scale, as one cast would.
     const PhaseScope timed(StepPhase::Quantization, stream);
-    tensorwise_scale(dy, tokens * out, TensorRole::GradOutput, /*amax_measured=*/false, stream, y);
+    tensorwise_scale(dy, tokens * out, TensorRole::GradOutput, grad_amax_done, stream, y);
     grad_scale = ScaleSource::Reuse;
   }
   for (int64_t first = 0; first < tokens; first += chunk) {

@@ -8,13 +8,15 @@
 //   wgrad    dW += dŷᵗ·(x̂ᵗ)ᵀ  split accumulation; a BF16 GEMM on x when fp8_wgrad is off
 // Quantization (numerics/quantize_cuda.h) is one cast + amax pass per activation, fused into
 // the kernel that produces it where the model offers one (fused_input_cast: its RMSNorms), one
-// fused cast + transpose + amax pass per gradient, and one per weight and optimizer step. The
-// wgrad's x̂ᵗ is cast again in backward from the forward's input, which the models keep in bf16
-// anyway (their norms and attention need it): FP8 saves no activation copy of its own. Scales
-// and amaxes live on the device (LinearScaling), so a step needs no host sync: tensorwise
-// derives each scale from the tensor's own amax on the device; delayed reads the scale its
-// history gave and records the amax, which the model folds into the history at the end of the
-// step. The backward cast reuses the forward's scale, so x̂ᵗ holds the forward's numbers.
+// fused cast + transpose + amax pass per gradient (tensorwise: after an amax pass, which the
+// model's bias gradient takes where the layer has a bias: fused_grad_output_amax), and one per
+// weight and optimizer step. The wgrad's x̂ᵗ is cast again in backward from the forward's
+// input, which the models keep in bf16 anyway (their norms and attention need it): FP8 saves no
+// activation copy of its own. Scales and amaxes live on the device (LinearScaling), so a step
+// needs no host sync: tensorwise derives each scale from the tensor's own amax on the device;
+// delayed reads the scale its history gave and records the amax, which the model folds into the
+// history at the end of the step. The backward cast reuses the forward's scale, so x̂ᵗ holds
+// the forward's numbers.
 // Ŵᵗ is kept from the weight cast, or (WeightTransposes::InBackward) transposed from Ŵ into the
 // shared scratch before each backward: the same bytes for one byte per weight less.
 //
@@ -189,6 +191,12 @@ class CudaLinear {
   // in_features are no multiple of 128, shared or relu² inputs.
   FusedCast fused_input_cast(bool record_amax, cudaStream_t stream);
 
+  // The per-tensor amax of the next backward's dy, for a kernel that reads dy before it (the
+  // bias gradient) to take in the same pass: a zeroed slot, which the next backward() then reads
+  // instead of measuring dy itself. Null (nothing to take) unless the recipe is tensorwise and
+  // the layer casts dy as it is (not through relu²).
+  float* fused_grad_output_amax(cudaStream_t stream);
+
   // y [tokens, out] = x [tokens, in]·Wᵀ (+ b), bf16, written. FP8 layers take multiples of 16
   // tokens; BF16 ones any count (the modulation linears of the Flux read one row per sample).
   // With `residual` ([tokens, out], not overlapping y, no bias): y = x·Wᵀ + residual, the sum
@@ -309,6 +317,7 @@ class CudaLinear {
   // the blocks).
   std::unique_ptr<DeviceBuffer<float>> weight_scales_, weight_t_scales_;
   InputCast input_cast_ = InputCast::None;
+  bool grad_output_amax_done_ = false;  // fused_grad_output_amax() for the next backward
   bool record_health_ = false;
   std::array<uint64_t, 3> health_elements_{};  // by TensorRole
 };
