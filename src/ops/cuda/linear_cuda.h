@@ -193,8 +193,8 @@ class CudaLinear {
 
   // The per-tensor amax of the next backward's dy, for a kernel that reads dy before it (the
   // bias gradient) to take in the same pass: a zeroed slot, which the next backward() then reads
-  // instead of measuring dy itself. Null (nothing to take) unless the recipe is tensorwise and
-  // the layer casts dy as it is (not through relu²).
+  // instead of measuring dy itself. Null (nothing to take) unless the layer is FP8 under
+  // tensorwise and casts dy as it is (not through relu²).
   float* fused_grad_output_amax(cudaStream_t stream);
 
   // y [tokens, out] = x [tokens, in]·Wᵀ (+ b), bf16, written. FP8 layers take multiples of 16
