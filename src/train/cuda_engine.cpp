@@ -28,6 +28,7 @@
 #include "core/cuda_resources.h"
 #include "models/cuda/gpt_model_cuda.h"
 #include "train/cuda_tensor_group.h"
+#include "train/micro_batch_losses.h"
 #if FP8TRAIN_WITH_NCCL
 #include "train/cuda_rank_sums.h"
 #endif
@@ -84,7 +85,6 @@ class CudaEngine final : public TrainingEngine {
         optimizer_(host_optimizer_, model_.layout(), model_.gemm(),
                    model_.scratch_between_steps().data(), model_.scratch_between_steps().size()),
         norm_host_(1),
-        losses_host_(kMaxLossesPerRead),
         scan_order_(gradient_scan_order(setup.model)) {
     FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));
     model_.gemm().configure_tuning(setup.gemm_tuning);
@@ -135,21 +135,15 @@ class CudaEngine final : public TrainingEngine {
     cudaStream_t stream = stream_.get();
     model_.zero_gradients();
     StepResult result;
-    int64_t pending = 0;  // losses copied to the host but not yet summed
     const int ranks = communicator_ != nullptr ? communicator_->size() : 1;
     for (int64_t micro = 0; micro < accumulation; ++micro) {
       const data::TokenBatch batch = this_ranks_batch(loader, layout_);
       model_.forward(batch.inputs.data(), batch.targets.data(), true);
-      FP8T_CUDA_CHECK(cudaMemcpyAsync(losses_host_.data() + pending, model_.loss_device(),
-                                      sizeof(float), cudaMemcpyDeviceToHost, stream));
+      losses_.add(model_.loss_device(), stream);
       if (ranks > 1 && micro + 1 == accumulation) {
         last_backward();
       } else {
         model_.backward();
-      }
-      if (++pending == kMaxLossesPerRead) {
-        result.loss += sum_losses(pending);
-        pending = 0;
       }
     }
     float* gradients = model_.gradients();
@@ -169,7 +163,7 @@ class CudaEngine final : public TrainingEngine {
     if (clip_grad > 0.0) optimizer_.clip(gradients, count, norm_, float(clip_grad), stream);
     FP8T_CUDA_CHECK(
         cudaMemcpyAsync(norm_host_.data(), norm_, sizeof(float), cudaMemcpyDeviceToHost, stream));
-    result.loss += sum_losses(pending);  // synchronizes: the norm has arrived too
+    result.loss = losses_.take(stream);  // synchronizes: the norm has arrived too
     if (ranks > 1) communicator_->sum(&result.loss, 1);
     result.loss /= double(micro_batches);
     result.grad_norm = norm_host_.data()[0];
@@ -245,8 +239,6 @@ class CudaEngine final : public TrainingEngine {
   }
 
  private:
-  static constexpr int64_t kMaxLossesPerRead = 64;
-
   // With several ranks (GptRankSums); without NCCL make_cuda_engine refuses them.
   void last_backward() {
 #if FP8TRAIN_WITH_NCCL
@@ -262,14 +254,6 @@ class CudaEngine final : public TrainingEngine {
 #if FP8TRAIN_WITH_NCCL
     rank_sums_->after_update();
 #endif
-  }
-
-  double sum_losses(int64_t count) {
-    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_.get()));
-    double sum = 0.0;
-    for (int64_t i = 0; i < count; ++i)
-      sum += losses_host_.data()[i];
-    return sum;
   }
 
   // The plan of the model and the optimizer against the GPU's free memory, before either
@@ -313,7 +297,7 @@ class CudaEngine final : public TrainingEngine {
   optim::CudaGptOptimizer optimizer_;
   float* norm_ = nullptr;
   PinnedFloats norm_host_;
-  PinnedFloats losses_host_;
+  MicroBatchLosses losses_;
   std::vector<std::string> scan_order_;
   std::vector<int64_t> nan_injections_;  // gradient offsets the next step poisons
   double peak_memory_ = 0.0;

@@ -30,6 +30,7 @@
 #include "ops/cuda/flux_ops.h"
 #include "optim/cuda/adamw_cuda.h"
 #include "train/cuda_tensor_group.h"
+#include "train/micro_batch_losses.h"
 #endif
 #if FP8TRAIN_WITH_NCCL
 #include "train/cuda_rank_sums.h"
@@ -121,18 +122,18 @@ class FluxCudaEngine final : public FluxEngine {
     const auto share = static_cast<float>(1.0 / static_cast<double>(count * layout_.data));
     for (const FluxBatch& batch : micro_batches) {
       model_.forward(inputs(batch), batch.target.data(), true, share);
+      losses_.add(model_.loss_device(), stream_.get());
       model_.backward();
-      result.loss += model_.loss_value();
     }
     model_.sum_partial_gradients();
     if (layout_.data > 1) sum_gradients();
-    if (ranks > 1) communicator_->sum(&result.loss, 1);
-    result.loss /= static_cast<double>(count * ranks);
     optimizer_.clip(model_.gradients(), norm_, static_cast<float>(std::max(clip_grad, 0.0)),
                     stream_.get());
     FP8T_CUDA_CHECK(cudaMemcpyAsync(norm_host_.data(), norm_, sizeof(float), cudaMemcpyDeviceToHost,
                                     stream_.get()));
-    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_.get()));
+    result.loss = losses_.take(stream_.get());  // synchronizes: the norm has arrived too
+    if (ranks > 1) communicator_->sum(&result.loss, 1);
+    result.loss /= static_cast<double>(count * ranks);
     result.grad_norm = norm_host_.data()[0];
     if (result.finite()) {
       optimizer_.step(model_.parameters(), model_.gradients(), lr_multiplier, stream_.get());
@@ -258,6 +259,7 @@ class FluxCudaEngine final : public FluxEngine {
   double base_lr_, lr_;
   float* norm_ = nullptr;
   PinnedFloats norm_host_;
+  MicroBatchLosses losses_;
   double peak_memory_ = 0.0;
 #if FP8TRAIN_WITH_NCCL
   std::unique_ptr<FluxRankSums> rank_sums_;  // with several ranks

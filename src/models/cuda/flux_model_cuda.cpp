@@ -641,6 +641,10 @@ double CudaFluxModel::loss_value() {
   return loss;
 }
 
+const float* CudaFluxModel::loss_device() const {
+  return buffers_->loss;
+}
+
 std::vector<float> CudaFluxModel::prediction() const {
   const auto count = size_t(batch_ * img_tokens_ * config_.in_channels);
   std::vector<bf16> bits(count);

@@ -123,6 +123,8 @@ class CudaFluxModel {
   void zero_gradients();
   // Waits for the stream and returns the loss of the last forward.
   double loss_value();
+  // The last forward's loss on the device (one float), for callers that copy it without waiting.
+  const float* loss_device() const;
   // The last forward's prediction [B, L_img, in_channels] as fp32 (synchronizes).
   std::vector<float> prediction() const;
 
