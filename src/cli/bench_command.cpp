@@ -360,11 +360,16 @@ std::vector<Measurement> measure_runs(const std::vector<std::string>& precisions
                         .autotune = std::nullopt});
     }
   }
-  // Each run in each setting given (none: as it is), `apply` setting it.
-  const auto in_each = [&runs](const std::vector<std::string>& settings, const auto& apply) {
+  // Each run (fp8_only: each FP8 run) in each setting given (none: as it is), `apply` setting it.
+  const auto in_each = [&runs](const std::vector<std::string>& settings, bool fp8_only,
+                               const auto& apply) {
     if (settings.empty()) return;
     std::vector<RunKind> expanded;
     for (const RunKind& run : runs) {
+      if (fp8_only && !run.fp8) {
+        expanded.push_back(run);
+        continue;
+      }
       for (const std::string& setting : settings) {
         expanded.push_back(run);
         apply(expanded.back(), setting);
@@ -372,30 +377,17 @@ std::vector<Measurement> measure_runs(const std::vector<std::string>& precisions
     }
     runs = std::move(expanded);
   };
-  in_each(timing.gemm_autotune,
+  in_each(timing.gemm_autotune, false,
           [](RunKind& run, const std::string& setting) { run.autotune = setting == "on"; });
-  in_each(timing.recompute, [](RunKind& run, const std::string& setting) {
+  in_each(timing.recompute, false, [](RunKind& run, const std::string& setting) {
     run.recompute = setting == "full"        ? RecomputeGranularity::Full
                     : setting == "selective" ? RecomputeGranularity::Selective
                                              : RecomputeGranularity::None;
   });
-  if (!timing.fp8_weight_transposes.empty()) {  // the FP8 runs only
-    std::vector<RunKind> expanded;
-    for (const RunKind& run : runs) {
-      if (!run.fp8) {
-        expanded.push_back(run);
-        continue;
-      }
-      for (const std::string& setting : timing.fp8_weight_transposes) {
-        expanded.push_back(run);
-        const ops::WeightTransposes transposes =
-            weight_transposes_named(setting, "--fp8-weight-transposes");
-        check_fp8_weight_transposes(transposes, run.recipe, "--fp8-weight-transposes");
-        expanded.back().weight_transposes = transposes;
-      }
-    }
-    runs = std::move(expanded);
-  }
+  in_each(timing.fp8_weight_transposes, true, [](RunKind& run, const std::string& setting) {
+    run.weight_transposes = weight_transposes_named(setting, "--fp8-weight-transposes");
+    check_fp8_weight_transposes(run.weight_transposes, run.recipe, "--fp8-weight-transposes");
+  });
   std::vector<Measurement> results;
   for (const RunKind& run : runs) {
     Measurement result;

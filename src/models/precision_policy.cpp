@@ -5,19 +5,23 @@
 #include <map>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include "core/error.h"
 
 namespace fp8t {
 
 ops::WeightTransposes weight_transposes_named(std::string_view name, std::string_view origin) {
+  std::vector<std::string_view> allowed;
   for (const auto& [each, value] : ops::kWeightTransposesNames) {
     if (each == name) return value;
+    allowed.push_back(each);
   }
   throw ConfigError(
-      fmt::format("{}: unknown value '{}'; allowed: kept, in_backward", origin, name));
+      fmt::format("{}: unknown value '{}'; allowed: {}", origin, name, fmt::join(allowed, ", ")));
 }
 
 void check_fp8_weight_transposes(ops::WeightTransposes transposes, ScalingRecipe recipe,
