@@ -484,6 +484,7 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
       optim::adamw_shard(train::flux_optimized_parameters(config),
                          sharded ? ranks.layout.data_rank : 0, sharded ? ranks.replicas() : 1);
   optim::CudaAdamW optimizer(model.layout(), adamw, &shard, model.gradient_shares());
+  if (!sharded) optimizer.measure_amaxes(model.weight_amax_slots());  // as training's
   model.upload_parameters(initial);
   result.fp8_layers = flux_precision_summary(model.linear_precision());
   // Several ranks: what a training step adds on each (train/cuda_rank_sums.h). Each rank's
@@ -548,7 +549,7 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
                     optimizer.clip(model.gradients(), norm, 1.0f, stream);
                     optimizer.step(model.parameters(), model.gradients(), 1.0, stream);
                     after_update();
-                    model.end_step();
+                    model.end_step(/*weight_amaxes_measured=*/!sharded);
                   }},
              result);
   result.final_loss = model.loss_value();

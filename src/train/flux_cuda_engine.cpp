@@ -66,6 +66,8 @@ class FluxCudaEngine final : public FluxEngine {
                setup.img_tokens * 3, img_ids_.size());
     FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));
     model_.gemm().configure_tuning(setup.gemm_tuning);
+    // Unsharded, this rank's step writes every weight: it takes their amaxes as it goes.
+    if (!sharded_) optimizer_.measure_amaxes(model_.weight_amax_slots());
 #if FP8TRAIN_WITH_NCCL
     if (communicator_ != nullptr && layout_.data > 1)
       rank_sums_ = std::make_unique<FluxRankSums>(*communicator_, model_, layout_,
@@ -138,7 +140,7 @@ class FluxCudaEngine final : public FluxEngine {
     if (result.finite()) {
       optimizer_.step(model_.parameters(), model_.gradients(), lr_multiplier, stream_.get());
       if (layout_.data > 1) after_update();
-      model_.end_step();
+      model_.end_step(/*weight_amaxes_measured=*/!sharded_);
       lr_ = base_lr_ * lr_multiplier;
     }
     peak_memory_ = std::max(peak_memory_, device_memory_in_use());

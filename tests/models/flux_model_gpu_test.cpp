@@ -1,7 +1,8 @@
 // The GPU Flux against the CPU Flux: the same weights and inputs give the same prediction, loss
 // and gradients within bf16-activation tolerances, in BF16 and in FP8 (tensorwise, blockwise,
-// mxfp8, and delayed after two warm-up steps, whose scales are compared too); and split over a
-// tensor-parallel group, against itself whole.
+// mxfp8, and delayed after two warm-up steps, whose scales are compared too); the weights'
+// amaxes taken by AdamW against casts that measure them; and split over a tensor-parallel group,
+// against itself whole.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -26,6 +27,7 @@
 #include "numerics/test_util.h"
 #include "ops/gpu_compare.h"
 #include "optim/adamw.h"
+#include "optim/cuda/adamw_cuda.h"
 #include "optim/optimizer_shard.h"
 
 namespace fp8t {
@@ -206,6 +208,58 @@ INSTANTIATE_TEST_SUITE_P(
       return fmt::format("{}_{}", mode_name(test_param.param.first),
                          recipe_name(test_param.param.second));
     });
+
+// Tensorwise: AdamW taking the FP8 weights' amaxes as it writes them (CudaAdamW::measure_amaxes,
+// end_step(true)) gives the next steps of a model whose casts measure the weights themselves, bit
+// for bit: the same predictions, losses and gradients in the three steps after the first. A slot
+// for every FP8 linear's weight; BF16 layers have none.
+class FluxModelGpuAmaxes : public test::StreamTest {};
+
+TEST_F(FluxModelGpuAmaxes, TakenByTheOptimizerGiveTheSameSteps) {
+  const FluxConfig config = small_config();
+  SCOPED_TRACE(rng_.trace());
+  const FluxPrecision precision = precision_for(Fp8Mode::Hybrid, ScalingRecipe::Tensorwise);
+  Models models(config, precision, rng_, stream_);
+  CudaFluxModel taking(config, kBatch, kImgTokens, kTxtTokens, precision, stream_);
+  taking.upload_parameters(models.cpu.parameters());
+  const auto& decisions = taking.linear_precision();
+  const auto fp8 = std::count_if(decisions.begin(), decisions.end(),
+                                 [](const FluxLinearPrecision& d) { return d.fp8; });
+  ASSERT_GT(fp8, 0);
+  ASSERT_LT(fp8, std::ssize(decisions)) << "expected BF16 linears too";
+  EXPECT_EQ(std::ssize(taking.weight_amax_slots()), fp8);
+
+  const optim::AdamWHyperparameters adamw{.lr = 1e-2, .weight_decay = 0.1};
+  optim::CudaAdamW plain_optimizer(models.gpu.layout(), adamw);
+  optim::CudaAdamW taking_optimizer(taking.layout(), adamw);
+  taking_optimizer.measure_amaxes(taking.weight_amax_slots());
+  const auto planned = FluxParameterSet::planned_bytes(config, DType::F32);
+  Arena plain_arena("gradients", planned), taking_arena("gradients", planned);
+  FluxParameterSet plain_gradients(plain_arena, config, DType::F32);
+  FluxParameterSet taking_gradients(taking_arena, config, DType::F32);
+  for (int step = 0; step < 4; ++step) {
+    const std::string where = fmt::format("step {}", step + 1);
+    const Batch batch = random_batch(config, rng_);
+    const Step plain = gpu_step(models.gpu, batch);
+    const Step took = gpu_step(taking, batch);
+    EXPECT_EQ(took.loss, plain.loss) << where;
+    test::expect_bitwise_equal(took.prediction, plain.prediction, where + " prediction");
+    models.gpu.download_gradients(plain_gradients);
+    taking.download_gradients(taking_gradients);
+    for (const FluxParam& param : flux_parameters(config)) {
+      const TensorView& want = plain_gradients[param.name];
+      EXPECT_EQ(std::memcmp(taking_gradients[param.name].raw(), want.raw(), want.bytes()), 0)
+          << where << ", " << param.name;
+    }
+    plain_optimizer.step(models.gpu.parameters(), models.gpu.gradients(), 1.0, stream_);
+    models.gpu.end_step();
+    taking_optimizer.step(taking.parameters(), taking.gradients(), 1.0, stream_);
+    taking.end_step(/*weight_amaxes_measured=*/true);
+  }
+  CudaFluxModel bf16_gpu(config, kBatch, kImgTokens, kTxtTokens, precision_for(Fp8Mode::None, {}),
+                         stream_);
+  EXPECT_TRUE(bf16_gpu.weight_amax_slots().empty());
+}
 
 class FluxModelGpuDelayed : public test::StreamTest {};
 

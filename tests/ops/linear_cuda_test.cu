@@ -3,12 +3,14 @@
 // GEMM row under the same scales), dW up to the order of its fp32 sums, for every recipe and for
 // the relu² input; the backward through relu² against relu2_backward and the plain backward;
 // and the forward's residual; the joint weight gradient of layers sharing an input against
-// separate ones; the input cast fused into the norm before against the layer's own, and dy's
-// amax taken by the bias gradient against the layer's own; Ŵᵗ
+// separate ones; the input cast fused into the norm before against the layer's own, dy's amax
+// taken by the bias gradient and the weight's taken by the optimizer against the layer's own; Ŵᵗ
 // transposed in backward against the kept one, and the transposes against host transposes. The
 // models' GPU tests compare the whole-layer path with the CPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <limits>
 #include <memory>
 #include <string>
@@ -328,6 +330,66 @@ TEST_F(LinearCuda, GradOutputAmaxTakenByTheBiasGradientMatchesTheLayersOwn) {
       << "a gradient through relu² is cast from more than dy";
   LinearUnderTest bf16(ScalingRecipe::Tensorwise, false, kOut, gemm_, false);
   EXPECT_EQ(bf16.layer->fused_grad_output_amax(stream_), nullptr) << "BF16";
+}
+
+// Tensorwise, the weight's amax written into weight_amax_slot() by someone else (the optimizer's
+// step) and read by prepare_weight gives the layer's own cast bit for bit: the same scaling floats
+// and the same forward output. The cast reads the slot (four times the amax there quarters the
+// weight's scale), and measures again when not told otherwise. Other recipes and BF16 layers have
+// no slot to fill.
+TEST_F(LinearCuda, WeightAmaxTakenByTheOptimizerMatchesTheLayersOwn) {
+  SCOPED_TRACE(rng_.trace());
+  const int weight_amax =
+      static_cast<int>(TensorRole::Weight) * kernels::kScalingFloatsPerRole + kernels::kAmaxSlot;
+  const int weight_scale =
+      static_cast<int>(TensorRole::Weight) * kernels::kScalingFloatsPerRole + kernels::kScaleSlot;
+  float host_amax = 0.0f;
+  for (const float value : weight_.download())
+    host_amax = std::max(host_amax, std::fabs(value));
+  std::vector<bf16> y[2];
+  std::vector<float> scaling[2];
+  for (int taken : {0, 1}) {
+    LinearUnderTest linear(ScalingRecipe::Tensorwise, false, kOut, gemm_);
+    float* slot = linear.layer->weight_amax_slot();
+    ASSERT_NE(slot, nullptr);
+    if (taken == 1) {
+      FP8T_CUDA_CHECK(
+          cudaMemcpyAsync(slot, &host_amax, sizeof(float), cudaMemcpyHostToDevice, stream_));
+    }
+    linear.layer->prepare_weight(weight_.get(), /*record_amax=*/true, stream_, nullptr,
+                                 /*amax_measured=*/taken == 1);
+    Device<bf16> out(size_t(kTokens * kOut));
+    out.poison_nan();
+    linear.layer->forward(x_.get(), kTokens, out.get(), true, stream_);
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    y[taken] = out.download();
+    scaling[taken] = linear.scaling_floats();
+  }
+  EXPECT_EQ(scaling[0][size_t(weight_amax)], host_amax);
+  expect_bitwise_equal(scaling[1], scaling[0], "scaling floats");
+  expect_bitwise_equal(y[1], y[0], "y");
+
+  LinearUnderTest linear(ScalingRecipe::Tensorwise, false, kOut, gemm_);
+  const float larger = 4.0f * host_amax;
+  FP8T_CUDA_CHECK(cudaMemcpyAsync(linear.layer->weight_amax_slot(), &larger, sizeof(float),
+                                  cudaMemcpyHostToDevice, stream_));
+  linear.layer->prepare_weight(weight_.get(), true, stream_, nullptr, /*amax_measured=*/true);
+  std::vector<float> read = linear.scaling_floats();
+  EXPECT_EQ(read[size_t(weight_amax)], larger);
+  EXPECT_EQ(read[size_t(weight_scale)], scaling[0][size_t(weight_scale)] / 4.0f);
+  linear.layer->prepare_weight(weight_.get(), true, stream_);
+  read = linear.scaling_floats();
+  EXPECT_EQ(read[size_t(weight_amax)], host_amax) << "an unmeasured cast measures the weight";
+
+  for (ScalingRecipe recipe :
+       {ScalingRecipe::Delayed, ScalingRecipe::Blockwise, ScalingRecipe::Mxfp8}) {
+    LinearUnderTest other(recipe, false, kOut, gemm_);
+    EXPECT_EQ(other.layer->weight_amax_slot(), nullptr) << recipe_name(recipe);
+    EXPECT_THROW(other.layer->prepare_weight(weight_.get(), true, stream_, nullptr, true), Error)
+        << recipe_name(recipe);
+  }
+  LinearUnderTest bf16(ScalingRecipe::Tensorwise, false, kOut, gemm_, false);
+  EXPECT_EQ(bf16.layer->weight_amax_slot(), nullptr) << "BF16";
 }
 
 // Three blockwise layers reading one input (the GPT's c_q, c_k, c_v), their weight gradients back

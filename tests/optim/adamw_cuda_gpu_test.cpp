@@ -1,10 +1,14 @@
 // CudaAdamW against the CPU's AdamWOptimizer, step for step: tensors of several chunks, a
 // matrix that fits one, and a 1-D tensor (no weight decay), at their places in a device
-// parameter layout whose gaps must keep their poison. Fresh random draws each run.
+// parameter layout whose gaps must keep their poison; and the amaxes a step takes of its new
+// values. Fresh random draws each run.
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <random>
 #include <span>
@@ -55,6 +59,15 @@ std::vector<std::vector<float>> normal_tensors(const std::vector<Spec>& specs, t
   return tensors;
 }
 
+// Each tensor's values to its place in the layout on the device.
+void upload_tensors(const DeviceParameterLayout& layout,
+                    const std::vector<std::vector<float>>& values, float* device) {
+  for (size_t i = 0; i < values.size(); ++i) {
+    FP8T_CUDA_CHECK(cudaMemcpy(device + layout.parameters[i].offset, values[i].data(),
+                               values[i].size() * sizeof(float), cudaMemcpyHostToDevice));
+  }
+}
+
 std::vector<AdamWOptimizer::Parameter> parameters_of(const std::vector<Spec>& specs) {
   std::vector<AdamWOptimizer::Parameter> parameters;
   for (const Spec& spec : specs)
@@ -77,20 +90,14 @@ TEST(CudaAdamW, StepsMatchTheCpuOptimizer) {
   std::vector<std::vector<float>> grads;
   DeviceBuffer<float> device_params(static_cast<size_t>(layout.total_elements));  // poisoned
   DeviceBuffer<float> device_grads(static_cast<size_t>(layout.total_elements));
-  const auto upload = [&](const std::vector<std::vector<float>>& values, float* device) {
-    for (size_t i = 0; i < specs.size(); ++i) {
-      FP8T_CUDA_CHECK(cudaMemcpy(device + layout.parameters[i].offset, values[i].data(),
-                                 values[i].size() * sizeof(float), cudaMemcpyHostToDevice));
-    }
-  };
-  upload(params, device_params.get());
+  upload_tensors(layout, params, device_params.get());
   const std::vector<float> poison = device_params.download();
 
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
   for (int step = 0; step < 3; ++step) {
     grads = normal_tensors(specs, rng);
-    upload(grads, device_grads.get());
+    upload_tensors(layout, grads, device_grads.get());
     const double lr_multiplier = 1.0 - 0.2 * step;
     std::vector<float*> param_data;
     std::vector<const float*> grad_data;
@@ -199,6 +206,81 @@ TEST(CudaAdamW, ShardedStepsUpdateOnlyTheOwnedTensors) {
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
   for (size_t i = 0; i < specs.size(); ++i)
     EXPECT_EQ(owners[i], 1) << specs[i].name;
+}
+
+// Amaxes taken by the step: each slot holds the largest |value| of its tensor's new values, bit
+// for bit, whether that lies in a late chunk of a long tensor, a part vector or a tensor whose
+// count takes no vectors; a NaN among the new values gives NaN. Tensors the layout lacks or another
+// rank updates are refused by name; with no slots a step leaves the old ones alone.
+TEST(CudaAdamW, MeasuredAmaxesAreTheLargestNewMagnitudes) {
+  test::TestRng rng;
+  SCOPED_TRACE(rng.trace());
+  const std::vector<Spec> specs = {
+      {"w1", {3, cuda::kAdamWChunkElements + 100}}, {"w2", {64, 96}}, {"b", {17}}, {"w3", {5, 7}}};
+  const DeviceParameterLayout layout = device_parameter_layout(specs);
+  std::vector<std::vector<float>> params = normal_tensors(specs, rng);
+  params[0].back() = 50.0f;  // in w1's last chunk
+  DeviceBuffer<float> device_params(static_cast<size_t>(layout.total_elements));
+  DeviceBuffer<float> device_grads(static_cast<size_t>(layout.total_elements));
+  upload_tensors(layout, params, device_params.get());
+  DeviceBuffer<float> slots(3);
+  const std::vector<size_t> measured = {0, 2, 3};  // w1, b, w3
+  CudaAdamW gpu(layout, kHyper);
+  gpu.measure_amaxes({{"w1", slots.get()}, {"b", slots.get() + 1}, {"w3", slots.get() + 2}});
+  cudaStream_t stream = nullptr;
+  FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
+  for (int step = 0; step < 2; ++step) {
+    std::vector<std::vector<float>> grads = normal_tensors(specs, rng);
+    if (step == 1) grads[2][5] = std::numeric_limits<float>::quiet_NaN();  // b's
+    upload_tensors(layout, grads, device_grads.get());
+    slots.poison();
+    gpu.step(device_params.get(), device_grads.get(), 1.0, stream);
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+    const std::vector<float> result = device_params.download();
+    const std::vector<float> amaxes = slots.download();
+    for (size_t k = 0; k < measured.size(); ++k) {
+      const DeviceParameter& tensor = layout.parameters[measured[k]];
+      const std::string where = "step " + std::to_string(step + 1) + ", " + tensor.name;
+      float expected = 0.0f;
+      bool nan = false;
+      for (int64_t j = 0; j < tensor.numel; ++j) {
+        const float value = result[size_t(tensor.offset + j)];
+        nan = nan || std::isnan(value);
+        expected = std::max(expected, std::fabs(value));
+      }
+      if (nan) {
+        EXPECT_TRUE(std::isnan(amaxes[k])) << where;
+      } else {
+        EXPECT_EQ(amaxes[k], expected) << where;
+      }
+    }
+  }
+  EXPECT_GE(slots.download()[0], 49.0f) << "w1's largest value lies in its last chunk";
+
+  gpu.measure_amaxes({});
+  const std::vector<float> before = {1.0f, 2.0f, 3.0f};
+  slots.upload(before.data());
+  gpu.step(device_params.get(), device_grads.get(), 1.0, stream);
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EXPECT_EQ(slots.download(), before) << "a step without slots writes none";
+  FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
+
+  EXPECT_THROW(gpu.measure_amaxes({{"w9", slots.get()}}), Error);
+  AdamWOptimizer host(parameters_of(specs), kHyper, 1, 2);
+  CudaAdamW sharded(layout, kHyper, &host.shard());
+  for (const Spec& spec : specs) {
+    if (host.shard().owns(spec.name)) {
+      EXPECT_NO_THROW(sharded.measure_amaxes({{spec.name, slots.get()}})) << spec.name;
+      continue;
+    }
+    try {
+      sharded.measure_amaxes({{spec.name, slots.get()}});
+      ADD_FAILURE() << spec.name << ": another rank's tensor was accepted";
+    } catch (const Error& error) {
+      EXPECT_NE(std::string(error.what()).find("'" + spec.name + "'"), std::string::npos)
+          << error.what();
+    }
+  }
 }
 
 }  // namespace

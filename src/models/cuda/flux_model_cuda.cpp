@@ -325,8 +325,17 @@ CudaFluxModel::~CudaFluxModel() {
   cudaStreamSynchronize(stream_);
 }
 
-void CudaFluxModel::end_step() {
+std::vector<optim::TensorAmaxSlot> CudaFluxModel::weight_amax_slots() const {
+  std::vector<optim::TensorAmaxSlot> slots;
+  for (const auto& [name, linear] : buffers_->linears) {
+    if (float* amax = linear.layer->weight_amax_slot()) slots.push_back({name + ".weight", amax});
+  }
+  return slots;
+}
+
+void CudaFluxModel::end_step(bool weight_amaxes_measured) {
   weights_ready_ = false;
+  weight_amaxes_measured_ = weight_amaxes_measured;
   CudaLinearScalings& scalings = buffers_->scalings;
   keep_cuda_fp8_health(buffers_->linears, scalings, fp8_health_, stream_);
   scalings.end_step(stream_, tensor_parallel_);
@@ -562,6 +571,7 @@ void CudaFluxModel::upload_parameters(const FluxParameterSet* host) {
     upload_tensor(tensor.name, values, parameters_ + tensor.offset);
   }
   weights_ready_ = false;
+  weight_amaxes_measured_ = false;
 }
 
 void CudaFluxModel::download_parameters(FluxParameterSet* host) const {
@@ -657,9 +667,12 @@ std::vector<float> CudaFluxModel::prediction() const {
 }
 
 void CudaFluxModel::prepare_weights() {
-  for (auto& [name, linear] : buffers_->linears)
-    linear.layer->prepare_weight(linear.weight, training_, stream_, linear.bias);
+  for (auto& [name, linear] : buffers_->linears) {
+    const bool measured = weight_amaxes_measured_ && linear.layer->weight_amax_slot() != nullptr;
+    linear.layer->prepare_weight(linear.weight, training_, stream_, linear.bias, measured);
+  }
   weights_ready_ = true;
+  weight_amaxes_measured_ = false;
 }
 
 void CudaFluxModel::linear_forward(const std::string& name, const bf16* x, int64_t rows, bf16* y) {

@@ -129,9 +129,13 @@ class CudaFluxModel {
   std::vector<float> prediction() const;
 
   const std::vector<FluxLinearPrecision>& linear_precision() const { return linear_precision_; }
+  // The weights whose per-tensor amax the optimizer's step can take for their next cast (tensorwise
+  // FP8 linears; CudaAdamW::measure_amaxes), each with its slot.
+  std::vector<optim::TensorAmaxSlot> weight_amax_slots() const;
   // Once per optimizer step, after the weights changed: the delayed-scaling update (one
-  // synchronization) and the weight casts of the next forward.
-  void end_step();
+  // synchronization) and the weight casts of the next forward. weight_amaxes_measured: the step
+  // wrote every weight_amax_slots() amax, which those casts then read instead of measuring.
+  void end_step(bool weight_amaxes_measured = false);
   // Training records the amaxes delayed scaling learns from; evaluation leaves them alone.
   void set_training(bool training) { training_ = training; }
   // Host delayed-scaling state, named as FluxModel::delayed_scalings(); the trainer saves and
@@ -212,6 +216,7 @@ class CudaFluxModel {
   int64_t attention_width_, heads_, mlp_hidden_;
   cudaStream_t stream_;
   bool weights_ready_ = false;
+  bool weight_amaxes_measured_ = false;  // for the next prepare_weights(): see end_step()
   CudaFp8HealthRecording fp8_health_;
   bool training_ = true;
   FluxRecomputeGroups recompute_;

@@ -344,8 +344,18 @@ void CudaLinear::dequantize_mx(const uint8_t* data, const float* scales, int64_t
   fp8t::cuda::dequantize_blocks(data, rows, cols, spec, scales, out, stream);
 }
 
+float* CudaLinear::weight_amax_slot() const {
+  if (!setup_.fp8 || setup_.fp8_config.recipe != ScalingRecipe::Tensorwise ||
+      weight_ld() != setup_.in_features) {
+    return nullptr;
+  }
+  return slot(TensorRole::Weight, kAmaxSlot);
+}
+
 void CudaLinear::prepare_weight(const float* weight, bool record_amax, cudaStream_t stream,
-                                const float* bias) {
+                                const float* bias, bool amax_measured) {
+  FP8T_CHECK(!amax_measured || weight_amax_slot() != nullptr,
+             "a measured weight amax is only for tensorwise FP8 layers reading whole weights");
   const int64_t in = setup_.in_features, out = setup_.out_features;
   FP8T_CHECK((bias != nullptr) == setup_.bias, "a linear {} a bias, and was given {}",
              setup_.bias ? "with" : "without", bias != nullptr ? "one" : "none");
@@ -367,8 +377,9 @@ void CudaLinear::prepare_weight(const float* weight, bool record_amax, cudaStrea
     return;
   }
   quantize(weight, out, in, TensorRole::Weight, weight_fp8_->get(),
-           weight_fp8_t_ ? weight_fp8_t_->get() : nullptr, ScaleSource::Measure, record_amax,
-           stream, weight_scales_ ? weight_scales_->get() : nullptr,
+           weight_fp8_t_ ? weight_fp8_t_->get() : nullptr,
+           amax_measured ? ScaleSource::Measured : ScaleSource::Measure, record_amax, stream,
+           weight_scales_ ? weight_scales_->get() : nullptr,
            weight_t_scales_ ? weight_t_scales_->get() : nullptr);
   if (mx()) {
     dequantize_mx(weight_fp8_->get(), weight_scales_->get(), out, in, TensorRole::Weight,

@@ -180,9 +180,16 @@ class CudaLinear {
 
   // Once per optimizer step, before the first forward: the weight [out, in] fp32 cast to the
   // operand(s) the GEMMs use, and the bias [out] (given exactly when setup.bias) to bf16.
-  // Delayed: records the weight's amax when record_amax.
+  // Delayed: records the weight's amax when record_amax. amax_measured: weight_amax_slot()
+  // holds this weight's amax already (the optimizer's step took it), so the cast reads it.
   void prepare_weight(const float* weight, bool record_amax, cudaStream_t stream,
-                      const float* bias = nullptr);
+                      const float* bias = nullptr, bool amax_measured = false);
+
+  // Where the weight's per-tensor amax goes before its cast, for the optimizer step that writes
+  // the weight to take in the same pass (optim::CudaAdamW::measure_amaxes). Null (nothing to
+  // take) unless the layer is FP8 under tensorwise and reads its weight as one matrix (not a
+  // row-parallel share's columns of a whole weight).
+  float* weight_amax_slot() const;
 
   // The cast the kernel producing this layer's next input can do for it, in the same pass:
   // delayed, the whole cast (x̂ and the amax); tensorwise, the amax, the scale depending on it;

@@ -52,6 +52,12 @@ struct CudaAdamW::State {
   std::unique_ptr<DeviceBuffer<cuda::AdamWChunk>> chunks;
   DeviceBuffer<double> partials{static_cast<size_t>(cuda::kNormPartials)};
   DeviceBuffer<float> squares;  // with shares: theirs summed over the group, the rest's
+  // Per updated tensor, its chunks {first, count} in the chunk table; with measure_amaxes, each
+  // chunk's amax bits and the slots' table.
+  std::map<std::string, std::pair<int64_t, int64_t>> tensor_chunks;
+  std::unique_ptr<DeviceBuffer<uint32_t>> chunk_amax;
+  std::unique_ptr<DeviceBuffer<cuda::TensorAmax>> amax_slots;
+  int64_t amax_slot_count = 0;
 
   State(const DeviceParameterLayout& layout_, const AdamWHyperparameters& hyperparameters_,
         const OptimizerShard* shard, GradientShares shares_)
@@ -79,6 +85,9 @@ CudaAdamW::CudaAdamW(const DeviceParameterLayout& layout,
   for (const DeviceParameter& tensor : layout.parameters) {
     const auto owned = state_->moments.offsets.find(tensor.name);
     if (owned == state_->moments.offsets.end()) continue;
+    state_->tensor_chunks[tensor.name] = {
+        std::ssize(chunks),
+        (tensor.numel + cuda::kAdamWChunkElements - 1) / cuda::kAdamWChunkElements};
     for (int64_t begin = 0; begin < tensor.numel; begin += cuda::kAdamWChunkElements) {
       const auto count =
           static_cast<int32_t>(std::min<int64_t>(cuda::kAdamWChunkElements, tensor.numel - begin));
@@ -126,8 +135,32 @@ void CudaAdamW::step(float* params, const float* grads, double lr_multiplier, cu
         cuda::adamw_step_scalars(h.lr * lr_multiplier, h.beta1, h.beta2, h.eps,
                                  group == kDecayGroup ? h.weight_decay : 0.0, steps_);
   }
+  uint32_t* chunk_amax = state_->amax_slot_count > 0 ? state_->chunk_amax->get() : nullptr;
   cuda::adamw_multi_tensor(params, grads, state_->exp_avg.get(), state_->exp_avg_sq.get(),
-                           state_->chunks->get(), state_->chunk_count, adamw, stream);
+                           state_->chunks->get(), state_->chunk_count, adamw, stream, chunk_amax);
+  if (chunk_amax != nullptr)
+    cuda::tensor_amaxes(state_->amax_slots->get(), state_->amax_slot_count, chunk_amax, stream);
+}
+
+void CudaAdamW::measure_amaxes(const std::vector<TensorAmaxSlot>& slots) {
+  std::vector<cuda::TensorAmax> table;
+  for (const TensorAmaxSlot& slot : slots) {
+    static_cast<void>(state_->layout[slot.parameter]);  // throws for a tensor it lacks
+    const auto chunks = state_->tensor_chunks.find(slot.parameter);
+    FP8T_CHECK(chunks != state_->tensor_chunks.end(),
+               "measure_amaxes: '{}' is another rank's to update, so its amax is not taken here",
+               slot.parameter);
+    FP8T_CHECK(slot.amax != nullptr, "measure_amaxes: '{}' has no amax slot", slot.parameter);
+    table.push_back({slot.amax, chunks->second.first, chunks->second.second});
+  }
+  state_->amax_slot_count = std::ssize(table);
+  if (table.empty()) return;
+  if (!state_->chunk_amax) {
+    state_->chunk_amax =
+        std::make_unique<DeviceBuffer<uint32_t>>(static_cast<size_t>(state_->chunk_count));
+  }
+  state_->amax_slots = std::make_unique<DeviceBuffer<cuda::TensorAmax>>(table.size());
+  state_->amax_slots->upload(table.data());
 }
 
 namespace {
@@ -219,7 +252,9 @@ void CudaAdamW::upload_state(AdamWOptimizer* host, const StateTransfer& transfer
 
 size_t CudaAdamW::device_bytes() const {
   return state_->exp_avg.bytes() + state_->exp_avg_sq.bytes() + state_->chunks->bytes() +
-         state_->partials.bytes() + state_->squares.bytes();
+         state_->partials.bytes() + state_->squares.bytes() +
+         (state_->chunk_amax ? state_->chunk_amax->bytes() : 0) +
+         (state_->amax_slots ? state_->amax_slots->bytes() : 0);
 }
 
 }  // namespace fp8t::optim

@@ -9,6 +9,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -35,6 +36,13 @@ struct StateTransfer {
   std::function<void(const std::string& parameter, const float* host, float* device)> upload;
 };
 
+// A tensor of the layout and a device float that takes its largest magnitude after each step:
+// an FP8 weight cast's amax, so that the cast need not read the weight once more to find it.
+struct TensorAmaxSlot {
+  std::string parameter;
+  float* amax = nullptr;
+};
+
 class CudaAdamW {
  public:
   // Allocates exp_avg and exp_avg_sq (zero) for the layout's tensors; with a shard of several
@@ -51,6 +59,12 @@ class CudaAdamW {
   // One step at lr = the hyperparameters' lr × lr_multiplier; the first step's bias correction
   // uses 1.
   void step(float* params, const float* grads, double lr_multiplier, cudaStream_t stream);
+
+  // From the next step on, each step also writes into every slot the largest |value| of its
+  // tensor's new values (NaN when one is NaN), in the same launch as the update and one more for
+  // all slots. Throws, naming the tensor, for one the layout lacks or this rank does not update
+  // (another rank's under a shard). Replaces the slots of an earlier call.
+  void measure_amaxes(const std::vector<TensorAmaxSlot>& slots);
 
   int64_t steps_taken() const { return steps_; }
   size_t device_bytes() const;

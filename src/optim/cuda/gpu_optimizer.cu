@@ -79,11 +79,26 @@ __device__ inline bool takes_chunk_vectors(int32_t count, const void* param, con
          ((address(param) | address(grad) | address(m) | address(v)) % 16) == 0;
 }
 
+// The largest of every thread's amax bits (abs_bits: NaN above inf), in thread 0.
+__device__ inline uint32_t block_amax_bits(uint32_t bits) {
+  __shared__ uint32_t warp_max[kThreads / device::kWarpSize];
+  const uint32_t warp = __reduce_max_sync(device::kFullMask, bits);
+  if (threadIdx.x % device::kWarpSize == 0) warp_max[threadIdx.x / device::kWarpSize] = warp;
+  __syncthreads();
+  uint32_t block = 0;
+  if (threadIdx.x == 0) {
+    for (const uint32_t value : warp_max)
+      block = max(block, value);
+  }
+  return block;
+}
+
 // Eight elements per thread and access (two 16-byte accesses per array) where the chunk takes
-// vectors: the bytes limit this kernel.
+// vectors: the bytes limit this kernel. With chunk_amax, each block also stores the amax bits of
+// its chunk's new values there, at its own index.
 __global__ void __launch_bounds__(kThreads)
     adamw_kernel(float* params, const float* grads, float* exp_avg, float* exp_avg_sq,
-                 const AdamWChunk* chunks, AdamWStep step) {
+                 const AdamWChunk* chunks, AdamWStep step, uint32_t* chunk_amax) {
   constexpr int kWidth = device::kBf16Vector;
   const AdamWChunk chunk = chunks[blockIdx.x];
   const AdamWScalars h = step.groups[chunk.group];
@@ -91,24 +106,43 @@ __global__ void __launch_bounds__(kThreads)
   const float* grad = grads + chunk.grad;
   float* m = exp_avg + chunk.state;
   float* v = exp_avg_sq + chunk.state;
+  uint32_t amax_bits = 0;
   if (!takes_chunk_vectors(chunk.count, param, grad, m, v)) {
-    for (int i = threadIdx.x; i < chunk.count; i += kThreads)
+    for (int i = threadIdx.x; i < chunk.count; i += kThreads) {
       param[i] = adamw_element(param[i], grad[i], m[i], v[i], h);
-    return;
-  }
-  for (int i = threadIdx.x * kWidth; i < chunk.count; i += kThreads * kWidth) {
-    float p8[kWidth], g8[kWidth], m8[kWidth], v8[kWidth];
-    load_floats<kWidth>(param + i, p8);
-    load_floats<kWidth>(grad + i, g8);
-    load_floats<kWidth>(m + i, m8);
-    load_floats<kWidth>(v + i, v8);
+      amax_bits = max(amax_bits, abs_bits(param[i]));
+    }
+  } else {
+    for (int i = threadIdx.x * kWidth; i < chunk.count; i += kThreads * kWidth) {
+      float p8[kWidth], g8[kWidth], m8[kWidth], v8[kWidth];
+      load_floats<kWidth>(param + i, p8);
+      load_floats<kWidth>(grad + i, g8);
+      load_floats<kWidth>(m + i, m8);
+      load_floats<kWidth>(v + i, v8);
 #pragma unroll
-    for (int k = 0; k < kWidth; ++k)
-      p8[k] = adamw_element(p8[k], g8[k], m8[k], v8[k], h);
-    store_floats<kWidth>(param + i, p8);
-    store_floats<kWidth>(m + i, m8);
-    store_floats<kWidth>(v + i, v8);
+      for (int k = 0; k < kWidth; ++k) {
+        p8[k] = adamw_element(p8[k], g8[k], m8[k], v8[k], h);
+        amax_bits = max(amax_bits, abs_bits(p8[k]));
+      }
+      store_floats<kWidth>(param + i, p8);
+      store_floats<kWidth>(m + i, m8);
+      store_floats<kWidth>(v + i, v8);
+    }
   }
+  if (chunk_amax == nullptr) return;
+  const uint32_t block = block_amax_bits(amax_bits);
+  if (threadIdx.x == 0) chunk_amax[blockIdx.x] = block;
+}
+
+// One block per tensor: the largest of its chunks' amax bits, as the float it is, into its slot.
+__global__ void __launch_bounds__(kThreads)
+    tensor_amax_kernel(const TensorAmax* tensors, const uint32_t* chunk_amax) {
+  const TensorAmax tensor = tensors[blockIdx.x];
+  uint32_t amax_bits = 0;
+  for (int64_t i = threadIdx.x; i < tensor.chunks; i += kThreads)
+    amax_bits = max(amax_bits, chunk_amax[tensor.first_chunk + i]);
+  const uint32_t block = block_amax_bits(amax_bits);
+  if (threadIdx.x == 0) *tensor.amax = bits_to_float(block);
 }
 
 // Parameters and moments stored in bf16: the step in fp32 from the values they hold, each result
@@ -475,10 +509,21 @@ dim3 row_grid(const MuonShape& shape) {
 
 void adamw_multi_tensor(float* params, const float* grads, float* exp_avg, float* exp_avg_sq,
                         const AdamWChunk* chunks, int64_t chunk_count, const AdamWStep& step,
-                        cudaStream_t stream) {
+                        cudaStream_t stream, uint32_t* chunk_amax) {
   if (!check_chunks(chunk_count, {params, grads, exp_avg, exp_avg_sq, chunks})) return;
   adamw_kernel<<<static_cast<unsigned>(chunk_count), kThreads, 0, stream>>>(
-      params, grads, exp_avg, exp_avg_sq, chunks, step);
+      params, grads, exp_avg, exp_avg_sq, chunks, step, chunk_amax);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void tensor_amaxes(const TensorAmax* tensors, int64_t tensor_count, const uint32_t* chunk_amax,
+                   cudaStream_t stream) {
+  FP8T_CHECK(tensor_count >= 0 && tensor_count <= INT32_MAX,
+             "tensor_amaxes: expected 0 to 2^31 - 1 tensors, found {}", tensor_count);
+  if (tensor_count == 0) return;
+  check_pointers({tensors, chunk_amax}, "tensor_amaxes");
+  tensor_amax_kernel<<<static_cast<unsigned>(tensor_count), kThreads, 0, stream>>>(tensors,
+                                                                                   chunk_amax);
   FP8T_CUDA_CHECK_LAUNCH();
 }
 

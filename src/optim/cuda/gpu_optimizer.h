@@ -137,9 +137,21 @@ struct AdamWStep {
 AdamWScalars adamw_step_scalars(double lr, double beta1, double beta2, double eps,
                                 double weight_decay, int64_t step);
 
+// chunk_amax (optional, chunk_count values): chunk i's new values' largest magnitude, as the
+// bits abs_bits (numerics/float_bits.h) orders, NaN above inf.
 void adamw_multi_tensor(float* params, const float* grads, float* exp_avg, float* exp_avg_sq,
                         const AdamWChunk* chunks, int64_t chunk_count, const AdamWStep& step,
-                        cudaStream_t stream);
+                        cudaStream_t stream, uint32_t* chunk_amax = nullptr);
+
+// A tensor's chunks chunk_amax[first_chunk .. first_chunk + chunks) of an AdamW step, and where
+// their largest amax goes (a float, overwritten): tensor_amaxes folds them after the step.
+struct TensorAmax {
+  float* amax;
+  int64_t first_chunk;
+  int64_t chunks;
+};
+void tensor_amaxes(const TensorAmax* tensors, int64_t tensor_count, const uint32_t* chunk_amax,
+                   cudaStream_t stream);
 // Parameters and moments stored in bf16: the step in fp32 from the values they hold, each result
 // rounded to bf16 once, as GptOptimizer's bf16 storage rounds.
 void adamw_multi_tensor(bf16* params, const float* grads, bf16* exp_avg, bf16* exp_avg_sq,
