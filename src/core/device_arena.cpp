@@ -22,16 +22,8 @@ void DeviceArena::allocate_planned() {
   void* memory = nullptr;
   const cudaError_t status = cudaMalloc(&memory, std::max<size_t>(planned_, 1));
   if (status != cudaSuccess) {
-    size_t free = 0, total = 0;
-    cudaGetLastError();  // clear the allocation error
-    cudaMemGetInfo(&free, &total);
-    const std::string message = fmt::format(
-        "cannot allocate {:.2f} GiB of GPU memory for {}: {} ({:.2f} GiB free of {:.2f} GiB); "
-        "lower micro_batch_size, sequence_len or depth",
-        double(planned_) / double(1 << 30), name_, cudaGetErrorString(status),
-        double(free) / double(1 << 30), double(total) / double(1 << 30));
-    if (status == cudaErrorMemoryAllocation) throw DeviceOutOfMemory(message);
-    throw Error(message);
+    throw_allocation_failure(name_, planned_, status,
+                             "lower micro_batch_size, sequence_len or depth");
   }
   memory_ = static_cast<std::byte*>(memory);
   used_ = 0;

@@ -18,8 +18,11 @@ class DeviceBuffer {
   static constexpr unsigned char kPoison = 0xA5;
 
   explicit DeviceBuffer(size_t count) : count_(count) {
-    FP8T_CUDA_CHECK(
-        cudaMalloc(reinterpret_cast<void**>(&data_), std::max<size_t>(1, count) * sizeof(T)));
+    const size_t bytes = std::max<size_t>(1, count) * sizeof(T);
+    const cudaError_t status = cudaMalloc(reinterpret_cast<void**>(&data_), bytes);
+    if (status != cudaSuccess) {
+      throw_allocation_failure(fmt::format("a buffer of {} elements", count), bytes, status);
+    }
     poison();
   }
   explicit DeviceBuffer(const std::vector<T>& host) : DeviceBuffer(host.size()) {

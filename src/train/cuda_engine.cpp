@@ -277,7 +277,8 @@ class CudaEngine final : public TrainingEngine {
          .activations = double(planned.activations),
          .workspace = double(planned.workspace),
          .linear_copies = double(planned.linear_copies),
-         .runtime = kRuntimeReserve},
+         .runtime = kRuntimeReserve,
+         .weight_transposes_saving = double(planned.weight_transposes_saving)},
         setup.batch, double(free), gpu_.name, "tokens",
         [&] { return largest_fitting_batch(fixed, per_sample, double(free)); },
         "the parameters, gradients and optimizer state alone do not fit: a smaller model "

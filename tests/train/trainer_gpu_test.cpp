@@ -83,6 +83,25 @@ TEST_F(TrainerGpuTest, ModelThatDoesNotFitOnTheGpuIsRefused) {
       << message;
   EXPECT_TRUE(test::Contains(message, "is free on")) << message;
   EXPECT_TRUE(test::Contains(message, "would fit")) << message;
+  EXPECT_FALSE(test::Contains(message, "fp8_weight_transposes")) << "BF16: " << message;
+}
+
+// An FP8 plan that does not fit and keeps its weight transposes also says what making them in
+// backward would save; one that makes them there already does not.
+TEST_F(TrainerGpuTest, Fp8ModelThatDoesNotFitIsToldWhatTransposesInBackwardSave) {
+  const std::vector<std::string> huge = {"--micro-batch-size=1000000",
+                                         "--global-batch-size=1000000", "--fp8=hybrid",
+                                         "--fp8-recipe=tensorwise"};
+  const std::string kept = test::error_message<ConfigError>(
+      [&] { run_training(load_train_config(args("huge_fp8", huge))); });
+  EXPECT_TRUE(test::Contains(kept, "; fp8_weight_transposes: in_backward takes ")) << kept;
+  EXPECT_TRUE(test::Contains(kept, " off the linear copies")) << kept;
+  std::vector<std::string> in_backward = huge;
+  in_backward.push_back("--fp8-weight-transposes=in_backward");
+  const std::string made = test::error_message<ConfigError>(
+      [&] { run_training(load_train_config(args("huge_fp8", in_backward))); });
+  EXPECT_TRUE(test::Contains(made, "would fit")) << made;
+  EXPECT_FALSE(test::Contains(made, "fp8_weight_transposes")) << made;
 }
 
 }  // namespace

@@ -197,13 +197,30 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
   memory_.linear_copies = buffers_->linear_scratch.bytes();
   if (check_plan) {
     CudaGptMemory planned = memory_;
+    const ScalingRecipe recipe = precision_.fp8.recipe;
+    // FP8 linears keeping Ŵᵗ: their copies made in backward instead, with the one buffer they
+    // would share.
+    const bool transposes_kept = precision_.fp8_weight_transposes == ops::WeightTransposes::Kept &&
+                                 recipe != ScalingRecipe::Mxfp8;
+    size_t kept = 0, made_in_backward = 0;
+    ops::WeightTScratch weight_t;
     for (const LinearPrecision& decision : linear_precision_) {
       if (decision.linear.kind == ParamKind::Gate) continue;  // kernels of their own
       const LinearShare share = share_of(decision.linear, tensor_parallel_);
-      planned.linear_copies += ops::linear_weight_bytes(
-          share.in_features, share.out_features, /*bias=*/false, decision.fp8,
-          precision_.fp8.recipe, precision_.fp8_weight_transposes);
+      const int64_t in = share.in_features, out = share.out_features;
+      planned.linear_copies += ops::linear_weight_bytes(in, out, /*bias=*/false, decision.fp8,
+                                                        recipe, precision_.fp8_weight_transposes);
+      if (!decision.fp8 || !transposes_kept) continue;
+      kept += ops::linear_weight_bytes(in, out, false, true, recipe);
+      made_in_backward +=
+          ops::linear_weight_bytes(in, out, false, true, recipe, ops::WeightTransposes::InBackward);
+      weight_t.fit(in, out, recipe);
     }
+    DeviceArena shared_transpose("Ŵᵗ made in backward");  // planned only
+    shared_transpose.take<uint8_t>(static_cast<size_t>(weight_t.bytes));
+    shared_transpose.take<float>(static_cast<size_t>(weight_t.scale_floats));
+    if (kept > made_in_backward + shared_transpose.bytes())
+      planned.weight_transposes_saving = kept - made_in_backward - shared_transpose.bytes();
     check_plan(planned, layout_, buffers_->region_bytes);
   }
   for (DeviceArena* arena : {&buffers_->parameters, &buffers_->gradients, &buffers_->activations,
