@@ -100,6 +100,7 @@ struct RunKind {
   std::optional<bool> autotune;
   RecomputeGranularity recompute = RecomputeGranularity::None;  // full: one block per group
   ops::WeightTransposes weight_transposes = ops::WeightTransposes::Kept;
+  bool fp8_wgrad = true;
 };
 
 RecomputeOptions bench_recompute(const RunKind& run) {
@@ -137,11 +138,11 @@ std::string run_name(const RunKind& run, const std::string& formats) {
                               : "";
   if (!run.fp8) return fmt::format("bf16{}", recompute);
   return fmt::format(
-      "fp8 {} {}{}{}{}{}", formats, recipe_name(run.recipe),
+      "fp8 {} {}{}{}{}{}{}", formats, recipe_name(run.recipe),
       run.recipe == ScalingRecipe::Mxfp8 ? " (emulated)" : "",
       run.fp8_attention ? " + fp8 attention" : "",
       run.weight_transposes == ops::WeightTransposes::InBackward ? ", Ŵᵗ in backward" : "",
-      recompute);
+      run.fp8_wgrad ? "" : ", bf16 wgrad", recompute);
 }
 
 ModelPrecision bench_precision(const RunKind& run, const std::string& formats) {
@@ -154,6 +155,7 @@ ModelPrecision bench_precision(const RunKind& run, const std::string& formats) {
   precision.family = Fp8Family::Ocp;
   precision.fp8_attention = run.fp8 && run.fp8_attention;
   precision.fp8_weight_transposes = run.weight_transposes;
+  precision.fp8_wgrad = run.fp8_wgrad;
   return precision;
 }
 
@@ -388,6 +390,8 @@ std::vector<Measurement> measure_runs(const std::vector<std::string>& precisions
     run.weight_transposes = weight_transposes_named(setting, "--fp8-weight-transposes");
     check_fp8_weight_transposes(run.weight_transposes, run.recipe, "--fp8-weight-transposes");
   });
+  in_each(timing.fp8_wgrad, true,
+          [](RunKind& run, const std::string& setting) { run.fp8_wgrad = setting == "on"; });
   std::vector<Measurement> results;
   for (const RunKind& run : runs) {
     Measurement result;

@@ -111,6 +111,9 @@ struct BenchTiming {
   // Each FP8 run with its linears' Ŵᵗ kept and/or made in backward ("kept", "in_backward";
   // fp8_weight_transposes); empty: kept.
   std::vector<std::string> fp8_weight_transposes;
+  // Each FP8 run with its weight-gradient GEMMs in FP8 and/or BF16 ("on", "off"; fp8_wgrad);
+  // empty: on.
+  std::vector<std::string> fp8_wgrad;
 };
 
 struct BenchGptOptions {

@@ -247,6 +247,12 @@ int main(int argc, char** argv) {
                      "given (default: kept)")
         ->delimiter(',')
         ->check(CLI::IsMember({"kept", "in_backward"}));
+    command
+        ->add_option("--fp8-wgrad", timing.fp8_wgrad,
+                     "Measure each FP8 run with its weight-gradient GEMMs in FP8 (on) and/or in "
+                     "BF16 (off; fp8_wgrad: false), in the order given (default: on)")
+        ->delimiter(',')
+        ->check(CLI::IsMember({"on", "off"}));
   };
   add_run_options(bench_gpt, bench_options.precisions, bench_options.fp8_recipes, bench_options.fp8,
                   bench_options.fp8_attention, bench_options.timing);
