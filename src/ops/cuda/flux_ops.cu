@@ -1018,8 +1018,7 @@ void copy_rows(const SampleRows<bf16>& dst, const SampleRows<const bf16>& src, i
              dst.sample_rows, src.sample_rows);
   check_pointers(samples * rows * width, {dst.data, src.data});
   if (samples * rows * width == 0) return;
-  const bool vectorized = all_aligned({dst.data, src.data}) && width % kBf16Vector == 0 &&
-                          dst.ld % kBf16Vector == 0 && src.ld % kBf16Vector == 0;
+  const bool vectorized = rows_aligned(samples * rows, {dst.data, src.data}, {dst.ld, src.ld});
   launch_rows_pointwise(RowCopy{dst, src, rows}, samples * rows, width, vectorized, stream);
 }
 
