@@ -466,8 +466,20 @@ void check_gelu(TestRng& rng, const GeluCase& c, cudaStream_t stream) {
   std::vector<double> cpu_out(n);
   ops::gelu_tanh_forward(cpu_out.data(), x.data(), c.cols * c.rows);
   const std::string forward = "gelu_tanh_forward, " + shape;
-  expect_close(view_values(out.download(), out_before, out_view, forward), cpu_out, kBf16Tolerance,
-               forward);
+  const std::vector<bf16> first = out.download();
+  const std::vector<double> values = view_values(first, out_before, out_view, forward);
+  expect_close(values, cpu_out, kBf16Tolerance, forward);
+  // Again, taking the outputs' amax: into zero, then into a larger one already there.
+  double largest = 0.0;
+  for (const double value : values)
+    largest = std::max(largest, std::fabs(value));
+  for (const float start : {0.0f, float(2.0 * largest + 1.0)}) {
+    Device<float> amax(std::vector<float>{start});
+    ops::cuda::gelu_tanh_forward(out.get() + c.out_col, c.out_ld, device_in.get() + c.in_col,
+                                 c.in_ld, c.rows, c.cols, stream, amax.get());
+    expect_bitwise_equal(out.download(), first, forward + " with the amax");
+    EXPECT_EQ(amax.download()[0], start > 0.0f ? start : float(largest)) << forward;
+  }
 
   // din (written) in the input's layout, dout in the output's.
   const std::vector<bf16> dout = random_bf16(rng, out_view.buffer_size());
@@ -706,7 +718,8 @@ struct RowCopyCase {
 };
 
 // Every sample's rows land where the strides say, bit for bit, and every other destination
-// value keeps what it held (random values there beforehand).
+// value keeps what it held (random values there beforehand); taking the amax, it is the copied
+// values' largest magnitude and the copy is the same.
 TEST_F(FluxOpsCuda, CopyRowsMovesEachSamplesRowsAndNothingElse) {
   SCOPED_TRACE(rng_.trace());
   const RowCopyCase cases[] = {
@@ -736,11 +749,25 @@ TEST_F(FluxOpsCuda, CopyRowsMovesEachSamplesRowsAndNothingElse) {
         }
       }
     }
-    ops::cuda::copy_rows({device_dst.get(), c.dst_ld, c.dst_sample_rows},
-                         {device_src.get(), c.src_ld, c.src_sample_rows}, c.samples, c.rows,
-                         c.width, stream_);
-    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
-    expect_bitwise_equal(device_dst.download(), expected, what);
+    float copied_amax = 0.0f;
+    for (int64_t b = 0; b < c.samples; ++b) {
+      for (int64_t r = 0; r < c.rows; ++r) {
+        for (int64_t k = 0; k < c.width; ++k) {
+          const bf16 value = src[size_t((b * c.src_sample_rows + r) * c.src_ld + k)];
+          copied_amax = std::max(copied_amax, std::fabs(bf16_to_float(value)));
+        }
+      }
+    }
+    // Once without the amax, once taking it (the same copy again).
+    for (const bool take : {false, true}) {
+      Device<float> amax(std::vector<float>{0.0f});
+      ops::cuda::copy_rows({device_dst.get(), c.dst_ld, c.dst_sample_rows},
+                           {device_src.get(), c.src_ld, c.src_sample_rows}, c.samples, c.rows,
+                           c.width, stream_, take ? amax.get() : nullptr);
+      FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      expect_bitwise_equal(device_dst.download(), expected, what);
+      if (take) EXPECT_EQ(amax.download()[0], copied_amax) << what << ": the copied values' amax";
+    }
   }
   Device<bf16> a(64), b(64);
   EXPECT_THROW(ops::cuda::copy_rows({a.get(), 4, 2}, {b.get(), 8, 2}, 2, 2, 8, stream_), Error)

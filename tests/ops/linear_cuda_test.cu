@@ -4,9 +4,9 @@
 // the relu² input; the backward through relu² against relu2_backward and the plain backward;
 // and the forward's residual; the joint weight gradient of layers sharing an input against
 // separate ones; the input cast fused into the norm before against the layer's own, dy's amax
-// taken by the bias gradient and the weight's taken by the optimizer against the layer's own; Ŵᵗ
-// transposed in backward against the kept one, and the transposes against host transposes. The
-// models' GPU tests compare the whole-layer path with the CPU.
+// taken by the bias gradient, the input's by its producer and the weight's by the optimizer
+// against the layer's own; Ŵᵗ transposed in backward against the kept one, and the transposes
+// against host transposes. The models' GPU tests compare the whole-layer path with the CPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -330,6 +330,62 @@ TEST_F(LinearCuda, GradOutputAmaxTakenByTheBiasGradientMatchesTheLayersOwn) {
       << "a gradient through relu² is cast from more than dy";
   LinearUnderTest bf16(ScalingRecipe::Tensorwise, false, kOut, gemm_, false);
   EXPECT_EQ(bf16.layer->fused_grad_output_amax(stream_), nullptr) << "BF16";
+}
+
+// Tensorwise, the input's amax taken by the kernel that writes the input (here a row copy of x,
+// as the Flux's copies out of the joint sequence and its GELU take it) gives the forward of a
+// layer measuring x itself, bit for bit: the same output and scaling floats. The forward reads
+// the slot (a larger amax there gives a smaller input scale), once. Layers that cast another
+// layer's input, relu² of it, or no FP8 at all have no slot to fill.
+TEST_F(LinearCuda, InputAmaxTakenByItsProducerMatchesTheLayersOwn) {
+  SCOPED_TRACE(rng_.trace());
+  const int input_amax =
+      static_cast<int>(TensorRole::Input) * kernels::kScalingFloatsPerRole + kernels::kAmaxSlot;
+  const int input_scale =
+      static_cast<int>(TensorRole::Input) * kernels::kScalingFloatsPerRole + kernels::kScaleSlot;
+  const auto forward = [&](LinearUnderTest& linear, const bf16* x) {
+    Device<bf16> y(size_t(kTokens * kOut));
+    y.poison_nan();
+    linear.layer->forward(x, kTokens, y.get(), /*record_amax=*/true, stream_);
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    return y.download();
+  };
+  LinearUnderTest own(ScalingRecipe::Tensorwise, false, kOut, gemm_);
+  own.layer->prepare_weight(weight_.get(), true, stream_);
+  const std::vector<bf16> own_y = forward(own, x_.get());
+  const std::vector<float> own_scaling = own.scaling_floats();
+
+  LinearUnderTest taking(ScalingRecipe::Tensorwise, false, kOut, gemm_);
+  taking.layer->prepare_weight(weight_.get(), true, stream_);
+  Device<bf16> x_copy(size_t(kTokens * kIn));
+  float* amax = taking.layer->fused_input_amax(stream_);
+  ASSERT_NE(amax, nullptr);
+  kernels::copy_rows({x_copy.get(), kIn, kTokens}, {x_.get(), kIn, kTokens}, 1, kTokens, kIn,
+                     stream_, amax);
+  expect_bitwise_equal(forward(taking, x_copy.get()), own_y, "y");
+  expect_bitwise_equal(taking.scaling_floats(), own_scaling, "scaling floats");
+
+  const float larger = 4.0f * own_scaling[size_t(input_amax)];
+  amax = taking.layer->fused_input_amax(stream_);
+  FP8T_CUDA_CHECK(cudaMemcpyAsync(amax, &larger, sizeof(float), cudaMemcpyHostToDevice, stream_));
+  forward(taking, x_.get());
+  std::vector<float> read = taking.scaling_floats();
+  EXPECT_EQ(read[size_t(input_amax)], larger);
+  EXPECT_EQ(read[size_t(input_scale)], own_scaling[size_t(input_scale)] / 4.0f);
+  forward(taking, x_.get());
+  read = taking.scaling_floats();
+  EXPECT_EQ(read[size_t(input_amax)], own_scaling[size_t(input_amax)])
+      << "the next forward measures x";
+
+  for (ScalingRecipe recipe :
+       {ScalingRecipe::Delayed, ScalingRecipe::Blockwise, ScalingRecipe::Mxfp8}) {
+    LinearUnderTest other(recipe, false, kOut, gemm_);
+    EXPECT_EQ(other.layer->fused_input_amax(stream_), nullptr) << recipe_name(recipe);
+  }
+  LinearUnderTest relu2(ScalingRecipe::Tensorwise, true, kOut, gemm_);
+  EXPECT_EQ(relu2.layer->fused_input_amax(stream_), nullptr) << "an input cast through relu²";
+  LinearUnderTest bf16(ScalingRecipe::Tensorwise, false, kOut, gemm_, false);
+  EXPECT_EQ(bf16.layer->fused_input_amax(stream_), nullptr) << "BF16";
 }
 
 // Tensorwise, the weight's amax written into weight_amax_slot() by someone else (the optimizer's

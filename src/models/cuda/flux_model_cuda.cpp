@@ -66,8 +66,8 @@ void copy_share(const TensorShare& share, int64_t whole_out, int64_t whole_in, c
 
 // Copies rows rows of width values from src (row stride src_ld) to dst (row stride dst_ld).
 void copy_rows(bf16* dst, int64_t dst_ld, const bf16* src, int64_t src_ld, int64_t rows,
-               int64_t width, cudaStream_t stream) {
-  kernels::copy_rows({dst, dst_ld, rows}, {src, src_ld, rows}, 1, rows, width, stream);
+               int64_t width, cudaStream_t stream, float* amax = nullptr) {
+  kernels::copy_rows({dst, dst_ld, rows}, {src, src_ld, rows}, 1, rows, width, stream, amax);
 }
 
 }  // namespace
@@ -683,6 +683,10 @@ kernels::FusedCast CudaFluxModel::fused_input_cast(const std::string& name) {
   return linear(name).layer->fused_input_cast(training_ && !rerunning_, stream_);
 }
 
+float* CudaFluxModel::fused_input_amax(const std::string& name) {
+  return linear(name).layer->fused_input_amax(stream_);
+}
+
 void CudaFluxModel::linear_backward(const std::string& name, const bf16* dy, const bf16* x,
                                     int64_t rows, bf16* dx, bool accumulate_dx) {
   Linear& layer = linear(name);
@@ -805,9 +809,9 @@ void CudaFluxModel::into_joint(bf16* joint, const bf16* rows, int64_t ld, int64_
 }
 
 void CudaFluxModel::out_of_joint(bf16* rows, int64_t ld, const bf16* joint, int64_t first,
-                                 int64_t tokens, int64_t width) {
+                                 int64_t tokens, int64_t width, float* amax) {
   kernels::copy_rows({rows, ld, tokens}, {joint + first * width, width, tokens_}, batch_, tokens,
-                     width, stream_);
+                     width, stream_, amax);
 }
 
 void CudaFluxModel::stream_into_joint(AttentionSaved& attention, const std::string& norm,
@@ -889,7 +893,8 @@ void CudaFluxModel::double_block_forward(int block) {
     const kernels::StreamShape shape{B, p.tokens, C, p.tokens};
     const int64_t rows = B * p.tokens;
     Stream& s = p.saved;
-    out_of_joint(s.attn, A, a.out, p.first, p.tokens, A);
+    // The copies out of the joint sequence and GELU take the next linears' input amaxes.
+    out_of_joint(s.attn, A, a.out, p.first, p.tokens, A, fused_input_amax(stream + "_attn.proj"));
     linear_forward(stream + "_attn.proj", s.attn, rows, s.proj);
     tensor_parallel_.sum_partials(s.proj, rows * C, stream_);
     kernels::gated_residual_forward(p.x, s.proj, s.mod + 2 * C, 6 * C, shape, stream_);
@@ -897,19 +902,20 @@ void CudaFluxModel::double_block_forward(int block) {
                                         s.mod + 4 * C, 6 * C, shape, stream_,
                                         fused_input_cast(stream + "_mlp.0"));
     linear_forward(stream + "_mlp.0", s.modulated2, rows, s.mlp_hidden);
-    kernels::gelu_tanh_forward(s.mlp_act, M, s.mlp_hidden, M, rows, M, stream_);
+    kernels::gelu_tanh_forward(s.mlp_act, M, s.mlp_hidden, M, rows, M, stream_,
+                               fused_input_amax(stream + "_mlp.2"));
     linear_forward(stream + "_mlp.2", s.mlp_act, rows, s.mlp_out);
     tensor_parallel_.sum_partials(s.mlp_out, rows * C, stream_);
     kernels::gated_residual_forward(p.x, s.mlp_out, s.mod + 5 * C, 6 * C, shape, stream_);
   }
 }
 
-void CudaFluxModel::linear2_input(const SingleBlock& s) {
+void CudaFluxModel::linear2_input(const SingleBlock& s, float* amax) {
   const int64_t A = attention_width_, M = mlp_hidden_, N = batch_ * tokens_;
   const int64_t width1 = 3 * A + M, width2 = A + M;
-  copy_rows(s.linear2_in, width2, s.attention.out, A, N, A, stream_);
-  kernels::gelu_tanh_forward(s.linear2_in + A, width2, s.linear1_out + 3 * A, width1, N, M,
-                             stream_);
+  copy_rows(s.linear2_in, width2, s.attention.out, A, N, A, stream_, amax);
+  kernels::gelu_tanh_forward(s.linear2_in + A, width2, s.linear1_out + 3 * A, width1, N, M, stream_,
+                             amax);
 }
 
 void CudaFluxModel::single_block_forward(int block) {
@@ -925,7 +931,7 @@ void CudaFluxModel::single_block_forward(int block) {
   linear_forward(prefix + ".linear1", s.modulated, N, s.linear1_out);
   stream_into_joint(s.attention, prefix + ".norm", s.linear1_out, width1, 0, tokens_);
   joint_attention_forward(s.attention);
-  linear2_input(s);
+  linear2_input(s, fused_input_amax(prefix + ".linear2"));
   linear_forward(prefix + ".linear2", s.linear2_in, N, s.out);
   tensor_parallel_.sum_partials(s.out, N * C, stream_);
   kernels::gated_residual_forward(b.x_joint, s.out, s.mod + 2 * C, 3 * C, shape, stream_);

@@ -167,6 +167,9 @@ class CudaFluxModel {
   void linear_forward(const std::string& name, const bf16* x, int64_t rows, bf16* y);
   // The input cast the modulated LayerNorm before linear `name` does for it (its next forward).
   ops::cuda::FusedCast fused_input_cast(const std::string& name);
+  // The input amax a kernel writing linear `name`'s input can take for it (tensorwise; null
+  // otherwise: CudaLinear::fused_input_amax).
+  float* fused_input_amax(const std::string& name);
   // dx (bf16; written, or added to when accumulate_dx; null: none), dW and db (added).
   void linear_backward(const std::string& name, const bf16* dy, const bf16* x, int64_t rows,
                        bf16* dx, bool accumulate_dx);
@@ -180,8 +183,10 @@ class CudaFluxModel {
   // first .. first + tokens of a joint [B, L, width] tensor.
   void into_joint(bf16* joint, const bf16* rows, int64_t ld, int64_t first, int64_t tokens,
                   int64_t width);
+  // amax (not null): the largest magnitude copied out, for the FP8 cast of the rows written
+  // (CudaLinear::fused_input_amax).
   void out_of_joint(bf16* rows, int64_t ld, const bf16* joint, int64_t first, int64_t tokens,
-                    int64_t width);
+                    int64_t width, float* amax = nullptr);
   // One stream's q, k (QK norm with its scales, RoPE) and v into the joint sequence of
   // `attention`, from raw [B·L_s, ·] with row stride ld; and the way back.
   // The joint attention of a block, in BF16 or FP8 (fp8_dot_product_attention): forward writes
@@ -195,8 +200,9 @@ class CudaFluxModel {
   void double_block_forward(int block);
   void double_block_backward(int block);
   void single_block_forward(int block);
-  // A single block's linear2 input: its attention output beside GELU of its MLP input.
-  void linear2_input(const SingleBlock& block);
+  // A single block's linear2 input: its attention output beside GELU of its MLP input; amax as
+  // out_of_joint's.
+  void linear2_input(const SingleBlock& block, float* amax = nullptr);
   void single_block_backward(int block);
   // Full recompute: before the first block of a group runs forward, its input (the streams, or
   // the joint sequence) is saved; before the backward of a group's last block, the group's

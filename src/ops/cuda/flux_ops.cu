@@ -488,7 +488,9 @@ struct BiasTerms {
 
 // Grid-stride over [rows, cols]: each row's 16-byte vectors (vectorized: every row of every
 // tensor 16-byte aligned), then its cols % 8 last elements one by one; op.apply<kWidth>(row,
-// column) handles [column, column + kWidth).
+// column) handles [column, column + kWidth). Ops with a member `float* amax` (kTakesAmax) also
+// fold the magnitudes of what they store into apply's amax_bits, published to *amax (one atomic
+// per block) when it is not null.
 template <typename Op>
 __global__ void __launch_bounds__(kPointwiseThreads)
     rows_pointwise_kernel(Op op, int64_t rows, int64_t cols, bool vectorized) {
@@ -496,15 +498,29 @@ __global__ void __launch_bounds__(kPointwiseThreads)
   const int64_t per_row = vectors + (cols - vectors * kBf16Vector);
   const int64_t items = rows * per_row;
   const int64_t stride = int64_t(gridDim.x) * kPointwiseThreads;
+  FusedCast amax_only;
+  if constexpr (kTakesAmax<Op>) amax_only.amax = op.amax;
+  device::FusedCastState amax(amax_only);
   for (int64_t item = int64_t(blockIdx.x) * kPointwiseThreads + threadIdx.x; item < items;
        item += stride) {
     const int64_t row = item / per_row;
     const int64_t j = item - row * per_row;
-    if (j < vectors) {
-      op.template apply<kBf16Vector>(row, j * kBf16Vector);
+    const bool vector = j < vectors;
+    const int64_t column = vector ? j * kBf16Vector : vectors * kBf16Vector + (j - vectors);
+    if constexpr (kTakesAmax<Op>) {
+      if (vector) {
+        op.template apply<kBf16Vector>(row, column, amax.amax_bits);
+      } else {
+        op.template apply<1>(row, column, amax.amax_bits);
+      }
+    } else if (vector) {
+      op.template apply<kBf16Vector>(row, column);
     } else {
-      op.template apply<1>(row, vectors * kBf16Vector + (j - vectors));
+      op.template apply<1>(row, column);
     }
+  }
+  if constexpr (kTakesAmax<Op>) {
+    if (op.amax != nullptr) amax.publish();  // the same for every thread of the block
   }
 }
 
@@ -554,14 +570,17 @@ struct GeluForward {
   int64_t out_ld;
   const bf16* in;
   int64_t in_ld;
+  float* amax;  // of the stored outputs; null: none taken
 
   template <int kWidth>
-  __device__ void apply(int64_t row, int64_t column) const {
+  __device__ void apply(int64_t row, int64_t column, uint32_t& amax_bits) const {
     float v[kWidth];
     device::load_bf16(in + row * in_ld + column, v);
 #pragma unroll
-    for (int k = 0; k < kWidth; ++k)
+    for (int k = 0; k < kWidth; ++k) {
       v[k] = 0.5f * v[k] * (1.0f + gelu_tanh_of(v[k]));
+      amax_bits = max(amax_bits, abs_bits(round_to_bf16(v[k])));
+    }
     device::store_bf16(out + row * out_ld + column, v);
   }
 };
@@ -595,19 +614,29 @@ struct RowCopy {
   SampleRows<bf16> dst;
   SampleRows<const bf16> src;
   int64_t rows;
+  float* amax;  // of the copied values; null: none taken
+
+  // |value| as fp32 bits (abs_bits) of a bf16's bits: the fp32's upper half without its sign.
+  __device__ static uint32_t abs_bits_of(uint32_t bf16_bits) { return (bf16_bits & 0x7FFFu) << 16; }
 
   template <int kWidth>
-  __device__ void apply(int64_t row, int64_t column) const {
+  __device__ void apply(int64_t row, int64_t column, uint32_t& amax_bits) const {
     const int64_t sample = row / rows;
     const int64_t r = row - sample * rows;
     bf16* to = dst.data + (sample * dst.sample_rows + r) * dst.ld + column;
     const bf16* from = src.data + (sample * src.sample_rows + r) * src.ld + column;
     if constexpr (kWidth == kBf16Vector) {
-      *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+      const uint4 values = *reinterpret_cast<const uint4*>(from);
+      *reinterpret_cast<uint4*>(to) = values;
+      const uint32_t pairs[4] = {values.x, values.y, values.z, values.w};
+      for (const uint32_t pair : pairs)
+        amax_bits = max(amax_bits, max(abs_bits_of(pair & 0xFFFFu), abs_bits_of(pair >> 16)));
     } else {
 #pragma unroll
-      for (int k = 0; k < kWidth; ++k)
+      for (int k = 0; k < kWidth; ++k) {
         to[k] = from[k];
+        amax_bits = max(amax_bits, abs_bits_of(from[k].bits));
+      }
     }
   }
 };
@@ -1008,7 +1037,7 @@ bool rows_aligned(int64_t rows, std::initializer_list<const void*> pointers,
 }  // namespace
 
 void copy_rows(const SampleRows<bf16>& dst, const SampleRows<const bf16>& src, int64_t samples,
-               int64_t rows, int64_t width, cudaStream_t stream) {
+               int64_t rows, int64_t width, cudaStream_t stream, float* amax) {
   FP8T_CHECK(samples >= 0, "expected samples >= 0, found {}", samples);
   check_rows_cols(rows, width);
   check_stride("dst.ld", dst.ld, width);
@@ -1019,11 +1048,11 @@ void copy_rows(const SampleRows<bf16>& dst, const SampleRows<const bf16>& src, i
   check_pointers(samples * rows * width, {dst.data, src.data});
   if (samples * rows * width == 0) return;
   const bool vectorized = rows_aligned(samples * rows, {dst.data, src.data}, {dst.ld, src.ld});
-  launch_rows_pointwise(RowCopy{dst, src, rows}, samples * rows, width, vectorized, stream);
+  launch_rows_pointwise(RowCopy{dst, src, rows, amax}, samples * rows, width, vectorized, stream);
 }
 
 void gelu_tanh_forward(bf16* out, int64_t out_ld, const bf16* in, int64_t in_ld, int64_t rows,
-                       int64_t cols, cudaStream_t stream) {
+                       int64_t cols, cudaStream_t stream, float* amax) {
   check_rows_cols(rows, cols);
   check_stride("out_ld", out_ld, cols);
   check_stride("in_ld", in_ld, cols);
@@ -1035,7 +1064,7 @@ void gelu_tanh_forward(bf16* out, int64_t out_ld, const bf16* in, int64_t in_ld,
     rows = 1;
   }
   const bool vectorized = rows_aligned(rows, {out, in}, {out_ld, in_ld});
-  launch_rows_pointwise(GeluForward{out, out_ld, in, in_ld}, rows, cols, vectorized, stream);
+  launch_rows_pointwise(GeluForward{out, out_ld, in, in_ld, amax}, rows, cols, vectorized, stream);
 }
 
 void gelu_tanh_backward(bf16* din, int64_t din_ld, const bf16* dout, int64_t dout_ld,

@@ -88,15 +88,18 @@ struct SampleRows {
 };
 
 // For each of `samples` samples, its `rows` rows of `width` values from src to dst, in one launch
-// (the strides of one sample's rows and of the samples may differ between the two).
+// (the strides of one sample's rows and of the samples may differ between the two). amax (not
+// null): the largest magnitude copied is folded into *amax (fp32 bits, NaN above inf), for the
+// per-tensor FP8 cast of the tensor it writes (CudaLinear::fused_input_amax).
 void copy_rows(const SampleRows<bf16>& dst, const SampleRows<const bf16>& src, int64_t samples,
-               int64_t rows, int64_t width, cudaStream_t stream);
+               int64_t rows, int64_t width, cudaStream_t stream, float* amax = nullptr);
 
 // --- tanh-GELU over [rows, cols] with row strides (so that a single block's MLP half of
 // linear1's output and linear2's input are read and written in place) ---
 
+// amax (not null): the largest magnitude of the bf16 outputs is folded into *amax, as copy_rows'.
 void gelu_tanh_forward(bf16* out, int64_t out_ld, const bf16* in, int64_t in_ld, int64_t rows,
-                       int64_t cols, cudaStream_t stream);
+                       int64_t cols, cudaStream_t stream, float* amax = nullptr);
 
 // din (writes) = gelu'(in) · dout.
 void gelu_tanh_backward(bf16* din, int64_t din_ld, const bf16* dout, int64_t dout_ld,

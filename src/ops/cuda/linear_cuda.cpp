@@ -291,6 +291,18 @@ FusedCast CudaLinear::fused_input_cast(bool record_amax, cudaStream_t stream) {
   return cast;
 }
 
+float* CudaLinear::fused_input_amax(cudaStream_t stream) {
+  if (!setup_.fp8 || setup_.fp8_config.recipe != ScalingRecipe::Tensorwise ||
+      setup_.input_from != nullptr ||
+      cast_input(TensorRole::Input) != fp8t::cuda::CastInput::Value) {
+    return nullptr;
+  }
+  float* amax = slot(TensorRole::Input, kAmaxSlot);
+  FP8T_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+  input_cast_ = InputCast::AmaxDone;
+  return amax;
+}
+
 float* CudaLinear::fused_grad_output_amax(cudaStream_t stream) {
   if (!setup_.fp8 || setup_.fp8_config.recipe != ScalingRecipe::Tensorwise ||
       cast_input(TensorRole::GradOutput) != fp8t::cuda::CastInput::Value) {

@@ -198,6 +198,12 @@ class CudaLinear {
   // in_features are no multiple of 128, shared or relu² inputs.
   FusedCast fused_input_cast(bool record_amax, cudaStream_t stream);
 
+  // The per-tensor amax of the next forward's input, for a kernel that writes that input as it is
+  // (the Flux's GELU, a copy) to take in the same pass: a zeroed slot, which the next forward()
+  // then reads instead of measuring x itself. Null (nothing to take) unless the layer is FP8
+  // under tensorwise and casts its input itself (not another layer's, not through relu²).
+  float* fused_input_amax(cudaStream_t stream);
+
   // The per-tensor amax of the next backward's dy, for a kernel that reads dy before it (the
   // bias gradient) to take in the same pass: a zeroed slot, which the next backward() then reads
   // instead of measuring dy itself. Null (nothing to take) unless the layer is FP8 under
