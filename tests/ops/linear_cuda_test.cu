@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <limits>
 #include <memory>
 #include <string>
@@ -119,6 +120,23 @@ class LinearCuda : public StreamTest {
       dx.poison_nan();
     }
   };
+
+  // The index of a role's slot among a linear's scaling floats.
+  static size_t scaling_index(TensorRole role, int slot) {
+    return static_cast<size_t>(static_cast<int>(role) * kernels::kScalingFloatsPerRole + slot);
+  }
+
+  // `take` (a layer's slot for an amax another kernel takes) gives null for delayed, blockwise
+  // and mxfp8 layers and for BF16 ones: only tensorwise FP8 layers have such a slot.
+  void expect_only_tensorwise_gives(const std::function<float*(kernels::CudaLinear&)>& take) {
+    for (ScalingRecipe recipe :
+         {ScalingRecipe::Delayed, ScalingRecipe::Blockwise, ScalingRecipe::Mxfp8}) {
+      LinearUnderTest other(recipe, false, kOut, gemm_);
+      EXPECT_EQ(take(*other.layer), nullptr) << recipe_name(recipe);
+    }
+    LinearUnderTest bf16(ScalingRecipe::Tensorwise, false, kOut, gemm_, false);
+    EXPECT_EQ(take(*bf16.layer), nullptr) << "BF16";
+  }
 };
 
 TEST_F(LinearCuda, BackwardInChunksMatchesTheWholeBackward) {
@@ -272,10 +290,8 @@ TEST_F(LinearCuda, NormFusedInputCastMatchesTheLayersOwnCast) {
 // only once (the next backward measures again). The other recipes take no amax of dy first.
 TEST_F(LinearCuda, GradOutputAmaxTakenByTheBiasGradientMatchesTheLayersOwn) {
   SCOPED_TRACE(rng_.trace());
-  const int grad_amax = static_cast<int>(TensorRole::GradOutput) * kernels::kScalingFloatsPerRole +
-                        kernels::kAmaxSlot;
-  const int grad_scale = static_cast<int>(TensorRole::GradOutput) * kernels::kScalingFloatsPerRole +
-                         kernels::kScaleSlot;
+  const size_t grad_amax = scaling_index(TensorRole::GradOutput, kernels::kAmaxSlot);
+  const size_t grad_scale = scaling_index(TensorRole::GradOutput, kernels::kScaleSlot);
   Device<float> workspace(size_t(kernels::flux_reduction_workspace_floats()));
   for (int64_t width : {kOut, kNarrowWidth}) {
     const std::string name = fmt::format("tensorwise, backward width {}", width);
@@ -308,28 +324,23 @@ TEST_F(LinearCuda, GradOutputAmaxTakenByTheBiasGradientMatchesTheLayersOwn) {
     LinearUnderTest linear(ScalingRecipe::Tensorwise, false, width, gemm_);
     AfterForward step(*this, linear);
     float* amax = linear.layer->fused_grad_output_amax(stream_);
-    const float larger = 4.0f * scaling[0][size_t(grad_amax)];
+    const float larger = 4.0f * scaling[0][grad_amax];
     FP8T_CUDA_CHECK(cudaMemcpyAsync(amax, &larger, sizeof(float), cudaMemcpyHostToDevice, stream_));
     linear.layer->backward(dy_.get(), x_.get(), kTokens, step.dx.get(), false, step.dweight.get(),
                            true, stream_);
     const std::vector<float> read = linear.scaling_floats();
-    EXPECT_EQ(read[size_t(grad_amax)], larger) << name;
-    EXPECT_EQ(read[size_t(grad_scale)], scaling[0][size_t(grad_scale)] / 4.0f) << name;
+    EXPECT_EQ(read[grad_amax], larger) << name;
+    EXPECT_EQ(read[grad_scale], scaling[0][grad_scale] / 4.0f) << name;
     linear.layer->backward(dy_.get(), x_.get(), kTokens, step.dx.get(), false, step.dweight.get(),
                            true, stream_);
-    EXPECT_EQ(linear.scaling_floats()[size_t(grad_amax)], scaling[0][size_t(grad_amax)])
+    EXPECT_EQ(linear.scaling_floats()[grad_amax], scaling[0][grad_amax])
         << name << ": the next backward measures dy";
   }
-  for (ScalingRecipe recipe :
-       {ScalingRecipe::Delayed, ScalingRecipe::Blockwise, ScalingRecipe::Mxfp8}) {
-    LinearUnderTest linear(recipe, false, kOut, gemm_);
-    EXPECT_EQ(linear.layer->fused_grad_output_amax(stream_), nullptr) << recipe_name(recipe);
-  }
+  expect_only_tensorwise_gives(
+      [&](kernels::CudaLinear& layer) { return layer.fused_grad_output_amax(stream_); });
   LinearUnderTest relu2(ScalingRecipe::Tensorwise, false, kOut, gemm_, true, true);
   EXPECT_EQ(relu2.layer->fused_grad_output_amax(stream_), nullptr)
       << "a gradient through relu² is cast from more than dy";
-  LinearUnderTest bf16(ScalingRecipe::Tensorwise, false, kOut, gemm_, false);
-  EXPECT_EQ(bf16.layer->fused_grad_output_amax(stream_), nullptr) << "BF16";
 }
 
 // Tensorwise, the input's amax taken by the kernel that writes the input (here a row copy of x,
@@ -339,10 +350,8 @@ TEST_F(LinearCuda, GradOutputAmaxTakenByTheBiasGradientMatchesTheLayersOwn) {
 // layer's input, relu² of it, or no FP8 at all have no slot to fill.
 TEST_F(LinearCuda, InputAmaxTakenByItsProducerMatchesTheLayersOwn) {
   SCOPED_TRACE(rng_.trace());
-  const int input_amax =
-      static_cast<int>(TensorRole::Input) * kernels::kScalingFloatsPerRole + kernels::kAmaxSlot;
-  const int input_scale =
-      static_cast<int>(TensorRole::Input) * kernels::kScalingFloatsPerRole + kernels::kScaleSlot;
+  const size_t input_amax = scaling_index(TensorRole::Input, kernels::kAmaxSlot);
+  const size_t input_scale = scaling_index(TensorRole::Input, kernels::kScaleSlot);
   const auto forward = [&](LinearUnderTest& linear, const bf16* x) {
     Device<bf16> y(size_t(kTokens * kOut));
     y.poison_nan();
@@ -365,27 +374,21 @@ TEST_F(LinearCuda, InputAmaxTakenByItsProducerMatchesTheLayersOwn) {
   expect_bitwise_equal(forward(taking, x_copy.get()), own_y, "y");
   expect_bitwise_equal(taking.scaling_floats(), own_scaling, "scaling floats");
 
-  const float larger = 4.0f * own_scaling[size_t(input_amax)];
+  const float larger = 4.0f * own_scaling[input_amax];
   amax = taking.layer->fused_input_amax(stream_);
   FP8T_CUDA_CHECK(cudaMemcpyAsync(amax, &larger, sizeof(float), cudaMemcpyHostToDevice, stream_));
   forward(taking, x_.get());
   std::vector<float> read = taking.scaling_floats();
-  EXPECT_EQ(read[size_t(input_amax)], larger);
-  EXPECT_EQ(read[size_t(input_scale)], own_scaling[size_t(input_scale)] / 4.0f);
+  EXPECT_EQ(read[input_amax], larger);
+  EXPECT_EQ(read[input_scale], own_scaling[input_scale] / 4.0f);
   forward(taking, x_.get());
   read = taking.scaling_floats();
-  EXPECT_EQ(read[size_t(input_amax)], own_scaling[size_t(input_amax)])
-      << "the next forward measures x";
+  EXPECT_EQ(read[input_amax], own_scaling[input_amax]) << "the next forward measures x";
 
-  for (ScalingRecipe recipe :
-       {ScalingRecipe::Delayed, ScalingRecipe::Blockwise, ScalingRecipe::Mxfp8}) {
-    LinearUnderTest other(recipe, false, kOut, gemm_);
-    EXPECT_EQ(other.layer->fused_input_amax(stream_), nullptr) << recipe_name(recipe);
-  }
+  expect_only_tensorwise_gives(
+      [&](kernels::CudaLinear& layer) { return layer.fused_input_amax(stream_); });
   LinearUnderTest relu2(ScalingRecipe::Tensorwise, true, kOut, gemm_);
   EXPECT_EQ(relu2.layer->fused_input_amax(stream_), nullptr) << "an input cast through relu²";
-  LinearUnderTest bf16(ScalingRecipe::Tensorwise, false, kOut, gemm_, false);
-  EXPECT_EQ(bf16.layer->fused_input_amax(stream_), nullptr) << "BF16";
 }
 
 // Tensorwise, the weight's amax written into weight_amax_slot() by someone else (the optimizer's
@@ -395,10 +398,8 @@ TEST_F(LinearCuda, InputAmaxTakenByItsProducerMatchesTheLayersOwn) {
 // no slot to fill.
 TEST_F(LinearCuda, WeightAmaxTakenByTheOptimizerMatchesTheLayersOwn) {
   SCOPED_TRACE(rng_.trace());
-  const int weight_amax =
-      static_cast<int>(TensorRole::Weight) * kernels::kScalingFloatsPerRole + kernels::kAmaxSlot;
-  const int weight_scale =
-      static_cast<int>(TensorRole::Weight) * kernels::kScalingFloatsPerRole + kernels::kScaleSlot;
+  const size_t weight_amax = scaling_index(TensorRole::Weight, kernels::kAmaxSlot);
+  const size_t weight_scale = scaling_index(TensorRole::Weight, kernels::kScaleSlot);
   float host_amax = 0.0f;
   for (const float value : weight_.download())
     host_amax = std::max(host_amax, std::fabs(value));
@@ -421,7 +422,7 @@ TEST_F(LinearCuda, WeightAmaxTakenByTheOptimizerMatchesTheLayersOwn) {
     y[taken] = out.download();
     scaling[taken] = linear.scaling_floats();
   }
-  EXPECT_EQ(scaling[0][size_t(weight_amax)], host_amax);
+  EXPECT_EQ(scaling[0][weight_amax], host_amax);
   expect_bitwise_equal(scaling[1], scaling[0], "scaling floats");
   expect_bitwise_equal(y[1], y[0], "y");
 
@@ -431,21 +432,17 @@ TEST_F(LinearCuda, WeightAmaxTakenByTheOptimizerMatchesTheLayersOwn) {
                                   cudaMemcpyHostToDevice, stream_));
   linear.layer->prepare_weight(weight_.get(), true, stream_, nullptr, /*amax_measured=*/true);
   std::vector<float> read = linear.scaling_floats();
-  EXPECT_EQ(read[size_t(weight_amax)], larger);
-  EXPECT_EQ(read[size_t(weight_scale)], scaling[0][size_t(weight_scale)] / 4.0f);
+  EXPECT_EQ(read[weight_amax], larger);
+  EXPECT_EQ(read[weight_scale], scaling[0][weight_scale] / 4.0f);
   linear.layer->prepare_weight(weight_.get(), true, stream_);
   read = linear.scaling_floats();
-  EXPECT_EQ(read[size_t(weight_amax)], host_amax) << "an unmeasured cast measures the weight";
+  EXPECT_EQ(read[weight_amax], host_amax) << "an unmeasured cast measures the weight";
 
-  for (ScalingRecipe recipe :
-       {ScalingRecipe::Delayed, ScalingRecipe::Blockwise, ScalingRecipe::Mxfp8}) {
-    LinearUnderTest other(recipe, false, kOut, gemm_);
-    EXPECT_EQ(other.layer->weight_amax_slot(), nullptr) << recipe_name(recipe);
-    EXPECT_THROW(other.layer->prepare_weight(weight_.get(), true, stream_, nullptr, true), Error)
-        << recipe_name(recipe);
-  }
-  LinearUnderTest bf16(ScalingRecipe::Tensorwise, false, kOut, gemm_, false);
-  EXPECT_EQ(bf16.layer->weight_amax_slot(), nullptr) << "BF16";
+  // Those without a slot also refuse a cast told that the amax is in it.
+  expect_only_tensorwise_gives([&](kernels::CudaLinear& layer) {
+    EXPECT_THROW(layer.prepare_weight(weight_.get(), true, stream_, nullptr, true), Error);
+    return layer.weight_amax_slot();
+  });
 }
 
 // Three blockwise layers reading one input (the GPT's c_q, c_k, c_v), their weight gradients back

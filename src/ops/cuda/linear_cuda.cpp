@@ -230,7 +230,7 @@ void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole rol
   const bf16* relu2_input = input == fp8t::cuda::CastInput::Relu2Gradient ? y : nullptr;
   float* scale = slot(role, kScaleSlot);
   float* recorded = nullptr;
-  if (config.recipe == ScalingRecipe::Tensorwise) {
+  if (tensorwise()) {
     if (source != ScaleSource::Reuse)
       tensorwise_scale(x, rows * cols, role, source == ScaleSource::Measured, stream, y);
   } else if (record_amax && source == ScaleSource::Measure) {
@@ -252,7 +252,7 @@ void CudaLinear::tensorwise_scale(const T* x, int64_t count, TensorRole role, bo
   const Fp8Config& config = setup_.fp8_config;
   float* amax = slot(role, kAmaxSlot);
   if (!amax_measured) {
-    FP8T_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
+    zeroed_amax(role, stream);
     const fp8t::cuda::CastInput input = cast_input(role);
     fp8t::cuda::amax(x, count, amax, stream, input,
                      input == fp8t::cuda::CastInput::Relu2Gradient ? y : nullptr);
@@ -271,46 +271,44 @@ FusedCast CudaLinear::fused_input_cast(bool record_amax, cudaStream_t stream) {
   }
   const Fp8Config& config = setup_.fp8_config;
   cast.format = config.format_for(TensorRole::Input, setup_.family);
-  float* amax = slot(TensorRole::Input, kAmaxSlot);
   if (blockwise()) {
     cast.out = scratch_.input;
     cast.block_scales = scratch_.input_scales;
     cast.power_of_2_scales = config.use_power_of_2_scales();
     cast.amax_epsilon = config.amax_epsilon;
     input_cast_ = InputCast::CastDone;
-  } else if (config.recipe == ScalingRecipe::Tensorwise) {
-    FP8T_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
-    cast.amax = amax;
-    input_cast_ = InputCast::AmaxDone;
+  } else if (tensorwise()) {
+    cast.amax = fused_input_amax(stream);
   } else {
     cast.scale = slot(TensorRole::Input, kScaleSlot);
     cast.out = scratch_.input;
-    cast.amax = record_amax ? amax : nullptr;
+    cast.amax = record_amax ? slot(TensorRole::Input, kAmaxSlot) : nullptr;
     input_cast_ = InputCast::CastDone;
   }
   return cast;
 }
 
 float* CudaLinear::fused_input_amax(cudaStream_t stream) {
-  if (!setup_.fp8 || setup_.fp8_config.recipe != ScalingRecipe::Tensorwise ||
-      setup_.input_from != nullptr ||
+  if (!setup_.fp8 || !tensorwise() || setup_.input_from != nullptr ||
       cast_input(TensorRole::Input) != fp8t::cuda::CastInput::Value) {
     return nullptr;
   }
-  float* amax = slot(TensorRole::Input, kAmaxSlot);
-  FP8T_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
   input_cast_ = InputCast::AmaxDone;
-  return amax;
+  return zeroed_amax(TensorRole::Input, stream);
 }
 
 float* CudaLinear::fused_grad_output_amax(cudaStream_t stream) {
-  if (!setup_.fp8 || setup_.fp8_config.recipe != ScalingRecipe::Tensorwise ||
+  if (!setup_.fp8 || !tensorwise() ||
       cast_input(TensorRole::GradOutput) != fp8t::cuda::CastInput::Value) {
     return nullptr;
   }
-  float* amax = slot(TensorRole::GradOutput, kAmaxSlot);
-  FP8T_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
   grad_output_amax_done_ = true;
+  return zeroed_amax(TensorRole::GradOutput, stream);
+}
+
+float* CudaLinear::zeroed_amax(TensorRole role, cudaStream_t stream) {
+  float* amax = slot(role, kAmaxSlot);
+  FP8T_CUDA_CHECK(cudaMemsetAsync(amax, 0, sizeof(float), stream));
   return amax;
 }
 
@@ -357,8 +355,7 @@ void CudaLinear::dequantize_mx(const uint8_t* data, const float* scales, int64_t
 }
 
 float* CudaLinear::weight_amax_slot() const {
-  if (!setup_.fp8 || setup_.fp8_config.recipe != ScalingRecipe::Tensorwise ||
-      weight_ld() != setup_.in_features) {
+  if (!setup_.fp8 || !tensorwise() || weight_ld() != setup_.in_features) {
     return nullptr;
   }
   return slot(TensorRole::Weight, kAmaxSlot);
@@ -480,7 +477,7 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
   if (dx != nullptr && !weight_t_kept()) transpose_weight(stream);
   const int64_t chunk = backward_chunk(tokens);
   ScaleSource grad_scale = grad_amax_done ? ScaleSource::Measured : ScaleSource::Measure;
-  if (chunk < tokens && setup_.fp8_config.recipe == ScalingRecipe::Tensorwise) {
+  if (chunk < tokens && tensorwise()) {
     // Every chunk takes the whole dy's scale, as one cast would.
     const PhaseScope timed(StepPhase::Quantization, stream);
     tensorwise_scale(dy, tokens * out, TensorRole::GradOutput, grad_amax_done, stream, y);

@@ -301,6 +301,9 @@ class CudaLinear {
   gemm::Fp8Operand operand(const uint8_t* data, int64_t ld, TensorRole role,
                            const float* scales = nullptr) const;
   bool blockwise() const { return setup_.fp8_config.recipe == ScalingRecipe::Blockwise; }
+  bool tensorwise() const { return setup_.fp8_config.recipe == ScalingRecipe::Tensorwise; }
+  // The role's amax slot, zeroed on the stream: for a kernel before the cast to fold into.
+  float* zeroed_amax(TensorRole role, cudaStream_t stream);
   // The row stride of the whole weight and of its gradient.
   int64_t weight_ld() const {
     return setup_.weight_stride != 0 ? setup_.weight_stride : setup_.in_features;
