@@ -40,6 +40,26 @@ FP8T_HD inline uint32_t abs_bits(float value) {
   return float_to_bits(value) & 0x7FFFFFFFu;
 }
 
+#if defined(__CUDACC__)
+// The largest of every thread's bits (such as abs_bits) over the block, in thread 0; the other
+// threads get an unspecified value. Blocks of whole warps; contains __syncthreads(): call from
+// every thread of the block.
+__device__ inline uint32_t block_max_bits(uint32_t bits) {
+  constexpr unsigned kWarp = 32;
+  __shared__ uint32_t warp_max[kWarp];
+  bits = __reduce_max_sync(0xFFFFFFFFu, bits);
+  const unsigned warp = threadIdx.x / kWarp, lane = threadIdx.x % kWarp;
+  if (lane == 0) warp_max[warp] = bits;
+  __syncthreads();
+  if (warp == 0) {
+    bits = lane < blockDim.x / kWarp ? warp_max[lane] : 0u;
+    bits = __reduce_max_sync(0xFFFFFFFFu, bits);
+  }
+  __syncthreads();  // warp_max may be written again by the caller's next call
+  return bits;
+}
+#endif
+
 // bf16 storage: the upper half of an fp32. Layout-compatible with CUDA's __nv_bfloat16.
 struct bf16 {
   uint16_t bits;

@@ -53,15 +53,8 @@ bool aligned16(const void* pointer) {
 
 // Block-wide max of amax bit patterns; one atomic per block.
 __device__ void publish_amax(uint32_t local, float* amax_inout) {
-  __shared__ uint32_t warp_max[kThreads / 32];
-  local = __reduce_max_sync(0xFFFFFFFFu, local);
-  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = local;
-  __syncthreads();
-  if (threadIdx.x < 32) {
-    local = threadIdx.x < kThreads / 32 ? warp_max[threadIdx.x] : 0u;
-    local = __reduce_max_sync(0xFFFFFFFFu, local);
-    if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax_inout), local);
-  }
+  const uint32_t block = block_max_bits(local);
+  if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(amax_inout), block);
 }
 
 // One thread's CastHealth counts (quantize.h), added to the device's once per warp. Kernels

@@ -423,16 +423,8 @@ struct FusedCastState {
   // The block's amax into *cast.amax, one atomic per block: call from every thread of the block
   // (whole warps; it synchronizes them).
   __device__ void publish() {
-    __shared__ uint32_t warp_max[kWarpSize];
-    const uint32_t warp = __reduce_max_sync(kFullMask, amax_bits);
-    if (threadIdx.x % kWarpSize == 0) warp_max[threadIdx.x / kWarpSize] = warp;
-    __syncthreads();
-    if (threadIdx.x == 0) {
-      uint32_t block = 0;
-      for (unsigned w = 0; w < blockDim.x / kWarpSize; ++w)
-        block = max(block, warp_max[w]);
-      atomicMax(reinterpret_cast<unsigned int*>(cast.amax), block);
-    }
+    const uint32_t block = block_max_bits(amax_bits);
+    if (threadIdx.x == 0) atomicMax(reinterpret_cast<unsigned int*>(cast.amax), block);
   }
 };
 

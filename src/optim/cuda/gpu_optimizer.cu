@@ -79,20 +79,6 @@ __device__ inline bool takes_chunk_vectors(int32_t count, const void* param, con
          ((address(param) | address(grad) | address(m) | address(v)) % 16) == 0;
 }
 
-// The largest of every thread's amax bits (abs_bits: NaN above inf), in thread 0.
-__device__ inline uint32_t block_amax_bits(uint32_t bits) {
-  __shared__ uint32_t warp_max[kThreads / device::kWarpSize];
-  const uint32_t warp = __reduce_max_sync(device::kFullMask, bits);
-  if (threadIdx.x % device::kWarpSize == 0) warp_max[threadIdx.x / device::kWarpSize] = warp;
-  __syncthreads();
-  uint32_t block = 0;
-  if (threadIdx.x == 0) {
-    for (const uint32_t value : warp_max)
-      block = max(block, value);
-  }
-  return block;
-}
-
 // Eight elements per thread and access (two 16-byte accesses per array) where the chunk takes
 // vectors: the bytes limit this kernel. With chunk_amax, each block also stores the amax bits of
 // its chunk's new values there, at its own index.
@@ -130,7 +116,7 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   if (chunk_amax == nullptr) return;
-  const uint32_t block = block_amax_bits(amax_bits);
+  const uint32_t block = block_max_bits(amax_bits);
   if (threadIdx.x == 0) chunk_amax[blockIdx.x] = block;
 }
 
@@ -141,7 +127,7 @@ __global__ void __launch_bounds__(kThreads)
   uint32_t amax_bits = 0;
   for (int64_t i = threadIdx.x; i < tensor.chunks; i += kThreads)
     amax_bits = max(amax_bits, chunk_amax[tensor.first_chunk + i]);
-  const uint32_t block = block_amax_bits(amax_bits);
+  const uint32_t block = block_max_bits(amax_bits);
   if (threadIdx.x == 0) *tensor.amax = bits_to_float(block);
 }
 
