@@ -266,8 +266,11 @@ class CudaEngine final : public TrainingEngine {
         double(optim::CudaGptOptimizer::planned_device_bytes(host_optimizer_, layout, lendable));
     size_t free = 0, total = 0;
     FP8T_CUDA_CHECK(cudaMemGetInfo(&free, &total));
-    // Activations and the step's workspace grow with the micro-batch; the rest does not.
-    const double per_sample = double(planned.activations + planned.workspace) / double(setup.batch);
+    // Activations, the step's workspace and the linears' FP8 scratch grow with the micro-batch;
+    // the rest does not.
+    const double per_sample =
+        double(planned.activations + planned.workspace + planned.linear_scratch) /
+        double(setup.batch);
     const double fixed =
         double(planned.total()) + optimizer + kRuntimeReserve - per_sample * double(setup.batch);
     check_gpu_memory_plan(
