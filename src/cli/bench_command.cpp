@@ -3,10 +3,12 @@
 // tensor parallel in groups of --tensor-parallel ranks.
 #include <algorithm>
 #include <array>
+#include <cctype>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <functional>
 #include <memory>
 #include <optional>
@@ -23,12 +25,14 @@
 #include "distributed/launch.h"
 #include "distributed/tensor_parallel_group.h"
 #include "gemm/gemm_tuning.h"
+#include "io/files.h"
 #include "models/flux_config.h"
 #include "models/flux_model.h"
 #include "models/gpt_config.h"
 #include "models/gpt_model.h"
 #include "optim/gpt_optimizer.h"
 #include "platform/device_info.h"
+#include "platform/gpu_trace.h"
 #include "train/flux_batches.h"
 #include "train/flux_trainer.h"
 #include "train/run_log.h"
@@ -47,6 +51,7 @@
 #include "ops/cuda/gpt_gates.h"
 #include "optim/cuda/adamw_cuda.h"
 #include "optim/cuda/gpu_optimizer.h"
+#include "platform/cuda_trace.h"
 #include "train/cuda_tensor_group.h"
 #include "train/flux_engine.h"
 #include "train/training_engine.h"
@@ -165,10 +170,54 @@ struct StepParts {
   std::function<void()> prepare, forward, backward, optimize;
 };
 
+std::string percent_of(double part, double whole) {
+  return whole > 0.0 ? fmt::format("{:.1f} %", 100.0 * part / whole) : "-";
+}
+
+void print_trace_summary(const TraceSummary& trace, const std::string& run,
+                         const std::string& file) {
+  fmt::print(
+      "{}: one step traced into {}: the GPU ran {:.1f} ms of a {:.1f} ms span and sat idle "
+      "{:.1f} ms in {} gaps, {:.1f} ms of it waiting for the host to issue work; kernels "
+      "{:.1f} ms ({}), copies {:.1f} ms ({}), memsets {:.1f} ms ({})\n",
+      run, file, trace.busy_ms, trace.span_ms, trace.idle_ms, trace.gaps,
+      trace.idle_waiting_for_host_ms, trace.kernel_ms, trace.kernels, trace.memcpy_ms,
+      trace.memcpys, trace.memset_ms, trace.memsets);
+  const auto table = [](const char* title, const std::vector<NamedTime>& rows, double whole) {
+    fmt::print("\n| {} | count | ms | share |\n|---|---|---|---|\n", title);
+    for (const NamedTime& row : rows)
+      fmt::print("| {} | {} | {:.2f} | {} |\n", row.name, row.count, row.ms,
+                 percent_of(row.ms, whole));
+  };
+  table("kernel", trace.top_kernels, trace.span_ms);
+  table("what the GPU waited idle to start", trace.top_waits, trace.idle_ms);
+  table("host CUDA call", trace.top_api, trace.span_ms);
+  fmt::print("\n");
+}
+
+// The file of a run's trace in timing.trace (empty: none), "MODEL.RUN.trace.json" with one `_`
+// for each stretch of anything but ASCII letters and digits; each rank of several writes its own.
+std::string trace_file(const BenchTiming& timing, const char* model, const std::string& run,
+                       int rank, int rank_count) {
+  if (timing.trace.empty()) return {};
+  std::string stem = std::string(model) + ".";
+  for (const char c : run) {
+    const bool plain = c >= 0 && std::isalnum(static_cast<unsigned char>(c));
+    if (plain) {
+      stem.push_back(c);
+    } else if (stem.back() != '_' && stem.back() != '.') {
+      stem.push_back('_');
+    }
+  }
+  if (stem.back() == '_') stem.pop_back();
+  if (rank_count > 1) stem += fmt::format(".rank{}", rank);
+  return (std::filesystem::path(timing.trace) / (stem + ".trace.json")).string();
+}
+
 // Runs warmup + steps steps (and with timing.phases as many again, with the phase timer on)
-// and fills result's medians and peak memory.
-void time_steps(const BenchTiming& timing, cudaStream_t stream, const StepParts& parts,
-                Measurement& result) {
+// and fills result's medians and peak memory; with a trace file, one more step is traced there.
+void time_steps(const BenchTiming& timing, const std::string& trace_path, cudaStream_t stream,
+                const StepParts& parts, Measurement& result) {
   TimingEvents events(4);
   std::vector<double> step_ms, forward_ms, backward_ms, optimizer_ms, issue_ms;
   std::array<std::vector<double>, kStepPhases> phase_ms;
@@ -222,6 +271,16 @@ void time_steps(const BenchTiming& timing, cudaStream_t stream, const StepParts&
       result.phase_ms[phase] = median(phase_ms[phase]);
     result.other_ms = median(other_ms);
   }
+  if (trace_path.empty()) return;
+  parts.prepare();
+  CudaTrace trace;
+  parts.forward();
+  parts.backward();
+  parts.optimize();
+  const std::vector<TraceRecord> records = trace.finish();
+  std::filesystem::create_directories(std::filesystem::path(trace_path).parent_path());
+  io::write_file_atomically(trace_path, chrome_trace_json(records));
+  print_trace_summary(summarize_trace(records), result.name, trace_path);
 }
 
 // The ranks of the job (one: none), how they split into tensor-parallel groups and how they sum.
@@ -232,6 +291,7 @@ struct BenchRanks {
   bool overlap = false;                               // --overlap-grad-reduce
   bool shard = false;                                 // --shard-optimizer-state
   int count() const { return communicator != nullptr ? communicator->size() : 1; }
+  int rank() const { return communicator != nullptr ? communicator->rank() : 0; }
   int replicas() const { return layout.data; }  // the micro-batches of a step
   // The rank and rank count the optimizer shards over: 0 of 1 unless sharding several ranks.
   bool sharded() const { return shard && count() > 1; }
@@ -292,7 +352,8 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config,
   const int64_t count = model.layout().total_elements;
   float* norm = nullptr;
   FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm), sizeof(float)));
-  time_steps(options.timing, stream,
+  time_steps(options.timing,
+             trace_file(options.timing, "gpt", result.name, ranks.rank(), ranks.count()), stream,
              {.prepare =
                   [&] {
                     for (size_t i = 0; i < idx.size(); ++i) {
@@ -527,7 +588,8 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
     ids.insert(ids.end(), {0.0f, float(token / side), float(token % side)});
   float* norm = nullptr;
   FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm), sizeof(float)));
-  time_steps(options.timing, stream,
+  time_steps(options.timing,
+             trace_file(options.timing, "flux", result.name, ranks.rank(), ranks.count()), stream,
              {.prepare =
                   [&] {
                     draw(img, B * Li * config.in_channels);

@@ -114,6 +114,9 @@ struct BenchTiming {
   // Each FP8 run with its weight-gradient GEMMs in FP8 and/or BF16 ("on", "off"; fp8_wgrad);
   // empty: on.
   std::vector<std::string> fp8_wgrad;
+  // A folder: each run then takes one more step with its GPU timeline recorded
+  // (platform/cuda_trace.h), written there as a Chrome trace and summed up in the output.
+  std::string trace;
 };
 
 struct BenchGptOptions {

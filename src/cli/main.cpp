@@ -227,6 +227,9 @@ int main(int argc, char** argv) {
     command->add_flag("--phases", timing.phases,
                       "Then time as many steps again by kind of work (GEMMs, attention, "
                       "quantization, other)");
+    command->add_option("--trace", timing.trace,
+                        "A folder: each run then traces one more step, written there as a Chrome "
+                        "trace (MODEL.RUN.trace.json), and prints where the GPU sat idle");
     command
         ->add_option("--gemm-autotune", timing.gemm_autotune,
                      "Measure each run with GEMM autotuning off and/or on, in the order given "
