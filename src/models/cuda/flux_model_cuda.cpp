@@ -18,6 +18,7 @@
 #include "core/device_arena.h"
 #include "core/device_buffer.h"
 #include "core/error.h"
+#include "core/parallel_copy.h"
 #include "gemm/cublaslt_gemm.h"
 #include "models/cuda/linear_scalings.h"
 #include "models/tensor_parallel.h"
@@ -744,7 +745,7 @@ void CudaFluxModel::upload_inputs(const FluxInputs& inputs, const float* target)
     staging += count;
   };
   const auto upload = [&](float* device, const float* host, int64_t count) {
-    std::copy(host, host + count, staging);
+    parallel_copy(host, count, staging);
     send(device, count);
   };
   upload(b.img_f32, inputs.img, img_count);
@@ -940,8 +941,9 @@ void CudaFluxModel::single_block_forward(int block) {
 void CudaFluxModel::forward(const FluxInputs& inputs, const float* target, bool with_gradient,
                             float grad_scale) {
   Buffers& b = *buffers_;
-  upload_inputs(inputs, target);
+  // The weight casts first: the GPU runs them while the host copies the inputs.
   if (!weights_ready_) prepare_weights();
+  upload_inputs(inputs, target);
   const int64_t B = batch_, Li = img_tokens_, Lt = txt_tokens_, C = config_.hidden_size;
 
   linear_forward("img_in", b.img, B * Li, b.x_img);
