@@ -22,6 +22,7 @@
 #include "train/run_log.h"
 #include "train/run_trackers.h"
 #include "train/step_phase_times.h"
+#include "train/step_prefetch.h"
 #include "train/stop_signal.h"
 #include "train/training_engine.h"
 #include "train/training_loop.h"
@@ -305,7 +306,17 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     return path;
   };
 
-  std::vector<FluxBatch> micro_batches(static_cast<size_t>(accumulation));
+  // Replica r's micro-batch m is the step's m·R + r of A·R (R replicas: the ranks, or the
+  // tensor-parallel groups): the step sees one process's batches. On a GPU the next step's load
+  // while this one trains; on the CPU path the host is the one that trains.
+  StepPrefetch<std::vector<FluxBatch>> step_batches(
+      [&](int64_t at_step, std::vector<FluxBatch>& micro_batches) {
+        micro_batches.resize(static_cast<size_t>(accumulation));
+        for (int64_t micro = 0; micro < accumulation; ++micro) {
+          batches.training_batch(at_step, micro * layout.data + layout.data_rank,
+                                 accumulation * layout.data, micro_batches[size_t(micro)]);
+        }
+      });
   TrainingLoop loop = training_loop_for(config);
   loop.tokens_per_step = double(samples_per_step * img_tokens);
   loop.samples_per_step = double(samples_per_step);
@@ -316,13 +327,9 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   bool gemm_tuning_printed = false;
   StepPhaseTimes phase_times(cuda && config.run.log_timers_to_tensorboard);
   std::vector<Fp8Fallback> fallbacks;  // decided by the step, applied after it
-  // Replica r's micro-batch m is the step's m·R + r of A·R (R replicas: the ranks, or the
-  // tensor-parallel groups): the step sees one process's batches.
   loop.train_step = [&](int64_t at_step) {
-    for (int64_t micro = 0; micro < accumulation; ++micro) {
-      batches.training_batch(at_step, micro * layout.data + layout.data_rank,
-                             accumulation * layout.data, micro_batches[size_t(micro)]);
-    }
+    const std::vector<FluxBatch>& micro_batches =
+        step_batches.take(at_step, cuda && at_step + 1 < total_steps ? at_step + 1 : -1);
     const double multiplier = optim::lr_multiplier(schedule, at_step);
     const bool statistics = health.due(at_step + 1);
     engine->set_record_fp8_health(statistics);
@@ -330,6 +337,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     const StepResult result =
         engine->train_step(micro_batches, config.optimizer.clip_grad, multiplier);
     phase_times.end();
+    step_batches.finish();  // before validation, samples or anything else reads the data
     if (statistics) {
       engine->set_record_fp8_health(false);
       fallbacks = judge_fp8_health(at_step + 1, engine->take_fp8_health(), health, log,
