@@ -1,5 +1,6 @@
 // fp8train: the command-line entry point. The only place that turns errors into exit codes.
 #include <cstdint>
+#include <cstdio>
 #include <exception>
 #include <iostream>
 #include <iterator>
@@ -30,6 +31,9 @@ std::vector<std::string> without_nproc_per_node(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // Each line out as soon as it is printed, also into a pipe or a file (Slurm, nohup): a long
+  // benchmark or tuning run shows its progress, and one that is killed keeps what it printed.
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   CLI::App app{"fp8train: FP8 training engine", "fp8train"};
   app.set_version_flag("--version", "fp8train " FP8TRAIN_VERSION);
   // `train` and `bench gpt|flux` run data-parallel: N ranks on this node.
