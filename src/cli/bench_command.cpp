@@ -165,9 +165,10 @@ ModelPrecision bench_precision(const RunKind& run, const std::string& formats) {
 }
 
 // What a timed step runs: prepare (host inputs, untimed), then forward, backward and the
-// optimizer, each between CUDA events.
+// optimizer, each between CUDA events; loss reads the last step's loss.
 struct StepParts {
   std::function<void()> prepare, forward, backward, optimize;
+  std::function<double()> loss;
 };
 
 std::string percent_of(double part, double whole) {
@@ -215,7 +216,8 @@ std::string trace_file(const BenchTiming& timing, const char* model, const std::
 }
 
 // Runs warmup + steps steps (and with timing.phases as many again, with the phase timer on)
-// and fills result's medians and peak memory; with a trace file, one more step is traced there.
+// and fills result's medians, peak memory and final loss; with a trace file, one more step is
+// then traced there.
 void time_steps(const BenchTiming& timing, const std::string& trace_path, cudaStream_t stream,
                 const StepParts& parts, Measurement& result) {
   TimingEvents events(4);
@@ -271,6 +273,7 @@ void time_steps(const BenchTiming& timing, const std::string& trace_path, cudaSt
       result.phase_ms[phase] = median(phase_ms[phase]);
     result.other_ms = median(other_ms);
   }
+  result.final_loss = parts.loss();
   if (trace_path.empty()) return;
   parts.prepare();
   CudaTrace trace;
@@ -375,9 +378,9 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config,
                                    schedule, stream);
                     after_update();
                     model.end_step();
-                  }},
+                  },
+              .loss = [&] { return model.loss_value(); }},
              result);
-  result.final_loss = model.loss_value();
   result.tuning_summary = model.gemm().tuning_summary();
   result.tuning_records = model.gemm().tuning_records();
   cudaFree(norm);
@@ -616,9 +619,9 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
                     optimizer.step(model.parameters(), model.gradients(), 1.0, stream);
                     after_update();
                     model.end_step(/*weight_amaxes_measured=*/!sharded);
-                  }},
+                  },
+              .loss = [&] { return model.loss_value(); }},
              result);
-  result.final_loss = model.loss_value();
   result.tuning_summary = model.gemm().tuning_summary();
   result.tuning_records = model.gemm().tuning_records();
   cudaFree(norm);

@@ -3,14 +3,17 @@
 #include "platform/cuda_trace.h"
 
 #include <cxxabi.h>
+#include <dlfcn.h>
 
 #include <cstdlib>
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 
 #include <cuda_runtime_api.h>
 #include <cupti.h>
+#include <fmt/format.h>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
@@ -27,10 +30,61 @@ constexpr size_t kBufferAlignment = 8;  // CUPTI's records need 8-byte alignment
 std::mutex records_mutex;
 std::vector<TraceRecord>* active_records = nullptr;
 
+// CUPTI's functions, from libcupti loaded on the first trace: only `--trace` needs it, so the
+// binary starts where CUPTI is not on the loader's path (the toolkit keeps it apart at times).
+struct Cupti {
+  decltype(&cuptiActivityRegisterCallbacks) register_callbacks;
+  decltype(&cuptiActivityEnable) enable;
+  decltype(&cuptiActivityDisable) disable;
+  decltype(&cuptiActivityFlushAll) flush_all;
+  decltype(&cuptiActivityGetNextRecord) next_record;
+  decltype(&cuptiGetCallbackName) callback_name;
+  decltype(&cuptiGetResultString) result_string;
+};
+
+const Cupti& cupti() {
+  static const Cupti functions = [] {
+    const std::string versioned = fmt::format("libcupti.so.{}", CUDART_VERSION / 1000);
+    void* library = nullptr;
+    std::string why;
+    for (const char* name : {versioned.c_str(), "libcupti.so"}) {
+      library = dlopen(name, RTLD_NOW | RTLD_LOCAL);
+      if (library != nullptr) break;
+      const char* error = dlerror();
+      why = error != nullptr ? error : name;
+    }
+    if (library == nullptr) {
+      throw Error(fmt::format(
+          "a GPU trace needs CUPTI ({} or libcupti.so), which did not load ({}): add the CUDA "
+          "toolkit's folder that holds it (lib64, or extras/CUPTI/lib64) to LD_LIBRARY_PATH",
+          versioned, why));
+    }
+    const auto symbol = [library](const char* name) {
+      void* function = dlsym(library, name);
+      if (function == nullptr) throw Error(fmt::format("CUPTI: {} not found in libcupti", name));
+      return function;
+    };
+    Cupti found;
+    found.register_callbacks = reinterpret_cast<decltype(found.register_callbacks)>(
+        symbol("cuptiActivityRegisterCallbacks"));
+    found.enable = reinterpret_cast<decltype(found.enable)>(symbol("cuptiActivityEnable"));
+    found.disable = reinterpret_cast<decltype(found.disable)>(symbol("cuptiActivityDisable"));
+    found.flush_all = reinterpret_cast<decltype(found.flush_all)>(symbol("cuptiActivityFlushAll"));
+    found.next_record =
+        reinterpret_cast<decltype(found.next_record)>(symbol("cuptiActivityGetNextRecord"));
+    found.callback_name =
+        reinterpret_cast<decltype(found.callback_name)>(symbol("cuptiGetCallbackName"));
+    found.result_string =
+        reinterpret_cast<decltype(found.result_string)>(symbol("cuptiGetResultString"));
+    return found;
+  }();
+  return functions;
+}
+
 void check_cupti(CUptiResult result, const char* call) {
   if (result == CUPTI_SUCCESS) return;
   const char* text = nullptr;
-  cuptiGetResultString(result, &text);
+  cupti().result_string(result, &text);
   throw Error(fmt::format("CUPTI: {} failed: {}", call, text != nullptr ? text : "unknown error"));
 }
 #define FP8T_CUPTI_CHECK(call) check_cupti((call), #call)
@@ -69,7 +123,7 @@ std::string api_name(const CUpti_ActivityAPI& api) {
                                           ? CUPTI_CB_DOMAIN_RUNTIME_API
                                           : CUPTI_CB_DOMAIN_DRIVER_API;
   const char* name = nullptr;
-  if (cuptiGetCallbackName(domain, api.cbid, &name) != CUPTI_SUCCESS || name == nullptr)
+  if (cupti().callback_name(domain, api.cbid, &name) != CUPTI_SUCCESS || name == nullptr)
     return fmt::format("CUDA call {}", api.cbid);
   // CUPTI names the version a call came with ("cudaMemsetAsync_v3020"); the call is enough.
   std::string text = name;
@@ -124,7 +178,7 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
     std::lock_guard<std::mutex> lock(records_mutex);
     CUpti_Activity* activity = nullptr;
     while (active_records != nullptr &&
-           cuptiActivityGetNextRecord(buffer, valid_bytes, &activity) == CUPTI_SUCCESS) {
+           cupti().next_record(buffer, valid_bytes, &activity) == CUPTI_SUCCESS) {
       if (std::optional<TraceRecord> record = to_record(*activity))
         active_records->push_back(std::move(*record));
     }
@@ -134,21 +188,35 @@ void CUPTIAPI buffer_completed(CUcontext, uint32_t, uint8_t* buffer, size_t, siz
 
 void stop_recording() {
   for (const CUpti_ActivityKind kind : kRecordedKinds)
-    cuptiActivityDisable(kind);
+    cupti().disable(kind);
+}
+
+// Stops recording and hands the buffers still held to buffer_completed, then detaches the records
+// of the trace, whatever fails on the way.
+void end_trace() {
+  struct Detach {
+    ~Detach() {
+      std::lock_guard<std::mutex> lock(records_mutex);
+      active_records = nullptr;
+    }
+  } detach;
+  stop_recording();
+  FP8T_CUPTI_CHECK(cupti().flush_all(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED));
 }
 
 }  // namespace
 
 CudaTrace::CudaTrace() {
+  const Cupti& functions = cupti();
   {
     std::lock_guard<std::mutex> lock(records_mutex);
     FP8T_CHECK(active_records == nullptr, "expected one CUDA trace at a time, found two");
     active_records = &records_;
   }
   try {
-    FP8T_CUPTI_CHECK(cuptiActivityRegisterCallbacks(buffer_requested, buffer_completed));
+    FP8T_CUPTI_CHECK(functions.register_callbacks(buffer_requested, buffer_completed));
     for (const CUpti_ActivityKind kind : kRecordedKinds)
-      FP8T_CUPTI_CHECK(cuptiActivityEnable(kind));
+      FP8T_CUPTI_CHECK(functions.enable(kind));
   } catch (...) {
     stop_recording();
     std::lock_guard<std::mutex> lock(records_mutex);
@@ -159,20 +227,17 @@ CudaTrace::CudaTrace() {
 
 CudaTrace::~CudaTrace() {
   if (!recording_) return;
-  stop_recording();
-  cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);
-  std::lock_guard<std::mutex> lock(records_mutex);
-  active_records = nullptr;
+  try {
+    end_trace();
+  } catch (const Error&) {  // a destructor does not throw; the trace is being dropped anyway
+  }
 }
 
 std::vector<TraceRecord> CudaTrace::finish() {
   FP8T_CHECK(recording_, "expected a recording CUDA trace, found it finished");
   FP8T_CUDA_CHECK(cudaDeviceSynchronize());
   recording_ = false;
-  stop_recording();
-  FP8T_CUPTI_CHECK(cuptiActivityFlushAll(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED));
-  std::lock_guard<std::mutex> lock(records_mutex);
-  active_records = nullptr;
+  end_trace();
   return std::move(records_);
 }
 

@@ -307,8 +307,8 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   };
 
   // Replica r's micro-batch m is the step's m·R + r of A·R (R replicas: the ranks, or the
-  // tensor-parallel groups): the step sees one process's batches. On a GPU the next step's load
-  // while this one trains; on the CPU path the host is the one that trains.
+  // tensor-parallel groups): the step sees one process's batches. On a GPU the next step's are
+  // loaded while this one trains; on the CPU path the host is the one that trains.
   StepPrefetch<std::vector<FluxBatch>> step_batches(
       [&](int64_t at_step, std::vector<FluxBatch>& micro_batches) {
         micro_batches.resize(static_cast<size_t>(accumulation));
@@ -337,7 +337,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     const StepResult result =
         engine->train_step(micro_batches, config.optimizer.clip_grad, multiplier);
     phase_times.end();
-    step_batches.finish();  // before validation, samples or anything else reads the data
+    step_batches.wait();  // before validation, samples or anything else reads the data
     if (statistics) {
       engine->set_record_fp8_health(false);
       fallbacks = judge_fp8_health(at_step + 1, engine->take_fp8_health(), health, log,

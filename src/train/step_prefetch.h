@@ -16,38 +16,41 @@ class StepPrefetch {
  public:
   using Load = std::function<void(int64_t step, Batches& out)>;
   explicit StepPrefetch(Load load) : load_(std::move(load)) {}
-  ~StepPrefetch() {
-    if (pending_.valid()) pending_.wait();
-  }
+  ~StepPrefetch() { wait(); }
   StepPrefetch(const StepPrefetch&) = delete;
   StepPrefetch& operator=(const StepPrefetch&) = delete;
 
   // Step `step`'s batches: the ones loaded ahead when that was this step, else loaded now. With
-  // `next` (0: none), step `next`'s start loading on another thread. A load's exception is
-  // thrown by the take() or finish() that waits for it.
+  // a `next` step (negative: none), its batches start loading on another thread. A failed load
+  // ahead throws at the take() of its step; for another step it is dropped.
   Batches& take(int64_t step, int64_t next = -1) {
-    finish();
-    if (ahead_step_ != step) load_(step, ahead_);
+    if (pending_.valid()) {
+      std::future<void> pending = std::move(pending_);
+      try {
+        pending.get();
+      } catch (...) {
+        const bool asked = ahead_step_ == step;
+        ahead_step_ = -1;
+        if (asked) throw;
+      }
+    }
+    if (ahead_step_ != step) {
+      ahead_step_ = -1;  // until the load below has filled ahead_ whole
+      load_(step, ahead_);
+    }
     ahead_step_ = -1;
     std::swap(current_, ahead_);
     if (next >= 0) {
-      ahead_step_ = next;
       pending_ = std::async(std::launch::async, [this, next] { load_(next, ahead_); });
+      ahead_step_ = next;
     }
     return current_;
   }
 
-  // Waits for the load in flight, if any: call before anything else uses what the loads use.
-  // If it failed, nothing counts as loaded ahead.
-  void finish() {
-    if (!pending_.valid()) return;
-    std::future<void> pending = std::move(pending_);
-    try {
-      pending.get();
-    } catch (...) {
-      ahead_step_ = -1;
-      throw;
-    }
+  // Waits for the load in flight, if any, without its outcome (the take() of its step has it):
+  // call before anything else uses what the loads use.
+  void wait() const {
+    if (pending_.valid()) pending_.wait();
   }
 
  private:

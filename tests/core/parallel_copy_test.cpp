@@ -12,7 +12,9 @@ namespace fp8t {
 namespace {
 
 TEST(ParallelCopy, CopiesEveryValueAndNothingMore) {
-  std::mt19937 generator(std::random_device{}());
+  const unsigned seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 generator(seed);
   std::normal_distribution<float> normal;
   constexpr int64_t kChunk = kParallelCopyChunk;
   for (const int64_t count : {int64_t(0), int64_t(1), kChunk - 1, kChunk, 2 * kChunk + 3,

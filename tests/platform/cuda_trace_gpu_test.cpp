@@ -1,6 +1,6 @@
-// CUPTI's timeline of real work: the kernels, memsets and copies a stream ran, tied to the
-// driver calls that issued them, and a host pause between two launches seen as a gap in which
-// the GPU waited for the host.
+// CUPTI's timeline of real work: the kernels, memsets and copies a stream ran, tied to the CUDA
+// calls that issued them, and a host pause between two launches seen as a gap in which the GPU
+// waited for the host.
 #include <gtest/gtest.h>
 
 #include <algorithm>

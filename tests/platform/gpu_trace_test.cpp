@@ -49,7 +49,9 @@ std::vector<TraceRecord> two_gap_timeline(uint64_t origin) {
 }
 
 TEST(GpuTrace, SummaryFindsTheGapsAndWhichWaitedForTheHost) {
-  std::mt19937 generator(std::random_device{}());
+  const unsigned seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  std::mt19937 generator(seed);
   const uint64_t origin = 1000 + generator() % 1000000;
   std::vector<TraceRecord> records = two_gap_timeline(origin);
   std::shuffle(records.begin(), records.end(), generator);  // any order

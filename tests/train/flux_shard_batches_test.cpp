@@ -17,6 +17,7 @@
 #include "dataset/flux_shard_spec.h"
 #include "test_files.h"
 #include "train/flux_batches.h"
+#include "train/step_prefetch.h"
 
 namespace fp8t::train {
 namespace {
@@ -143,6 +144,31 @@ TEST_F(FluxShardBatchesTest, TrainingBatchesAreAFunctionOfSeedStepAndMicroBatch)
     EXPECT_EQ(first.img.size(), 2u * 16 * 16);
     EXPECT_EQ(first.txt.size(), 2u * 5 * 32);
     EXPECT_EQ(first.y.size(), 2u * 16);
+  }
+}
+
+// The trainer's loading ahead (StepPrefetch) on a thread of its own, epochs crossed on the way,
+// gives every step the micro-batches a builder of its own makes in turn.
+TEST_F(FluxShardBatchesTest, BatchesLoadedAheadAreTheOnesMadeInTurn) {
+  const FluxShardSource source(training(), std::nullopt, 5);
+  const FluxBatchBuilder builder(source, model_, objective(0.5), 2, 5);
+  StepPrefetch<std::vector<FluxBatch>> prefetch(
+      [&](int64_t step, std::vector<FluxBatch>& micro_batches) {
+        micro_batches.resize(2);
+        for (int64_t micro = 0; micro < 2; ++micro)
+          builder.training_batch(step, micro, 2, micro_batches[size_t(micro)]);
+      });
+  const FluxShardSource direct_source(training(), std::nullopt, 5);
+  const FluxBatchBuilder direct(direct_source, model_, objective(0.5), 2, 5);
+  constexpr int64_t kSteps = 6;  // 24 samples: three epochs of 7 and more
+  for (int64_t step = 0; step < kSteps; ++step) {
+    const std::vector<FluxBatch>& loaded = prefetch.take(step, step + 1 < kSteps ? step + 1 : -1);
+    for (int64_t micro = 0; micro < 2; ++micro) {
+      FluxBatch expected;
+      direct.training_batch(step, micro, 2, expected);
+      EXPECT_TRUE(same(loaded[size_t(micro)], expected)) << "step " << step << ", micro " << micro;
+    }
+    prefetch.wait();
   }
 }
 

@@ -1,6 +1,6 @@
 // StepPrefetch gives each step its own batches whether they were loaded ahead or not, loads the
 // next step on another thread, drops a load ahead that the next take does not ask for, and
-// passes a failed load's exception to the caller.
+// passes a failed load's exception to the take of its step, never handing out what it left.
 #include <gtest/gtest.h>
 
 #include <map>
@@ -30,8 +30,8 @@ struct CountingLoader {
         ++loads[step];
         threads[step] = std::this_thread::get_id();
       }
+      out.assign(3, step);  // a failing load leaves its batches half made
       if (step == failing_step) throw std::runtime_error("no such step");
-      out.assign(3, step);
     };
   }
 };
@@ -41,7 +41,7 @@ TEST(StepPrefetch, EachStepGetsItsOwnBatchesTheNextLoadedOnAnotherThread) {
   StepPrefetch<Batches> prefetch(loader.load());
   for (int64_t step = 0; step < 4; ++step) {
     const Batches& batches = prefetch.take(step, step + 1);
-    prefetch.finish();  // the next step's load done: it must not have written these
+    prefetch.wait();  // the next step's load done: it must not have written these
     EXPECT_EQ(batches, Batches(3, step));
   }
   const auto caller = std::this_thread::get_id();
@@ -64,7 +64,7 @@ TEST(StepPrefetch, AStepOtherThanTheOneLoadedAheadIsLoadedThen) {
   EXPECT_EQ(loader.loads.count(2), 0u);
 }
 
-TEST(StepPrefetch, AFailedLoadAheadThrowsAtTheTakeThatWaitsForIt) {
+TEST(StepPrefetch, AFailedLoadAheadThrowsAtTheTakeOfItsStep) {
   CountingLoader loader;
   loader.failing_step = 3;
   StepPrefetch<Batches> prefetch(loader.load());
@@ -73,6 +73,22 @@ TEST(StepPrefetch, AFailedLoadAheadThrowsAtTheTakeThatWaitsForIt) {
   loader.failing_step = -1;
   EXPECT_EQ(prefetch.take(3), Batches(3, 3));  // loaded anew, not taken as loaded
   EXPECT_EQ(loader.loads.at(3), 2);
+
+  // Failed ahead of a step that is not asked for: dropped.
+  loader.failing_step = 4;
+  prefetch.take(3, 4);
+  EXPECT_EQ(prefetch.take(7), Batches(3, 7));
+}
+
+TEST(StepPrefetch, AFailedLoadNowLeavesNothingTakenAsLoaded) {
+  CountingLoader loader;
+  StepPrefetch<Batches> prefetch(loader.load());
+  prefetch.take(0, 1);
+  prefetch.wait();  // step 1's batches are ahead
+  loader.failing_step = 9;
+  EXPECT_THROW(prefetch.take(9), std::runtime_error);  // and half overwritten by step 9's
+  EXPECT_EQ(prefetch.take(1), Batches(3, 1));
+  EXPECT_EQ(loader.loads.at(1), 2);
 }
 
 }  // namespace

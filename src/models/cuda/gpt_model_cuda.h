@@ -56,8 +56,9 @@ struct CudaGptMemory {
   size_t activations = 0;    // saved for backward (bf16, fp32 statistics)
   size_t workspace = 0;      // temporaries of one step, logits included
   size_t linear_copies = 0;  // bf16 / FP8 weight copies, FP8 scratch
-  // Of linear_copies: the FP8 scratch, which grows with the micro-batch as the activations do
-  // (not a category: total() leaves it out).
+  // Of linear_copies: the FP8 scratch, which grows with the micro-batch as the activations do,
+  // but for a few fixed bytes (scaling floats, the shared Ŵᵗ); not a category: total() leaves
+  // it out.
   size_t linear_scratch = 0;
   // In the plan only, for FP8 linears that keep Ŵᵗ: what fp8_weight_transposes: in_backward
   // would take off linear_copies (not a category: total() leaves it out).
