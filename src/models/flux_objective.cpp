@@ -10,6 +10,7 @@
 #include <fmt/ranges.h>
 
 #include "core/error.h"
+#include "core/parallel_runs.h"
 
 namespace fp8t {
 
@@ -19,6 +20,10 @@ namespace {
 // dσ/du = −1 − mode_scale·(1 − (π/2)·sin(πu)) must stay <= 0 for every u.
 constexpr double kMaxModeScale = 1.0 / (std::numbers::pi / 2.0 - 1.0);
 constexpr double kMinModeScale = -1.0;
+
+// Below this many normal pairs per thread, fill_standard_normal draws on the caller's thread
+// alone (a pair costs tens of ns; a thread's start, tens of µs).
+constexpr int64_t kNormalPairsPerThread = int64_t(1) << 15;
 
 double uniform(std::mt19937_64& generator) {
   return static_cast<double>(generator() >> 11) * 0x1.0p-53;
@@ -132,11 +137,30 @@ void sample_sigmas(float* sigma, int64_t count, const SigmaSamplingOptions& opti
 
 void fill_standard_normal(float* out, int64_t count, std::mt19937_64& generator) {
   FP8T_CHECK(count >= 0, "expected count >= 0, found {}", count);
-  for (int64_t i = 0; i < count; i += 2) {
-    const auto [first, second] = normal_pair(generator);
-    out[i] = static_cast<float>(first);
-    if (i + 1 < count) out[i + 1] = static_cast<float>(second);
-  }
+  const int64_t pairs = (count + 1) / 2;
+  const auto fill_pairs = [out, count](int64_t first, int64_t last, std::mt19937_64& from) {
+    for (int64_t pair = first; pair < last; ++pair) {
+      const auto [cosine, sine] = normal_pair(from);
+      out[2 * pair] = static_cast<float>(cosine);
+      if (2 * pair + 1 < count) out[2 * pair + 1] = static_cast<float>(sine);
+    }
+  };
+  // Every pair takes exactly two draws, so a run of pairs can start from a copy of the generator
+  // moved past the pairs before it: several threads give the values one thread would, and the
+  // generator ends where one thread's would.
+  const std::mt19937_64 start = generator;
+  int64_t first_run_end = 0;  // the caller's thread draws the first run with the generator itself
+  parallel_runs(pairs, kNormalPairsPerThread, [&](int64_t first, int64_t last) {
+    if (first == 0) {
+      fill_pairs(first, last, generator);
+      first_run_end = last;
+      return;
+    }
+    std::mt19937_64 from = start;
+    from.discard(static_cast<unsigned long long>(2 * first));
+    fill_pairs(first, last, from);
+  });
+  generator.discard(static_cast<unsigned long long>(2 * (pairs - first_run_end)));
 }
 
 void normalize_latents(float* x0, const float* latent, int64_t count, double scale, double shift) {

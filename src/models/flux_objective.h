@@ -61,7 +61,8 @@ void sample_sigmas(float* sigma, int64_t count, const SigmaSamplingOptions& opti
                    std::mt19937_64& generator);
 
 // out [count] ~ N(0, 1): one normal pair per two values (the last pair's sine half is dropped
-// when count is odd).
+// when count is odd). Large counts are drawn by several threads, with the values and the
+// generator's end state of one.
 void fill_standard_normal(float* out, int64_t count, std::mt19937_64& generator);
 
 // x0 = scale · (latent − shift) and its inverse, latent = x0 / scale + shift (for decoding

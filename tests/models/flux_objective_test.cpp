@@ -326,6 +326,25 @@ TEST(FluxObjective, TheSameSeedGivesTheSameDrawsAndAnotherSeedOthers) {
   EXPECT_EQ(sigma, static_cast<float>(double(std::mt19937_64(0)() >> 11) * 0x1.0p-53));
 }
 
+// A count large enough for several threads gives the values, and leaves the generator where,
+// drawing it in pieces small enough for one thread gives them: so a run's noise does not depend
+// on the machine's threads.
+TEST(FluxObjective, NoiseDrawnByThreadsIsTheNoiseOfOne) {
+  const uint64_t seed = std::random_device{}();
+  SCOPED_TRACE(testing::Message() << "seed " << seed);
+  for (const int64_t count : {int64_t(1000001), int64_t(1) << 20}) {
+    std::mt19937_64 whole_generator(seed), pieces_generator(seed);
+    std::vector<float> whole(static_cast<size_t>(count)), pieces(whole.size());
+    fill_standard_normal(whole.data(), count, whole_generator);
+    constexpr int64_t kPiece = int64_t(1) << 14;  // values: pairs stay whole
+    for (int64_t first = 0; first < count; first += kPiece)
+      fill_standard_normal(pieces.data() + first, std::min(kPiece, count - first),
+                           pieces_generator);
+    EXPECT_EQ(whole, pieces) << count << " values";
+    EXPECT_EQ(whole_generator(), pieces_generator()) << "the generators end apart";
+  }
+}
+
 TEST(FluxObjective, PackingFollowsBflsRearrange) {
   // latent[c][y][x] = 100c + 10y + x, C = 2, H = W = 4: four tokens of eight features.
   const LatentShape shape{2, 4, 4};

@@ -18,7 +18,7 @@
 #include "core/device_arena.h"
 #include "core/device_buffer.h"
 #include "core/error.h"
-#include "core/parallel_copy.h"
+#include "core/parallel_runs.h"
 #include "gemm/cublaslt_gemm.h"
 #include "models/cuda/linear_scalings.h"
 #include "models/tensor_parallel.h"

@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "core/parallel_copy.h"
+#include "core/parallel_runs.h"
 
 namespace fp8t {
 namespace {
@@ -18,7 +18,7 @@ TEST(ParallelCopy, CopiesEveryValueAndNothingMore) {
   std::normal_distribution<float> normal;
   constexpr int64_t kChunk = kParallelCopyChunk;
   for (const int64_t count : {int64_t(0), int64_t(1), kChunk - 1, kChunk, 2 * kChunk + 3,
-                              int64_t(kParallelCopyThreads) * kChunk + 17, 11 * kChunk + 5}) {
+                              int64_t(kHostThreads) * kChunk + 17, 11 * kChunk + 5}) {
     std::vector<float> from(static_cast<size_t>(count));
     for (float& value : from)
       value = normal(generator);
