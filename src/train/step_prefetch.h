@@ -34,11 +34,9 @@ class StepPrefetch {
         if (asked) throw;
       }
     }
-    if (ahead_step_ != step) {
-      ahead_step_ = -1;  // until the load below has filled ahead_ whole
-      load_(step, ahead_);
-    }
-    ahead_step_ = -1;
+    const bool loaded_ahead = ahead_step_ == step;
+    ahead_step_ = -1;  // ahead_ is about to be taken, or overwritten by a load that may fail
+    if (!loaded_ahead) load_(step, ahead_);
     std::swap(current_, ahead_);
     if (next >= 0) {
       pending_ = std::async(std::launch::async, [this, next] { load_(next, ahead_); });

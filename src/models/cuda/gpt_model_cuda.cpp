@@ -194,8 +194,7 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
   memory_.gradients = buffers_->gradients.bytes();
   memory_.activations = buffers_->activations.bytes();
   memory_.workspace = buffers_->workspace.bytes();
-  memory_.linear_copies = buffers_->linear_scratch.bytes();
-  memory_.linear_scratch = buffers_->linear_scratch.bytes();
+  memory_.linear_copies = memory_.linear_scratch = buffers_->linear_scratch.bytes();
   if (check_plan) {
     CudaGptMemory planned = memory_;
     const ScalingRecipe recipe = precision_.fp8.recipe;
