@@ -6,10 +6,12 @@
 #include <cmath>
 #include <cstring>
 #include <numbers>
+#include <random>
 #include <set>
 #include <string>
 #include <vector>
 
+#include "core/arena.h"
 #include "core/error.h"
 #include "numerics/test_util.h"
 
@@ -457,6 +459,41 @@ TEST(FluxModel, InitializationZeroesModulationAndFinalLayer) {
   model.forward(batch.inputs(), prediction.data());
   for (float value : prediction)
     ASSERT_EQ(value, 0.0f);
+}
+
+// Each run of kInitRunValues values comes from its own generator, seeded as documented, whatever
+// thread drew it; a run does not repeat another's values.
+TEST(FluxModel, InitializationDrawsEachRunFromItsOwnGenerator) {
+  FluxConfig config = tiny_config();
+  config.hidden_size = 1024;  // img_mlp.0.weight: 4096 × 1024, four runs
+  config.num_heads = 32;
+  config.validate();
+  Arena arena("parameters", FluxParameterSet::planned_bytes(config, DType::F32));
+  FluxParameterSet parameters(arena, config, DType::F32);
+  constexpr uint64_t kSeed = 0x1234'5678'9abc'def0;
+  init_flux_weights(parameters, config, kSeed);
+
+  const std::string name = "double_blocks.0.img_mlp.0.weight";
+  const auto place = std::ranges::find_if(
+      parameters.specs(), [&](const FluxParam& param) { return param.name == name; });
+  ASSERT_NE(place, parameters.specs().end());
+  const auto tensor = static_cast<uint32_t>(place - parameters.specs().begin());
+  const std::vector<float> values = values_of(parameters[name]);
+  const int64_t runs = std::ssize(values) / kInitRunValues;
+  ASSERT_EQ(runs, 4);
+  const float bound = 1.0f / std::sqrt(1024.0f);
+  std::vector<float> expected(static_cast<size_t>(kInitRunValues));
+  for (uint32_t run = 0; run < runs; ++run) {
+    std::seed_seq seeds{static_cast<uint32_t>(kSeed), static_cast<uint32_t>(kSeed >> 32), tensor,
+                        run};
+    std::mt19937_64 generator(seeds);
+    std::uniform_real_distribution<float> uniform(-bound, bound);
+    for (float& value : expected)
+      value = uniform(generator);
+    const auto drawn = values.begin() + run * kInitRunValues;
+    EXPECT_TRUE(std::equal(expected.begin(), expected.end(), drawn)) << "run " << run;
+    if (run > 0) EXPECT_FALSE(std::equal(expected.begin(), expected.end(), values.begin()));
+  }
 }
 
 // The model against the reference written out in double, with random weights, with and without
