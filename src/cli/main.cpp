@@ -112,7 +112,10 @@ int main(int argc, char** argv) {
           ->add_option("--window-pattern", model_options.window_pattern,
                        "Attention windows tiled over layers: S short, L long")
           ->capture_default_str(),
-      model->add_flag("!--no-lm-head-fp8", model_options.lm_head_fp8, "Keep lm_head in BF16")};
+      model->add_flag("!--no-lm-head-fp8", model_options.lm_head_fp8, "Keep lm_head in BF16"),
+      model->add_flag("--sequence-parallel", model_options.sequence_parallel,
+                      "With --tensor-parallel: the plan of a rank with sequence parallelism "
+                      "(sequence_parallel)")};
   for (CLI::Option* option : gpt_only)
     option->excludes(model_preset);
   model

@@ -196,6 +196,13 @@ int run_model_summary(const ModelSummaryOptions& options) {
   config.validate();
   const int tensor = options.tensor_parallel;
   check_tensor_parallel(config, tensor);
+  const bool sequence = options.sequence_parallel;
+  if (sequence && (tensor == 1 || options.batch * config.sequence_len % tensor != 0)) {
+    throw ConfigError(fmt::format(
+        "--sequence-parallel: needs --tensor-parallel above 1 dividing the {} tokens of a "
+        "micro-batch, found {}",
+        options.batch * config.sequence_len, tensor));
+  }
 
   fmt::print(
       "model: nanochat GPT, depth {}: {} layers, dim {}, {} heads x {} ({} kv), vocab {} (padded "
@@ -226,13 +233,14 @@ int run_model_summary(const ModelSummaryOptions& options) {
              precision_summary(decide_precision(config, precision_policy(options))));
 
   const GptMemoryPlan plan =
-      plan_gpt_memory(config, options.batch, config.sequence_len, {}, tensor);
-  fmt::print("\nmemory plan, CPU path (f32), micro-batch {} x {} tokens{}:\n", options.batch,
+      plan_gpt_memory(config, options.batch, config.sequence_len, {}, tensor, sequence);
+  fmt::print("\nmemory plan, CPU path (f32), micro-batch {} x {} tokens{}{}:\n", options.batch,
              config.sequence_len,
              tensor == 1 ? ""
                          : fmt::format(", one rank of a tensor-parallel group of {} (its heads' "
                                        "and MLP share's activations and workspace)",
-                                       tensor));
+                                       tensor),
+             sequence ? ", sequence parallel (its tokens' residual stream)" : "");
   fmt::print("  {:<18}{}\n", "parameters", gibibytes(plan.parameters));
   fmt::print("  {:<18}{}\n", "gradients", gibibytes(plan.gradients));
   fmt::print("  {:<18}{}\n", "optimizer state", gibibytes(plan.optimizer_state));
@@ -248,7 +256,7 @@ int run_model_summary(const ModelSummaryOptions& options) {
         std::pair{"full, uniform, 1", full_per_block}}) {
     fmt::print("  {:<18}{}\n", name,
                gibibytes(GptActivations::planned_bytes(config, options.batch, config.sequence_len,
-                                                       DType::F32, recompute, tensor)));
+                                                       DType::F32, recompute, tensor, sequence)));
   }
   return kExitOk;
 }

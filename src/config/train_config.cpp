@@ -493,6 +493,26 @@ void check_nan_guard(const TrainConfig& config,
 void check_tensor_parallel(const TrainConfig& config,
                            const std::function<std::string(std::string_view)>& origin) {
   const int size = config.run.tensor_model_parallel_size;
+  if (config.run.sequence_parallel) {
+    const std::string sequence = origin("sequence_parallel");
+    if (size == 1) {
+      throw ConfigError(fmt::format(
+          "{}: true needs tensor_model_parallel_size above 1 (it splits the tokens over a "
+          "tensor-parallel group), found 1",
+          sequence));
+    }
+    if (config.is_flux()) {
+      throw ConfigError(fmt::format(
+          "{}: true is not yet supported for the Flux model; expected false", sequence));
+    }
+    const int64_t tokens = config.training.micro_batch_size * config.model.sequence_len;
+    if (tokens % size != 0) {
+      throw ConfigError(fmt::format(
+          "{}: the {} tokens of a micro-batch (micro_batch_size {} × sequence_len {}) do not "
+          "split over tensor_model_parallel_size {}; expected a multiple of it",
+          sequence, tokens, config.training.micro_batch_size, config.model.sequence_len, size));
+    }
+  }
   if (size == 1) return;
   const std::string key = origin("tensor_model_parallel_size");
   if (config.fp8.dot_product_attention) {

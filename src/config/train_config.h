@@ -71,6 +71,8 @@ struct RunSection {
   bool shard_optimizer_state = true;
   // Ranks per tensor-parallel group (models/tensor_parallel.h); the groups are data parallel.
   int tensor_model_parallel_size = 1;
+  // Sequence parallelism within each tensor-parallel group (the GPT on the CPU path).
+  bool sequence_parallel = false;
   // GEMM selection on the GPU (gemm/gemm_tuning.h); FP8TRAIN_AUTOTUNE and FP8TRAIN_GEMM_BACKEND
   // take precedence.
   bool gemm_autotune = true;

@@ -168,4 +168,9 @@ bool gpt_split_parameter(const ParamSpec& spec) {
          spec.name.starts_with("value_embeds.");
 }
 
+bool gpt_sequence_split_gradient(const ParamSpec& spec) {
+  return spec.kind == ParamKind::LmHead ||
+         (spec.kind == ParamKind::Scalar && spec.name != "smear_lambda");
+}
+
 }  // namespace fp8t

@@ -73,6 +73,10 @@ TensorSplit gpt_tensor_split(std::string_view linear);
 // gradient of its share only: the blocks' linears, the value gates' and the value embeddings'
 // columns of each rank's kv heads.
 bool gpt_split_parameter(const ParamSpec& spec);
+// Whether sequence parallelism leaves each rank the gradient of a whole parameter from its own
+// rows only, to be summed over the group: lm_head and the residual scalars (resid_lambdas,
+// x0_lambdas, backout_lambda). The embedding and the smear run on every row.
+bool gpt_sequence_split_gradient(const ParamSpec& spec);
 
 // Every parameter, in nanochat's state_dict order.
 std::vector<ParamSpec> gpt_parameters(const GptConfig& config);

@@ -42,19 +42,30 @@ void ParameterSet::fill_zero() {
 template <typename Visit>
 void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, DType dtype,
                            const RecomputeOptions& recompute, int tensor_parallel,
-                           Visit&& visit_tensor) {
+                           bool sequence_parallel, Visit&& visit_tensor) {
   const int64_t B = batch, T = seq, C = config.n_embd, D = config.head_dim();
   const int64_t H = config.n_head / tensor_parallel, Hkv = config.n_kv_head / tensor_parallel;
   const int64_t hidden = 4 * C / tensor_parallel;
+  // This rank's rows of the residual stream: all of them, or its share under sequence
+  // parallelism. The embedding and the smear before x0 run on every row.
+  // [B, T, width] (width 1: [B, T]), or [R, width] ([R]) of this rank's R rows.
+  const int64_t R = B * T / tensor_parallel;
+  const auto rows = [&](TensorView& view, DType type, int64_t width) {
+    if (!sequence_parallel) {
+      width == 1 ? visit_tensor(view, type, {B, T}) : visit_tensor(view, type, {B, T, width});
+    } else {
+      width == 1 ? visit_tensor(view, type, {R}) : visit_tensor(view, type, {R, width});
+    }
+  };
   visit_tensor(embedding, dtype, {B, T, C});
   visit_tensor(embedding_rstd, dtype, {B, T});
   visit_tensor(embedding_norm, dtype, {B, T, C});
   visit_tensor(smear_gate, dtype, {B, T});
-  visit_tensor(x0, dtype, {B, T, C});
+  rows(x0, dtype, C);
   const auto visit_block = [&](BlockActivations& block, bool temporaries, bool value_gate) {
-    if (temporaries) visit_tensor(block.input, dtype, {B, T, C});
-    visit_tensor(block.attn_rstd, dtype, {B, T});
-    visit_tensor(block.attn_norm, dtype, {B, T, C});
+    if (temporaries) rows(block.input, dtype, C);
+    rows(block.attn_rstd, dtype, 1);
+    rows(block.attn_norm, dtype, C);
     visit_tensor(block.q_rstd, dtype, {B, T, H});
     visit_tensor(block.k_rstd, dtype, {B, T, Hkv});
     visit_tensor(block.q, dtype, {B, T, H, D});
@@ -63,9 +74,9 @@ void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, 
     if (value_gate) visit_tensor(block.value_gate, dtype, {B, T, Hkv});
     visit_tensor(block.logsumexp, dtype, {B, H, T});
     visit_tensor(block.attn_out, dtype, {B, T, H * D});
-    if (temporaries) visit_tensor(block.mid, dtype, {B, T, C});
-    visit_tensor(block.mlp_rstd, dtype, {B, T});
-    visit_tensor(block.mlp_norm, dtype, {B, T, C});
+    if (temporaries) rows(block.mid, dtype, C);
+    rows(block.mlp_rstd, dtype, 1);
+    rows(block.mlp_norm, dtype, C);
     visit_tensor(block.fc, dtype, {B, T, hidden});
     if (temporaries) visit_tensor(block.fc_act, dtype, {B, T, hidden});
   };
@@ -73,8 +84,8 @@ void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, 
   const bool selective = recompute.granularity == RecomputeGranularity::Selective;
   BlockActivations shared;  // selective: input, mid and fc_act of every block
   if (selective) {
-    visit_tensor(shared.input, dtype, {B, T, C});
-    visit_tensor(shared.mid, dtype, {B, T, C});
+    rows(shared.input, dtype, C);
+    rows(shared.mid, dtype, C);
     visit_tensor(shared.fc_act, dtype, {B, T, hidden});
   }
   const std::vector<RecomputeGroup> groups = recompute_groups(recompute, config.n_layer);
@@ -83,7 +94,7 @@ void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, 
   for (BlockActivations& place : places) {
     // A value gate in every place: the last block has a value embedding at any depth.
     visit_block(place, true, true);
-    visit_tensor(place.output, dtype, {B, T, C});
+    rows(place.output, dtype, C);
   }
   blocks.resize(static_cast<size_t>(config.n_layer));
   for (int layer = 0; layer < config.n_layer; ++layer) {
@@ -96,27 +107,26 @@ void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, 
         block.mid = shared.mid;
         block.fc_act = shared.fc_act;
       }
-      visit_tensor(block.output, dtype, {B, T, C});
+      rows(block.output, dtype, C);
       continue;
     }
     block = places[static_cast<size_t>(slot)];
     if (!config.has_value_embedding(layer)) block.value_gate = TensorView();
     const bool last_of_group = recompute_group_ending_at(groups, layer) >= 0;
-    if (last_of_group || layer == config.backout_layer())
-      visit_tensor(block.output, dtype, {B, T, C});
+    if (last_of_group || layer == config.backout_layer()) rows(block.output, dtype, C);
   }
-  visit_tensor(final_input, dtype, {B, T, C});
-  visit_tensor(final_rstd, dtype, {B, T});
-  visit_tensor(final_norm, dtype, {B, T, C});
-  visit_tensor(logits, DType::F32, {B, T, int64_t{config.padded_vocab()}});
+  rows(final_input, dtype, C);
+  rows(final_rstd, dtype, 1);
+  rows(final_norm, dtype, C);
+  rows(logits, DType::F32, config.padded_vocab());
 }
 
 size_t GptActivations::planned_bytes(const GptConfig& config, int64_t batch, int64_t seq,
                                      DType dtype, const RecomputeOptions& recompute,
-                                     int tensor_parallel) {
+                                     int tensor_parallel, bool sequence_parallel) {
   GptActivations sizing;
   size_t bytes = 0;
-  sizing.visit(config, batch, seq, dtype, recompute, tensor_parallel,
+  sizing.visit(config, batch, seq, dtype, recompute, tensor_parallel, sequence_parallel,
                [&](TensorView&, DType tensor_dtype, std::initializer_list<int64_t> shape) {
                  int64_t count = 1;
                  for (int64_t dim : shape)
@@ -127,9 +137,9 @@ size_t GptActivations::planned_bytes(const GptConfig& config, int64_t batch, int
 }
 
 GptActivations::GptActivations(Arena& arena, const GptConfig& config, int64_t batch, int64_t seq,
-                               DType dtype, const RecomputeOptions& recompute,
-                               int tensor_parallel) {
-  visit(config, batch, seq, dtype, recompute, tensor_parallel,
+                               DType dtype, const RecomputeOptions& recompute, int tensor_parallel,
+                               bool sequence_parallel) {
+  visit(config, batch, seq, dtype, recompute, tensor_parallel, sequence_parallel,
         [&](TensorView& slot, DType tensor_dtype, std::initializer_list<int64_t> shape) {
           slot = arena.allocate(tensor_dtype, shape);
         });
@@ -137,8 +147,9 @@ GptActivations::GptActivations(Arena& arena, const GptConfig& config, int64_t ba
 
 template <typename Visit>
 void GptWorkspace::visit(const GptConfig& config, int64_t tokens, int tensor_parallel,
-                         Visit&& visit_tensor) {
+                         bool sequence_parallel, Visit&& visit_tensor) {
   const int64_t N = tokens, C = config.n_embd, hidden = 4 * C / tensor_parallel;
+  const int64_t R = sequence_parallel ? N / tensor_parallel : N;
   const int64_t q_width = int64_t{config.n_head} / tensor_parallel * config.head_dim();
   const int64_t kv_width = int64_t{config.n_kv_head} / tensor_parallel * config.head_dim();
   for (TensorView* view : {&q_lin, &dq, &dq_rot, &dq_lin})
@@ -146,17 +157,21 @@ void GptWorkspace::visit(const GptConfig& config, int64_t tokens, int tensor_par
   for (TensorView* view : {&k_lin, &value_embed, &dk, &dv, &dk_rot, &dk_lin, &dvalue_embed}) {
     visit_tensor(*view, std::initializer_list<int64_t>{N, kv_width});
   }
-  for (TensorView* view : {&branch, &dx, &dx_next, &dx0, &dbackout, &dnorm, &dbranch})
+  for (TensorView* view : {&branch, &dnorm})
     visit_tensor(*view, std::initializer_list<int64_t>{N, C});
+  for (TensorView* view : {&dx, &dx_next, &dx0, &dbackout, &dbranch})
+    visit_tensor(*view, std::initializer_list<int64_t>{R, C});
+  if (sequence_parallel) visit_tensor(gathered, std::initializer_list<int64_t>{N, C});
   visit_tensor(dattn_out, std::initializer_list<int64_t>{N, q_width});
   for (TensorView* view : {&dfc, &dfc_act})
     visit_tensor(*view, std::initializer_list<int64_t>{N, hidden});
 }
 
-size_t GptWorkspace::planned_bytes(const GptConfig& config, int64_t tokens, int tensor_parallel) {
+size_t GptWorkspace::planned_bytes(const GptConfig& config, int64_t tokens, int tensor_parallel,
+                                   bool sequence_parallel) {
   GptWorkspace sizing;
   size_t bytes = 0;
-  sizing.visit(config, tokens, tensor_parallel,
+  sizing.visit(config, tokens, tensor_parallel, sequence_parallel,
                [&](TensorView&, std::initializer_list<int64_t> shape) {
                  bytes += Arena::footprint(DType::F32, shape.begin()[0] * shape.begin()[1]);
                });
@@ -164,15 +179,16 @@ size_t GptWorkspace::planned_bytes(const GptConfig& config, int64_t tokens, int 
 }
 
 GptWorkspace::GptWorkspace(Arena& arena, const GptConfig& config, int64_t tokens,
-                           int tensor_parallel) {
-  visit(config, tokens, tensor_parallel,
+                           int tensor_parallel, bool sequence_parallel) {
+  visit(config, tokens, tensor_parallel, sequence_parallel,
         [&](TensorView& slot, std::initializer_list<int64_t> shape) {
           slot = arena.allocate(DType::F32, shape);
         });
 }
 
 GptMemoryPlan plan_gpt_memory(const GptConfig& config, int64_t batch, int64_t seq,
-                              const RecomputeOptions& recompute, int tensor_parallel) {
+                              const RecomputeOptions& recompute, int tensor_parallel,
+                              bool sequence_parallel) {
   GptMemoryPlan plan;
   plan.parameters = ParameterSet::planned_bytes(config, DType::F32);
   plan.gradients = plan.parameters;
@@ -186,9 +202,10 @@ GptMemoryPlan plan_gpt_memory(const GptConfig& config, int64_t batch, int64_t se
       plan.optimizer_state += 2 * Arena::footprint(DType::F32, spec.numel());
     }
   }
-  plan.activations =
-      GptActivations::planned_bytes(config, batch, seq, DType::F32, recompute, tensor_parallel);
-  plan.workspace = GptWorkspace::planned_bytes(config, batch * seq, tensor_parallel);
+  plan.activations = GptActivations::planned_bytes(config, batch, seq, DType::F32, recompute,
+                                                   tensor_parallel, sequence_parallel);
+  plan.workspace =
+      GptWorkspace::planned_bytes(config, batch * seq, tensor_parallel, sequence_parallel);
   return plan;
 }
 

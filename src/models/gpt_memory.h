@@ -31,9 +31,10 @@ class ParameterSet {
   std::map<std::string, TensorView> tensors_;
 };
 
-// The activations of one block. Shapes: [B, T, C] unless noted. input, mid and fc_act are
-// forward temporaries the backward does not read except fc_act (plain mlp.c_proj's wgrad), which
-// selective recompute computes again; output is the next block's input.
+// The activations of one block. Shapes: [B, T, C] unless noted (under sequence parallelism
+// [R, C] and [R] for the residual stream's and norms' tensors, R this rank's rows). input, mid and
+// fc_act are forward temporaries the backward does not read except fc_act (plain mlp.c_proj's
+// wgrad), which selective recompute computes again; output is the next block's input.
 struct BlockActivations {
   TensorView input;       // after the resid/x0 mix
   TensorView attn_rstd;   // [B, T]
@@ -73,11 +74,15 @@ struct GptActivations {
   TensorView logits;       // [B, T, padded vocab], f32 always; gradients overwrite it
 
   // tensor_parallel: ranks that split the blocks (models/tensor_parallel.h); the attention's and
-  // the MLP's tensors hold this rank's heads and hidden features only.
+  // the MLP's tensors hold this rank's heads and hidden features only. sequence_parallel (with
+  // tensor_parallel > 1): the tensors outside them (x0 and the blocks' residuals and norms, the
+  // final norm and the logits) hold this rank's rows [B·T / tensor_parallel] only.
   static size_t planned_bytes(const GptConfig& config, int64_t batch, int64_t seq, DType dtype,
-                              const RecomputeOptions& recompute = {}, int tensor_parallel = 1);
+                              const RecomputeOptions& recompute = {}, int tensor_parallel = 1,
+                              bool sequence_parallel = false);
   GptActivations(Arena& arena, const GptConfig& config, int64_t batch, int64_t seq, DType dtype,
-                 const RecomputeOptions& recompute = {}, int tensor_parallel = 1);
+                 const RecomputeOptions& recompute = {}, int tensor_parallel = 1,
+                 bool sequence_parallel = false);
 
  private:
   GptActivations() = default;
@@ -85,28 +90,35 @@ struct GptActivations {
   // and allocation, then points the blocks that share buffers at them.
   template <typename Visit>
   void visit(const GptConfig& config, int64_t batch, int64_t seq, DType dtype,
-             const RecomputeOptions& recompute, int tensor_parallel, Visit&& visit_tensor);
+             const RecomputeOptions& recompute, int tensor_parallel, bool sequence_parallel,
+             Visit&& visit_tensor);
 };
 
 // Temporaries of one forward and backward, planned like the activations (the widths of the
-// heads and the hidden layer: this rank's share under tensor parallelism).
+// heads and the hidden layer: this rank's share under tensor parallelism; R: this rank's rows,
+// N / tensor_parallel under sequence parallelism, else N).
 struct GptWorkspace {
   TensorView q_lin, k_lin;  // [N, H*D], [N, Hkv*D] before rotary
   TensorView value_embed;   // [N, Hkv*D]
   TensorView branch;        // [N, C] attention or MLP branch output before the residual add
-  TensorView dx, dx_next, dx0, dbackout;                  // [N, C] residual gradients
-  TensorView dnorm, dbranch, dattn_out;                   // [N, C]
-  TensorView dfc, dfc_act;                                // [N, 4C]
+  TensorView dx, dx_next, dx0, dbackout, dbranch;  // [R, C] residual gradients
+  TensorView dnorm;                                // [N, C] a norm's output gradient
+  TensorView dattn_out;                            // [N, H*D]
+  TensorView gathered;      // [N, C] sequence parallelism only: the rows of the whole group
+  TensorView dfc, dfc_act;  // [N, 4C]
   TensorView dq, dk, dv, dq_rot, dk_rot, dq_lin, dk_lin;  // [N, H*D] / [N, Hkv*D]
   TensorView dvalue_embed;                                // [N, Hkv*D]
 
-  static size_t planned_bytes(const GptConfig& config, int64_t tokens, int tensor_parallel = 1);
-  GptWorkspace(Arena& arena, const GptConfig& config, int64_t tokens, int tensor_parallel = 1);
+  static size_t planned_bytes(const GptConfig& config, int64_t tokens, int tensor_parallel = 1,
+                              bool sequence_parallel = false);
+  GptWorkspace(Arena& arena, const GptConfig& config, int64_t tokens, int tensor_parallel = 1,
+               bool sequence_parallel = false);
 
  private:
   GptWorkspace() = default;
   template <typename Visit>
-  void visit(const GptConfig& config, int64_t tokens, int tensor_parallel, Visit&& visit_tensor);
+  void visit(const GptConfig& config, int64_t tokens, int tensor_parallel, bool sequence_parallel,
+             Visit&& visit_tensor);
 };
 
 // Bytes per category, for the summary printed before a run.
@@ -124,8 +136,10 @@ struct GptMemoryPlan {
 // The CPU path: f32 parameters, gradients and activations; optimizer state as the MuonAdamW
 // optimizer keeps it (Muon for the block matrices: a momentum and a NorMuon second moment of
 // max(rows, cols); AdamW for the rest: two moments). With tensor parallelism the activations and
-// the workspace are one rank's of `tensor_parallel`; the rest is whole on every rank.
+// the workspace are one rank's of `tensor_parallel` (and of its tokens with sequence_parallel);
+// the rest is whole on every rank.
 GptMemoryPlan plan_gpt_memory(const GptConfig& config, int64_t batch, int64_t seq,
-                              const RecomputeOptions& recompute = {}, int tensor_parallel = 1);
+                              const RecomputeOptions& recompute = {}, int tensor_parallel = 1,
+                              bool sequence_parallel = false);
 
 }  // namespace fp8t

@@ -1,6 +1,7 @@
 #include "models/gpt_model.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <random>
@@ -52,6 +53,14 @@ GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
   FP8T_CHECK(seq >= 2 && seq <= config_.sequence_len,
              "expected a sequence of 2 to {} tokens, found {}", config_.sequence_len, seq);
   const int64_t tokens = batch * seq;
+  sequence_ = tensor_parallel_.sequence && tensor_parallel_.split();
+  if (sequence_ && tokens % group != 0) {
+    throw ConfigError(fmt::format(
+        "sequence_parallel: the {} tokens of a micro-batch (micro_batch_size {} × sequence_len "
+        "{}) do not split over tensor_model_parallel_size {}; expected a multiple of it",
+        tokens, batch, seq, group));
+  }
+  rows_ = sequence_ ? tokens / group : tokens;
   recompute_groups_ = recompute_groups(recompute_, config_.n_layer);
   parameter_arena_ =
       std::make_unique<Arena>("parameters", ParameterSet::planned_bytes(config_, DType::F32));
@@ -59,14 +68,14 @@ GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
       std::make_unique<Arena>("gradients", ParameterSet::planned_bytes(config_, DType::F32));
   activation_arena_ = std::make_unique<Arena>(
       "activations",
-      GptActivations::planned_bytes(config_, batch, seq, DType::F32, recompute_, group));
-  workspace_arena_ =
-      std::make_unique<Arena>("workspace", GptWorkspace::planned_bytes(config_, tokens, group));
+      GptActivations::planned_bytes(config_, batch, seq, DType::F32, recompute_, group, sequence_));
+  workspace_arena_ = std::make_unique<Arena>(
+      "workspace", GptWorkspace::planned_bytes(config_, tokens, group, sequence_));
   parameters_ = std::make_unique<ParameterSet>(*parameter_arena_, config_, DType::F32);
   gradients_ = std::make_unique<ParameterSet>(*gradient_arena_, config_, DType::F32);
   activations_ = std::make_unique<GptActivations>(*activation_arena_, config_, batch, seq,
-                                                  DType::F32, recompute_, group);
-  workspace_ = std::make_unique<GptWorkspace>(*workspace_arena_, config_, tokens, group);
+                                                  DType::F32, recompute_, group, sequence_);
+  workspace_ = std::make_unique<GptWorkspace>(*workspace_arena_, config_, tokens, group, sequence_);
   parameters_->fill_zero();
   gradients_->fill_zero();
   idx_.resize(static_cast<size_t>(tokens));
@@ -84,8 +93,10 @@ GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
         tensor_parallel_.split() ? gpt_tensor_split(decision.linear.name) : Split::None;
     // This rank's run of rows (its heads, its hidden features) or of columns.
     const int64_t run = (split == Split::Outputs ? out : in) / group;
+    // lm_head, past the blocks, reads this rank's rows; the rest reads every row.
+    const bool lm_head = decision.linear.kind == ParamKind::LmHead;
     Linear layer{decision.linear.name + ".weight",
-                 {tokens, in, out},
+                 {lm_head ? rows_ : tokens, in, out},
                  nullptr,
                  split == Split::None
                      ? WeightShare(out, in)
@@ -94,6 +105,10 @@ GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
     layer.shape.out_features = layer.share.out_features();
     layer.fp8 = make_fp8_share(decision.fp8, decision.reason, layer.shape, split, precision_,
                                tensor_parallel_);
+    // Under sequence parallelism lm_head's input and output gradient are split by rows: their
+    // per-tensor scales come from the group's amax too.
+    if (layer.fp8 && sequence_ && lm_head)
+      layer.fp8->set_split_operands(tensor_parallel_.max, {true, false, true});
     linears_.emplace(decision.linear.name, std::move(layer));
   }
   if (precision_.fp8_attention) {
@@ -232,10 +247,27 @@ void GptModel::sum_over_group(const TensorView& partial) {
     tensor_parallel_.sum(partial.data<float>(), static_cast<size_t>(partial.numel()));
 }
 
+const float* GptModel::gather_rows(const TensorView& local) {
+  if (!sequence_) return local.data<float>();
+  // An all-gather as a sum: each rank adds its rows into zeros at their place.
+  const TensorView& whole = workspace_->gathered;
+  zero(whole);
+  std::copy_n(local.data<float>(), local.numel(),
+              whole.data<float>() + tensor_parallel_.rank * local.numel());
+  sum_over_group(whole);
+  return whole.data<float>();
+}
+
+const float* GptModel::sum_rows_over_group(const TensorView& partial) {
+  sum_over_group(partial);
+  return partial.data<float>() + (sequence_ ? tensor_parallel_.rank * rows_ * config_.n_embd : 0);
+}
+
 void GptModel::gather_split_gradients() {
   if (!tensor_parallel_.split()) return;
   for (const ParamSpec& spec : gradients_->specs())
-    if (gpt_split_parameter(spec)) sum_over_group((*gradients_)[spec.name]);
+    if (gpt_split_parameter(spec) || (sequence_ && gpt_sequence_split_gradient(spec)))
+      sum_over_group((*gradients_)[spec.name]);
 }
 
 void GptModel::end_step() {
@@ -308,17 +340,17 @@ const float* GptModel::previous_output(int layer) const {
 }
 
 void GptModel::block_forward(int layer) {
-  const int64_t B = batch_, T = seq_, N = B * T, C = config_.n_embd;
+  const int64_t B = batch_, T = seq_, N = B * T, R = rows_, C = config_.n_embd;
   const int64_t H = heads_, Hkv = kv_heads_, D = config_.head_dim();
   GptActivations& act = *activations_;
   GptWorkspace& ws = *workspace_;
   BlockActivations& block = act.blocks[static_cast<size_t>(layer)];
   const std::string prefix = fmt::format("transformer.h.{}.", layer);
   ops::residual_mix_forward(block.input.data<float>(), previous_output(layer), act.x0.data<float>(),
-                            scalar("resid_lambdas", layer), scalar("x0_lambdas", layer), N * C);
+                            scalar("resid_lambdas", layer), scalar("x0_lambdas", layer), R * C);
   ops::rmsnorm_forward(block.attn_norm.data<float>(), block.attn_rstd.data<float>(),
-                       block.input.data<float>(), N, C);
-  const float* attn_norm = block.attn_norm.data<float>();
+                       block.input.data<float>(), R, C);
+  const float* attn_norm = gather_rows(block.attn_norm);
   linear_forward(linear(prefix + "attn.c_q"), attn_norm, ws.q_lin.data<float>());
   linear_forward(linear(prefix + "attn.c_k"), attn_norm, ws.k_lin.data<float>());
   linear_forward(linear(prefix + "attn.c_v"), attn_norm, block.v.data<float>());
@@ -340,52 +372,48 @@ void GptModel::block_forward(int layer) {
   attention_forward(layer, {B, T, H, Hkv, D, config_.window(layer)});
   linear_forward(linear(prefix + "attn.c_proj"), block.attn_out.data<float>(),
                  ws.branch.data<float>());
-  sum_over_group(ws.branch);
-  add(block.mid.data<float>(), block.input.data<float>(), ws.branch.data<float>(), N * C);
+  add(block.mid.data<float>(), block.input.data<float>(), sum_rows_over_group(ws.branch), R * C);
 
   ops::rmsnorm_forward(block.mlp_norm.data<float>(), block.mlp_rstd.data<float>(),
-                       block.mid.data<float>(), N, C);
-  linear_forward(linear(prefix + "mlp.c_fc"), block.mlp_norm.data<float>(), block.fc.data<float>());
+                       block.mid.data<float>(), R, C);
+  linear_forward(linear(prefix + "mlp.c_fc"), gather_rows(block.mlp_norm), block.fc.data<float>());
   ops::relu2_forward(block.fc_act.data<float>(), block.fc.data<float>(), N * hidden_);
   linear_forward(linear(prefix + "mlp.c_proj"), block.fc_act.data<float>(),
                  ws.branch.data<float>());
-  sum_over_group(ws.branch);
-  add(block.output.data<float>(), block.mid.data<float>(), ws.branch.data<float>(), N * C);
+  add(block.output.data<float>(), block.mid.data<float>(), sum_rows_over_group(ws.branch), R * C);
 }
 
 void GptModel::block_backward(int layer) {
-  const int64_t B = batch_, T = seq_, N = B * T, C = config_.n_embd;
+  const int64_t B = batch_, T = seq_, N = B * T, R = rows_, C = config_.n_embd;
   const int64_t H = heads_, Hkv = kv_heads_, D = config_.head_dim();
   GptActivations& act = *activations_;
   GptWorkspace& ws = *workspace_;
   BlockActivations& block = act.blocks[static_cast<size_t>(layer)];
   const std::string prefix = fmt::format("transformer.h.{}.", layer);
   float* dx = ws.dx.data<float>();  // d output of this block
-  if (layer == config_.backout_layer()) add(dx, dx, ws.dbackout.data<float>(), N * C);
+  if (layer == config_.backout_layer()) add(dx, dx, ws.dbackout.data<float>(), R * C);
 
   // MLP: output = mid + c_proj(relu²(c_fc(norm(mid))))
   // Selective recompute shares fc_act among the blocks: this block's relu²(fc) again.
   if (recompute_.granularity == RecomputeGranularity::Selective)
     ops::relu2_forward(block.fc_act.data<float>(), block.fc.data<float>(), N * hidden_);
   zero(ws.dfc_act);
-  linear_backward(linear(prefix + "mlp.c_proj"), dx, block.fc_act.data<float>(),
+  linear_backward(linear(prefix + "mlp.c_proj"), gather_rows(ws.dx), block.fc_act.data<float>(),
                   ws.dfc_act.data<float>());
   zero(ws.dfc);
   ops::relu2_backward(ws.dfc.data<float>(), ws.dfc_act.data<float>(), block.fc.data<float>(),
                       N * hidden_);
   zero(ws.dnorm);
-  linear_backward(linear(prefix + "mlp.c_fc"), ws.dfc.data<float>(), block.mlp_norm.data<float>(),
+  linear_backward(linear(prefix + "mlp.c_fc"), ws.dfc.data<float>(), gather_rows(block.mlp_norm),
                   ws.dnorm.data<float>());
-  sum_over_group(ws.dnorm);
   copy(ws.dbranch, ws.dx);  // d mid
-  ops::rmsnorm_backward(ws.dbranch.data<float>(), ws.dnorm.data<float>(),
-                        block.mlp_norm.data<float>(), block.mlp_rstd.data<float>(), N, C);
-  const float* dmid = ws.dbranch.data<float>();
+  ops::rmsnorm_backward(ws.dbranch.data<float>(), sum_rows_over_group(ws.dnorm),
+                        block.mlp_norm.data<float>(), block.mlp_rstd.data<float>(), R, C);
 
   // Attention: mid = input + c_proj(attention(q, k, v))
   zero(ws.dattn_out);
-  linear_backward(linear(prefix + "attn.c_proj"), dmid, block.attn_out.data<float>(),
-                  ws.dattn_out.data<float>());
+  linear_backward(linear(prefix + "attn.c_proj"), gather_rows(ws.dbranch),
+                  block.attn_out.data<float>(), ws.dattn_out.data<float>());
   for (TensorView* view : {&ws.dq, &ws.dk, &ws.dv, &ws.dq_rot, &ws.dk_rot, &ws.dq_lin, &ws.dk_lin})
     zero(*view);
   attention_backward(layer, {B, T, H, Hkv, D, config_.window(layer)});
@@ -398,7 +426,7 @@ void GptModel::block_backward(int layer) {
   ops::rotary_backward(ws.dk_lin.data<float>(), ws.dk_rot.data<float>(), rotary_cos_.data(),
                        rotary_sin_.data(), B, T, Hkv, D);
   zero(ws.dnorm);  // d attn_norm, from q, k, v and the value gate
-  const float* attn_norm = block.attn_norm.data<float>();
+  const float* attn_norm = gather_rows(block.attn_norm);
   if (config_.has_value_embedding(layer)) {
     value_embedding_forward(layer);
     zero(ws.dvalue_embed);
@@ -414,16 +442,16 @@ void GptModel::block_backward(int layer) {
                   ws.dnorm.data<float>());
   linear_backward(linear(prefix + "attn.c_v"), ws.dv.data<float>(), attn_norm,
                   ws.dnorm.data<float>());
-  sum_over_group(ws.dnorm);
-  ops::rmsnorm_backward(ws.dbranch.data<float>(), ws.dnorm.data<float>(), attn_norm,
-                        block.attn_rstd.data<float>(), N, C);  // dbranch: d input
+  ops::rmsnorm_backward(ws.dbranch.data<float>(), sum_rows_over_group(ws.dnorm),
+                        block.attn_norm.data<float>(), block.attn_rstd.data<float>(), R,
+                        C);  // dbranch: d input
 
   // input = resid_lambda * previous + x0_lambda * x0
   zero(ws.dx_next);
   ops::residual_mix_backward(ws.dx_next.data<float>(), ws.dx0.data<float>(),
                              gradient("resid_lambdas") + layer, gradient("x0_lambdas") + layer,
                              ws.dbranch.data<float>(), previous_output(layer), act.x0.data<float>(),
-                             scalar("resid_lambdas", layer), scalar("x0_lambdas", layer), N * C);
+                             scalar("resid_lambdas", layer), scalar("x0_lambdas", layer), R * C);
   copy(ws.dx, ws.dx_next);
 }
 
@@ -435,7 +463,7 @@ void GptModel::recompute_group(const RecomputeGroup& group) {
 }
 
 double GptModel::forward(const int32_t* idx, const int32_t* targets) {
-  const int64_t B = batch_, T = seq_, N = B * T, C = config_.n_embd;
+  const int64_t B = batch_, T = seq_, N = B * T, R = rows_, C = config_.n_embd;
   const int64_t vocab = config_.padded_vocab();
   check_tokens(config_, idx, targets, N);
   std::copy(idx, idx + N, idx_.begin());
@@ -446,43 +474,57 @@ double GptModel::forward(const int32_t* idx, const int32_t* targets) {
                          vocab, C);
   ops::rmsnorm_forward(act.embedding_norm.data<float>(), act.embedding_rstd.data<float>(),
                        act.embedding.data<float>(), N, C);
-  ops::smear_forward(act.x0.data<float>(), act.smear_gate.data<float>(),
+  // The smear mixes each token with the one before: it runs on every row, and under sequence
+  // parallelism this rank keeps its rows of x0.
+  const TensorView& x0 = sequence_ ? workspace_->gathered : act.x0;
+  ops::smear_forward(x0.data<float>(), act.smear_gate.data<float>(),
                      act.embedding_norm.data<float>(), parameter("smear_gate.weight"),
                      scalar("smear_lambda"), {B, T, C, kSmearGateChannels});
+  if (sequence_) std::copy_n(x0.data<float>() + first_row() * C, R * C, act.x0.data<float>());
 
   for (int layer = 0; layer < config_.n_layer; ++layer)
     block_forward(layer);
   const BlockActivations& backout = act.blocks[static_cast<size_t>(config_.backout_layer())];
   ops::backout_forward(act.final_input.data<float>(), previous_output(config_.n_layer),
-                       backout.output.data<float>(), scalar("backout_lambda"), N * C);
+                       backout.output.data<float>(), scalar("backout_lambda"), R * C);
   ops::rmsnorm_forward(act.final_norm.data<float>(), act.final_rstd.data<float>(),
-                       act.final_input.data<float>(), N, C);
+                       act.final_input.data<float>(), R, C);
   linear_forward(linear("lm_head"), act.final_norm.data<float>(), act.logits.data<float>());
-  return ops::softcap_cross_entropy(act.logits.data<float>(), targets,
-                                    {N, config_.vocab_size, vocab});
+  const int32_t* own_targets = targets + first_row();
+  const double loss = ops::softcap_cross_entropy(act.logits.data<float>(), own_targets,
+                                                 {R, config_.vocab_size, vocab});
+  if (!sequence_) return loss;
+  // The mean over the group's rows: each rank's mean weighted by its share of the counted rows.
+  const auto counted = static_cast<float>(std::count_if(
+      own_targets, own_targets + R, [](int32_t t) { return t != ops::kIgnoreTarget; }));
+  std::array<float, 2> sums{static_cast<float>(loss) * counted, counted};
+  tensor_parallel_.sum(sums.data(), sums.size());
+  loss_share_ = sums[1] > 0.0f ? counted / sums[1] : 0.0f;
+  return sums[1] > 0.0f ? double(sums[0]) / double(sums[1]) : 0.0;
 }
 
 void GptModel::backward() {
-  const int64_t B = batch_, T = seq_, N = B * T, C = config_.n_embd;
+  const int64_t B = batch_, T = seq_, N = B * T, R = rows_, C = config_.n_embd;
   const int64_t vocab = config_.padded_vocab();
   GptActivations& act = *activations_;
   GptWorkspace& ws = *workspace_;
 
   // The logits become their own gradient: no second copy.
-  ops::softcap_cross_entropy_with_gradient(act.logits.data<float>(), targets_.data(),
-                                           {N, config_.vocab_size, vocab}, 1.0f);
+  ops::softcap_cross_entropy_with_gradient(act.logits.data<float>(), targets_.data() + first_row(),
+                                           {R, config_.vocab_size, vocab},
+                                           sequence_ ? loss_share_ : 1.0f);
   zero(ws.dnorm);
   linear_backward(linear("lm_head"), act.logits.data<float>(), act.final_norm.data<float>(),
                   ws.dnorm.data<float>());
   zero(ws.dbranch);  // d final_input
   ops::rmsnorm_backward(ws.dbranch.data<float>(), ws.dnorm.data<float>(),
-                        act.final_norm.data<float>(), act.final_rstd.data<float>(), N, C);
+                        act.final_norm.data<float>(), act.final_rstd.data<float>(), R, C);
   const BlockActivations& backout = act.blocks[static_cast<size_t>(config_.backout_layer())];
   zero(ws.dx);
   zero(ws.dbackout);
   ops::backout_backward(ws.dx.data<float>(), ws.dbackout.data<float>(), gradient("backout_lambda"),
                         ws.dbranch.data<float>(), backout.output.data<float>(),
-                        scalar("backout_lambda"), N * C);
+                        scalar("backout_lambda"), R * C);
   zero(ws.dx0);
 
   for (int layer = config_.n_layer - 1; layer >= 0; --layer) {
@@ -491,21 +533,22 @@ void GptModel::backward() {
     block_backward(layer);
   }
   // The first block's previous residual is x0 itself.
-  add(ws.dx0.data<float>(), ws.dx0.data<float>(), ws.dx.data<float>(), N * C);
+  add(ws.dx0.data<float>(), ws.dx0.data<float>(), ws.dx.data<float>(), R * C);
 
   zero(ws.dnorm);  // d embedding_norm
   ops::smear_backward(
       ws.dnorm.data<float>(), gradient("smear_gate.weight"), gradient("smear_lambda"),
-      ws.dx0.data<float>(), act.embedding_norm.data<float>(), act.smear_gate.data<float>(),
+      gather_rows(ws.dx0), act.embedding_norm.data<float>(), act.smear_gate.data<float>(),
       parameter("smear_gate.weight"), scalar("smear_lambda"), {B, T, C, kSmearGateChannels});
-  zero(ws.dbranch);  // d embedding
-  ops::rmsnorm_backward(ws.dbranch.data<float>(), ws.dnorm.data<float>(),
+  zero(ws.branch);  // d embedding, of every row
+  ops::rmsnorm_backward(ws.branch.data<float>(), ws.dnorm.data<float>(),
                         act.embedding_norm.data<float>(), act.embedding_rstd.data<float>(), N, C);
-  ops::embedding_backward(gradient("transformer.wte.weight"), ws.dbranch.data<float>(), idx_.data(),
+  ops::embedding_backward(gradient("transformer.wte.weight"), ws.branch.data<float>(), idx_.data(),
                           N, vocab, C);
 }
 
 void GptModel::capped_logits(float* out) const {
+  FP8T_CHECK(!sequence_, "the logits of a sequence-parallel rank are its rows only");
   const int64_t N = batch_ * seq_, vocab = config_.padded_vocab();
   const float* logits = activations_->logits.data<float>();
   const auto softcap = static_cast<float>(ops::kLogitSoftcap);

@@ -40,8 +40,10 @@ class GptModel {
   // recompute: which activations the forward saves and which the backward computes again
   // (models/recompute.h); the results are the same either way. tensor_parallel: the group this
   // rank shares its blocks' heads and hidden features with (models/tensor_parallel.h); every
-  // rank of it must be given the same batches. Throws ConfigError naming
-  // tensor_model_parallel_size when the heads or the hidden layer do not split evenly.
+  // rank of it must be given the same batches; with its `sequence` on, each rank keeps its
+  // consecutive 1/size of the batch's B·T rows outside the split linears. Throws ConfigError
+  // naming tensor_model_parallel_size when the heads or the hidden layer do not split evenly,
+  // and sequence_parallel when the rows do not.
   GptModel(const GptConfig& config, int64_t batch, int64_t seq, const GptPrecision& precision,
            const RecomputeOptions& recompute = {}, const TensorParallel& tensor_parallel = {});
 
@@ -106,6 +108,14 @@ class GptModel {
   // The sum over the tensor-parallel group of a row-parallel output or of a column-parallel
   // input's gradient; nothing to do without tensor parallelism.
   void sum_over_group(const TensorView& partial);
+  // Sequence parallelism: the group's rows [N, C] of a tensor of this rank's rows, gathered into
+  // ws.gathered (valid until the next gather); otherwise the tensor itself.
+  const float* gather_rows(const TensorView& local);
+  // sum_over_group(partial), then this rank's rows of it (all of them without sequence
+  // parallelism).
+  const float* sum_rows_over_group(const TensorView& partial);
+  // The first of this rank's rows in the micro-batch: 0 without sequence parallelism.
+  int64_t first_row() const { return sequence_ ? tensor_parallel_.rank * rows_ : 0; }
   Linear& linear(const std::string& name);
   // The attention of a block: ops/attention.h, or ops/attention_fp8.h with fp8_attention.
   void attention_forward(int layer, const ops::AttentionShape& shape);
@@ -130,6 +140,9 @@ class GptModel {
   RecomputeOptions recompute_;
   TensorParallel tensor_parallel_;
   int64_t heads_, kv_heads_, hidden_;  // this rank's query and kv heads and MLP hidden features
+  bool sequence_ = false;    // sequence parallelism (tensor_parallel_.sequence with a group)
+  int64_t rows_ = 0;         // of the residual stream on this rank: B·T, or its share of them
+  float loss_share_ = 1.0f;  // sequence parallelism: this rank's share of the counted rows
   std::vector<RecomputeGroup> recompute_groups_;  // full recompute's; empty otherwise
   bool training_ = true;
   bool recording_fp8_health_ = false;

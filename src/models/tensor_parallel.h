@@ -28,6 +28,12 @@ enum class TensorSplit : uint8_t {
 struct TensorParallel {
   int size = 1;  // ranks in the group; 1: no tensor parallelism
   int rank = 0;  // this rank's place in the group, 0 .. size - 1
+  // Sequence parallelism (Megatron's, with size > 1): outside the split linears (the residual
+  // stream, the norms, the output layer and the loss) each rank holds its 1/size of the
+  // micro-batch's tokens; the input of a column-parallel linear is gathered over the group, and
+  // a row-parallel output summed and scattered back to each rank's tokens. The GPT on the CPU
+  // path only.
+  bool sequence = false;
   // In place over the group, the same result on every rank of it. Unset when size is 1.
   std::function<void(float* values, size_t count)> sum;
   std::function<float(float value)> max;

@@ -339,6 +339,11 @@ GpuInfo training_gpu(const distributed::Communicator* communicator) {
 
 std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
   check_gpu_precision(setup.precision);
+  if (setup.sequence_parallel) {
+    throw ConfigError(
+        "sequence_parallel: true runs on the CPU path only so far; set device: cpu, or "
+        "sequence_parallel: false");
+  }
   return std::make_unique<CudaEngine>(setup, training_gpu(setup.communicator));
 }
 

@@ -252,6 +252,7 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
   if (several) setup.communicator = &communicator;
   setup.overlap_grad_reduce = config.run.overlap_grad_reduce;
   setup.shard_optimizer_state = config.run.shard_optimizer_state;
+  setup.sequence_parallel = config.run.sequence_parallel;
   setup.recompute = config.training.recompute;
   setup.gemm_tuning = gemm_tuning;
   const ModelPrecision configured_precision = model_precision(config, cuda);

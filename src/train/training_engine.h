@@ -91,6 +91,8 @@ struct EngineSetup {
   // Tensor parallelism (CPU path): the ranks' split into tensor-parallel groups, which see the
   // same micro-batches, and data-parallel replicas, which share a step's micro-batches.
   distributed::ParallelLayout layout;
+  // Sequence parallelism within each tensor-parallel group (CPU path; models/tensor_parallel.h).
+  bool sequence_parallel = false;
   // With several ranks on the GPU path: the gradient sums overlap the backward.
   bool overlap_grad_reduce = false;
   // With several ranks: ZeRO-1 (optim/optimizer_shard.h). Each rank updates the parameters it

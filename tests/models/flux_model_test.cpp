@@ -492,7 +492,9 @@ TEST(FluxModel, InitializationDrawsEachRunFromItsOwnGenerator) {
       value = uniform(generator);
     const auto drawn = values.begin() + run * kInitRunValues;
     EXPECT_TRUE(std::equal(expected.begin(), expected.end(), drawn)) << "run " << run;
-    if (run > 0) EXPECT_FALSE(std::equal(expected.begin(), expected.end(), values.begin()));
+    if (run > 0) {
+      EXPECT_FALSE(std::equal(expected.begin(), expected.end(), values.begin()));
+    }
   }
 }
 

@@ -38,10 +38,8 @@ GptConfig three_block_config(int n_embd) {
 using Case = testing::RecomputeSetting;
 using testing::relative_difference;
 
-class GptTensorParallel : public ::testing::TestWithParam<Case> {};
-
-TEST_P(GptTensorParallel, TwoRanksGiveTheLossAndGradientsOfOne) {
-  const Case setting = GetParam();
+// Two ranks (with sequence parallelism or without) against one model.
+void expect_two_ranks_give_the_loss_and_gradients_of_one(const Case& setting, bool sequence) {
   // Blockwise's 128x128 tiles need the MLP's shares to be 128 wide.
   const GptConfig config =
       three_block_config(setting.numbers == testing::Numbers::Blockwise ? 128 : 64);
@@ -78,7 +76,8 @@ TEST_P(GptTensorParallel, TwoRanksGiveTheLossAndGradientsOfOne) {
 
   testing::ThreadGroup group(kRanks);
   const std::vector<std::unique_ptr<GptModel>> ranks =
-      testing::ranks_like(group, whole, params, [&](const TensorParallel& member) {
+      testing::ranks_like(group, whole, params, [&](TensorParallel member) {
+        member.sequence = sequence;
         return std::make_unique<GptModel>(config, batch, seq, precision, setting.recompute, member);
       });
   if (fp8) {
@@ -134,12 +133,35 @@ TEST_P(GptTensorParallel, TwoRanksGiveTheLossAndGradientsOfOne) {
   }
 }
 
+class GptTensorParallel : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GptTensorParallel, TwoRanksGiveTheLossAndGradientsOfOne) {
+  expect_two_ranks_give_the_loss_and_gradients_of_one(GetParam(), false);
+}
+
 INSTANTIATE_TEST_SUITE_P(
     GptModel, GptTensorParallel,
     ::testing::Values(Case{testing::Numbers::Fp32, {}},
                       Case{testing::Numbers::Fp32, {RecomputeGranularity::Full}},
                       Case{testing::Numbers::Delayed, {}}, Case{testing::Numbers::Tensorwise, {}},
                       Case{testing::Numbers::Tensorwise, {RecomputeGranularity::Selective}},
+                      Case{testing::Numbers::Blockwise, {}}),
+    testing::test_name);
+
+// Each rank keeps half of the 16 rows outside the split linears; the ignored target (row 3) sits
+// in the first rank's half, so the ranks count 7 and 8 rows of the mean.
+class GptSequenceParallel : public ::testing::TestWithParam<Case> {};
+
+TEST_P(GptSequenceParallel, TwoRanksGiveTheLossAndGradientsOfOne) {
+  expect_two_ranks_give_the_loss_and_gradients_of_one(GetParam(), true);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    GptModel, GptSequenceParallel,
+    ::testing::Values(Case{testing::Numbers::Fp32, {}},
+                      Case{testing::Numbers::Fp32, {RecomputeGranularity::Full}},
+                      Case{testing::Numbers::Fp32, {RecomputeGranularity::Selective}},
+                      Case{testing::Numbers::Delayed, {}}, Case{testing::Numbers::Tensorwise, {}},
                       Case{testing::Numbers::Blockwise, {}}),
     testing::test_name);
 
@@ -193,6 +215,41 @@ TEST(GptTensorParallelSplits, EachRankHoldsTheActivationsOfItsShare) {
   EXPECT_EQ(share.parameters, whole.parameters);  // weights stay whole on every rank
   EXPECT_LT(share.activations, whole.activations);
   EXPECT_LT(share.workspace, whole.workspace);
+}
+
+TEST(GptTensorParallelSplits, ASequenceParallelRankHoldsItsRowsOfTheResidualStream) {
+  const GptConfig config = three_block_config(64);
+  const int64_t batch = 2, seq = 8, tokens = batch * seq;
+  testing::ThreadGroup group(2);
+  TensorParallel member = group.member(1);
+  member.sequence = true;
+  const GptModel model(config, batch, seq, testing::precision_of(testing::Numbers::Fp32), {},
+                       member);
+  const GptActivations& act = model.activations();
+  const BlockActivations& block = act.blocks[0];
+  EXPECT_EQ(block.input.numel(), tokens / 2 * config.n_embd);
+  EXPECT_EQ(block.attn_norm.numel(), tokens / 2 * config.n_embd);
+  EXPECT_EQ(block.mlp_rstd.numel(), tokens / 2);
+  EXPECT_EQ(block.output.numel(), tokens / 2 * config.n_embd);
+  EXPECT_EQ(act.x0.numel(), tokens / 2 * config.n_embd);
+  EXPECT_EQ(act.logits.numel(), tokens / 2 * config.padded_vocab());
+  EXPECT_EQ(block.q.numel(), tokens * 2 * config.head_dim());  // every row of its 2 heads
+  EXPECT_EQ(act.embedding.numel(), tokens * config.n_embd);    // the smear reads every row
+
+  const GptMemoryPlan plain = plan_gpt_memory(config, batch, seq, {}, 2);
+  const GptMemoryPlan sequence = plan_gpt_memory(config, batch, seq, {}, 2, true);
+  EXPECT_EQ(GptActivations::planned_bytes(config, batch, seq, DType::F32, {}, 2, true),
+            sequence.activations);
+  EXPECT_LT(sequence.activations, plain.activations);
+
+  // 7 rows do not split over 2 ranks.
+  try {
+    const GptModel odd(config, 1, 7, testing::precision_of(testing::Numbers::Fp32), {}, member);
+    FAIL() << "expected a ConfigError for 7 rows over 2 ranks";
+  } catch (const ConfigError& error) {
+    EXPECT_NE(std::string(error.what()).find("sequence_parallel"), std::string::npos)
+        << error.what();
+  }
 }
 
 }  // namespace

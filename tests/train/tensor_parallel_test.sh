@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Tensor parallelism (the CPU path, or with DEVICE cuda the GPUs): a GPT whose blocks 2 ranks split (tensor_model_parallel_size
 # 2) gives the losses of one process, up to the order of the partial sums, in BF16 and in FP8
-# with tensorwise scaling; so does a job of 4 ranks, 2 data-parallel replicas of 2; a checkpoint
-# of the 2 ranks resumes on one process; a group that does not divide the job is refused, and
-# so is a global batch the replicas cannot share.
+# with tensorwise scaling, also with sequence parallelism (CPU); so does a job of 4 ranks, 2
+# data-parallel replicas of 2; a checkpoint of the 2 ranks resumes on one process; a group that
+# does not divide the job is refused, and so is a global batch the replicas cannot share.
 # Flux's demo model on 2 ranks gives one process's losses too.
 # Usage: tensor_parallel_test.sh FP8TRAIN LAUNCHER OUTPUT_DIR FLUX_CONFIG [DEVICE]
 #   LAUNCHER: the path of mpiexec, or "nproc-per-node" (ranks that meet over TCP);
@@ -69,6 +69,13 @@ for precision in bf16 tensorwise; do
     "$output/tp2.log" || { cat "$output/tp2.log"; echo "FAIL: no tensor-parallel split"; exit 1; }
   compare "$output/one_$precision/metrics.jsonl" "$output/tp2_$precision/metrics.jsonl" \
     "$precision, 2 tensor-parallel ranks"
+  [[ $device == cpu ]] || continue
+  # Sequence parallelism: each rank keeps half of the tokens outside the split linears.
+  ranks 2 "${args[@]}" "${extra[@]}" --tensor-model-parallel-size=2 --sequence-parallel=true \
+    --run=sp2_$precision >"$output/sp2.log" 2>&1 ||
+    { cat "$output/sp2.log"; echo "FAIL: the sequence-parallel run failed"; exit 1; }
+  compare "$output/one_$precision/metrics.jsonl" "$output/sp2_$precision/metrics.jsonl" \
+    "$precision, 2 sequence-parallel ranks"
 done
 if [[ $device == cpu ]]; then
   # 2 replicas of 2 tensor-parallel ranks: one micro-batch per replica and step.
