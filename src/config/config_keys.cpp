@@ -728,7 +728,8 @@ std::vector<ConfigKey> build_keys() {
   keys.push_back(flux_only(integer_key(
       "sample_every", S::Run, [](auto& c) -> auto& { return c.run.sample_every; }, {0},
       "Write a grid of samples (run folder, samples/step_NNNNNN.png) every N steps; 0: only the "
-      "one at the end.")));
+      "one at the end. The training model samples it on its device, in its precision, in "
+      "micro-batches of micro_batch_size.")));
   keys.push_back(flux_only(integer_key(
       "sample_steps", S::Run, [](auto& c) -> auto& { return c.run.sample_steps; }, {1, 10000},
       "Euler steps from σ = 1 to 0 per sample, on a schedule linear in σ shifted by "

@@ -36,34 +36,35 @@ FluxSampler::FluxSampler(const FluxConfig& config, int64_t images, int64_t img_t
   model_ = std::make_unique<FluxModel>(config, batch, img_tokens, txt_tokens, precision);
 }
 
-void FluxSampler::sample(std::span<float> x, std::span<const float> img_ids,
-                         std::span<const float> txt, std::span<const float> pooled,
-                         std::span<const float> empty_txt, std::span<const float> empty_pooled,
-                         const FluxSamplingOptions& options) {
-  const int64_t per_image = img_tokens_ * config_.in_channels;
-  const int64_t txt_per_image = txt_tokens_ * config_.context_in_dim;
-  const int64_t pooled_per_image = config_.vec_in_dim;
+void sample_flux(const FluxConfig& config, int64_t img_tokens, int64_t txt_tokens,
+                 std::span<float> x, std::span<const float> img_ids, std::span<const float> txt,
+                 std::span<const float> pooled, std::span<const float> empty_txt,
+                 std::span<const float> empty_pooled, const FluxSamplingOptions& options,
+                 const FluxPredict& predict) {
+  const int64_t per_image = img_tokens * config.in_channels;
+  const int64_t txt_per_image = txt_tokens * config.context_in_dim;
+  const int64_t pooled_per_image = config.vec_in_dim;
+  const int64_t images = std::ssize(x) / per_image;
   FP8T_CHECK(
-      std::ssize(x) == images_ * per_image && std::ssize(img_ids) == img_tokens_ * 3 &&
-          std::ssize(txt) == images_ * txt_per_image &&
-          std::ssize(pooled) == images_ * pooled_per_image &&
+      images >= 1 && std::ssize(x) == images * per_image && std::ssize(img_ids) == img_tokens * 3 &&
+          std::ssize(txt) == images * txt_per_image &&
+          std::ssize(pooled) == images * pooled_per_image &&
           std::ssize(empty_txt) == txt_per_image && std::ssize(empty_pooled) == pooled_per_image,
       "sampling {} images: expected {} noise, {} id, {} + {} text and {} + {} pooled values, "
       "found {}, {}, {} + {} and {} + {}",
-      images_, images_ * per_image, img_tokens_ * 3, images_ * txt_per_image, txt_per_image,
-      images_ * pooled_per_image, pooled_per_image, x.size(), img_ids.size(), txt.size(),
+      images, images * per_image, img_tokens * 3, images * txt_per_image, txt_per_image,
+      images * pooled_per_image, pooled_per_image, x.size(), img_ids.size(), txt.size(),
       empty_txt.size(), pooled.size(), empty_pooled.size());
-  model_->weights_changed();
   // The prompts fill the first `images` rows of the batch; for classifier-free guidance the
   // empty caption fills the rest.
-  const bool with_empty_caption = !config_.guidance_embed;
-  const int64_t batch = with_empty_caption ? 2 * images_ : images_;
+  const bool with_empty_caption = !config.guidance_embed;
+  const int64_t batch = with_empty_caption ? 2 * images : images;
   std::vector<float> img(size_t(batch * per_image)), prediction(img.size());
   std::vector<float> batch_txt(size_t(batch * txt_per_image)),
       batch_pooled(size_t(batch * pooled_per_image));
   std::copy(txt.begin(), txt.end(), batch_txt.begin());
   std::copy(pooled.begin(), pooled.end(), batch_pooled.begin());
-  for (int64_t b = images_; b < batch; ++b) {
+  for (int64_t b = images; b < batch; ++b) {
     std::copy(empty_txt.begin(), empty_txt.end(), batch_txt.begin() + b * txt_per_image);
     std::copy(empty_pooled.begin(), empty_pooled.end(),
               batch_pooled.begin() + b * pooled_per_image);
@@ -82,13 +83,33 @@ void FluxSampler::sample(std::span<float> x, std::span<const float> img_ids,
         if (with_empty_caption)
           std::copy(current.begin(), current.end(), img.begin() + std::ssize(x));
         std::fill(timesteps.begin(), timesteps.end(), static_cast<float>(sigma));
-        model_->forward(inputs, prediction.data());
+        predict(inputs, batch, prediction.data());
         for (size_t i = 0; i < velocity.size(); ++i) {
           const float prompt = prediction[i];
           const float empty = with_empty_caption ? prediction[i + x.size()] : 0.0f;
           velocity[i] = with_empty_caption ? empty + g * (prompt - empty) : prompt;
         }
       });
+}
+
+void FluxSampler::sample(std::span<float> x, std::span<const float> img_ids,
+                         std::span<const float> txt, std::span<const float> pooled,
+                         std::span<const float> empty_txt, std::span<const float> empty_pooled,
+                         const FluxSamplingOptions& options) {
+  FP8T_CHECK(std::ssize(x) == images_ * img_tokens_ * config_.in_channels,
+             "sampling {} images: expected {} noise values, found {}", images_,
+             images_ * img_tokens_ * config_.in_channels, x.size());
+  sample_flux(config_, img_tokens_, txt_tokens_, x, img_ids, txt, pooled, empty_txt, empty_pooled,
+              options, predict());
+}
+
+FluxPredict FluxSampler::predict() {
+  model_->weights_changed();
+  const int64_t batch = config_.guidance_embed ? images_ : 2 * images_;
+  return [this, batch](const FluxInputs& inputs, int64_t rows, float* prediction) {
+    FP8T_CHECK(rows == batch, "expected a sampling batch of {} rows, found {}", batch, rows);
+    model_->forward(inputs, prediction);
+  };
 }
 
 }  // namespace fp8t

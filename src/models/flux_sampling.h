@@ -36,6 +36,22 @@ struct FluxSamplingOptions {
   double shift = 1.0;  // of the σ schedule
 };
 
+// A model's prediction v for `rows` samples (each array of `inputs` holds `rows` samples' values)
+// into prediction [rows, img_tokens, in_channels]: one call per sampling step.
+using FluxPredict = std::function<void(const FluxInputs& inputs, int64_t rows, float* prediction)>;
+
+// BFL's denoise with `predict` as the model: turns the noise x [images, img_tokens,
+// in_channels] into samples, each conditioned on its prompt's encodings, txt [images,
+// txt_tokens, context_in_dim] and pooled [images, vec_in_dim]; the empty caption's encodings
+// (one) are the unconditional input. img_ids [img_tokens, 3] as latent_image_ids gives them.
+// Each step predicts 2·images rows (the prompts, then the empty caption), or the images alone
+// with the guidance embedder.
+void sample_flux(const FluxConfig& config, int64_t img_tokens, int64_t txt_tokens,
+                 std::span<float> x, std::span<const float> img_ids, std::span<const float> txt,
+                 std::span<const float> pooled, std::span<const float> empty_txt,
+                 std::span<const float> empty_pooled, const FluxSamplingOptions& options,
+                 const FluxPredict& predict);
+
 // A Flux model for sampling batches of `images` pictures: its linears in BF16, as training's
 // non-FP8 linears (an FP8 run's weights are fp32 masters, so BF16 serves every recipe).
 class FluxSampler {
@@ -45,10 +61,10 @@ class FluxSampler {
   // Copy the weights here before sampling (by the names of flux_parameters()).
   FluxParameterSet& parameters() { return model_->parameters(); }
 
-  // Turns the noise x [images, img_tokens, in_channels] into samples, each conditioned on its
-  // prompt's encodings, txt [images, txt_tokens, context_in_dim] and pooled [images,
-  // vec_in_dim]; the empty caption's encodings (one) are the unconditional input. img_ids
-  // [img_tokens, 3] as latent_image_ids gives them.
+  // This model's forward as sample_flux's prediction, for `images` pictures; take it after
+  // changing the parameters.
+  FluxPredict predict();
+  // sample_flux with predict().
   void sample(std::span<float> x, std::span<const float> img_ids, std::span<const float> txt,
               std::span<const float> pooled, std::span<const float> empty_txt,
               std::span<const float> empty_pooled, const FluxSamplingOptions& options);

@@ -1,5 +1,8 @@
 // The CPU path of Flux training: FluxModel and AdamW in host memory.
+#include <algorithm>
+#include <functional>
 #include <memory>
+#include <vector>
 
 #include <fmt/format.h>
 
@@ -18,6 +21,9 @@ class FluxCpuEngine final : public FluxEngine {
  public:
   explicit FluxCpuEngine(const FluxEngineSetup& setup)
       : communicator_(setup.communicator),
+        batch_(setup.batch),
+        img_tokens_(setup.img_tokens),
+        txt_tokens_(setup.txt_tokens),
         img_ids_(setup.img_ids),
         model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision,
                setup.recompute,
@@ -101,6 +107,14 @@ class FluxCpuEngine final : public FluxEngine {
     return flow_mse_loss(prediction_.data(), batch.target.data(), std::ssize(prediction_));
   }
 
+  void predict(const FluxInputs& inputs, int64_t rows, float* prediction) override {
+    model_.set_training(false);
+    predict_in_micro_batches(
+        model_.config(), batch_, img_tokens_, txt_tokens_, inputs, rows, prediction,
+        [&](const FluxInputs& micro_batch, float* out) { model_.forward(micro_batch, out); });
+    model_.set_training(true);
+  }
+
   double lr() const override { return optimizer_.lr(); }
   FluxParameterSet* host_parameters() override { return &model_.parameters(); }
   std::vector<NamedTensor> host_optimizer_state() override { return optimizer_.state(); }
@@ -136,6 +150,7 @@ class FluxCpuEngine final : public FluxEngine {
   }
 
   distributed::Communicator* communicator_;
+  int64_t batch_, img_tokens_, txt_tokens_;
   std::vector<float> img_ids_;
   FluxModel model_;
   size_t activation_bytes_;  // as recompute plans them
@@ -148,6 +163,41 @@ class FluxCpuEngine final : public FluxEngine {
 };
 
 }  // namespace
+
+void predict_in_micro_batches(const FluxConfig& config, int64_t batch, int64_t img_tokens,
+                              int64_t txt_tokens, const FluxInputs& inputs, int64_t rows,
+                              float* prediction,
+                              const std::function<void(const FluxInputs&, float*)>& forward) {
+  const int64_t img = img_tokens * config.in_channels, txt = txt_tokens * config.context_in_dim;
+  const int64_t vec = config.vec_in_dim;
+  const bool guided = inputs.guidance != nullptr;
+  // The last micro-batch's inputs and prediction, zeros past its rows.
+  std::vector<float> last_img, last_txt, last_y, last_timesteps, last_guidance, last_prediction;
+  for (int64_t first = 0; first < rows; first += batch) {
+    const int64_t count = std::min(batch, rows - first);
+    FluxInputs micro_batch{inputs.img + first * img, inputs.img_ids,
+                           inputs.txt + first * txt, inputs.y + first * vec,
+                           inputs.timesteps + first, guided ? inputs.guidance + first : nullptr};
+    float* out = prediction + first * img;
+    if (count < batch) {
+      const auto fill = [&](std::vector<float>& to, const float* from, int64_t per_row) {
+        to.assign(size_t(batch * per_row), 0.0f);
+        std::copy_n(from, count * per_row, to.begin());
+        return to.data();
+      };
+      micro_batch = {fill(last_img, micro_batch.img, img),
+                     inputs.img_ids,
+                     fill(last_txt, micro_batch.txt, txt),
+                     fill(last_y, micro_batch.y, vec),
+                     fill(last_timesteps, micro_batch.timesteps, 1),
+                     guided ? fill(last_guidance, micro_batch.guidance, 1) : nullptr};
+      last_prediction.resize(size_t(batch * img));
+      out = last_prediction.data();
+    }
+    forward(micro_batch, out);
+    if (count < batch) std::copy_n(last_prediction.begin(), count * img, prediction + first * img);
+  }
+}
 
 std::vector<optim::AdamWOptimizer::Parameter> flux_optimized_parameters(const FluxConfig& config) {
   std::vector<optim::AdamWOptimizer::Parameter> parameters;

@@ -47,6 +47,9 @@ class FluxCudaEngine final : public FluxEngine {
   FluxCudaEngine(const FluxEngineSetup& setup, GpuInfo gpu)
       : gpu_(std::move(gpu)),
         communicator_(setup.communicator),
+        batch_(setup.batch),
+        img_tokens_(setup.img_tokens),
+        txt_tokens_(setup.txt_tokens),
         img_ids_(setup.img_ids),
         tensor_group_(setup.communicator, setup.layout),
         model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision,
@@ -155,6 +158,19 @@ class FluxCudaEngine final : public FluxEngine {
     return loss;
   }
 
+  void predict(const FluxInputs& inputs, int64_t rows, float* prediction) override {
+    model_.set_training(false);
+    const std::vector<float> no_target(size_t(batch_ * img_tokens_ * model_.config().in_channels),
+                                       0.0f);  // the loss is not read
+    predict_in_micro_batches(model_.config(), batch_, img_tokens_, txt_tokens_, inputs, rows,
+                             prediction, [&](const FluxInputs& micro_batch, float* out) {
+                               model_.forward(micro_batch, no_target.data(), false);
+                               const std::vector<float> values = model_.prediction();
+                               std::copy(values.begin(), values.end(), out);
+                             });
+    model_.set_training(true);
+  }
+
   double lr() const override {
     return lr_;
   }
@@ -247,6 +263,7 @@ class FluxCudaEngine final : public FluxEngine {
   GpuInfo gpu_;
   distributed::Communicator* communicator_;
   CudaStream stream_;
+  int64_t batch_, img_tokens_, txt_tokens_;
   std::vector<float> img_ids_;
   CudaTensorGroup tensor_group_;
   CudaFluxModel model_;

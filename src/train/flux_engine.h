@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
 #include <string>
@@ -44,6 +45,11 @@ class FluxEngine {
                                 double lr_multiplier) = 0;
   // The loss of one batch, without gradients and without touching the FP8 scaling state.
   virtual double evaluation_loss(const FluxBatch& batch) = 0;
+  // The model's prediction [rows, img_tokens, in_channels] for `rows` samples (FluxInputs'
+  // arrays of `rows` each; the image ids of training's latents), as evaluation_loss runs it, in
+  // micro-batches: a sample grid's steps (models/flux_sampling.h). Under tensor parallelism
+  // every rank of the group calls it together, with the same inputs.
+  virtual void predict(const FluxInputs& inputs, int64_t rows, float* prediction) = 0;
   virtual double lr() const = 0;  // of the last step
 
   // Null and empty on a rank that keeps no host copies: under tensor parallelism on the GPU,
@@ -84,6 +90,13 @@ struct FluxEngineSetup {
   // The GPU path's GEMM selection, as EngineSetup's.
   gemm::GemmTuning gemm_tuning;
 };
+
+// `rows` samples through a model of micro-batches of `batch`: forward(a micro-batch's inputs,
+// its prediction) for each, the last filled up with zero inputs whose predictions are dropped.
+void predict_in_micro_batches(const FluxConfig& config, int64_t batch, int64_t img_tokens,
+                              int64_t txt_tokens, const FluxInputs& inputs, int64_t rows,
+                              float* prediction,
+                              const std::function<void(const FluxInputs&, float*)>& forward);
 
 // Every Flux parameter, as the optimizer (AdamWOptimizer) takes them.
 std::vector<optim::AdamWOptimizer::Parameter> flux_optimized_parameters(const FluxConfig& config);

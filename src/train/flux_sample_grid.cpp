@@ -40,10 +40,11 @@ int64_t picture_count(const FluxGridOptions& options) {
 FluxSampleGrid::FluxSampleGrid(const data::FluxShapesDataset& dataset, const FluxConfig& model,
                                FluxGridOptions options)
     : dataset_(dataset),
+      model_(model),
       options_(std::move(options)),
       latent_{data::kFluxShapesLatentChannels, dataset.options().image_size,
-              dataset.options().image_size},
-      sampler_(model, picture_count(options_), latent_.tokens(), dataset.options().text_tokens) {
+              dataset.options().image_size} {
+  picture_count(options_);  // throws for an empty grid
   img_ids_.resize(size_t(latent_.tokens() * 3));
   latent_image_ids(img_ids_.data(), latent_);
   for (const std::string& prompt : options_.prompts) {
@@ -65,15 +66,7 @@ int FluxSampleGrid::height() const {
   return int(options_.prompts.size()) * (size + kGap) + kGap;
 }
 
-void FluxSampleGrid::write(const FluxParameterSet& weights, const std::filesystem::path& path) {
-  FluxParameterSet& copy = sampler_.parameters();
-  for (const FluxParam& param : copy.specs()) {
-    const TensorView& source = weights[param.name];
-    FP8T_CHECK(source.numel() == param.numel(), "parameter '{}': expected {} values, found {}",
-               param.name, param.numel(), source.numel());
-    std::memcpy(copy[param.name].raw(), source.raw(), source.bytes());
-  }
-
+std::vector<float> FluxSampleGrid::sample(const FluxPredict& predict) const {
   const int64_t pictures = picture_count(options_);
   const int64_t per_picture = latent_.numel();  // = tokens · token_dim
   std::vector<float> x(size_t(pictures * per_picture));
@@ -89,13 +82,23 @@ void FluxSampleGrid::write(const FluxParameterSet& weights, const std::filesyste
     }
   }
   const data::CaptionEncoding& empty = dataset_.empty_encodings();
-  sampler_.sample(x, img_ids_, txt_, pooled_, empty.txt, empty.pooled, options_.sampling);
+  sample_flux(model_, latent_.tokens(), dataset_.options().text_tokens, x, img_ids_, txt_, pooled_,
+              empty.txt, empty.pooled, options_.sampling, predict);
+  return x;
+}
 
+void FluxSampleGrid::write(std::span<const float> latents,
+                           const std::filesystem::path& path) const {
+  const int64_t pictures = picture_count(options_);
+  const int64_t per_picture = latent_.numel();
+  FP8T_CHECK(std::ssize(latents) == pictures * per_picture,
+             "a grid of {} pictures: expected {} latent values, found {}", pictures,
+             pictures * per_picture, latents.size());
   const int size = dataset_.options().image_size;
   std::vector<uint8_t> grid(size_t(width()) * size_t(height()) * 3, kGapGrey);
   std::vector<float> latent(static_cast<size_t>(per_picture));
   for (int64_t picture = 0; picture < pictures; ++picture) {
-    unpack_latents(latent.data(), x.data() + picture * per_picture, latent_);
+    unpack_latents(latent.data(), latents.data() + picture * per_picture, latent_);
     denormalize_latents(latent.data(), latent.data(), per_picture, options_.latent_scale,
                         options_.latent_shift);
     const data::RgbImage image = dataset_.decode(latent);
@@ -107,6 +110,21 @@ void FluxSampleGrid::write(const FluxParameterSet& weights, const std::filesyste
     }
   }
   io::write_png(path, width(), height(), grid);
+}
+
+void FluxSampleGrid::write(const FluxParameterSet& weights, const std::filesystem::path& path) {
+  if (!sampler_) {
+    sampler_ = std::make_unique<FluxSampler>(model_, picture_count(options_), latent_.tokens(),
+                                             dataset_.options().text_tokens);
+  }
+  FluxParameterSet& copy = sampler_->parameters();
+  for (const FluxParam& param : copy.specs()) {
+    const TensorView& source = weights[param.name];
+    FP8T_CHECK(source.numel() == param.numel(), "parameter '{}': expected {} values, found {}",
+               param.name, param.numel(), source.numel());
+    std::memcpy(copy[param.name].raw(), source.raw(), source.bytes());
+  }
+  write(sample(sampler_->predict()), path);
 }
 
 }  // namespace fp8t::train

@@ -5,6 +5,8 @@
 
 #include <cstdint>
 #include <filesystem>
+#include <memory>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -43,15 +45,22 @@ class FluxSampleGrid {
   int height() const;
   const FluxGridOptions& options() const { return options_; }
 
-  // Samples every picture with a copy of these weights and writes the grid to `path`.
+  // Every picture's packed latents [pictures, tokens, token_dim], row by row, sampled with
+  // `predict` (sample_flux: 2·pictures rows a step, the pictures alone with the guidance
+  // embedder): a training model's forward, on whatever device it runs.
+  std::vector<float> sample(const FluxPredict& predict) const;
+  // Decodes sample()'s latents into the grid and writes it to `path`.
+  void write(std::span<const float> latents, const std::filesystem::path& path) const;
+  // Both, with a BF16 model of the grid's own (made on first use) holding a copy of `weights`.
   void write(const FluxParameterSet& weights, const std::filesystem::path& path);
 
  private:
   const data::FluxShapesDataset& dataset_;
+  FluxConfig model_;
   FluxGridOptions options_;
   LatentShape latent_;
   std::vector<float> img_ids_, txt_, pooled_;  // the prompts' encodings, one per picture
-  FluxSampler sampler_;
+  std::unique_ptr<FluxSampler> sampler_;
 };
 
 }  // namespace fp8t::train

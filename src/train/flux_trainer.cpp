@@ -161,11 +161,14 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   const int64_t txt_tokens = batches.dims().text_tokens;
 
   // The grid's prompts are checked before any time is spent training. They are encoded with the
-  // built-in data's words; the configuration refuses prompts with shards.
+  // built-in data's words; the configuration refuses prompts with shards. The training model
+  // samples them where it trains: the leader alone, or under tensor parallelism every rank
+  // (each group's ranks split its forward, and on the CPU path a group's collectives take every
+  // rank of the job); the leader writes the grid.
   std::optional<FluxSampleGrid> grid;
   std::vector<std::string> prompts = split_prompts(config.run.sample_prompts);
-  const bool grids = !prompts.empty() && data.shapes;  // on the leader; every rank knows it
-  if (leader && grids) {
+  const bool grids = !prompts.empty() && data.shapes;  // every rank knows it
+  if ((leader || layout.tensor > 1) && grids) {
     try {
       grid.emplace(*data.shapes, model_config, flux_grid_options(config, std::move(prompts)));
     } catch (const Error& error) {
@@ -260,7 +263,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   FP8T_CHECK(step <= total_steps, "the checkpoint is at step {}, past train_iters {}", step,
              total_steps);
 
-  // Who calls to_host() for a checkpoint or a grid: the leader, which writes them, and under
+  // Who calls to_host() for a checkpoint: the leader, which writes it, and under
   // tensor parallelism every rank, whose shares the GPU engine gathers.
   const bool brings_to_host = leader || layout.tensor > 1;
   TrackedRun tracked(config, resumed, engine->device_name(), describe(setup.precision.fp8), leader);
@@ -295,13 +298,16 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   };
 
   RunLog log(run_folder, tracked.log_outputs(::isatty(STDERR_FILENO) != 0));
-  // Every rank together: a tensor-parallel group's ranks gather their weights' shares.
   const auto write_grid = [&](int64_t at_step) -> fs::path {
-    if (brings_to_host) engine->to_host();
-    if (!leader) return {};  // the leader's grid alone
+    if (!grid) return {};
+    const std::vector<float> latents =
+        grid->sample([&](const FluxInputs& inputs, int64_t rows, float* prediction) {
+          engine->predict(inputs, rows, prediction);
+        });
+    if (!leader) return {};
     const fs::path path = flux_sample_grid_path(run_folder, at_step);
     fs::create_directories(path.parent_path());
-    grid->write(*engine->host_parameters(), path);
+    grid->write(latents, path);
     log.event("sample", fmt::format("samples: {}", path.string()));
     return path;
   };

@@ -20,6 +20,7 @@
 #include "test_files.h"
 #include "train/checkpoint.h"
 #include "train/flux_batches.h"
+#include "train/flux_engine.h"
 
 namespace fp8t::train {
 namespace {
@@ -225,6 +226,50 @@ TEST_F(FluxTrainerTest, WritesSampleGridsOnScheduleAndAtTheEnd) {
   EXPECT_EQ(outcome.sample_grid, flux_sample_grid_path(root_ / "runs" / "grids", 2));
   EXPECT_TRUE(fs::exists(samples / "step_000001.png"));
   EXPECT_TRUE(fs::exists(samples / "step_000002.png"));
+}
+
+// 7 rows through micro-batches of 3: two whole ones and one of a row and two of zeros, each row's
+// prediction its own (here a function of every input of that row) and none of the padding's.
+TEST(FluxPrediction, MicroBatchesKeepEachRowsPrediction) {
+  FluxConfig config = FluxConfig::preset("flux_tiny");
+  config.guidance_embed = true;
+  const int64_t img_tokens = 2, txt_tokens = 3, batch = 3, rows = 7;
+  const int64_t img = img_tokens * config.in_channels, txt = txt_tokens * config.context_in_dim;
+  const auto values = [](int64_t count, float base) {
+    std::vector<float> v(static_cast<size_t>(count));
+    for (size_t i = 0; i < v.size(); ++i)
+      v[i] = base + float(i);
+    return v;
+  };
+  const std::vector<float> x = values(rows * img, 1.0f), ids = values(img_tokens * 3, 0.0f),
+                           t5 = values(rows * txt, 2.0f),
+                           pooled = values(rows * config.vec_in_dim, 3.0f),
+                           sigma = values(rows, 0.5f), guidance = values(rows, 4.0f);
+  const FluxInputs inputs{x.data(),      ids.data(),   t5.data(),
+                          pooled.data(), sigma.data(), guidance.data()};
+  // Each row's prediction: its first latent value, its last text and pooled values, its σ and
+  // guidance, summed into each of its values plus their place.
+  const auto row_value = [&](const FluxInputs& in, int64_t row) {
+    return in.img[row * img] + in.txt[(row + 1) * txt - 1] +
+           in.y[(row + 1) * config.vec_in_dim - 1] + in.timesteps[row] + in.guidance[row];
+  };
+  int calls = 0;
+  std::vector<float> prediction(static_cast<size_t>(rows * img), -1.0f);
+  predict_in_micro_batches(config, batch, img_tokens, txt_tokens, inputs, rows, prediction.data(),
+                           [&](const FluxInputs& micro_batch, float* out) {
+                             ++calls;
+                             EXPECT_EQ(micro_batch.img_ids, ids.data());
+                             for (int64_t row = 0; row < batch; ++row)
+                               for (int64_t i = 0; i < img; ++i)
+                                 out[row * img + i] = row_value(micro_batch, row) + float(i);
+                           });
+  EXPECT_EQ(calls, 3);
+  for (int64_t row = 0; row < rows; ++row) {
+    for (int64_t i = 0; i < img; ++i) {
+      ASSERT_EQ(prediction[size_t(row * img + i)], row_value(inputs, row) + float(i))
+          << "row " << row << ", value " << i;
+    }
+  }
 }
 
 TEST_F(FluxTrainerTest, UnknownPromptWordIsAConfigError) {

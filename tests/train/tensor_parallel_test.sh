@@ -92,8 +92,10 @@ if [[ $device == cpu ]]; then
   compare "$output/one_bf16/metrics.jsonl" "$output/resumed/metrics.jsonl" "bf16, resumed on one" 6
 fi
 # Flux: heads, MLP, linear1 and linear2 split; BF16 (flux_tiny is too narrow for FP8 linears).
+# The grid at the end: the group's ranks sample it together, the first writes it.
 flux_args=(--config="$flux_config" --train-iters=10 --log-every=1 --eval-every=5 --eval-iters=1
-           --save-every=0 --sample-prompts= --device="$device" --output-dir="$output")
+           --save-every=0 --sample-prompts="a red circle on the left" --sample-steps=2
+           --sample-images-per-prompt=2 --device="$device" --output-dir="$output")
 "$fp8train" train "${flux_args[@]}" --run=flux_one >"$output/flux_one.log" 2>&1 ||
   { cat "$output/flux_one.log"; exit 1; }
 ranks 2 "${flux_args[@]}" --tensor-model-parallel-size=2 --run=flux_tp2 >"$output/flux_tp2.log" \
@@ -101,10 +103,19 @@ ranks 2 "${flux_args[@]}" --tensor-model-parallel-size=2 --run=flux_tp2 >"$outpu
 grep -q "per step on each of 1 data-parallel replica(s) of 2 tensor-parallel ranks" \
   "$output/flux_tp2.log" || { cat "$output/flux_tp2.log"; echo "FAIL: no Flux split"; exit 1; }
 compare "$output/flux_one/metrics.jsonl" "$output/flux_tp2/metrics.jsonl" "flux, 2 tensor-parallel ranks"
+[[ -s "$output/flux_tp2/samples/step_000010.png" ]] ||
+  { cat "$output/flux_tp2.log"; echo "FAIL: no sample grid from the 2 ranks"; exit 1; }
 if [[ $device == cuda ]]; then
   echo "PASS: tensor parallelism on the GPU matches one process"
   exit 0
 fi
+# 2 replicas of 2: every rank samples the grid (a group's collectives take every rank here; a
+# rank left out would hang the others until the test's time limit).
+ranks 4 "${flux_args[@]}" --tensor-model-parallel-size=2 --run=flux_tp2_dp2 \
+  >"$output/flux_tp2_dp2.log" 2>&1 ||
+  { cat "$output/flux_tp2_dp2.log"; echo "FAIL: the Flux 2 x 2 run failed"; exit 1; }
+[[ -s "$output/flux_tp2_dp2/samples/step_000010.png" ]] ||
+  { cat "$output/flux_tp2_dp2.log"; echo "FAIL: no sample grid from 2 x 2 ranks"; exit 1; }
 # 3 ranks cannot make groups of 2.
 if ranks 3 "${args[@]}" --tensor-model-parallel-size=2 --run=bad >"$output/bad.log" 2>&1; then
   cat "$output/bad.log"; echo "FAIL: 3 ranks in groups of 2 ran"; exit 1
