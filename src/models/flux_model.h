@@ -109,13 +109,15 @@ double flux_flops_per_sample(const FluxConfig& config, int64_t img_tokens, int64
 // fp32 after the GEMM either way.
 using FluxPrecision = ModelPrecision;
 
+// The values init_flux_weights draws from one generator: a run of a tensor.
+inline constexpr int64_t kInitRunValues = int64_t(1) << 20;
+
 // Deterministic from the seed: nn.Linear's default for every linear (weight and bias uniform in
 // ±1/√in_features), QK-norm scales 1, and zero for the modulation linears and
 // final_layer.linear (MODELS.md), so that an initialized model predicts exactly zero. Each run
 // of kInitRunValues consecutive values of a tensor draws from std::mt19937_64 seeded with
 // std::seed_seq{seed low, seed high, the tensor's place in specs(), the run's}; the runs are
 // drawn by several threads.
-inline constexpr int64_t kInitRunValues = int64_t(1) << 20;
 void init_flux_weights(FluxParameterSet& parameters, const FluxConfig& config, uint64_t seed);
 
 // One micro-batch, host fp32. The text ids are zero (BFL's txt_ids).

@@ -96,9 +96,6 @@ void FluxSampler::sample(std::span<float> x, std::span<const float> img_ids,
                          std::span<const float> txt, std::span<const float> pooled,
                          std::span<const float> empty_txt, std::span<const float> empty_pooled,
                          const FluxSamplingOptions& options) {
-  FP8T_CHECK(std::ssize(x) == images_ * img_tokens_ * config_.in_channels,
-             "sampling {} images: expected {} noise values, found {}", images_,
-             images_ * img_tokens_ * config_.in_channels, x.size());
   sample_flux(config_, img_tokens_, txt_tokens_, x, img_ids, txt, pooled, empty_txt, empty_pooled,
               options, predict());
 }

@@ -404,7 +404,9 @@ void GptModel::block_backward(int layer) {
   ops::relu2_backward(ws.dfc.data<float>(), ws.dfc_act.data<float>(), block.fc.data<float>(),
                       N * hidden_);
   zero(ws.dnorm);
-  linear_backward(linear(prefix + "mlp.c_fc"), ws.dfc.data<float>(), gather_rows(block.mlp_norm),
+  Linear& c_fc = linear(prefix + "mlp.c_fc");
+  // An FP8 linear's backward reads the casts its forward kept, not x: no gather for it.
+  linear_backward(c_fc, ws.dfc.data<float>(), c_fc.fp8 ? nullptr : gather_rows(block.mlp_norm),
                   ws.dnorm.data<float>());
   copy(ws.dbranch, ws.dx);  // d mid
   ops::rmsnorm_backward(ws.dbranch.data<float>(), sum_rows_over_group(ws.dnorm),
@@ -426,7 +428,12 @@ void GptModel::block_backward(int layer) {
   ops::rotary_backward(ws.dk_lin.data<float>(), ws.dk_rot.data<float>(), rotary_cos_.data(),
                        rotary_sin_.data(), B, T, Hkv, D);
   zero(ws.dnorm);  // d attn_norm, from q, k, v and the value gate
-  const float* attn_norm = gather_rows(block.attn_norm);
+  Linear& c_q = linear(prefix + "attn.c_q");
+  Linear& c_k = linear(prefix + "attn.c_k");
+  Linear& c_v = linear(prefix + "attn.c_v");
+  const bool reads_attn_norm =
+      config_.has_value_embedding(layer) || !c_q.fp8 || !c_k.fp8 || !c_v.fp8;
+  const float* attn_norm = reads_attn_norm ? gather_rows(block.attn_norm) : nullptr;
   if (config_.has_value_embedding(layer)) {
     value_embedding_forward(layer);
     zero(ws.dvalue_embed);
@@ -436,12 +443,9 @@ void GptModel::block_backward(int layer) {
                              block.value_gate.data<float>(), {N, C, Hkv, D, kValueGateChannels});
     value_embedding_backward(layer);
   }
-  linear_backward(linear(prefix + "attn.c_q"), ws.dq_lin.data<float>(), attn_norm,
-                  ws.dnorm.data<float>());
-  linear_backward(linear(prefix + "attn.c_k"), ws.dk_lin.data<float>(), attn_norm,
-                  ws.dnorm.data<float>());
-  linear_backward(linear(prefix + "attn.c_v"), ws.dv.data<float>(), attn_norm,
-                  ws.dnorm.data<float>());
+  linear_backward(c_q, ws.dq_lin.data<float>(), attn_norm, ws.dnorm.data<float>());
+  linear_backward(c_k, ws.dk_lin.data<float>(), attn_norm, ws.dnorm.data<float>());
+  linear_backward(c_v, ws.dv.data<float>(), attn_norm, ws.dnorm.data<float>());
   ops::rmsnorm_backward(ws.dbranch.data<float>(), sum_rows_over_group(ws.dnorm),
                         block.attn_norm.data<float>(), block.attn_rstd.data<float>(), R,
                         C);  // dbranch: d input

@@ -158,7 +158,10 @@ void Fp8Linear::quantize_operand(const float* src, int64_t rows, int64_t cols, T
   const float scale_inv = 1.0f / scale;
   rowwise.scale_inv[0] = scale_inv;
   if (transposed != nullptr) transposed->scale_inv[0] = scale_inv;
-  if (delayed && record_amax_) delayed_scaling(role).record_amax(tensor_amax);
+  // A weight's cast serves every forward until the weights change, the next training one
+  // included, whichever pass made it: its amax is recorded even in an evaluation pass.
+  if (delayed && (record_amax_ || role == TensorRole::Weight))
+    delayed_scaling(role).record_amax(tensor_amax);
   if (health != nullptr) {
     // The step's first cast of this tensor starts the amax; after it a NaN sticks, as in the
     // scaling state.

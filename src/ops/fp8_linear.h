@@ -74,7 +74,9 @@ class Fp8Linear {
   // that every rank casts with the scale of the whole tensor. Delayed scaling's amaxes are
   // reduced with the data-parallel ones at the end of the step; block scales are local.
   void set_split_operands(std::function<float(float)> group_max, std::array<bool, 3> split);
-  // Evaluation passes turn this off so that they leave delayed scaling's amax history alone.
+  // Evaluation passes turn this off so that they leave delayed scaling's amax history alone; the
+  // weight's amax is recorded whenever it is cast (once per optimizer step), since the next
+  // training forward uses that cast.
   void set_record_amax(bool record) { record_amax_ = record; }
   // While on, each tensor's first cast (x̂, Ŵ, dŷ; not the transposed copies made from the same
   // values) adds to health(role): amax, scale, values, saturated and underflowed counts.

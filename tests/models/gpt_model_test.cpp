@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -14,6 +15,7 @@
 
 #include "io/safetensors.h"
 #include "models/golden.h"
+#include "models/recompute_checks.h"
 #include "numerics/test_util.h"
 #include "optim/gpt_optimizer.h"
 
@@ -341,6 +343,52 @@ TEST(GptModel, InitializesAsNanochat) {
   EXPECT_FLOAT_EQ(params["x0_lambdas"].data<float>()[0], 0.20f);
   EXPECT_FLOAT_EQ(params["x0_lambdas"].data<float>()[1], 0.05f);
   EXPECT_EQ(params["backout_lambda"].data<float>()[0], 0.2f);
+}
+
+// An evaluation forward between two training steps (as validation and sample grids run) leaves
+// delayed scaling where the steps alone would: the weights' cast it makes is the one the next
+// training forward uses, and it records their amax for that step.
+TEST(GptModel, EvaluationBetweenStepsLeavesDelayedScalingAsTheStepsAlone) {
+  GptConfig config = tiny_config();
+  config.n_embd = 64;
+  config.n_head = 4;
+  config.n_kv_head = 2;
+  const GptPrecision precision = testing::precision_of(testing::Numbers::Delayed);
+  const unsigned seed = std::random_device{}();
+  SCOPED_TRACE(::testing::Message() << "seed " << seed);
+  std::mt19937 generator(seed);
+  std::uniform_int_distribution<int32_t> token(0, config.vocab_size - 1);
+  std::vector<int32_t> idx(16), targets(16);
+  for (size_t i = 0; i < idx.size(); ++i) {
+    idx[i] = token(generator);
+    targets[i] = token(generator);
+  }
+  const uint64_t weights = generator();
+  const auto run = [&](bool evaluate) {
+    auto model = std::make_unique<GptModel>(config, 2, 8, precision);
+    model->init_weights(weights);
+    for (int step = 0; step < 3; ++step) {
+      model->zero_gradients();
+      model->forward(idx.data(), targets.data());
+      model->backward();
+      // A stand-in for the optimizer: every weight moves, so its amax does.
+      for (const ParamSpec& spec : gpt_parameters(config)) {
+        float* data = model->parameters()[spec.name].data<float>();
+        for (int64_t i = 0; i < spec.numel(); ++i)
+          data[i] *= 1.25f;
+      }
+      model->end_step();
+      if (evaluate) {
+        model->set_training(false);
+        model->forward(idx.data(), targets.data());
+        model->set_training(true);
+      }
+    }
+    return model;
+  };
+  const std::unique_ptr<GptModel> plain = run(false), evaluated = run(true);
+  ASSERT_FALSE(plain->delayed_scalings().empty());
+  testing::expect_same_delayed_scalings(plain->delayed_scalings(), evaluated->delayed_scalings());
 }
 
 TEST(GptModel, RejectsTokensOutsideTheVocabulary) {

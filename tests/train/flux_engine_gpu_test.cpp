@@ -82,15 +82,28 @@ TEST(FluxEngineGpu, PredictsRowsInMicroBatchesAsTheCpuEngine) {
   std::vector<float> alone(size_t(kBatch * per_row), nan);
   gpu->predict(inputs, kBatch, alone.data());
   EXPECT_TRUE(std::equal(alone.begin(), alone.end(), got.begin()));
-  // The last row's inputs changed: the other rows' predictions are not.
+  // Row 3's σ changed: row 2, in the same micro-batch, predicts what it did, row 3 does not.
   std::vector<float> other_sigma = sigma;
-  other_sigma.back() = 1.0f - other_sigma.back();
+  other_sigma[3] = 1.0f - other_sigma[3];
   FluxInputs other = inputs;
   other.timesteps = other_sigma.data();
   std::vector<float> moved(got.size(), nan);
   gpu->predict(other, kRows, moved.data());
-  EXPECT_TRUE(std::equal(got.begin(), got.end() - per_row, moved.begin()));
-  EXPECT_FALSE(std::equal(got.end() - per_row, got.end(), moved.end() - per_row));
+  const auto row = [&](const std::vector<float>& values, int64_t r) {
+    return std::vector<float>(values.begin() + r * per_row, values.begin() + (r + 1) * per_row);
+  };
+  EXPECT_EQ(row(moved, 2), row(got, 2));
+  EXPECT_NE(row(moved, 3), row(got, 3));
+  // Row 4, alone with a padding row of zeros, predicts what it does beside row 3.
+  FluxInputs shifted{img.data() + 3 * per_row,
+                     setup.img_ids.data(),
+                     txt.data() + 3 * kTxtTokens * config.context_in_dim,
+                     y.data() + 3 * config.vec_in_dim,
+                     sigma.data() + 3,
+                     guidance.data() + 3};
+  std::vector<float> pair(size_t(2 * per_row), nan);
+  gpu->predict(shifted, 2, pair.data());
+  EXPECT_EQ(row(pair, 1), row(got, 4));
 }
 
 }  // namespace

@@ -259,6 +259,14 @@ TEST(FluxPrediction, MicroBatchesKeepEachRowsPrediction) {
                            [&](const FluxInputs& micro_batch, float* out) {
                              ++calls;
                              EXPECT_EQ(micro_batch.img_ids, ids.data());
+                             if (calls == 3) {  // its last two rows: padding, all zeros
+                               for (int64_t i = img; i < batch * img; ++i)
+                                 EXPECT_EQ(micro_batch.img[i], 0.0f);
+                               EXPECT_EQ(micro_batch.timesteps[2], 0.0f);
+                               EXPECT_EQ(micro_batch.guidance[1], 0.0f);
+                               EXPECT_EQ(micro_batch.y[batch * config.vec_in_dim - 1], 0.0f);
+                               EXPECT_EQ(micro_batch.txt[batch * txt - 1], 0.0f);
+                             }
                              for (int64_t row = 0; row < batch; ++row)
                                for (int64_t i = 0; i < img; ++i)
                                  out[row * img + i] = row_value(micro_batch, row) + float(i);

@@ -76,6 +76,12 @@ for precision in bf16 tensorwise; do
     { cat "$output/sp2.log"; echo "FAIL: the sequence-parallel run failed"; exit 1; }
   compare "$output/one_$precision/metrics.jsonl" "$output/sp2_$precision/metrics.jsonl" \
     "$precision, 2 sequence-parallel ranks"
+  # Its plan holds fewer activations than plain tensor parallelism's: the split is on.
+  plain=$(grep -o "activations [0-9.]* [KMG]iB" "$output/tp2.log")
+  split=$(grep -o "activations [0-9.]* [KMG]iB" "$output/sp2.log")
+  [[ -n $split && $split != "$plain" ]] ||
+    { echo "FAIL: sequence parallelism planned the activations of plain tensor parallelism" \
+      "($split against $plain)"; exit 1; }
 done
 if [[ $device == cpu ]]; then
   # 2 replicas of 2 tensor-parallel ranks: one micro-batch per replica and step.

@@ -670,7 +670,8 @@ std::vector<float> CudaFluxModel::prediction() const {
 void CudaFluxModel::prepare_weights() {
   for (auto& [name, linear] : buffers_->linears) {
     const bool measured = weight_amaxes_measured_ && linear.layer->weight_amax_slot() != nullptr;
-    linear.layer->prepare_weight(linear.weight, training_, stream_, linear.bias, measured);
+    // Recorded in evaluation passes too: the next training forward uses this cast.
+    linear.layer->prepare_weight(linear.weight, true, stream_, linear.bias, measured);
   }
   weights_ready_ = true;
   weight_amaxes_measured_ = false;

@@ -602,7 +602,8 @@ double CudaGptModel::loss_value() {
 
 void CudaGptModel::prepare_weights() {
   for (auto& [name, linear] : buffers_->linears)
-    linear.layer->prepare_weight(weight(linear), training_, stream_);
+    // Recorded in evaluation passes too: the next training forward uses this cast.
+    linear.layer->prepare_weight(weight(linear), true, stream_);
   weights_ready_ = true;
 }
 
