@@ -461,6 +461,31 @@ TEST(FluxModel, InitializationZeroesModulationAndFinalLayer) {
     ASSERT_EQ(value, 0.0f);
 }
 
+// A sample's prediction is a function of its own inputs: another sample's σ, guidance, text or
+// latents leave it alone, bit for bit.
+TEST(FluxModel, SamplesDoNotMix) {
+  TestRng rng;
+  SCOPED_TRACE(rng.trace());
+  const FluxConfig config = tiny_config(true);
+  FluxModel model = make_model(config, FluxPrecision::fp32_reference());
+  randomize(model, rng);
+  const Batch batch = random_batch(config, rng);
+  const int64_t per_sample = Batch::kImgTokens * config.in_channels;
+  std::vector<float> want(static_cast<size_t>(prediction_size(config)));
+  model.forward(batch.inputs(), want.data());
+  Batch other = batch;
+  other.timesteps[1] = 1.0f - other.timesteps[1];
+  other.guidance[1] += 1.0f;
+  for (int64_t i = 0; i < per_sample; ++i)
+    other.img[size_t(per_sample + i)] *= -1.0f;
+  for (size_t i = other.txt.size() / 2; i < other.txt.size(); ++i)
+    other.txt[i] *= -1.0f;
+  std::vector<float> got(want.size());
+  model.forward(other.inputs(), got.data());
+  EXPECT_TRUE(std::equal(want.begin(), want.begin() + per_sample, got.begin()));
+  EXPECT_FALSE(std::equal(want.begin() + per_sample, want.end(), got.begin() + per_sample));
+}
+
 // Each run of kInitRunValues values comes from its own generator, seeded as documented, whatever
 // thread drew it; a run does not repeat another's values.
 TEST(FluxModel, InitializationDrawsEachRunFromItsOwnGenerator) {
