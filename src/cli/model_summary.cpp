@@ -16,6 +16,7 @@
 #include "models/gpt_memory.h"
 #include "models/precision_policy.h"
 #include "models/recompute.h"
+#include "models/tensor_parallel.h"
 #include "numerics/scaling.h"
 
 namespace fp8t::cli {
@@ -197,12 +198,7 @@ int run_model_summary(const ModelSummaryOptions& options) {
   const int tensor = options.tensor_parallel;
   check_tensor_parallel(config, tensor);
   const bool sequence = options.sequence_parallel;
-  if (sequence && (tensor == 1 || options.batch * config.sequence_len % tensor != 0)) {
-    throw ConfigError(fmt::format(
-        "--sequence-parallel: needs --tensor-parallel above 1 dividing the {} tokens of a "
-        "micro-batch, found {}",
-        options.batch * config.sequence_len, tensor));
-  }
+  if (sequence) check_sequence_parallel(tensor, options.batch, config.sequence_len);
 
   fmt::print(
       "model: nanochat GPT, depth {}: {} layers, dim {}, {} heads x {} ({} kv), vocab {} (padded "

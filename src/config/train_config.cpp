@@ -19,6 +19,7 @@
 #include "core/error.h"
 #include "data/flux_shapes.h"
 #include "gemm/gemm_tuning.h"
+#include "models/tensor_parallel.h"
 
 namespace fp8t {
 
@@ -495,22 +496,17 @@ void check_tensor_parallel(const TrainConfig& config,
   const int size = config.run.tensor_model_parallel_size;
   if (config.run.sequence_parallel) {
     const std::string sequence = origin("sequence_parallel");
-    if (size == 1) {
-      throw ConfigError(fmt::format(
-          "{}: true needs tensor_model_parallel_size above 1 (it splits the tokens over a "
-          "tensor-parallel group), found 1",
-          sequence));
+    try {
+      check_sequence_parallel(size, config.training.micro_batch_size, config.model.sequence_len);
+    } catch (const ConfigError& error) {  // its message names the key, without the origin
+      std::string message = error.what();
+      constexpr std::string_view kKey = "sequence_parallel: ";
+      if (message.starts_with(kKey)) message.erase(0, kKey.size());
+      throw ConfigError(fmt::format("{}: {}", sequence, message));
     }
     if (config.is_flux()) {
       throw ConfigError(fmt::format(
           "{}: true is not yet supported for the Flux model; expected false", sequence));
-    }
-    const int64_t tokens = config.training.micro_batch_size * config.model.sequence_len;
-    if (tokens % size != 0) {
-      throw ConfigError(fmt::format(
-          "{}: the {} tokens of a micro-batch (micro_batch_size {} × sequence_len {}) do not "
-          "split over tensor_model_parallel_size {}; expected a multiple of it",
-          sequence, tokens, config.training.micro_batch_size, config.model.sequence_len, size));
     }
   }
   if (size == 1) return;

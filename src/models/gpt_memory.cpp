@@ -46,15 +46,19 @@ void GptActivations::visit(const GptConfig& config, int64_t batch, int64_t seq, 
   const int64_t B = batch, T = seq, C = config.n_embd, D = config.head_dim();
   const int64_t H = config.n_head / tensor_parallel, Hkv = config.n_kv_head / tensor_parallel;
   const int64_t hidden = 4 * C / tensor_parallel;
-  // This rank's rows of the residual stream: all of them, or its share under sequence
-  // parallelism. The embedding and the smear before x0 run on every row.
-  // [B, T, width] (width 1: [B, T]), or [R, width] ([R]) of this rank's R rows.
+  // A tensor of the residual stream's rows, `width` values each (1: one): [B, T, width], or
+  // under sequence parallelism this rank's R rows, [R, width]. The embedding and the smear
+  // before x0 run on every row.
   const int64_t R = B * T / tensor_parallel;
   const auto rows = [&](TensorView& view, DType type, int64_t width) {
-    if (!sequence_parallel) {
-      width == 1 ? visit_tensor(view, type, {B, T}) : visit_tensor(view, type, {B, T, width});
+    if (sequence_parallel && width == 1) {
+      visit_tensor(view, type, {R});
+    } else if (sequence_parallel) {
+      visit_tensor(view, type, {R, width});
+    } else if (width == 1) {
+      visit_tensor(view, type, {B, T});
     } else {
-      width == 1 ? visit_tensor(view, type, {R}) : visit_tensor(view, type, {R, width});
+      visit_tensor(view, type, {B, T, width});
     }
   };
   visit_tensor(embedding, dtype, {B, T, C});

@@ -54,12 +54,7 @@ GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
              "expected a sequence of 2 to {} tokens, found {}", config_.sequence_len, seq);
   const int64_t tokens = batch * seq;
   sequence_ = tensor_parallel_.sequence && tensor_parallel_.split();
-  if (sequence_ && tokens % group != 0) {
-    throw ConfigError(fmt::format(
-        "sequence_parallel: the {} tokens of a micro-batch (micro_batch_size {} × sequence_len "
-        "{}) do not split over tensor_model_parallel_size {}; expected a multiple of it",
-        tokens, batch, seq, group));
-  }
+  if (sequence_) check_sequence_parallel(group, batch, seq);
   rows_ = sequence_ ? tokens / group : tokens;
   recompute_groups_ = recompute_groups(recompute_, config_.n_layer);
   parameter_arena_ =
@@ -260,7 +255,7 @@ const float* GptModel::gather_rows(const TensorView& local) {
 
 const float* GptModel::sum_rows_over_group(const TensorView& partial) {
   sum_over_group(partial);
-  return partial.data<float>() + (sequence_ ? tensor_parallel_.rank * rows_ * config_.n_embd : 0);
+  return partial.data<float>() + first_row() * config_.n_embd;
 }
 
 void GptModel::gather_split_gradients() {

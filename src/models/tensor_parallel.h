@@ -59,6 +59,24 @@ inline void check_splits_evenly(
   }
 }
 
+// Throws ConfigError naming sequence_parallel unless a tensor-parallel group of `size` ranks
+// (more than one) splits a micro-batch of `batch` sequences of `seq` tokens into equal runs of
+// rows.
+inline void check_sequence_parallel(int size, int64_t batch, int64_t seq) {
+  if (size < 2) {
+    throw ConfigError(fmt::format(
+        "sequence_parallel: true needs tensor_model_parallel_size above 1 (it splits the tokens "
+        "over a tensor-parallel group), found {}",
+        size));
+  }
+  if (batch * seq % size != 0) {
+    throw ConfigError(fmt::format(
+        "sequence_parallel: the {} tokens of a micro-batch (micro_batch_size {} × sequence_len "
+        "{}) do not split over tensor_model_parallel_size {}; expected a multiple of it",
+        batch * seq, batch, seq, size));
+  }
+}
+
 // What a model checks of the group it is given: a rank in it, its collectives, and no FP8
 // attention (whose per-tensor scales would follow each rank's heads).
 inline void check_group(const TensorParallel& group, bool fp8_attention) {
