@@ -62,9 +62,10 @@ struct ModelSummaryOptions {
   FluxModelOptions flux;
   int64_t img_tokens = 4096;
   int64_t txt_tokens = 512;
-  std::vector<int> gpus = {1};     // a plan per GPU count
-  int tensor_parallel = 1;         // ranks per tensor-parallel group; the plans are one rank's
-  bool sequence_parallel = false;  // GPT: the plan of a rank with sequence parallelism
+  std::vector<int> gpus = {1};  // a plan per GPU count
+  int tensor_parallel = 1;      // ranks per tensor-parallel group; the plans are one rank's
+  // The plan of a rank with sequence parallelism (Flux: the CPU path's activations).
+  bool sequence_parallel = false;
   std::optional<double> gpu_memory_gib;  // one GPU's; unset: an H200's
 };
 

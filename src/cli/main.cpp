@@ -112,12 +112,12 @@ int main(int argc, char** argv) {
           ->add_option("--window-pattern", model_options.window_pattern,
                        "Attention windows tiled over layers: S short, L long")
           ->capture_default_str(),
-      model->add_flag("!--no-lm-head-fp8", model_options.lm_head_fp8, "Keep lm_head in BF16"),
-      model->add_flag("--sequence-parallel", model_options.sequence_parallel,
-                      "With --tensor-parallel: the plan of a rank with sequence parallelism "
-                      "(sequence_parallel)")};
+      model->add_flag("!--no-lm-head-fp8", model_options.lm_head_fp8, "Keep lm_head in BF16")};
   for (CLI::Option* option : gpt_only)
     option->excludes(model_preset);
+  model->add_flag("--sequence-parallel", model_options.sequence_parallel,
+                  "With --tensor-parallel: the plan of a rank with sequence parallelism "
+                  "(sequence_parallel; Flux: the CPU path's activations beside the GPU plan)");
   model
       ->add_option("--batch", model_options.batch,
                    "Sequences (GPT) or samples (Flux) per micro-batch, for the memory plan")

@@ -76,6 +76,8 @@ int run_flux_summary(const ModelSummaryOptions& options) {
     }
   }
   check_flux_tensor_parallel(config, tensor);
+  if (options.sequence_parallel)
+    check_flux_sequence_parallel(tensor, options.img_tokens, options.txt_tokens);
   FluxPrecision precision;
   precision.fp8 = fp8_config(options);
   precision.policy = precision_policy(options);
@@ -175,6 +177,25 @@ int run_flux_summary(const ModelSummaryOptions& options) {
       "\nwith recompute_granularity: full, recompute_method: uniform, recompute_num_layers: 1 "
       "(each block saves only its input; model.md#activation-recompute):\n");
   print_table({RecomputeGranularity::Full, RecomputeMethod::Uniform, 1});
+  if (!options.sequence_parallel) return kExitOk;
+  // Sequence parallelism runs on the CPU path only: its plan, against the same rank's without.
+  fmt::print(
+      "\nactivations per rank, CPU path (f32), one rank of a tensor-parallel group of {}, "
+      "without and with sequence parallelism (sequence_parallel: its tokens of the residual "
+      "streams):\n| recompute_granularity | without | with |\n|---|---|---|\n",
+      tensor);
+  for (const auto& [name, recompute] :
+       {std::pair{"none", RecomputeOptions{}},
+        std::pair{"selective", RecomputeOptions{RecomputeGranularity::Selective}},
+        std::pair{"full, uniform, 1",
+                  RecomputeOptions{RecomputeGranularity::Full, RecomputeMethod::Uniform, 1}}}) {
+    const auto planned = [&](bool sequence) {
+      return in_gib(
+          FluxModel::planned_activation_bytes(config, micro_batch.batch, micro_batch.img_tokens,
+                                              micro_batch.txt_tokens, recompute, tensor, sequence));
+    };
+    fmt::print("| {} | {:.2f} | {:.2f} |\n", name, planned(false), planned(true));
+  }
   return kExitOk;
 }
 

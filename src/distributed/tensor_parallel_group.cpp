@@ -19,6 +19,14 @@ ParallelLayout parallel_layout(int world_size, int rank, int tensor) {
   return {tensor, rank % tensor, world_size / tensor, rank / tensor};
 }
 
+TensorParallel tensor_parallel_group(Communicator* communicator, const ParallelLayout& layout,
+                                     bool sequence_parallel) {
+  if (communicator == nullptr) return {};
+  TensorParallel group = tensor_parallel_group(*communicator, layout);
+  group.sequence = sequence_parallel;
+  return group;
+}
+
 TensorParallel tensor_parallel_group(Communicator& communicator, const ParallelLayout& layout) {
   TensorParallel group;
   group.size = layout.tensor;

@@ -27,5 +27,9 @@ ParallelLayout parallel_layout(int world_size, int rank, int tensor);
 // The sums and maxima of this rank's tensor-parallel group, every rank of the job taking part in
 // each (the ranks run their groups' collectives in step). `communicator` must outlive the group.
 TensorParallel tensor_parallel_group(Communicator& communicator, const ParallelLayout& layout);
+// A training rank's group: none in one process (no communicator), else the above with sequence
+// parallelism as set.
+TensorParallel tensor_parallel_group(Communicator* communicator, const ParallelLayout& layout,
+                                     bool sequence_parallel);
 
 }  // namespace fp8t::distributed

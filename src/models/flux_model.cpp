@@ -8,6 +8,7 @@
 #include <iterator>
 #include <map>
 #include <random>
+#include <tuple>
 #include <utility>
 
 #include <fmt/format.h>
@@ -31,12 +32,18 @@ constexpr float kQkNormEps = 1e-6f;
 // The sizes every buffer is planned from.
 struct FluxDims {
   int64_t batch, img_tokens, txt_tokens;
-  int64_t tokens;                               // per sample: the joint [txt; img] sequence
+  int64_t tokens;  // per sample: the joint [txt; img] sequence
+  // This rank's image and text tokens of each sample in the residual streams: all of them, or
+  // under sequence parallelism its 1/T of each stream.
+  int64_t own_img, own_txt;
   int64_t hidden, heads, head_dim, mlp_hidden;  // heads and mlp_hidden: this rank's share
   int64_t attention;                            // heads · head_dim: the attention's width
   int64_t in_channels, context_in_dim, vec_in_dim, timestep_dim;
   bool guidance;
   int double_blocks, single_blocks;
+  bool sequence;  // sequence parallelism
+
+  int64_t own_tokens() const { return own_txt + own_img; }
 };
 
 // What the activations hold under a recompute setting.
@@ -65,12 +72,13 @@ struct FluxAttentionActivations {
   TensorView lse;                 // [B, H, L]
 };
 
-// One stream of a double block: [B, L_s, C] for its L_s tokens unless noted.
+// One stream of a double block: [B, O_s, C] for this rank's O_s of its L_s tokens (all of them
+// without sequence parallelism) unless noted.
 struct FluxStreamActivations {
   TensorView mod;                // [B, 6C]: shift1, scale1, gate1, shift2, scale2, gate2
-  TensorView norm1_rstd, norm1;  // [B, L_s] and LN(x)
+  TensorView norm1_rstd, norm1;  // [B, O_s] and LN(x)
   TensorView modulated1;         // qkv's input
-  TensorView attn;               // this stream's part of the attention output: proj's input
+  TensorView attn;               // [B, L_s, A]: this stream's part of the attention output
   TensorView proj;               // proj's output: the first gated branch
   TensorView norm2_rstd, norm2;
   TensorView modulated2;  // mlp.0's input
@@ -84,7 +92,8 @@ struct FluxDoubleActivations {
   FluxAttentionActivations attention;
 };
 
-// A single block on the joint sequence: [B, L, C] unless noted.
+// A single block on the joint sequence: [B, O, C] for this rank's O of its L tokens unless
+// noted.
 struct FluxSingleActivations {
   TensorView mod;  // [B, 3C]: shift, scale, gate
   TensorView norm_rstd, norm;
@@ -97,14 +106,14 @@ struct FluxSingleActivations {
   TensorView out;         // linear2's output: the gated branch
 };
 
-// Full recompute: the residual streams a group of double blocks starts from.
+// Full recompute: the residual streams (this rank's tokens) a group of double blocks starts from.
 struct FluxDoubleGroupInput {
-  TensorView img, txt;  // [B, L_img, C], [B, L_txt, C]
+  TensorView img, txt;  // [B, O_img, C], [B, O_txt, C]
 };
 
 // What forward saves for backward.
 struct FluxActivations {
-  TensorView img, txt;  // copies of the inputs of img_in and txt_in
+  TensorView img, txt;  // copies of this rank's tokens of the inputs of img_in and txt_in
   FluxEmbedderActivations time_in, vector_in, guidance_in;
   TensorView vec;      // [B, C]
   TensorView vec_act;  // [B, C] SiLU(vec): the input of every modulation
@@ -115,13 +124,13 @@ struct FluxActivations {
   std::vector<FluxSingleActivations> single_sets;
   // Full recompute: per group, the input of its first block.
   std::vector<FluxDoubleGroupInput> double_group_inputs;
-  std::vector<TensorView> single_group_inputs;  // [B, L, C]
+  std::vector<TensorView> single_group_inputs;  // [B, O, C]
   // Selective recompute: GELU's outputs, shared among the blocks.
   TensorView mlp_act;     // [B · max(L_img, L_txt), M]: of a double block's stream
   TensorView linear2_in;  // [B, L, C + M]: of a single block
   TensorView final_mod;   // [B, 2C]: shift, scale
   TensorView final_norm_rstd, final_norm;
-  TensorView final_modulated;  // [B, L_img, C]: final_layer.linear's input
+  TensorView final_modulated;  // [B, O_img, C]: final_layer.linear's input
 
   // Calls tensor(slot, shape) for every tensor above but the per-block views, in one place for
   // sizing and allocation.
@@ -131,24 +140,32 @@ struct FluxActivations {
   void bind_blocks(const FluxDims& d, const FluxSaving& saving);
 };
 
-// Temporaries of one forward and backward. N = B·L rows hold any stream's tokens.
+// Temporaries of one forward and backward. N = B·L rows hold any stream's tokens, O = B·O_joint
+// rows this rank's tokens of any stream (O_img + O_txt = O_joint per sample; all of them without
+// sequence parallelism).
 struct FluxWorkspace {
-  TensorView img, txt, joint;  // residual streams [B, L_img, C], [B, L_txt, C], [B, L, C]
-  TensorView projection;       // [N, 3C + M]: a stream's qkv or linear1's output
-  TensorView q_raw, k_raw;     // [B, L, H, D] before the QK norm
-  TensorView attn;             // [B, L, C]: the attention output
-  TensorView embedding;        // [B, C]: one embedder's output
+  // The residual streams, this rank's tokens: [B, O_img, C], [B, O_txt, C], [B, O_joint, C].
+  TensorView img, txt, joint;
+  TensorView projection;    // [N, 3C + M]: a stream's qkv or linear1's output
+  TensorView q_raw, k_raw;  // [B, L, H, D] before the QK norm
+  TensorView attn;          // [B, L, C]: the attention output
+  TensorView embedding;     // [B, C]: one embedder's output
   // Backward.
-  TensorView d_img, d_txt, d_joint;          // gradients of the residual streams
-  TensorView d_mod_img, d_mod_txt;           // [B, 6C]: of a double block's modulation outputs
-  TensorView mod_share;                      // [B, ≤ 6C]: a split modulation's share
-  TensorView d_vec_act, d_vec;               // [B, C]
-  TensorView d_embed_act, d_embed_hidden;    // [B, C]
-  TensorView d_branch, d_modulated, d_norm;  // [N, C]
-  TensorView d_mlp_act, d_mlp_hidden;        // [N, M]
-  TensorView d_projection;                   // [N, 3C + M]
-  TensorView d_linear2_in;                   // [N, C + M]
+  TensorView d_img, d_txt, d_joint;        // gradients of the residual streams
+  TensorView d_mod_img, d_mod_txt;         // [B, 6C]: of a double block's modulation outputs
+  TensorView mod_share;                    // [B, ≤ 6C]: a split modulation's share
+  TensorView d_vec_act, d_vec;             // [B, C]
+  TensorView d_embed_act, d_embed_hidden;  // [B, C]
+  TensorView d_branch, d_norm;             // [O, C]
+  TensorView d_modulated;                  // [N, C]: a column-parallel linear's input gradient
+  TensorView d_mlp_act, d_mlp_hidden;      // [N, M]
+  TensorView d_projection;                 // [N, 3C + M]
+  TensorView d_linear2_in;                 // [N, C + M]
   TensorView d_attn, dq, dk, dv, d_rotated, d_normed, dq_raw, dk_raw;  // [N, C]
+  // Sequence parallelism only: a stream's every token [N, C] (a gathered input, a row-parallel
+  // linear's partial output), a summed input gradient's own tokens [O, C], and the final layer's
+  // output on this rank's image tokens [B, O_img, in_channels].
+  TensorView whole, own, own_prediction;
 
   template <typename Visit>
   void visit(const FluxDims& d, Visit&& tensor);
@@ -158,8 +175,11 @@ template <typename Visit>
 void FluxActivations::visit(const FluxDims& d, const FluxSaving& saving, Visit&& tensor) {
   const int64_t B = d.batch, Li = d.img_tokens, Lt = d.txt_tokens, L = d.tokens;
   const int64_t C = d.hidden, H = d.heads, D = d.head_dim, M = d.mlp_hidden, A = d.attention;
-  tensor(img, {B, Li, d.in_channels});
-  tensor(txt, {B, Lt, d.context_in_dim});
+  // The residual streams' tensors hold this rank's tokens (Oi, Ot, O), the attention's and the
+  // MLP's every token of its heads and hidden features.
+  const int64_t Oi = d.own_img, Ot = d.own_txt, O = d.own_tokens();
+  tensor(img, {B, Oi, d.in_channels});
+  tensor(txt, {B, Ot, d.context_in_dim});
   const auto embedder = [&](FluxEmbedderActivations& saved, int64_t in) {
     tensor(saved.input, {B, in});
     tensor(saved.hidden, {B, C});
@@ -179,13 +199,14 @@ void FluxActivations::visit(const FluxDims& d, const FluxSaving& saving, Visit&&
   };
   double_sets.resize(static_cast<size_t>(saving.double_sets));
   for (FluxDoubleActivations& block : double_sets) {
-    for (const auto& [stream, Ls] : {std::pair{&block.img, Li}, std::pair{&block.txt, Lt}}) {
+    for (const auto& [stream, Ls, Os] :
+         {std::tuple{&block.img, Li, Oi}, std::tuple{&block.txt, Lt, Ot}}) {
       tensor(stream->mod, {B, 6 * C});
       for (TensorView* view : {&stream->norm1_rstd, &stream->norm2_rstd})
-        tensor(*view, {B, Ls});
+        tensor(*view, {B, Os});
       for (TensorView* view : {&stream->norm1, &stream->modulated1, &stream->proj, &stream->norm2,
                                &stream->modulated2, &stream->mlp_out}) {
-        tensor(*view, {B, Ls, C});
+        tensor(*view, {B, Os, C});
       }
       tensor(stream->attn, {B, Ls, A});
       tensor(stream->mlp_hidden, {B, Ls, M});
@@ -196,9 +217,9 @@ void FluxActivations::visit(const FluxDims& d, const FluxSaving& saving, Visit&&
   single_sets.resize(static_cast<size_t>(saving.single_sets));
   for (FluxSingleActivations& block : single_sets) {
     tensor(block.mod, {B, 3 * C});
-    tensor(block.norm_rstd, {B, L});
+    tensor(block.norm_rstd, {B, O});
     for (TensorView* view : {&block.norm, &block.modulated, &block.out})
-      tensor(*view, {B, L, C});
+      tensor(*view, {B, O, C});
     attention(block.attention);
     tensor(block.mlp_hidden, {B, L, M});
     if (saving.selective) {
@@ -209,18 +230,18 @@ void FluxActivations::visit(const FluxDims& d, const FluxSaving& saving, Visit&&
   }
   double_group_inputs.resize(static_cast<size_t>(saving.double_groups));
   for (FluxDoubleGroupInput& input : double_group_inputs) {
-    tensor(input.img, {B, Li, C});
-    tensor(input.txt, {B, Lt, C});
+    tensor(input.img, {B, Oi, C});
+    tensor(input.txt, {B, Ot, C});
   }
   single_group_inputs.resize(static_cast<size_t>(saving.single_groups));
   for (TensorView& input : single_group_inputs)
-    tensor(input, {B, L, C});
+    tensor(input, {B, O, C});
   if (saving.selective && d.double_blocks > 0) tensor(mlp_act, {B * std::max(Li, Lt), M});
   if (saving.selective && d.single_blocks > 0) tensor(linear2_in, {B, L, A + M});
   tensor(final_mod, {B, 2 * C});
-  tensor(final_norm_rstd, {B, Li});
-  tensor(final_norm, {B, Li, C});
-  tensor(final_modulated, {B, Li, C});
+  tensor(final_norm_rstd, {B, Oi});
+  tensor(final_norm, {B, Oi, C});
+  tensor(final_modulated, {B, Oi, C});
 }
 
 void FluxActivations::bind_blocks(const FluxDims& d, const FluxSaving& saving) {
@@ -243,13 +264,19 @@ void FluxActivations::bind_blocks(const FluxDims& d, const FluxSaving& saving) {
 template <typename Visit>
 void FluxWorkspace::visit(const FluxDims& d, Visit&& tensor) {
   const int64_t B = d.batch, N = d.batch * d.tokens, C = d.hidden, M = d.mlp_hidden;
-  const int64_t A = d.attention;
+  const int64_t A = d.attention, O = d.batch * d.own_tokens();
   for (TensorView* view : {&img, &d_img})
-    tensor(*view, {B * d.img_tokens, C});
+    tensor(*view, {B * d.own_img, C});
   for (TensorView* view : {&txt, &d_txt})
-    tensor(*view, {B * d.txt_tokens, C});
-  for (TensorView* view : {&joint, &d_joint, &d_branch, &d_modulated, &d_norm})
-    tensor(*view, {N, C});
+    tensor(*view, {B * d.own_txt, C});
+  for (TensorView* view : {&joint, &d_joint, &d_branch, &d_norm})
+    tensor(*view, {O, C});
+  tensor(d_modulated, {N, C});
+  if (d.sequence) {
+    tensor(whole, {N, C});
+    tensor(own, {O, C});
+    tensor(own_prediction, {B, d.own_img, d.in_channels});
+  }
   for (TensorView* view :
        {&q_raw, &k_raw, &attn, &d_attn, &dq, &dk, &dv, &d_rotated, &d_normed, &dq_raw, &dk_raw}) {
     tensor(*view, {N, A});
@@ -268,12 +295,15 @@ void FluxWorkspace::visit(const FluxDims& d, Visit&& tensor) {
 namespace {
 
 FluxDims flux_dims(const FluxConfig& config, int64_t batch, int64_t img_tokens, int64_t txt_tokens,
-                   int tensor_parallel = 1) {
+                   int tensor_parallel = 1, bool sequence = false) {
   const int64_t heads = config.num_heads / tensor_parallel;
+  const int64_t streams_split = sequence ? tensor_parallel : 1;
   return {batch,
           img_tokens,
           txt_tokens,
           txt_tokens + img_tokens,
+          img_tokens / streams_split,
+          txt_tokens / streams_split,
           config.hidden_size,
           heads,
           config.head_dim(),
@@ -285,7 +315,8 @@ FluxDims flux_dims(const FluxConfig& config, int64_t batch, int64_t img_tokens, 
           config.timestep_dim(),
           config.guidance_embed,
           config.double_blocks,
-          config.single_blocks};
+          config.single_blocks,
+          sequence};
 }
 
 // The set of saved activations each block of a stack saves into (FluxSaving numbers them).
@@ -464,25 +495,70 @@ ops::AttentionShape joint_attention_shape(const FluxDims& d) {
 // One stream of a double block, as its forward and backward see it.
 struct Stream {
   std::string prefix;  // "double_blocks.{i}.img" or ".txt"
+  FluxStream stream;
   FluxStreamActivations& saved;
-  TokenRows own;    // its rows in its own [B, L_s, A] attention buffers
-  TokenRows joint;  // its rows in the joint [B, L, A] attention (the text comes first)
-  int64_t tokens;   // L_s
-  float* x;         // its residual stream [B, L_s, C]
-  float* dx;        // the gradient of that residual
-  float* dmod;      // [B, 6C]: the gradient of its modulation output
+  TokenRows alone;     // its rows in its own [B, L_s, A] attention buffers
+  TokenRows joint;     // its rows in the joint [B, L, A] attention (the text comes first)
+  int64_t tokens;      // L_s
+  int64_t own_tokens;  // of them, this rank's in the residual stream
+  float* x;            // its residual stream [B, own_tokens, C]
+  float* dx;           // the gradient of that residual
+  float* dmod;         // [B, 6C]: the gradient of its modulation output
 };
 
 std::array<Stream, 2> double_block_streams(FluxActivations& act, FluxWorkspace& ws,
                                            const FluxDims& d, int block) {
   FluxDoubleActivations& saved = act.double_blocks[static_cast<size_t>(block)];
   const int64_t A = d.attention, L = d.tokens;
-  return {
-      Stream{fmt::format("double_blocks.{}.img", block), saved.img, TokenRows{d.img_tokens, 0, A},
-             TokenRows{L, d.txt_tokens, A}, d.img_tokens, data(ws.img), data(ws.d_img),
-             data(ws.d_mod_img)},
-      Stream{fmt::format("double_blocks.{}.txt", block), saved.txt, TokenRows{d.txt_tokens, 0, A},
-             TokenRows{L, 0, A}, d.txt_tokens, data(ws.txt), data(ws.d_txt), data(ws.d_mod_txt)}};
+  return {Stream{fmt::format("double_blocks.{}.img", block), FluxStream::Image, saved.img,
+                 TokenRows{d.img_tokens, 0, A}, TokenRows{L, d.txt_tokens, A}, d.img_tokens,
+                 d.own_img, data(ws.img), data(ws.d_img), data(ws.d_mod_img)},
+          Stream{fmt::format("double_blocks.{}.txt", block), FluxStream::Text, saved.txt,
+                 TokenRows{d.txt_tokens, 0, A}, TokenRows{L, 0, A}, d.txt_tokens, d.own_txt,
+                 data(ws.txt), data(ws.d_txt), data(ws.d_mod_txt)}};
+}
+
+// The linears at the residual streams' ends: under sequence parallelism they read a rank's
+// tokens only.
+bool reads_own_tokens(const std::string& linear) {
+  return linear == "img_in" || linear == "txt_in" || linear == "final_layer.linear";
+}
+
+// Sequence parallelism: where a rank's tokens of a stream sit, per sample, among the stream's
+// every token (whole) and in the rank's own buffers (own), `count` of them from each first.
+struct OwnRun {
+  int64_t whole_first, own_first, count;
+};
+struct OwnTokens {
+  int64_t whole, own;  // tokens per sample
+  std::vector<OwnRun> runs;
+};
+
+// A stream's tokens per sample: all of them, on every rank.
+int64_t tokens_of(const FluxDims& d, FluxStream stream) {
+  switch (stream) {
+    case FluxStream::Image:
+      return d.img_tokens;
+    case FluxStream::Text:
+      return d.txt_tokens;
+    case FluxStream::Joint:
+      break;
+  }
+  return d.tokens;
+}
+
+// In the joint sequence a rank holds its text tokens, then its image tokens.
+OwnTokens own_tokens_of(const FluxDims& d, FluxStream stream, int rank) {
+  const int64_t Oi = d.own_img, Ot = d.own_txt, whole = tokens_of(d, stream);
+  switch (stream) {
+    case FluxStream::Image:
+      return {whole, Oi, {{rank * Oi, 0, Oi}}};
+    case FluxStream::Text:
+      return {whole, Ot, {{rank * Ot, 0, Ot}}};
+    case FluxStream::Joint:
+      break;
+  }
+  return {whole, d.own_tokens(), {{rank * Ot, 0, Ot}, {d.txt_tokens + rank * Oi, Ot, Oi}}};
 }
 
 }  // namespace
@@ -711,9 +787,11 @@ FluxModel::FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens
   FP8T_CHECK(img_tokens >= 1 && txt_tokens >= 1,
              "expected at least one image and one text token, found {} and {}", img_tokens,
              txt_tokens);
+  sequence_ = tensor_parallel_.sequence && tensor_parallel_.split();
+  if (sequence_) check_flux_sequence_parallel(group, img_tokens, txt_tokens);
   recompute_groups_ =
       flux_recompute_groups(recompute_, config_.double_blocks, config_.single_blocks);
-  const FluxDims dims = flux_dims(config_, batch, img_tokens, txt_tokens, group);
+  const FluxDims dims = this->dims();
   const FluxSaving saving = flux_saving(config_, recompute_.granularity, recompute_groups_);
   const size_t parameter_bytes = FluxParameterSet::planned_bytes(config_, DType::F32);
   parameter_arena_ = std::make_unique<Arena>("parameters", parameter_bytes);
@@ -736,7 +814,11 @@ FluxModel::FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens
   linear_precision_ = decide_flux_precision(config_, precision_.policy);
   for (FluxLinearPrecision& decision : linear_precision_) {
     const FluxLinear& spec = decision.linear;
-    const int64_t tokens = flux_linear_rows(spec, batch, img_tokens, txt_tokens);
+    // Under sequence parallelism the linears on the residual streams' ends read this rank's
+    // tokens.
+    const int64_t tokens = sequence_ && reads_own_tokens(spec.name)
+                               ? flux_linear_rows(spec, batch, dims.own_img, dims.own_txt)
+                               : flux_linear_rows(spec, batch, img_tokens, txt_tokens);
     Linear layer{{tokens, spec.in_features, spec.out_features},
                  parameter(spec.name + ".weight"),
                  parameter(spec.name + ".bias"),
@@ -764,12 +846,18 @@ FluxModel::~FluxModel() = default;
 
 size_t FluxModel::planned_activation_bytes(const FluxConfig& config, int64_t batch,
                                            int64_t img_tokens, int64_t txt_tokens,
-                                           const RecomputeOptions& recompute, int tensor_parallel) {
+                                           const RecomputeOptions& recompute, int tensor_parallel,
+                                           bool sequence_parallel) {
   const FluxRecomputeGroups groups =
       flux_recompute_groups(recompute, config.double_blocks, config.single_blocks);
   return planned_bytes<FluxActivations>(
-      flux_dims(config, batch, img_tokens, txt_tokens, tensor_parallel),
+      flux_dims(config, batch, img_tokens, txt_tokens, tensor_parallel,
+                sequence_parallel && tensor_parallel > 1),
       flux_saving(config, recompute.granularity, groups));
+}
+
+FluxDims FluxModel::dims() const {
+  return flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size, sequence_);
 }
 
 void FluxModel::init_weights(uint64_t seed) {
@@ -840,10 +928,61 @@ void FluxModel::sum_over_group(float* values, int64_t count) {
   if (tensor_parallel_.split()) tensor_parallel_.sum(values, static_cast<size_t>(count));
 }
 
+void FluxModel::place_own_tokens(float* whole, const float* own, FluxStream stream,
+                                 int64_t width) const {
+  const OwnTokens tokens = own_tokens_of(dims(), stream, tensor_parallel_.rank);
+  for (const OwnRun& run : tokens.runs) {
+    copy_tokens(whole, {tokens.whole, run.whole_first, width}, own,
+                {tokens.own, run.own_first, width}, batch_, run.count, width);
+  }
+}
+
+void FluxModel::take_own_tokens(float* own, const float* whole, FluxStream stream,
+                                int64_t width) const {
+  const OwnTokens tokens = own_tokens_of(dims(), stream, tensor_parallel_.rank);
+  for (const OwnRun& run : tokens.runs) {
+    copy_tokens(own, {tokens.own, run.own_first, width}, whole,
+                {tokens.whole, run.whole_first, width}, batch_, run.count, width);
+  }
+}
+
+const float* FluxModel::gather_tokens(const float* own, FluxStream stream) {
+  if (!sequence_) return own;
+  // An all-gather as a sum: each rank adds its tokens into zeros at their places.
+  const TensorView& whole = workspace_->whole;
+  const int64_t C = config_.hidden_size;
+  const int64_t count = batch_ * tokens_of(dims(), stream) * C;
+  std::fill_n(data(whole), count, 0.0f);
+  place_own_tokens(data(whole), own, stream, C);
+  sum_over_group(data(whole), count);
+  return data(whole);
+}
+
+const float* FluxModel::backward_input(const Linear& layer, const float* own, FluxStream stream) {
+  return layer.fp8 ? own : gather_tokens(own, stream);
+}
+
+float* FluxModel::partial_output(float* own) {
+  return sequence_ ? data(workspace_->whole) : own;
+}
+
+const float* FluxModel::sum_own_tokens(float* partial, FluxStream stream, int64_t width,
+                                       float* own) {
+  sum_over_group(partial, batch_ * tokens_of(dims(), stream) * width);
+  if (!sequence_) return partial;
+  take_own_tokens(own, partial, stream, width);
+  return own;
+}
+
+void FluxModel::sum_modulation_gradient(float* dmod, int64_t width) {
+  if (sequence_) sum_over_group(dmod, batch_ * width);
+}
+
 void FluxModel::gather_split_gradients() {
   if (!tensor_parallel_.split()) return;
   for (auto& [name, layer] : linears_) {
-    if (layer.share.split() == Split::None) continue;
+    // Under sequence parallelism the linears on the streams' ends saw this rank's tokens only.
+    if (layer.share.split() == Split::None && !(sequence_ && reads_own_tokens(name))) continue;
     for (const char* tensor : {".weight", ".bias"})  // every rank's: rank 0's alone adds a bias
       sum_over_group(gradient(name + tensor), (*gradients_)[name + tensor].numel());
   }
@@ -936,7 +1075,7 @@ void FluxModel::embedder_backward(const std::string& name, const FluxEmbedderAct
 
 void FluxModel::attention_forward(FluxAttentionActivations& saved, int attention,
                                   const std::string& txt_norm, const std::string& img_norm) {
-  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size);
+  const FluxDims d = dims();
   FluxWorkspace& ws = *workspace_;
   const int64_t L = d.tokens, H = d.heads, D = d.head_dim, rows = d.batch * L * H;
   struct Path {
@@ -970,7 +1109,7 @@ void FluxModel::attention_forward(FluxAttentionActivations& saved, int attention
 
 void FluxModel::attention_backward(const FluxAttentionActivations& saved, int attention,
                                    const std::string& txt_norm, const std::string& img_norm) {
-  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size);
+  const FluxDims d = dims();
   FluxWorkspace& ws = *workspace_;
   const int64_t L = d.tokens, H = d.heads, D = d.head_dim, rows = d.batch * L * H;
   for (const TensorView* view : {&ws.dq, &ws.dk, &ws.dv})
@@ -1012,7 +1151,7 @@ void FluxModel::attention_backward(const FluxAttentionActivations& saved, int at
 }
 
 void FluxModel::double_block_forward(int block) {
-  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size);
+  const FluxDims d = dims();
   FluxActivations& act = *activations_;
   FluxWorkspace& ws = *workspace_;
   FluxDoubleActivations& saved = act.double_blocks[static_cast<size_t>(block)];
@@ -1020,13 +1159,14 @@ void FluxModel::double_block_forward(int block) {
   const std::array<Stream, 2> streams = double_block_streams(act, ws, d, block);
   for (const Stream& s : streams) {
     FluxStreamActivations& a = s.saved;
-    const int64_t rows = B * s.tokens;
-    const ops::ModulationShape shape{B, s.tokens, C};
+    const int64_t rows = B * s.own_tokens;
+    const ops::ModulationShape shape{B, s.own_tokens, C};
     float* mod = data(a.mod);
     modulation_forward(linear(s.prefix + "_mod.lin"), mod);
     ops::layernorm_forward(data(a.norm1), data(a.norm1_rstd), s.x, rows, C);
     ops::modulate_forward(data(a.modulated1), data(a.norm1), mod + C, mod, 6 * C, shape);
-    linear_forward(linear(s.prefix + "_attn.qkv"), data(a.modulated1), data(ws.projection));
+    linear_forward(linear(s.prefix + "_attn.qkv"), gather_tokens(data(a.modulated1), s.stream),
+                   data(ws.projection));
     // "B L (K H D)": q, k and v are consecutive thirds of each token's features (of this
     // rank's heads under tensor parallelism).
     const TokenRows qkv{s.tokens, 0, 3 * A};
@@ -1038,26 +1178,29 @@ void FluxModel::double_block_forward(int block) {
   attention_forward(saved.attention, block, prefix + "txt_attn.norm", prefix + "img_attn.norm");
   for (const Stream& s : streams) {
     FluxStreamActivations& a = s.saved;
-    const int64_t rows = B * s.tokens;
-    const ops::ModulationShape shape{B, s.tokens, C};
+    const int64_t rows = B * s.own_tokens;
+    const ops::ModulationShape shape{B, s.own_tokens, C};
     const float* mod = data(a.mod);
-    copy_tokens(data(a.attn), s.own, data(ws.attn), s.joint, B, s.tokens, A);
-    linear_forward(linear(s.prefix + "_attn.proj"), data(a.attn), data(a.proj));
-    sum_over_group(data(a.proj), rows * C);
+    copy_tokens(data(a.attn), s.alone, data(ws.attn), s.joint, B, s.tokens, A);
+    float* proj = partial_output(data(a.proj));
+    linear_forward(linear(s.prefix + "_attn.proj"), data(a.attn), proj);
+    sum_own_tokens(proj, s.stream, C, data(a.proj));
     ops::gated_residual_forward(s.x, data(a.proj), mod + 2 * C, 6 * C, shape);
     ops::layernorm_forward(data(a.norm2), data(a.norm2_rstd), s.x, rows, C);
     ops::modulate_forward(data(a.modulated2), data(a.norm2), mod + 4 * C, mod + 3 * C, 6 * C,
                           shape);
-    linear_forward(linear(s.prefix + "_mlp.0"), data(a.modulated2), data(a.mlp_hidden));
-    ops::gelu_tanh_forward(data(a.mlp_act), data(a.mlp_hidden), rows * M);
-    linear_forward(linear(s.prefix + "_mlp.2"), data(a.mlp_act), data(a.mlp_out));
-    sum_over_group(data(a.mlp_out), rows * C);
+    linear_forward(linear(s.prefix + "_mlp.0"), gather_tokens(data(a.modulated2), s.stream),
+                   data(a.mlp_hidden));
+    ops::gelu_tanh_forward(data(a.mlp_act), data(a.mlp_hidden), B * s.tokens * M);
+    float* mlp_out = partial_output(data(a.mlp_out));
+    linear_forward(linear(s.prefix + "_mlp.2"), data(a.mlp_act), mlp_out);
+    sum_own_tokens(mlp_out, s.stream, C, data(a.mlp_out));
     ops::gated_residual_forward(s.x, data(a.mlp_out), mod + 5 * C, 6 * C, shape);
   }
 }
 
 void FluxModel::double_block_backward(int block) {
-  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size);
+  const FluxDims d = dims();
   FluxActivations& act = *activations_;
   FluxWorkspace& ws = *workspace_;
   const FluxDoubleActivations& saved = act.double_blocks[static_cast<size_t>(block)];
@@ -1065,8 +1208,8 @@ void FluxModel::double_block_backward(int block) {
   const std::array<Stream, 2> streams = double_block_streams(act, ws, d, block);
   for (const Stream& s : streams) {
     const FluxStreamActivations& a = s.saved;
-    const int64_t rows = B * s.tokens;
-    const ops::ModulationShape shape{B, s.tokens, C};
+    const int64_t rows = B * s.own_tokens;
+    const ops::ModulationShape shape{B, s.own_tokens, C};
     const float* mod = data(a.mod);
     std::fill_n(s.dmod, B * 6 * C, 0.0f);
     // x_out = mid + gate2 · mlp(modulate2(LN(mid)))
@@ -1075,19 +1218,20 @@ void FluxModel::double_block_backward(int block) {
                                  mod + 5 * C, 6 * C, shape);
     // Selective recompute shares mlp_act among the blocks: this stream's GELU again.
     if (recompute_.granularity == RecomputeGranularity::Selective)
-      ops::gelu_tanh_forward(data(a.mlp_act), data(a.mlp_hidden), rows * M);
+      ops::gelu_tanh_forward(data(a.mlp_act), data(a.mlp_hidden), B * s.tokens * M);
     zero(ws.d_mlp_act);
-    linear_backward(linear(s.prefix + "_mlp.2"), data(ws.d_branch), data(a.mlp_act),
-                    data(ws.d_mlp_act));
+    linear_backward(linear(s.prefix + "_mlp.2"), gather_tokens(data(ws.d_branch), s.stream),
+                    data(a.mlp_act), data(ws.d_mlp_act));
     zero(ws.d_mlp_hidden);
     ops::gelu_tanh_backward(data(ws.d_mlp_hidden), data(ws.d_mlp_act), data(a.mlp_hidden),
-                            rows * M);
+                            B * s.tokens * M);
     zero(ws.d_modulated);
-    linear_backward(linear(s.prefix + "_mlp.0"), data(ws.d_mlp_hidden), data(a.modulated2),
-                    data(ws.d_modulated));
-    sum_over_group(data(ws.d_modulated), rows * C);
+    Linear& mlp_in = linear(s.prefix + "_mlp.0");
+    linear_backward(mlp_in, data(ws.d_mlp_hidden),
+                    backward_input(mlp_in, data(a.modulated2), s.stream), data(ws.d_modulated));
     zero(ws.d_norm);
-    ops::modulate_backward(data(ws.d_norm), s.dmod + 4 * C, s.dmod + 3 * C, data(ws.d_modulated),
+    ops::modulate_backward(data(ws.d_norm), s.dmod + 4 * C, s.dmod + 3 * C,
+                           sum_own_tokens(data(ws.d_modulated), s.stream, C, data(ws.own)),
                            data(a.norm2), mod + 4 * C, 6 * C, shape);
     ops::layernorm_backward(s.dx, data(ws.d_norm), data(a.norm2), data(a.norm2_rstd), rows, C);
     // mid = x + gate1 · proj(attention); s.dx now holds d mid.
@@ -1095,52 +1239,55 @@ void FluxModel::double_block_backward(int block) {
     ops::gated_residual_backward(data(ws.d_branch), s.dmod + 2 * C, s.dx, data(a.proj), mod + 2 * C,
                                  6 * C, shape);
     zero(ws.d_modulated);  // here: d of this stream's attention output
-    linear_backward(linear(s.prefix + "_attn.proj"), data(ws.d_branch), data(a.attn),
-                    data(ws.d_modulated));
-    copy_tokens(data(ws.d_attn), s.joint, data(ws.d_modulated), s.own, B, s.tokens, A);
+    linear_backward(linear(s.prefix + "_attn.proj"), gather_tokens(data(ws.d_branch), s.stream),
+                    data(a.attn), data(ws.d_modulated));
+    copy_tokens(data(ws.d_attn), s.joint, data(ws.d_modulated), s.alone, B, s.tokens, A);
     // FP8 attention's backward quantizes the forward's output again.
     if (precision_.fp8_attention) {
-      copy_tokens(data(ws.attn), s.joint, data(a.attn), s.own, B, s.tokens, A);
+      copy_tokens(data(ws.attn), s.joint, data(a.attn), s.alone, B, s.tokens, A);
     }
   }
   const std::string prefix = fmt::format("double_blocks.{}.", block);
   attention_backward(saved.attention, block, prefix + "txt_attn.norm", prefix + "img_attn.norm");
   for (const Stream& s : streams) {
     const FluxStreamActivations& a = s.saved;
-    const int64_t rows = B * s.tokens;
-    const ops::ModulationShape shape{B, s.tokens, C};
+    const ops::ModulationShape shape{B, s.own_tokens, C};
     const TokenRows qkv{s.tokens, 0, 3 * A};
     float* d_qkv = data(ws.d_projection);
     copy_tokens(d_qkv, qkv, data(ws.dq_raw), s.joint, B, s.tokens, A);
     copy_tokens(d_qkv + A, qkv, data(ws.dk_raw), s.joint, B, s.tokens, A);
     copy_tokens(d_qkv + 2 * A, qkv, data(ws.dv), s.joint, B, s.tokens, A);
     zero(ws.d_modulated);
-    linear_backward(linear(s.prefix + "_attn.qkv"), d_qkv, data(a.modulated1),
+    Linear& qkv_layer = linear(s.prefix + "_attn.qkv");
+    linear_backward(qkv_layer, d_qkv, backward_input(qkv_layer, data(a.modulated1), s.stream),
                     data(ws.d_modulated));
-    sum_over_group(data(ws.d_modulated), rows * C);
     zero(ws.d_norm);
-    ops::modulate_backward(data(ws.d_norm), s.dmod + C, s.dmod, data(ws.d_modulated), data(a.norm1),
-                           data(a.mod) + C, 6 * C, shape);
-    ops::layernorm_backward(s.dx, data(ws.d_norm), data(a.norm1), data(a.norm1_rstd), rows, C);
+    ops::modulate_backward(data(ws.d_norm), s.dmod + C, s.dmod,
+                           sum_own_tokens(data(ws.d_modulated), s.stream, C, data(ws.own)),
+                           data(a.norm1), data(a.mod) + C, 6 * C, shape);
+    ops::layernorm_backward(s.dx, data(ws.d_norm), data(a.norm1), data(a.norm1_rstd),
+                            B * s.own_tokens, C);
+    sum_modulation_gradient(s.dmod, 6 * C);
     modulation_backward(linear(s.prefix + "_mod.lin"), s.dmod);
   }
 }
 
 void FluxModel::single_block_forward(int block) {
-  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size);
+  const FluxDims d = dims();
   FluxActivations& act = *activations_;
   FluxWorkspace& ws = *workspace_;
   FluxSingleActivations& a = act.single_blocks[static_cast<size_t>(block)];
   const int64_t B = d.batch, L = d.tokens, N = B * L, C = d.hidden, M = d.mlp_hidden;
   const int64_t A = d.attention;
   const std::string prefix = fmt::format("single_blocks.{}", block);
-  const ops::ModulationShape shape{B, L, C};
+  const ops::ModulationShape shape{B, d.own_tokens(), C};
   float* x = data(ws.joint);
   float* mod = data(a.mod);
   modulation_forward(linear(prefix + ".modulation.lin"), mod);
-  ops::layernorm_forward(data(a.norm), data(a.norm_rstd), x, N, C);
+  ops::layernorm_forward(data(a.norm), data(a.norm_rstd), x, B * d.own_tokens(), C);
   ops::modulate_forward(data(a.modulated), data(a.norm), mod + C, mod, 3 * C, shape);
-  linear_forward(linear(prefix + ".linear1"), data(a.modulated), data(ws.projection));
+  linear_forward(linear(prefix + ".linear1"), gather_tokens(data(a.modulated), FluxStream::Joint),
+                 data(ws.projection));
   // linear1's output: q, k, v (as "B L (K H D)"), then the MLP's input.
   const TokenRows projection{L, 0, 3 * A + M}, joint{L, 0, A};
   copy_tokens(data(ws.q_raw), joint, data(ws.projection), projection, B, L, A);
@@ -1152,20 +1299,21 @@ void FluxModel::single_block_forward(int block) {
   if (recompute_.granularity == RecomputeGranularity::Selective)
     std::copy_n(data(ws.attn), N * A, data(a.attn));
   fill_linear2_input(data(a.linear2_in), data(ws.attn), data(a.mlp_hidden), d);
-  linear_forward(linear(prefix + ".linear2"), data(a.linear2_in), data(a.out));
-  sum_over_group(data(a.out), N * C);
+  float* out = partial_output(data(a.out));
+  linear_forward(linear(prefix + ".linear2"), data(a.linear2_in), out);
+  sum_own_tokens(out, FluxStream::Joint, C, data(a.out));
   ops::gated_residual_forward(x, data(a.out), mod + 2 * C, 3 * C, shape);
 }
 
 void FluxModel::single_block_backward(int block) {
-  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size);
+  const FluxDims d = dims();
   FluxActivations& act = *activations_;
   FluxWorkspace& ws = *workspace_;
   const FluxSingleActivations& a = act.single_blocks[static_cast<size_t>(block)];
   const int64_t B = d.batch, L = d.tokens, N = B * L, C = d.hidden, M = d.mlp_hidden;
   const int64_t A = d.attention;
   const std::string prefix = fmt::format("single_blocks.{}", block);
-  const ops::ModulationShape shape{B, L, C};
+  const ops::ModulationShape shape{B, d.own_tokens(), C};
   float* dx = data(ws.d_joint);
   float* dmod = data(ws.d_mod_img);  // [B, 3C] here
   const float* mod = data(a.mod);
@@ -1176,8 +1324,8 @@ void FluxModel::single_block_backward(int block) {
   if (recompute_.granularity == RecomputeGranularity::Selective)
     fill_linear2_input(data(a.linear2_in), data(a.attn), data(a.mlp_hidden), d);
   zero(ws.d_linear2_in);
-  linear_backward(linear(prefix + ".linear2"), data(ws.d_branch), data(a.linear2_in),
-                  data(ws.d_linear2_in));
+  linear_backward(linear(prefix + ".linear2"), gather_tokens(data(ws.d_branch), FluxStream::Joint),
+                  data(a.linear2_in), data(ws.d_linear2_in));
   const TokenRows linear2_in{L, 0, A + M}, joint{L, 0, A}, mlp{L, 0, M};
   copy_tokens(data(ws.d_attn), joint, data(ws.d_linear2_in), linear2_in, B, L, A);
   copy_tokens(data(ws.d_mlp_act), mlp, data(ws.d_linear2_in) + A, linear2_in, B, L, M);
@@ -1195,13 +1343,17 @@ void FluxModel::single_block_backward(int block) {
   copy_tokens(d_projection + 2 * A, projection, data(ws.dv), joint, B, L, A);
   copy_tokens(d_projection + 3 * A, projection, data(ws.d_mlp_hidden), mlp, B, L, M);
   zero(ws.d_modulated);
-  linear_backward(linear(prefix + ".linear1"), d_projection, data(a.modulated),
+  Linear& linear1 = linear(prefix + ".linear1");
+  linear_backward(linear1, d_projection,
+                  backward_input(linear1, data(a.modulated), FluxStream::Joint),
                   data(ws.d_modulated));
-  sum_over_group(data(ws.d_modulated), N * C);
   zero(ws.d_norm);
-  ops::modulate_backward(data(ws.d_norm), dmod + C, dmod, data(ws.d_modulated), data(a.norm),
-                         mod + C, 3 * C, shape);
-  ops::layernorm_backward(dx, data(ws.d_norm), data(a.norm), data(a.norm_rstd), N, C);
+  ops::modulate_backward(data(ws.d_norm), dmod + C, dmod,
+                         sum_own_tokens(data(ws.d_modulated), FluxStream::Joint, C, data(ws.own)),
+                         data(a.norm), mod + C, 3 * C, shape);
+  ops::layernorm_backward(dx, data(ws.d_norm), data(a.norm), data(a.norm_rstd), B * d.own_tokens(),
+                          C);
+  sum_modulation_gradient(dmod, 3 * C);
   modulation_backward(linear(prefix + ".modulation.lin"), dmod);
 }
 
@@ -1214,13 +1366,19 @@ void FluxModel::forward(const FluxInputs& inputs, float* prediction) {
              "guidance: expected {} (guidance_embed: {}), found {}",
              config_.guidance_embed ? "values" : "none", config_.guidance_embed,
              inputs.guidance != nullptr ? "values" : "none");
-  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size);
+  const FluxDims d = dims();
   FluxActivations& act = *activations_;
   FluxWorkspace& ws = *workspace_;
   const int64_t B = d.batch, Li = d.img_tokens, Lt = d.txt_tokens, L = d.tokens, C = d.hidden;
+  const int64_t Oi = d.own_img, Ot = d.own_txt, O = d.own_tokens();
 
-  std::copy_n(inputs.img, act.img.numel(), data(act.img));
-  std::copy_n(inputs.txt, act.txt.numel(), data(act.txt));
+  if (sequence_) {
+    take_own_tokens(data(act.img), inputs.img, FluxStream::Image, d.in_channels);
+    take_own_tokens(data(act.txt), inputs.txt, FluxStream::Text, d.context_in_dim);
+  } else {
+    std::copy_n(inputs.img, act.img.numel(), data(act.img));
+    std::copy_n(inputs.txt, act.txt.numel(), data(act.txt));
+  }
   std::copy_n(inputs.y, act.vector_in.input.numel(), data(act.vector_in.input));
 
   // vec = time_in(sinusoid(t)) [+ guidance_in(sinusoid(guidance))] + vector_in(y)
@@ -1252,9 +1410,9 @@ void FluxModel::forward(const FluxInputs& inputs, float* prediction) {
     double_block_forward(block);
   }
   if (config_.single_blocks > 0) {
-    const TokenRows img{Li, 0, C}, txt{Lt, 0, C};
-    copy_tokens(data(ws.joint), {L, 0, C}, data(ws.txt), txt, B, Lt, C);
-    copy_tokens(data(ws.joint), {L, Lt, C}, data(ws.img), img, B, Li, C);
+    const TokenRows img{Oi, 0, C}, txt{Ot, 0, C};
+    copy_tokens(data(ws.joint), {O, 0, C}, data(ws.txt), txt, B, Ot, C);
+    copy_tokens(data(ws.joint), {O, Ot, C}, data(ws.img), img, B, Oi, C);
     for (int block = 0; block < config_.single_blocks; ++block) {
       if (const int group = recompute_group_starting_at(recompute_groups_.singles, block);
           group >= 0) {
@@ -1263,50 +1421,64 @@ void FluxModel::forward(const FluxInputs& inputs, float* prediction) {
       }
       single_block_forward(block);
     }
-    copy_tokens(data(ws.img), img, data(ws.joint), {L, Lt, C}, B, Li, C);
+    copy_tokens(data(ws.img), img, data(ws.joint), {O, Ot, C}, B, Oi, C);
   }
 
   // The final layer on the image tokens; its modulation chunks are (shift, scale).
   float* mod = data(act.final_mod);
   modulation_forward(linear("final_layer.adaLN_modulation.1"), mod);
-  ops::layernorm_forward(data(act.final_norm), data(act.final_norm_rstd), data(ws.img), B * Li, C);
+  ops::layernorm_forward(data(act.final_norm), data(act.final_norm_rstd), data(ws.img), B * Oi, C);
   ops::modulate_forward(data(act.final_modulated), data(act.final_norm), mod + C, mod, 2 * C,
-                        {B, Li, C});
-  linear_forward(linear("final_layer.linear"), data(act.final_modulated), prediction);
+                        {B, Oi, C});
+  if (!sequence_) {
+    linear_forward(linear("final_layer.linear"), data(act.final_modulated), prediction);
+    return;
+  }
+  // Every rank returns the whole prediction: its tokens' gathered over the group.
+  linear_forward(linear("final_layer.linear"), data(act.final_modulated), data(ws.own_prediction));
+  std::fill_n(prediction, B * Li * d.in_channels, 0.0f);
+  place_own_tokens(prediction, data(ws.own_prediction), FluxStream::Image, d.in_channels);
+  sum_over_group(prediction, B * Li * d.in_channels);
 }
 
 void FluxModel::backward(const float* grad_prediction) {
-  const FluxDims d = flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size);
+  const FluxDims d = dims();
   FluxActivations& act = *activations_;
   FluxWorkspace& ws = *workspace_;
-  const int64_t B = d.batch, Li = d.img_tokens, Lt = d.txt_tokens, L = d.tokens, C = d.hidden;
+  const int64_t B = d.batch, Oi = d.own_img, Ot = d.own_txt, O = d.own_tokens(), C = d.hidden;
   zero(ws.d_vec_act);  // every modulation adds into it
 
   float* dmod = data(ws.d_mod_img);  // [B, 2C] here
   zero(ws.d_mod_img);
   zero(ws.d_modulated);
-  linear_backward(linear("final_layer.linear"), grad_prediction, data(act.final_modulated),
+  const float* d_prediction = grad_prediction;
+  if (sequence_) {  // this rank's tokens of it
+    take_own_tokens(data(ws.own_prediction), grad_prediction, FluxStream::Image, d.in_channels);
+    d_prediction = data(ws.own_prediction);
+  }
+  linear_backward(linear("final_layer.linear"), d_prediction, data(act.final_modulated),
                   data(ws.d_modulated));
   zero(ws.d_norm);
   ops::modulate_backward(data(ws.d_norm), dmod + C, dmod, data(ws.d_modulated),
-                         data(act.final_norm), data(act.final_mod) + C, 2 * C, {B, Li, C});
+                         data(act.final_norm), data(act.final_mod) + C, 2 * C, {B, Oi, C});
   zero(ws.d_img);
   ops::layernorm_backward(data(ws.d_img), data(ws.d_norm), data(act.final_norm),
-                          data(act.final_norm_rstd), B * Li, C);
+                          data(act.final_norm_rstd), B * Oi, C);
+  sum_modulation_gradient(dmod, 2 * C);
   modulation_backward(linear("final_layer.adaLN_modulation.1"), dmod);
 
   zero(ws.d_txt);
   if (config_.single_blocks > 0) {
-    const TokenRows img{Li, 0, C}, txt{Lt, 0, C};
+    const TokenRows img{Oi, 0, C}, txt{Ot, 0, C};
     zero(ws.d_joint);  // the text's tokens do not reach the prediction but through attention
-    copy_tokens(data(ws.d_joint), {L, Lt, C}, data(ws.d_img), img, B, Li, C);
+    copy_tokens(data(ws.d_joint), {O, Ot, C}, data(ws.d_img), img, B, Oi, C);
     for (int block = config_.single_blocks - 1; block >= 0; --block) {
       if (const int group = recompute_group_ending_at(recompute_groups_.singles, block); group >= 0)
         rerun_single_group(group);
       single_block_backward(block);
     }
-    copy_tokens(data(ws.d_txt), txt, data(ws.d_joint), {L, 0, C}, B, Lt, C);
-    copy_tokens(data(ws.d_img), img, data(ws.d_joint), {L, Lt, C}, B, Li, C);
+    copy_tokens(data(ws.d_txt), txt, data(ws.d_joint), {O, 0, C}, B, Ot, C);
+    copy_tokens(data(ws.d_img), img, data(ws.d_joint), {O, Ot, C}, B, Oi, C);
   }
   for (int block = config_.double_blocks - 1; block >= 0; --block) {
     if (const int group = recompute_group_ending_at(recompute_groups_.doubles, block); group >= 0)

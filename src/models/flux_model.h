@@ -130,6 +130,11 @@ struct FluxInputs {
   const float* guidance = nullptr;   // [B], given exactly when config.guidance_embed
 };
 
+// A residual stream of the Flux: a double block's image or text tokens, or the single blocks'
+// joint [txt; img] sequence.
+enum class FluxStream : uint8_t { Image, Text, Joint };
+
+struct FluxDims;
 struct FluxActivations;
 struct FluxWorkspace;
 struct FluxEmbedderActivations;
@@ -142,17 +147,22 @@ class FluxModel {
   // results are the same either way. Throws ConfigError for a bad recompute_num_layers.
   // tensor_parallel: the group this rank shares its blocks' heads and MLP hidden features with
   // (models/tensor_parallel.h: qkv, linear1's q, k, v and MLP rows and mlp.0 by output, proj,
-  // linear2 and mlp.2 by input); every rank of it must be given the same micro-batches.
+  // linear2 and mlp.2 by input); every rank of it must be given the same micro-batches. With its
+  // `sequence` on, each rank keeps its consecutive 1/size of every sample's image tokens and of
+  // its text tokens outside the split linears (img_in, txt_in, the norms and modulations, the
+  // residual streams and the final layer), and the prediction is gathered over the group.
+  // Throws ConfigError naming sequence_parallel when the tokens do not split so.
   FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens, int64_t txt_tokens,
             const FluxPrecision& precision, const RecomputeOptions& recompute = {},
             const TensorParallel& tensor_parallel = {});
   ~FluxModel();
 
-  // The bytes of the activation arena such a model takes (one rank's of `tensor_parallel`).
+  // The bytes of the activation arena such a model takes (one rank's of `tensor_parallel`, with
+  // sequence parallelism or without).
   static size_t planned_activation_bytes(const FluxConfig& config, int64_t batch,
                                          int64_t img_tokens, int64_t txt_tokens,
                                          const RecomputeOptions& recompute = {},
-                                         int tensor_parallel = 1);
+                                         int tensor_parallel = 1, bool sequence_parallel = false);
 
   const FluxConfig& config() const { return config_; }
   FluxParameterSet& parameters() { return *parameters_; }
@@ -173,7 +183,9 @@ class FluxModel {
   void zero_gradients() { gradients_->fill_zero(); }
   // Tensor parallelism, once after the step's backward passes: sums over the group the
   // gradients of the split linears (each rank holds its share, zeros elsewhere) and of the QK
-  // norms' scales (each rank's heads' part), so that every rank holds the whole gradient.
+  // norms' scales (each rank's heads' part), and under sequence parallelism those of img_in,
+  // txt_in and final_layer.linear (each rank's tokens' part), so that every rank holds the whole
+  // gradient.
   void gather_split_gradients();
 
   // Per linear: "fp8" or the reason it is not.
@@ -213,6 +225,29 @@ class FluxModel {
   // The sum over the tensor-parallel group of `count` values: a row-parallel output or a
   // column-parallel input's gradient; nothing to do without tensor parallelism.
   void sum_over_group(float* values, int64_t count);
+  // The sizes of this rank's buffers.
+  FluxDims dims() const;
+  // Sequence parallelism: copies between this rank's tokens of a stream, own [B, O_s, width],
+  // and their places among the stream's every token, whole [B, L_s, width].
+  void place_own_tokens(float* whole, const float* own, FluxStream stream, int64_t width) const;
+  void take_own_tokens(float* own, const float* whole, FluxStream stream, int64_t width) const;
+  // Every token of a stream of width C from this rank's own: gathered over the group into the
+  // workspace (valid until the next gather or partial output) under sequence parallelism, else
+  // own itself.
+  const float* gather_tokens(const float* own, FluxStream stream);
+  // What a linear's backward reads as its input x: an FP8 linear reads its own cast of x, which
+  // needs no gather.
+  const float* backward_input(const Linear& layer, const float* own, FluxStream stream);
+  // Where a row-parallel linear writes its partial output, whose own tokens go to `own`: the
+  // workspace under sequence parallelism, else own itself.
+  float* partial_output(float* own);
+  // The sum over the group of a partial [B, L_s, width] (a row-parallel output, a
+  // column-parallel input's gradient); returns this rank's tokens of it: copied into `own` under
+  // sequence parallelism, the partial itself otherwise.
+  const float* sum_own_tokens(float* partial, FluxStream stream, int64_t width, float* own);
+  // A modulation's gradient [B, chunks·C], summed over the group under sequence parallelism,
+  // where each rank's tokens add their part.
+  void sum_modulation_gradient(float* dmod, int64_t width);
 
   Linear& linear(const std::string& name);
   float* parameter(const std::string& name);
@@ -253,6 +288,7 @@ class FluxModel {
   FluxPrecision precision_;
   RecomputeOptions recompute_;
   TensorParallel tensor_parallel_;
+  bool sequence_ = false;  // sequence parallelism (tensor_parallel_.sequence with a group)
   FluxRecomputeGroups recompute_groups_;  // full recompute's; empty otherwise
   bool training_ = true;
   bool recording_fp8_health_ = false;

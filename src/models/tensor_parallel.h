@@ -31,8 +31,7 @@ struct TensorParallel {
   // Sequence parallelism (Megatron's, with size > 1): outside the split linears (the residual
   // stream, the norms, the output layer and the loss) each rank holds its 1/size of the
   // micro-batch's tokens; the input of a column-parallel linear is gathered over the group, and
-  // a row-parallel output summed and scattered back to each rank's tokens. The GPT on the CPU
-  // path only.
+  // a row-parallel output summed and scattered back to each rank's tokens. The CPU path only.
   bool sequence = false;
   // In place over the group, the same result on every rank of it. Unset when size is 1.
   std::function<void(float* values, size_t count)> sum;
@@ -59,21 +58,39 @@ inline void check_splits_evenly(
   }
 }
 
-// Throws ConfigError naming sequence_parallel unless a tensor-parallel group of `size` ranks
-// (more than one) splits a micro-batch of `batch` sequences of `seq` tokens into equal runs of
-// rows.
-inline void check_sequence_parallel(int size, int64_t batch, int64_t seq) {
+// Throws ConfigError naming sequence_parallel unless a tensor-parallel group has more than one
+// rank.
+inline void check_sequence_parallel_group(int size) {
   if (size < 2) {
     throw ConfigError(fmt::format(
         "sequence_parallel: true needs tensor_model_parallel_size above 1 (it splits the tokens "
         "over a tensor-parallel group), found {}",
         size));
   }
+}
+
+// Throws ConfigError naming sequence_parallel unless a tensor-parallel group of `size` ranks
+// (more than one) splits a micro-batch of `batch` sequences of `seq` tokens into equal runs of
+// rows.
+inline void check_sequence_parallel(int size, int64_t batch, int64_t seq) {
+  check_sequence_parallel_group(size);
   if (batch * seq % size != 0) {
     throw ConfigError(fmt::format(
         "sequence_parallel: the {} tokens of a micro-batch (micro_batch_size {} × sequence_len "
         "{}) do not split over tensor_model_parallel_size {}; expected a multiple of it",
         batch * seq, batch, seq, size));
+  }
+}
+
+// Throws ConfigError naming sequence_parallel unless a tensor-parallel group of `size` ranks
+// (more than one) splits each Flux sample's image tokens and its text tokens evenly.
+inline void check_flux_sequence_parallel(int size, int64_t img_tokens, int64_t txt_tokens) {
+  check_sequence_parallel_group(size);
+  if (img_tokens % size != 0 || txt_tokens % size != 0) {
+    throw ConfigError(fmt::format(
+        "sequence_parallel: a sample's {} image tokens and {} text tokens must each split over "
+        "tensor_model_parallel_size {}; expected multiples of it",
+        img_tokens, txt_tokens, size));
   }
 }
 

@@ -20,14 +20,6 @@ namespace fp8t::train {
 
 namespace {
 
-// This rank's tensor-parallel group (none in one process), with sequence parallelism as set.
-TensorParallel tensor_parallel_of(const EngineSetup& setup) {
-  if (setup.communicator == nullptr) return {};
-  TensorParallel group = distributed::tensor_parallel_group(*setup.communicator, setup.layout);
-  group.sequence = setup.sequence_parallel;
-  return group;
-}
-
 class CpuEngine final : public TrainingEngine {
  public:
   explicit CpuEngine(const EngineSetup& setup)
@@ -36,7 +28,9 @@ class CpuEngine final : public TrainingEngine {
         plan_(plan_gpt_memory(setup.model, setup.batch, setup.seq, setup.recompute,
                               setup.layout.tensor, setup.sequence_parallel)),
         model_((check_memory_fits(plan_), setup.model), setup.batch, setup.seq, setup.precision,
-               setup.recompute, tensor_parallel_of(setup)),
+               setup.recompute,
+               distributed::tensor_parallel_group(setup.communicator, setup.layout,
+                                                  setup.sequence_parallel)),
         sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
         optimizer_(setup.model, setup.optimizer, setup.tokens_per_step,
                    sharded_ ? setup.communicator->rank() : 0,

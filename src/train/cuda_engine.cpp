@@ -59,6 +59,14 @@ void check_gpu_precision(const ModelPrecision& precision) {
   }
 }
 
+void check_gpu_sequence_parallel(bool sequence_parallel) {
+  if (sequence_parallel) {
+    throw ConfigError(
+        "sequence_parallel: true runs on the CPU path only so far; set device: cpu, or "
+        "sequence_parallel: false");
+  }
+}
+
 #if FP8TRAIN_WITH_CUDA
 
 namespace {
@@ -339,11 +347,7 @@ GpuInfo training_gpu(const distributed::Communicator* communicator) {
 
 std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
   check_gpu_precision(setup.precision);
-  if (setup.sequence_parallel) {
-    throw ConfigError(
-        "sequence_parallel: true runs on the CPU path only so far; set device: cpu, or "
-        "sequence_parallel: false");
-  }
+  check_gpu_sequence_parallel(setup.sequence_parallel);
   return std::make_unique<CudaEngine>(setup, training_gpu(setup.communicator));
 }
 

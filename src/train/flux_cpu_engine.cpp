@@ -27,12 +27,11 @@ class FluxCpuEngine final : public FluxEngine {
         img_ids_(setup.img_ids),
         model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision,
                setup.recompute,
-               communicator_ != nullptr
-                   ? distributed::tensor_parallel_group(*communicator_, setup.layout)
-                   : TensorParallel{}),
+               distributed::tensor_parallel_group(setup.communicator, setup.layout,
+                                                  setup.sequence_parallel)),
         activation_bytes_(FluxModel::planned_activation_bytes(
             setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.recompute,
-            setup.layout.tensor)),
+            setup.layout.tensor, setup.sequence_parallel)),
         sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
         optimizer_(flux_optimized_parameters(setup.model), setup.adamw,
                    sharded_ ? setup.communicator->rank() : 0,

@@ -348,6 +348,7 @@ void check_flux_fits(const FluxEngineSetup& setup, const GpuInfo& gpu) {
 
 std::unique_ptr<FluxEngine> make_flux_cuda_engine(const FluxEngineSetup& setup) {
   check_gpu_precision(setup.precision);
+  check_gpu_sequence_parallel(setup.sequence_parallel);
   GpuInfo gpu = training_gpu(setup.communicator);
   check_flux_fits(setup, gpu);
   return std::make_unique<FluxCudaEngine>(setup, std::move(gpu));

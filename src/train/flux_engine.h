@@ -83,8 +83,9 @@ struct FluxEngineSetup {
   // Data parallelism: the gradients and losses are summed over the ranks and the delayed-scaling
   // amaxes max-reduced. Null: one process.
   distributed::Communicator* communicator = nullptr;
-  // Tensor parallelism (CPU path), as EngineSetup's.
+  // Tensor and sequence parallelism (CPU path), as EngineSetup's.
   distributed::ParallelLayout layout;
+  bool sequence_parallel = false;
   // With several ranks: ZeRO-1 (optim/optimizer_shard.h), as EngineSetup's.
   bool shard_optimizer_state = false;
   // The GPU path's GEMM selection, as EngineSetup's.

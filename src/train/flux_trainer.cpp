@@ -188,6 +188,7 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
   setup.adamw = config.optimizer_settings().adamw;
   if (several) setup.communicator = &communicator;
   setup.layout = layout;
+  setup.sequence_parallel = config.run.sequence_parallel;
   setup.shard_optimizer_state = config.run.shard_optimizer_state;
   setup.recompute = config.training.recompute;
   setup.gemm_tuning = gemm_tuning;

@@ -374,10 +374,12 @@ TEST(TrainConfig, SequenceParallelNeedsATensorParallelGroupAndSplitTokens) {
   EXPECT_EQ(load_error({"--sequence-parallel=true"}),
             "command line: --sequence-parallel: true needs tensor_model_parallel_size above 1 (it "
             "splits the tokens over a tensor-parallel group), found 1");
-  EXPECT_EQ(load_error({"--model=flux_tiny", "--tensor-model-parallel-size=2",
-                        "--sequence-parallel=true"}),
-            "command line: --sequence-parallel: true is not yet supported for the Flux model; "
-            "expected false");
+  EXPECT_TRUE(
+      load({"--model=flux_tiny", "--tensor-model-parallel-size=2", "--sequence-parallel=true"})
+          .run.sequence_parallel);
+  EXPECT_EQ(load_error({"--model=flux_tiny", "--sequence-parallel=true"}),
+            "command line: --sequence-parallel: true needs tensor_model_parallel_size above 1 (it "
+            "splits the tokens over a tensor-parallel group), found 1");
   EXPECT_EQ(load_error({"--depth=2", "--head-dim=64", "--aspect-ratio=64",
                         "--tensor-model-parallel-size=2", "--sequence-parallel=true",
                         "--micro-batch-size=1", "--sequence-len=7"}),

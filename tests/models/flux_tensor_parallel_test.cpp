@@ -1,12 +1,13 @@
 // Tensor parallelism of the Flux on the CPU path (models/tensor_parallel.h): two ranks, threads of
 // this process, give the prediction and the gradients of one model on the whole tensors (fp32),
-// or its prediction and its FP8 scales (FP8 linears).
+// or its prediction and its FP8 scales (FP8 linears), with sequence parallelism or without.
 #include <gtest/gtest.h>
 
 #include <cmath>
 #include <memory>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/error.h"
@@ -18,7 +19,8 @@
 namespace fp8t {
 namespace {
 
-constexpr int64_t kBatch = 2, kImgTokens = 8, kTxtTokens = 3;
+// Sequence parallelism splits each stream's tokens: 4 text tokens instead of 3.
+constexpr int64_t kBatch = 2, kImgTokens = 8;
 constexpr int kRanks = 2;
 
 // Two double and two single blocks with 2 heads: one head per rank.
@@ -37,10 +39,12 @@ std::vector<float> draw(int64_t count, std::mt19937& generator) {
 using Case = testing::RecomputeSetting;
 using testing::relative_difference;
 
-class FluxTensorParallel : public ::testing::TestWithParam<Case> {};
+int64_t text_tokens(bool sequence) {
+  return sequence ? 4 : 3;
+}
 
-TEST_P(FluxTensorParallel, TwoRanksGiveThePredictionAndGradientsOfOne) {
-  const Case setting = GetParam();
+void expect_two_ranks_give_the_prediction_and_gradients_of_one(const Case& setting, bool sequence) {
+  const int64_t txt_tokens = text_tokens(sequence);
   const bool fp8 = setting.numbers != testing::Numbers::Fp32;
   // Blockwise's 128x128 tiles need the shares (a head of 128, half an MLP of 1024) to be whole.
   const FluxConfig config =
@@ -50,7 +54,7 @@ TEST_P(FluxTensorParallel, TwoRanksGiveThePredictionAndGradientsOfOne) {
   const unsigned seed = std::random_device{}();
   SCOPED_TRACE(::testing::Message() << "seed " << seed);
   std::mt19937 generator(seed);
-  FluxModel whole(config, kBatch, kImgTokens, kTxtTokens, precision, setting.recompute);
+  FluxModel whole(config, kBatch, kImgTokens, txt_tokens, precision, setting.recompute);
   // Every parameter random (the modulation and final layer too, which the initialization
   // zeroes), so that every gradient path carries signal; the FP8 models nearer a smooth start.
   std::normal_distribution<float> normal(0.0f, fp8 ? 0.05f : 0.3f);
@@ -62,7 +66,7 @@ TEST_P(FluxTensorParallel, TwoRanksGiveThePredictionAndGradientsOfOne) {
   }
   whole.weights_changed();
   const std::vector<float> img = draw(kBatch * kImgTokens * config.in_channels, generator);
-  const std::vector<float> txt = draw(kBatch * kTxtTokens * config.context_in_dim, generator);
+  const std::vector<float> txt = draw(kBatch * txt_tokens * config.context_in_dim, generator);
   const std::vector<float> y = draw(kBatch * config.vec_in_dim, generator);
   const std::vector<float> timesteps = {0.25f, 0.75f};
   std::vector<float> img_ids;
@@ -82,8 +86,9 @@ TEST_P(FluxTensorParallel, TwoRanksGiveThePredictionAndGradientsOfOne) {
 
   testing::ThreadGroup group(kRanks);
   const std::vector<std::unique_ptr<FluxModel>> ranks =
-      testing::ranks_like(group, whole, params, [&](const TensorParallel& member) {
-        return std::make_unique<FluxModel>(config, kBatch, kImgTokens, kTxtTokens, precision,
+      testing::ranks_like(group, whole, params, [&](TensorParallel member) {
+        member.sequence = sequence;
+        return std::make_unique<FluxModel>(config, kBatch, kImgTokens, txt_tokens, precision,
                                            setting.recompute, member);
       });
   if (fp8) {
@@ -141,14 +146,29 @@ TEST_P(FluxTensorParallel, TwoRanksGiveThePredictionAndGradientsOfOne) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    FluxModel, FluxTensorParallel,
-    ::testing::Values(Case{testing::Numbers::Fp32, {}},
-                      Case{testing::Numbers::Fp32, {RecomputeGranularity::Selective}},
-                      Case{testing::Numbers::Fp32, {RecomputeGranularity::Full}},
-                      Case{testing::Numbers::Delayed, {}}, Case{testing::Numbers::Tensorwise, {}},
-                      Case{testing::Numbers::Blockwise, {}}),
-    testing::test_name);
+const auto kSettings = ::testing::Values(
+    Case{testing::Numbers::Fp32, {}},
+    Case{testing::Numbers::Fp32, {RecomputeGranularity::Selective}},
+    Case{testing::Numbers::Fp32, {RecomputeGranularity::Full}}, Case{testing::Numbers::Delayed, {}},
+    Case{testing::Numbers::Tensorwise, {}}, Case{testing::Numbers::Blockwise, {}});
+
+class FluxTensorParallel : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FluxTensorParallel, TwoRanksGiveThePredictionAndGradientsOfOne) {
+  expect_two_ranks_give_the_prediction_and_gradients_of_one(GetParam(), false);
+}
+
+INSTANTIATE_TEST_SUITE_P(FluxModel, FluxTensorParallel, kSettings, testing::test_name);
+
+// Each rank keeps 4 of a sample's 8 image tokens and 2 of its 4 text tokens outside the split
+// linears.
+class FluxSequenceParallel : public ::testing::TestWithParam<Case> {};
+
+TEST_P(FluxSequenceParallel, TwoRanksGiveThePredictionAndGradientsOfOne) {
+  expect_two_ranks_give_the_prediction_and_gradients_of_one(GetParam(), true);
+}
+
+INSTANTIATE_TEST_SUITE_P(FluxModel, FluxSequenceParallel, kSettings, testing::test_name);
 
 TEST(FluxTensorParallelSplits, HeadsAndHiddenFeaturesMustSplitEvenly) {
   const FluxConfig config = two_head_config(64);
@@ -166,11 +186,34 @@ TEST(FluxTensorParallelSplits, HeadsAndHiddenFeaturesMustSplitEvenly) {
 
 TEST(FluxTensorParallelSplits, EachRankPlansTheActivationsOfItsShare) {
   const FluxConfig config = two_head_config(64);
-  const size_t whole = FluxModel::planned_activation_bytes(config, kBatch, kImgTokens, kTxtTokens);
+  const int64_t txt_tokens = text_tokens(true);
+  const size_t whole = FluxModel::planned_activation_bytes(config, kBatch, kImgTokens, txt_tokens);
   const size_t share =
-      FluxModel::planned_activation_bytes(config, kBatch, kImgTokens, kTxtTokens, {}, kRanks);
+      FluxModel::planned_activation_bytes(config, kBatch, kImgTokens, txt_tokens, {}, kRanks);
   EXPECT_LT(share, whole);
   EXPECT_GT(share, whole / 2);  // the residual streams and the modulation stay whole
+  const size_t sequence =
+      FluxModel::planned_activation_bytes(config, kBatch, kImgTokens, txt_tokens, {}, kRanks, true);
+  EXPECT_LT(sequence, share);  // the residual streams' tensors hold half the tokens
+}
+
+TEST(FluxTensorParallelSplits, SequenceParallelismNeedsEachStreamToSplit) {
+  const FluxConfig config = two_head_config(64);
+  testing::ThreadGroup group(kRanks);
+  TensorParallel member = group.member(0);
+  member.sequence = true;
+  const FluxPrecision precision = testing::precision_of(testing::Numbers::Fp32);
+  EXPECT_NO_THROW(FluxModel(config, kBatch, kImgTokens, 4, precision, {}, member));
+  for (const auto& [img, txt] :
+       {std::pair{kImgTokens, int64_t(3)}, std::pair{int64_t(9), int64_t(4)}}) {
+    try {
+      FluxModel model(config, kBatch, img, txt, precision, {}, member);
+      FAIL() << "expected a ConfigError for " << img << " image and " << txt << " text tokens";
+    } catch (const ConfigError& error) {
+      EXPECT_NE(std::string(error.what()).find("sequence_parallel"), std::string::npos)
+          << error.what();
+    }
+  }
 }
 
 }  // namespace
