@@ -11,6 +11,7 @@
 
 #include "core/error.h"
 #include "optim/clip.h"
+#include "train/evaluation_mode.h"
 #include "train/memory_fit.h"
 #include "train/nan_guard.h"
 #include "train/run_log.h"
@@ -111,10 +112,8 @@ class CpuEngine final : public TrainingEngine {
   }
 
   double evaluation_loss(const data::TokenBatch& batch) override {
-    model_.set_training(false);
-    const double loss = model_.forward(batch.inputs.data(), batch.targets.data());
-    model_.set_training(true);
-    return loss;
+    const EvaluationMode evaluation(model_);
+    return model_.forward(batch.inputs.data(), batch.targets.data());
   }
 
   const std::vector<optim::OptimizerGroup>& optimizer_groups() const override {

@@ -28,6 +28,7 @@
 #include "core/cuda_resources.h"
 #include "models/cuda/gpt_model_cuda.h"
 #include "train/cuda_tensor_group.h"
+#include "train/evaluation_mode.h"
 #include "train/micro_batch_losses.h"
 #if FP8TRAIN_WITH_NCCL
 #include "train/cuda_rank_sums.h"
@@ -205,11 +206,9 @@ class CudaEngine final : public TrainingEngine {
   }
 
   double evaluation_loss(const data::TokenBatch& batch) override {
-    model_.set_training(false);
+    const EvaluationMode evaluation(model_);
     model_.forward(batch.inputs.data(), batch.targets.data(), false);
-    const double loss = model_.loss_value();
-    model_.set_training(true);
-    return loss;
+    return model_.loss_value();
   }
 
   const std::vector<optim::OptimizerGroup>& optimizer_groups() const override {

@@ -9,6 +9,7 @@
 #include "core/error.h"
 #include "models/flux_objective.h"
 #include "optim/clip.h"
+#include "train/evaluation_mode.h"
 #include "train/flux_engine.h"
 #include "train/run_log.h"
 #include "train/training_engine.h"
@@ -100,18 +101,18 @@ class FluxCpuEngine final : public FluxEngine {
   }
 
   double evaluation_loss(const FluxBatch& batch) override {
-    model_.set_training(false);
-    model_.forward(inputs(batch), prediction_.data());
-    model_.set_training(true);
+    {
+      const EvaluationMode evaluation(model_);
+      model_.forward(inputs(batch), prediction_.data());
+    }
     return flow_mse_loss(prediction_.data(), batch.target.data(), std::ssize(prediction_));
   }
 
   void predict(const FluxInputs& inputs, int64_t rows, float* prediction) override {
-    model_.set_training(false);
+    const EvaluationMode evaluation(model_);
     predict_in_micro_batches(
         model_.config(), batch_, img_tokens_, txt_tokens_, inputs, rows, prediction,
         [&](const FluxInputs& micro_batch, float* out) { model_.forward(micro_batch, out); });
-    model_.set_training(true);
   }
 
   double lr() const override { return optimizer_.lr(); }

@@ -30,6 +30,7 @@
 #include "ops/cuda/flux_ops.h"
 #include "optim/cuda/adamw_cuda.h"
 #include "train/cuda_tensor_group.h"
+#include "train/evaluation_mode.h"
 #include "train/micro_batch_losses.h"
 #endif
 #if FP8TRAIN_WITH_NCCL
@@ -151,15 +152,13 @@ class FluxCudaEngine final : public FluxEngine {
   }
 
   double evaluation_loss(const FluxBatch& batch) override {
-    model_.set_training(false);
+    const EvaluationMode evaluation(model_);
     model_.forward(inputs(batch), batch.target.data(), false);
-    const double loss = model_.loss_value();
-    model_.set_training(true);
-    return loss;
+    return model_.loss_value();
   }
 
   void predict(const FluxInputs& inputs, int64_t rows, float* prediction) override {
-    model_.set_training(false);
+    const EvaluationMode evaluation(model_);
     const std::vector<float> no_target(size_t(batch_ * img_tokens_ * model_.config().in_channels),
                                        0.0f);  // the loss is not read
     predict_in_micro_batches(model_.config(), batch_, img_tokens_, txt_tokens_, inputs, rows,
@@ -168,7 +167,6 @@ class FluxCudaEngine final : public FluxEngine {
                                const std::vector<float> values = model_.prediction();
                                std::copy(values.begin(), values.end(), out);
                              });
-    model_.set_training(true);
   }
 
   double lr() const override {
