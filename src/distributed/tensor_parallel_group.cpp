@@ -19,8 +19,9 @@ ParallelLayout parallel_layout(int world_size, int rank, int tensor) {
   return {tensor, rank % tensor, world_size / tensor, rank / tensor};
 }
 
-TensorParallel tensor_parallel_group(Communicator* communicator, const ParallelLayout& layout,
-                                     bool sequence_parallel) {
+TensorParallel training_tensor_parallel_group(Communicator* communicator,
+                                              const ParallelLayout& layout,
+                                              bool sequence_parallel) {
   if (communicator == nullptr) return {};
   TensorParallel group = tensor_parallel_group(*communicator, layout);
   group.sequence = sequence_parallel;

@@ -29,7 +29,7 @@ ParallelLayout parallel_layout(int world_size, int rank, int tensor);
 TensorParallel tensor_parallel_group(Communicator& communicator, const ParallelLayout& layout);
 // A training rank's group: none in one process (no communicator), else the above with sequence
 // parallelism as set.
-TensorParallel tensor_parallel_group(Communicator* communicator, const ParallelLayout& layout,
-                                     bool sequence_parallel);
+TensorParallel training_tensor_parallel_group(Communicator* communicator,
+                                              const ParallelLayout& layout, bool sequence_parallel);
 
 }  // namespace fp8t::distributed

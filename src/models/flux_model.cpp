@@ -161,10 +161,11 @@ struct FluxWorkspace {
   TensorView d_mlp_act, d_mlp_hidden;      // [N, M]
   TensorView d_projection;                 // [N, 3C + M]
   TensorView d_linear2_in;                 // [N, C + M]
-  TensorView d_attn, dq, dk, dv, d_rotated, d_normed, dq_raw, dk_raw;  // [N, C]
-  // Sequence parallelism only: a stream's every token [N, C] (a gathered input, a row-parallel
-  // linear's partial output), a summed input gradient's own tokens [O, C], and the final layer's
-  // output on this rank's image tokens [B, O_img, in_channels].
+  TensorView d_attn, dq, dk, dv, d_rotated, d_normed, dq_raw, dk_raw;  // [N, A]
+  // Sequence parallelism only: a stream's every token [N, C] (a gathered input or output
+  // gradient, a row-parallel linear's partial output), a summed input gradient's own tokens
+  // [O, C], and the final layer's output (or its gradient) on this rank's image tokens
+  // [B, O_img, in_channels].
   TensorView whole, own, own_prediction;
 
   template <typename Visit>
@@ -497,13 +498,13 @@ struct Stream {
   std::string prefix;  // "double_blocks.{i}.img" or ".txt"
   FluxStream stream;
   FluxStreamActivations& saved;
-  TokenRows alone;     // its rows in its own [B, L_s, A] attention buffers
-  TokenRows joint;     // its rows in the joint [B, L, A] attention (the text comes first)
-  int64_t tokens;      // L_s
-  int64_t own_tokens;  // of them, this rank's in the residual stream
-  float* x;            // its residual stream [B, own_tokens, C]
-  float* dx;           // the gradient of that residual
-  float* dmod;         // [B, 6C]: the gradient of its modulation output
+  TokenRows stream_rows;  // its rows in its own [B, L_s, A] attention buffers
+  TokenRows joint;        // its rows in the joint [B, L, A] attention (the text comes first)
+  int64_t tokens;         // L_s
+  int64_t own_tokens;     // of them, this rank's in the residual stream
+  float* x;               // its residual stream [B, own_tokens, C]
+  float* dx;              // the gradient of that residual
+  float* dmod;            // [B, 6C]: the gradient of its modulation output
 };
 
 std::array<Stream, 2> double_block_streams(FluxActivations& act, FluxWorkspace& ws,
@@ -850,9 +851,10 @@ size_t FluxModel::planned_activation_bytes(const FluxConfig& config, int64_t bat
                                            bool sequence_parallel) {
   const FluxRecomputeGroups groups =
       flux_recompute_groups(recompute, config.double_blocks, config.single_blocks);
+  const bool sequence = sequence_parallel && tensor_parallel > 1;
+  if (sequence) check_flux_sequence_parallel(tensor_parallel, img_tokens, txt_tokens);
   return planned_bytes<FluxActivations>(
-      flux_dims(config, batch, img_tokens, txt_tokens, tensor_parallel,
-                sequence_parallel && tensor_parallel > 1),
+      flux_dims(config, batch, img_tokens, txt_tokens, tensor_parallel, sequence),
       flux_saving(config, recompute.granularity, groups));
 }
 
@@ -959,15 +961,15 @@ const float* FluxModel::gather_tokens(const float* own, FluxStream stream) {
 }
 
 const float* FluxModel::backward_input(const Linear& layer, const float* own, FluxStream stream) {
-  return layer.fp8 ? own : gather_tokens(own, stream);
+  return layer.fp8 ? nullptr : gather_tokens(own, stream);
 }
 
 float* FluxModel::partial_output(float* own) {
   return sequence_ ? data(workspace_->whole) : own;
 }
 
-const float* FluxModel::sum_own_tokens(float* partial, FluxStream stream, int64_t width,
-                                       float* own) {
+const float* FluxModel::reduce_to_own_tokens(float* partial, FluxStream stream, int64_t width,
+                                             float* own) {
   sum_over_group(partial, batch_ * tokens_of(dims(), stream) * width);
   if (!sequence_) return partial;
   take_own_tokens(own, partial, stream, width);
@@ -1181,10 +1183,10 @@ void FluxModel::double_block_forward(int block) {
     const int64_t rows = B * s.own_tokens;
     const ops::ModulationShape shape{B, s.own_tokens, C};
     const float* mod = data(a.mod);
-    copy_tokens(data(a.attn), s.alone, data(ws.attn), s.joint, B, s.tokens, A);
+    copy_tokens(data(a.attn), s.stream_rows, data(ws.attn), s.joint, B, s.tokens, A);
     float* proj = partial_output(data(a.proj));
     linear_forward(linear(s.prefix + "_attn.proj"), data(a.attn), proj);
-    sum_own_tokens(proj, s.stream, C, data(a.proj));
+    reduce_to_own_tokens(proj, s.stream, C, data(a.proj));
     ops::gated_residual_forward(s.x, data(a.proj), mod + 2 * C, 6 * C, shape);
     ops::layernorm_forward(data(a.norm2), data(a.norm2_rstd), s.x, rows, C);
     ops::modulate_forward(data(a.modulated2), data(a.norm2), mod + 4 * C, mod + 3 * C, 6 * C,
@@ -1194,7 +1196,7 @@ void FluxModel::double_block_forward(int block) {
     ops::gelu_tanh_forward(data(a.mlp_act), data(a.mlp_hidden), B * s.tokens * M);
     float* mlp_out = partial_output(data(a.mlp_out));
     linear_forward(linear(s.prefix + "_mlp.2"), data(a.mlp_act), mlp_out);
-    sum_own_tokens(mlp_out, s.stream, C, data(a.mlp_out));
+    reduce_to_own_tokens(mlp_out, s.stream, C, data(a.mlp_out));
     ops::gated_residual_forward(s.x, data(a.mlp_out), mod + 5 * C, 6 * C, shape);
   }
 }
@@ -1231,7 +1233,7 @@ void FluxModel::double_block_backward(int block) {
                     backward_input(mlp_in, data(a.modulated2), s.stream), data(ws.d_modulated));
     zero(ws.d_norm);
     ops::modulate_backward(data(ws.d_norm), s.dmod + 4 * C, s.dmod + 3 * C,
-                           sum_own_tokens(data(ws.d_modulated), s.stream, C, data(ws.own)),
+                           reduce_to_own_tokens(data(ws.d_modulated), s.stream, C, data(ws.own)),
                            data(a.norm2), mod + 4 * C, 6 * C, shape);
     ops::layernorm_backward(s.dx, data(ws.d_norm), data(a.norm2), data(a.norm2_rstd), rows, C);
     // mid = x + gate1 · proj(attention); s.dx now holds d mid.
@@ -1241,10 +1243,10 @@ void FluxModel::double_block_backward(int block) {
     zero(ws.d_modulated);  // here: d of this stream's attention output
     linear_backward(linear(s.prefix + "_attn.proj"), gather_tokens(data(ws.d_branch), s.stream),
                     data(a.attn), data(ws.d_modulated));
-    copy_tokens(data(ws.d_attn), s.joint, data(ws.d_modulated), s.alone, B, s.tokens, A);
+    copy_tokens(data(ws.d_attn), s.joint, data(ws.d_modulated), s.stream_rows, B, s.tokens, A);
     // FP8 attention's backward quantizes the forward's output again.
     if (precision_.fp8_attention) {
-      copy_tokens(data(ws.attn), s.joint, data(a.attn), s.alone, B, s.tokens, A);
+      copy_tokens(data(ws.attn), s.joint, data(a.attn), s.stream_rows, B, s.tokens, A);
     }
   }
   const std::string prefix = fmt::format("double_blocks.{}.", block);
@@ -1263,7 +1265,7 @@ void FluxModel::double_block_backward(int block) {
                     data(ws.d_modulated));
     zero(ws.d_norm);
     ops::modulate_backward(data(ws.d_norm), s.dmod + C, s.dmod,
-                           sum_own_tokens(data(ws.d_modulated), s.stream, C, data(ws.own)),
+                           reduce_to_own_tokens(data(ws.d_modulated), s.stream, C, data(ws.own)),
                            data(a.norm1), data(a.mod) + C, 6 * C, shape);
     ops::layernorm_backward(s.dx, data(ws.d_norm), data(a.norm1), data(a.norm1_rstd),
                             B * s.own_tokens, C);
@@ -1301,7 +1303,7 @@ void FluxModel::single_block_forward(int block) {
   fill_linear2_input(data(a.linear2_in), data(ws.attn), data(a.mlp_hidden), d);
   float* out = partial_output(data(a.out));
   linear_forward(linear(prefix + ".linear2"), data(a.linear2_in), out);
-  sum_own_tokens(out, FluxStream::Joint, C, data(a.out));
+  reduce_to_own_tokens(out, FluxStream::Joint, C, data(a.out));
   ops::gated_residual_forward(x, data(a.out), mod + 2 * C, 3 * C, shape);
 }
 
@@ -1348,9 +1350,10 @@ void FluxModel::single_block_backward(int block) {
                   backward_input(linear1, data(a.modulated), FluxStream::Joint),
                   data(ws.d_modulated));
   zero(ws.d_norm);
-  ops::modulate_backward(data(ws.d_norm), dmod + C, dmod,
-                         sum_own_tokens(data(ws.d_modulated), FluxStream::Joint, C, data(ws.own)),
-                         data(a.norm), mod + C, 3 * C, shape);
+  ops::modulate_backward(
+      data(ws.d_norm), dmod + C, dmod,
+      reduce_to_own_tokens(data(ws.d_modulated), FluxStream::Joint, C, data(ws.own)), data(a.norm),
+      mod + C, 3 * C, shape);
   ops::layernorm_backward(dx, data(ws.d_norm), data(a.norm), data(a.norm_rstd), B * d.own_tokens(),
                           C);
   sum_modulation_gradient(dmod, 3 * C);

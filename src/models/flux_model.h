@@ -149,8 +149,9 @@ class FluxModel {
   // (models/tensor_parallel.h: qkv, linear1's q, k, v and MLP rows and mlp.0 by output, proj,
   // linear2 and mlp.2 by input); every rank of it must be given the same micro-batches. With its
   // `sequence` on, each rank keeps its consecutive 1/size of every sample's image tokens and of
-  // its text tokens outside the split linears (img_in, txt_in, the norms and modulations, the
-  // residual streams and the final layer), and the prediction is gathered over the group.
+  // its text tokens outside the split linears (img_in, txt_in, the residual streams, the
+  // LayerNorms and modulated outputs, and the final layer), and the prediction is gathered over
+  // the group.
   // Throws ConfigError naming sequence_parallel when the tokens do not split so.
   FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens, int64_t txt_tokens,
             const FluxPrecision& precision, const RecomputeOptions& recompute = {},
@@ -158,13 +159,16 @@ class FluxModel {
   ~FluxModel();
 
   // The bytes of the activation arena such a model takes (one rank's of `tensor_parallel`, with
-  // sequence parallelism or without).
+  // sequence parallelism or without; throws ConfigError naming sequence_parallel when the tokens
+  // do not split over the group).
   static size_t planned_activation_bytes(const FluxConfig& config, int64_t batch,
                                          int64_t img_tokens, int64_t txt_tokens,
                                          const RecomputeOptions& recompute = {},
                                          int tensor_parallel = 1, bool sequence_parallel = false);
 
   const FluxConfig& config() const { return config_; }
+  // The bytes of this model's activation arena (planned_activation_bytes of its settings).
+  size_t activation_bytes() const { return activation_arena_->capacity(); }
   FluxParameterSet& parameters() { return *parameters_; }
   FluxParameterSet& gradients() { return *gradients_; }
 
@@ -231,20 +235,20 @@ class FluxModel {
   // and their places among the stream's every token, whole [B, L_s, width].
   void place_own_tokens(float* whole, const float* own, FluxStream stream, int64_t width) const;
   void take_own_tokens(float* own, const float* whole, FluxStream stream, int64_t width) const;
-  // Every token of a stream of width C from this rank's own: gathered over the group into the
-  // workspace (valid until the next gather or partial output) under sequence parallelism, else
-  // own itself.
+  // Every token of a stream from this rank's own, [B, O_s, C] (the hidden width): gathered over
+  // the group into the workspace (valid until the next gather or partial output) under sequence
+  // parallelism, else own itself.
   const float* gather_tokens(const float* own, FluxStream stream);
-  // What a linear's backward reads as its input x: an FP8 linear reads its own cast of x, which
-  // needs no gather.
+  // What a linear's backward reads as its input x: null for an FP8 linear, which reads its own
+  // cast of x and needs no gather.
   const float* backward_input(const Linear& layer, const float* own, FluxStream stream);
   // Where a row-parallel linear writes its partial output, whose own tokens go to `own`: the
   // workspace under sequence parallelism, else own itself.
   float* partial_output(float* own);
-  // The sum over the group of a partial [B, L_s, width] (a row-parallel output, a
-  // column-parallel input's gradient); returns this rank's tokens of it: copied into `own` under
+  // Reduces a partial [B, L_s, width] (a row-parallel output, a column-parallel input's
+  // gradient) over the group and returns this rank's tokens of the sum: copied into `own` under
   // sequence parallelism, the partial itself otherwise.
-  const float* sum_own_tokens(float* partial, FluxStream stream, int64_t width, float* own);
+  const float* reduce_to_own_tokens(float* partial, FluxStream stream, int64_t width, float* own);
   // A modulation's gradient [B, chunks·C], summed over the group under sequence parallelism,
   // where each rank's tokens add their part.
   void sum_modulation_gradient(float* dmod, int64_t width);

@@ -28,11 +28,8 @@ class FluxCpuEngine final : public FluxEngine {
         img_ids_(setup.img_ids),
         model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision,
                setup.recompute,
-               distributed::tensor_parallel_group(setup.communicator, setup.layout,
-                                                  setup.sequence_parallel)),
-        activation_bytes_(FluxModel::planned_activation_bytes(
-            setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.recompute,
-            setup.layout.tensor, setup.sequence_parallel)),
+               distributed::training_tensor_parallel_group(setup.communicator, setup.layout,
+                                                           setup.sequence_parallel)),
         sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
         optimizer_(flux_optimized_parameters(setup.model), setup.adamw,
                    sharded_ ? setup.communicator->rank() : 0,
@@ -56,7 +53,7 @@ class FluxCpuEngine final : public FluxEngine {
     return fmt::format("parameters {}, gradients {}, optimizer {}, activations {}",
                        format_bytes(parameters), format_bytes(parameters),
                        format_bytes(double(optimizer_.state_bytes())),
-                       format_bytes(double(activation_bytes_)));
+                       format_bytes(double(model_.activation_bytes())));
   }
   double peak_memory_bytes() const override { return peak_resident_memory_bytes(); }
   const std::vector<FluxLinearPrecision>& linear_precision() const override {
@@ -153,8 +150,7 @@ class FluxCpuEngine final : public FluxEngine {
   int64_t batch_, img_tokens_, txt_tokens_;
   std::vector<float> img_ids_;
   FluxModel model_;
-  size_t activation_bytes_;  // as recompute plans them
-  bool sharded_;             // ZeRO-1: this rank updates its share of the parameters
+  bool sharded_;  // ZeRO-1: this rank updates its share of the parameters
   optim::AdamWOptimizer optimizer_;
   std::vector<float> prediction_, grad_prediction_;
   std::vector<float*> parameter_data_;

@@ -97,6 +97,16 @@ void expect_two_ranks_give_the_prediction_and_gradients_of_one(const Case& setti
       fp8_linears += decision.fp8;
     EXPECT_EQ(fp8_linears, 2 * 2 * 4 + 2 * 2) << "every block linear, split or not";
   }
+  // The ranks hold what their plan says: with sequence parallelism, fewer activations.
+  const size_t plain = FluxModel::planned_activation_bytes(config, kBatch, kImgTokens, txt_tokens,
+                                                           setting.recompute, kRanks);
+  for (const std::unique_ptr<FluxModel>& rank : ranks) {
+    if (sequence) {
+      EXPECT_LT(rank->activation_bytes(), plain);
+    } else {
+      EXPECT_EQ(rank->activation_bytes(), plain);
+    }
+  }
   std::vector<std::vector<float>> predictions(kRanks, std::vector<float>(want.size()));
   std::vector<std::vector<Fp8TensorHealth>> health(kRanks);
   testing::run_ranks<FluxModel>(ranks, [&](FluxModel& model, size_t rank) {
@@ -146,11 +156,13 @@ void expect_two_ranks_give_the_prediction_and_gradients_of_one(const Case& setti
   }
 }
 
-const auto kSettings = ::testing::Values(
-    Case{testing::Numbers::Fp32, {}},
-    Case{testing::Numbers::Fp32, {RecomputeGranularity::Selective}},
-    Case{testing::Numbers::Fp32, {RecomputeGranularity::Full}}, Case{testing::Numbers::Delayed, {}},
-    Case{testing::Numbers::Tensorwise, {}}, Case{testing::Numbers::Blockwise, {}});
+const auto kSettings =
+    ::testing::Values(Case{testing::Numbers::Fp32, {}},
+                      Case{testing::Numbers::Fp32, {RecomputeGranularity::Selective}},
+                      Case{testing::Numbers::Fp32, {RecomputeGranularity::Full}},
+                      Case{testing::Numbers::Delayed, {}}, Case{testing::Numbers::Tensorwise, {}},
+                      Case{testing::Numbers::Tensorwise, {RecomputeGranularity::Full}},
+                      Case{testing::Numbers::Blockwise, {}});
 
 class FluxTensorParallel : public ::testing::TestWithParam<Case> {};
 
