@@ -740,18 +740,34 @@ distributed::ParallelLayout alone_layout(int tensor, const distributed::LaunchIn
   return {.tensor = tensor, .tensor_rank = 0, .data = 1, .data_rank = 0};
 }
 
-DeviceTensorParallel alone_in_group(int tensor) {
+// The collectives of a rank alone: sums and maxima leave its values as they are; a gather puts
+// its values in every rank's place, a reduce-scatter takes its own place's.
+DeviceTensorParallel alone_in_group(int tensor, bool sequence) {
   DeviceTensorParallel group;
   group.size = tensor;
+  group.sequence = sequence;
   group.sum_bf16 = [](bf16*, size_t, cudaStream_t) {};
   group.sum = [](float*, size_t, cudaStream_t) {};
   group.max = [](float*, size_t, cudaStream_t) {};
+  group.gather_bf16 = [tensor](const bf16* own, bf16* all, size_t count, cudaStream_t stream) {
+    for (int rank = 0; rank < tensor; ++rank) {
+      FP8T_CUDA_CHECK(cudaMemcpyAsync(all + size_t(rank) * count, own, count * sizeof(bf16),
+                                      cudaMemcpyDeviceToDevice, stream));
+    }
+  };
+  group.reduce_scatter_bf16 = [](const bf16* all, bf16* own, size_t count, cudaStream_t stream) {
+    FP8T_CUDA_CHECK(
+        cudaMemcpyAsync(own, all, count * sizeof(bf16), cudaMemcpyDeviceToDevice, stream));
+  };
   return group;
 }
 
 }  // namespace
 
 int run_bench_flux(const BenchFluxOptions& options) {
+  if (options.sequence_parallel) {
+    check_flux_sequence_parallel(options.tensor_parallel, options.img_tokens, options.txt_tokens);
+  }
   const distributed::LaunchInfo launch = distributed::detect_launch();
   const distributed::ParallelLayout layout =
       options.rank_alone ? alone_layout(options.tensor_parallel, launch)
@@ -762,7 +778,10 @@ int run_bench_flux(const BenchFluxOptions& options) {
   BenchRanks ranks =
       join_ranks(communicator, "bench flux", false, options.shard_optimizer_state, layout);
   const train::CudaTensorGroup tensor_group(ranks.communicator, ranks.layout);
-  ranks.tensor = options.rank_alone ? alone_in_group(options.tensor_parallel) : tensor_group.device;
+  ranks.tensor = options.rank_alone
+                     ? alone_in_group(options.tensor_parallel, options.sequence_parallel)
+                     : tensor_group.device;
+  ranks.tensor.sequence = options.sequence_parallel;
   const FluxConfig config = flux_config_of(options.model);
   fmt::print(
       "bench flux: {} ({:.1f}M parameters; {} double + {} single blocks, hidden {}), micro-batch "
@@ -776,9 +795,10 @@ int run_bench_flux(const BenchFluxOptions& options) {
       options.rank_alone
           ? fmt::format(
                 "; the first rank of a tensor-parallel group of {} alone: its shares of the "
-                "blocks, its collectives within the group left out (losses not the model's)",
-                options.tensor_parallel)
-          : "");
+                "blocks, its collectives within the group left out (losses not the model's){}",
+                options.tensor_parallel, options.sequence_parallel ? "; sequence parallel" : "")
+      : options.sequence_parallel ? "; sequence parallel"
+                                  : "");
 
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

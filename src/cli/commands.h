@@ -161,6 +161,7 @@ struct BenchFluxOptions {
   // One process times the first rank of one tensor-parallel group alone, its collectives within
   // the group left out: the rank's memory and compute on one GPU, not the group's numbers.
   bool rank_alone = false;
+  bool sequence_parallel = false;  // with tensor_parallel above 1 (sequence_parallel)
 };
 
 // Times Flux training steps on the GPU: as run_bench_gpt, with samples/s.

@@ -305,6 +305,9 @@ int main(int argc, char** argv) {
                        "alone on this GPU, its collectives within the group left out (its memory "
                        "and compute, not the communication; the loss is not the model's): "
                        "whether a rank fits before T GPUs are at hand");
+  bench_flux->add_flag("--sequence-parallel", bench_flux_options.sequence_parallel,
+                       "With --tensor-parallel T: sequence parallelism (sequence_parallel), each "
+                       "rank keeping 1/T of the tokens outside the split linears");
   bench_flux->add_flag("--shard-optimizer-state,!--no-shard-optimizer-state",
                        bench_flux_options.shard_optimizer_state,
                        "With several ranks: ZeRO-1 (the default), each rank updates its share of "

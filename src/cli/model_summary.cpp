@@ -140,8 +140,11 @@ int run_flux_summary(const ModelSummaryOptions& options) {
                                 "shares of the split weights with their gradients and moments "
                                 "(ZeRO-1 over the GPUs holding the same shares), and its heads' "
                                 "and MLP share's activations and weight copies (the first of a "
-                                "group's, with the row-parallel biases, planned)",
-                                tensor),
+                                "group's, with the row-parallel biases, planned){}",
+                                tensor,
+                                options.sequence_parallel
+                                    ? "; sequence parallel: its tokens of the residual streams"
+                                    : ""),
       in_gib(reserve), capacity_gib, in_gib(host_mirror),
       tensor == 1 ? ""
                   : "; under tensor parallelism only each group's first process keeps it, "
@@ -151,14 +154,15 @@ int run_flux_summary(const ModelSummaryOptions& options) {
         "| GPUs | parameters | gradients | AdamW moments | activations | workspace | linear copies "
         "| total | fits |\n|---|---|---|---|---|---|---|---|---|\n");
     for (const int gpus : options.gpus) {
-      const FluxMemoryPlan plan =
-          plan_flux_memory(config, micro_batch, precision, gpus, recompute, tensor);
+      const FluxMemoryPlan plan = plan_flux_memory(config, micro_batch, precision, gpus, recompute,
+                                                   tensor, options.sequence_parallel);
       std::string fits;
       if (flux_fits(config, micro_batch, plan, capacity)) {
         fits = fmt::format("yes, {:.2f} free", in_gib(capacity - plan.total() - reserve));
       } else {
         const std::optional<FluxConfig> largest =
-            largest_fitting_flux(config, micro_batch, precision, gpus, capacity, recompute, tensor);
+            largest_fitting_flux(config, micro_batch, precision, gpus, capacity, recompute, tensor,
+                                 options.sequence_parallel);
         fits =
             largest ? fmt::format("no; {} fit", blocks_text(*largest)) : "no; not one block fits";
       }
@@ -178,7 +182,7 @@ int run_flux_summary(const ModelSummaryOptions& options) {
       "(each block saves only its input; model.md#activation-recompute):\n");
   print_table({RecomputeGranularity::Full, RecomputeMethod::Uniform, 1});
   if (!options.sequence_parallel) return kExitOk;
-  // Sequence parallelism runs on the CPU path only: its plan, against the same rank's without.
+  // The CPU path's plan too, against the same rank's without sequence parallelism.
   fmt::print(
       "\nactivations per rank, CPU path (f32), one rank of a tensor-parallel group of {}, "
       "without and with sequence parallelism (sequence_parallel: its tokens of the residual "

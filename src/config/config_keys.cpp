@@ -666,7 +666,8 @@ std::vector<ConfigKey> build_keys() {
       "linears, and keeps its tokens of the summed row-parallel outputs. The same losses, less "
       "activation memory per rank. Needs tensor_model_parallel_size above 1, and it must divide "
       "micro_batch_size × sequence_len (GPT) or a sample's image tokens and its text tokens "
-      "(Flux); not yet on the GPU."));
+      "(Flux). On the GPU path the Flux model runs it (NCCL all-gathers and reduce-scatters); "
+      "the GPT not yet."));
   keys.push_back(boolean_key(
       "gemm_autotune", S::Run, [](auto& c) -> auto& { return c.run.gemm_autotune; },
       "GPU path: the first GEMM of each new problem (sizes, types, scale modes, epilogue) runs "

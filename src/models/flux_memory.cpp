@@ -41,17 +41,24 @@ bool block_scaled(ScalingRecipe recipe) {
 }
 
 // The shapes CudaFluxModel::lay_out() sizes its tensors by: A, M and H are one tensor-parallel
-// rank's attention width, MLP hidden features and heads.
+// rank's attention width, MLP hidden features and heads; Oi, Ot and O its image, text and joint
+// tokens per sample in the residual streams (all of them without sequence parallelism).
 struct Dims {
-  int64_t B, Li, Lt, L, C, A, M, H, D, Cin, ctx, vec, sinusoid, N, Ls;
+  int64_t B, Li, Lt, L, Oi, Ot, O, C, A, M, H, D, Cin, ctx, vec, sinusoid, N, Ls;
+  bool sequence;
 };
 
-Dims dims_of(const FluxConfig& config, const FluxMicroBatch& micro_batch, int tensor_parallel) {
+Dims dims_of(const FluxConfig& config, const FluxMicroBatch& micro_batch, int tensor_parallel,
+             bool sequence_parallel) {
   Dims d{};
   d.B = micro_batch.batch;
   d.Li = micro_batch.img_tokens;
   d.Lt = micro_batch.txt_tokens;
   d.L = d.Li + d.Lt;
+  d.sequence = sequence_parallel && tensor_parallel > 1;
+  d.Oi = d.sequence ? d.Li / tensor_parallel : d.Li;
+  d.Ot = d.sequence ? d.Lt / tensor_parallel : d.Lt;
+  d.O = d.Oi + d.Ot;
   d.C = config.hidden_size;
   d.A = config.hidden_size / tensor_parallel;
   d.M = config.mlp_hidden() / tensor_parallel;
@@ -71,8 +78,8 @@ size_t activation_bytes(const FluxConfig& config, const Dims& d,
                         const RecomputeOptions& recompute) {
   const bool selective = recompute.granularity == RecomputeGranularity::Selective;
   ArenaBytes act;
-  act.take<bf16>(d.B * d.Li * d.Cin);  // img
-  act.take<bf16>(d.B * d.Lt * d.ctx);  // txt
+  act.take<bf16>(d.B * d.Oi * d.Cin);  // img
+  act.take<bf16>(d.B * d.Ot * d.ctx);  // txt
   const int embedders = config.guidance_embed ? 3 : 2;
   const int64_t embedder_inputs[] = {d.sinusoid, d.vec, d.sinusoid};
   for (int e = 0; e < embedders; ++e) {
@@ -90,13 +97,14 @@ size_t activation_bytes(const FluxConfig& config, const Dims& d,
     act.take<float>(d.B * d.H * d.L);  // softmax statistics
   };
   const auto double_block = [&] {
-    for (const int64_t rows : {d.B * d.Li, d.B * d.Lt}) {
+    for (const auto& [rows, own_rows] :
+         {std::pair{d.B * d.Li, d.B * d.Oi}, std::pair{d.B * d.Lt, d.B * d.Ot}}) {
       act.take<bf16>(d.B * 6 * d.C);        // modulation
       for (int view = 0; view < 6; ++view)  // norm1, modulated1, proj, norm2, ...
-        act.take<bf16>(rows * d.C);
+        act.take<bf16>(own_rows * d.C);
       act.take<bf16>(rows * d.A);                  // the attention's output
-      act.take<float>(rows);                       // rstd1
-      act.take<float>(rows);                       // rstd2
+      act.take<float>(own_rows);                   // rstd1
+      act.take<float>(own_rows);                   // rstd2
       act.take<bf16>(rows * d.M);                  // MLP hidden
       if (!selective) act.take<bf16>(rows * d.M);  // after GELU
     }
@@ -104,13 +112,13 @@ size_t activation_bytes(const FluxConfig& config, const Dims& d,
   };
   const auto single_block = [&] {
     act.take<bf16>(d.B * 3 * d.C);          // modulation
-    act.take<bf16>(d.N * d.C);              // normed
-    act.take<bf16>(d.N * d.C);              // modulated
-    act.take<float>(d.N);                   // rstd
+    act.take<bf16>(d.B * d.O * d.C);        // normed
+    act.take<bf16>(d.B * d.O * d.C);        // modulated
+    act.take<float>(d.B * d.O);             // rstd
     act.take<bf16>(d.N * (3 * d.A + d.M));  // linear1's output
     attention();
     if (!selective) act.take<bf16>(d.N * (d.A + d.M));  // linear2's input
-    act.take<bf16>(d.N * d.C);                          // linear2's output
+    act.take<bf16>(d.B * d.O * d.C);                    // linear2's output
   };
   // Full recompute: the blocks outside the groups save their own; those in groups share one set
   // per place in a group; each group saves its input (the streams, or the joint sequence).
@@ -122,17 +130,17 @@ size_t activation_bytes(const FluxConfig& config, const Dims& d,
   for (int set = 0; set < recompute_saved_sets(groups.doubles, config.double_blocks); ++set)
     double_block();
   for (size_t group = 0; group < groups.doubles.size(); ++group) {
-    act.take<bf16>(d.B * d.Li * d.C);
-    act.take<bf16>(d.B * d.Lt * d.C);
+    act.take<bf16>(d.B * d.Oi * d.C);
+    act.take<bf16>(d.B * d.Ot * d.C);
   }
   for (int set = 0; set < recompute_saved_sets(groups.singles, config.single_blocks); ++set)
     single_block();
   for (size_t group = 0; group < groups.singles.size(); ++group)
-    act.take<bf16>(d.N * d.C);
+    act.take<bf16>(d.B * d.O * d.C);
   act.take<bf16>(d.B * 2 * d.C);       // final modulation
-  act.take<bf16>(d.B * d.Li * d.C);    // final normed
-  act.take<bf16>(d.B * d.Li * d.C);    // final modulated
-  act.take<float>(d.B * d.Li);         // final rstd
+  act.take<bf16>(d.B * d.Oi * d.C);    // final normed
+  act.take<bf16>(d.B * d.Oi * d.C);    // final modulated
+  act.take<float>(d.B * d.Oi);         // final rstd
   act.take<bf16>(d.B * d.Li * d.Cin);  // prediction
   return act.bytes();
 }
@@ -150,14 +158,14 @@ size_t workspace_bytes(const FluxConfig& config, const Dims& d) {
   ws.take<float>(d.L * d.D / 2);       // RoPE sin
   ws.take<float>(1);                   // loss
   ws.take<float>(static_cast<int64_t>(kReductionWorkspaceFloats));
-  ws.take<bf16>(d.B * d.Li * d.C);      // x_img
-  ws.take<bf16>(d.B * d.Lt * d.C);      // x_txt
-  ws.take<bf16>(d.N * d.C);             // x_joint
+  ws.take<bf16>(d.B * d.Oi * d.C);      // x_img
+  ws.take<bf16>(d.B * d.Ot * d.C);      // x_txt
+  ws.take<bf16>(d.B * d.O * d.C);       // x_joint
   ws.take<bf16>(d.B * d.C);             // embedding
   ws.take<bf16>(d.B * d.Ls * 3 * d.A);  // a stream's qkv
-  ws.take<bf16>(d.B * d.Li * d.C);      // d_img
-  ws.take<bf16>(d.B * d.Lt * d.C);      // d_txt
-  ws.take<bf16>(d.N * d.C);             // d_joint
+  ws.take<bf16>(d.B * d.Oi * d.C);      // d_img
+  ws.take<bf16>(d.B * d.Ot * d.C);      // d_txt
+  ws.take<bf16>(d.B * d.O * d.C);       // d_joint
   ws.take<bf16>(d.B * d.Li * d.Cin);    // d(prediction)
   ws.take<float>(d.B * 6 * d.C);        // modulation gradients, img
   ws.take<float>(d.B * 6 * d.C);        // and txt
@@ -174,6 +182,13 @@ size_t workspace_bytes(const FluxConfig& config, const Dims& d) {
   if (config.single_blocks > 0) {
     ws.take<bf16>(d.N * (3 * d.A + d.M));  // d(linear1's output)
     ws.take<bf16>(d.N * (d.A + d.M));      // d(linear2's input)
+  }
+  if (d.sequence) {
+    const int64_t widest = std::max({d.N * d.C, d.B * d.Li * d.Cin, d.B * d.Lt * d.ctx});
+    ws.take<bf16>(widest);              // the gathers' and reduce-scatters' staging
+    ws.take<bf16>(widest);              // a stream's every token
+    ws.take<bf16>(d.B * d.O * d.C);     // a summed input gradient's own tokens
+    ws.take<bf16>(d.B * d.Oi * d.Cin);  // the final layer's own output
   }
   return ws.bytes();
 }
@@ -245,9 +260,13 @@ size_t linear_copy_bytes(const FluxConfig& config, const FluxMicroBatch& micro_b
 
 FluxMemoryPlan plan_flux_memory(const FluxConfig& config, const FluxMicroBatch& micro_batch,
                                 const FluxPrecision& precision, int gpus,
-                                const RecomputeOptions& recompute, int tensor_parallel) {
+                                const RecomputeOptions& recompute, int tensor_parallel,
+                                bool sequence_parallel) {
   config.validate();
   check_flux_tensor_parallel(config, tensor_parallel);
+  if (sequence_parallel) {
+    check_flux_sequence_parallel(tensor_parallel, micro_batch.img_tokens, micro_batch.txt_tokens);
+  }
   FP8T_CHECK(micro_batch.batch >= 1 && micro_batch.img_tokens >= 1 && micro_batch.txt_tokens >= 1,
              "expected a batch, image and text tokens of at least 1, found {}, {}, {}",
              micro_batch.batch, micro_batch.img_tokens, micro_batch.txt_tokens);
@@ -256,7 +275,7 @@ FluxMemoryPlan plan_flux_memory(const FluxConfig& config, const FluxMicroBatch& 
              tensor_parallel, gpus);
   const optim::DeviceParameterLayout layout =
       optim::device_parameter_layout(flux_rank_parameters(config, tensor_parallel, 0).parameters);
-  const Dims dims = dims_of(config, micro_batch, tensor_parallel);
+  const Dims dims = dims_of(config, micro_batch, tensor_parallel, sequence_parallel);
   FluxMemoryPlan plan;
   plan.parameters = layout.total_bytes();
   plan.gradients = layout.total_bytes();
@@ -281,9 +300,12 @@ bool flux_fits(const FluxConfig& config, const FluxMicroBatch& micro_batch,
   return plan.total() + flux_runtime_reserve_bytes(config, micro_batch) <= capacity_bytes;
 }
 
-std::optional<FluxConfig> largest_fitting_flux(
-    const FluxConfig& config, const FluxMicroBatch& micro_batch, const FluxPrecision& precision,
-    int gpus, size_t capacity_bytes, const RecomputeOptions& recompute, int tensor_parallel) {
+std::optional<FluxConfig> largest_fitting_flux(const FluxConfig& config,
+                                               const FluxMicroBatch& micro_batch,
+                                               const FluxPrecision& precision, int gpus,
+                                               size_t capacity_bytes,
+                                               const RecomputeOptions& recompute,
+                                               int tensor_parallel, bool sequence_parallel) {
   // With double blocks, their count steps and the single blocks follow in proportion; without,
   // the single blocks step alone. Memory grows with each block, so the first fit is the largest.
   const bool by_double = config.double_blocks > 0;
@@ -296,8 +318,8 @@ std::optional<FluxConfig> largest_fitting_flux(
     } else {
       candidate.single_blocks = step;
     }
-    const FluxMemoryPlan plan =
-        plan_flux_memory(candidate, micro_batch, precision, gpus, recompute, tensor_parallel);
+    const FluxMemoryPlan plan = plan_flux_memory(candidate, micro_batch, precision, gpus, recompute,
+                                                 tensor_parallel, sequence_parallel);
     if (flux_fits(candidate, micro_batch, plan, capacity_bytes)) return candidate;
   }
   return std::nullopt;

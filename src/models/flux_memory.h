@@ -51,10 +51,12 @@ inline constexpr double kH200MemoryGib = 139.8;
 // first rank of a tensor-parallel group of that many GPUs (the largest: it also holds the
 // row-parallel biases' copies): its shares of the split tensors with their gradients and moments
 // (flux_rank_parameters), its heads' and MLP share's activations and workspace, and its shares'
-// weight copies.
+// weight copies; with sequence_parallel also only its tokens of the residual streams (the
+// tokens must split over the group: ConfigError naming sequence_parallel otherwise).
 FluxMemoryPlan plan_flux_memory(const FluxConfig& config, const FluxMicroBatch& micro_batch,
                                 const FluxPrecision& precision, int gpus = 1,
-                                const RecomputeOptions& recompute = {}, int tensor_parallel = 1);
+                                const RecomputeOptions& recompute = {}, int tensor_parallel = 1,
+                                bool sequence_parallel = false);
 
 // What a GPU needs beyond the plan: the CUDA context with the kernels, cuBLASLt's workspace,
 // cuDNN's attention workspace (which grows with the micro-batch's tokens) and, with several
@@ -71,12 +73,11 @@ bool flux_fits(const FluxConfig& config, const FluxMicroBatch& micro_batch,
 // with config's ratio of single to double blocks: d ≤ config.double_blocks double blocks and
 // round(d · single_blocks / double_blocks) single ones, the largest d that fits (with no double
 // blocks, the most single blocks up to config's). config itself when it fits; nullopt when not
-// even the smallest such model does. tensor_parallel as for plan_flux_memory.
-std::optional<FluxConfig> largest_fitting_flux(const FluxConfig& config,
-                                               const FluxMicroBatch& micro_batch,
-                                               const FluxPrecision& precision, int gpus,
-                                               size_t capacity_bytes,
-                                               const RecomputeOptions& recompute = {},
-                                               int tensor_parallel = 1);
+// even the smallest such model does. tensor_parallel and sequence_parallel as for
+// plan_flux_memory.
+std::optional<FluxConfig> largest_fitting_flux(
+    const FluxConfig& config, const FluxMicroBatch& micro_batch, const FluxPrecision& precision,
+    int gpus, size_t capacity_bytes, const RecomputeOptions& recompute = {},
+    int tensor_parallel = 1, bool sequence_parallel = false);
 
 }  // namespace fp8t

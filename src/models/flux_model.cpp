@@ -519,49 +519,6 @@ std::array<Stream, 2> double_block_streams(FluxActivations& act, FluxWorkspace& 
                  data(ws.txt), data(ws.d_txt), data(ws.d_mod_txt)}};
 }
 
-// The linears at the residual streams' ends: under sequence parallelism they read a rank's
-// tokens only.
-bool reads_own_tokens(const std::string& linear) {
-  return linear == "img_in" || linear == "txt_in" || linear == "final_layer.linear";
-}
-
-// Sequence parallelism: where a rank's tokens of a stream sit, per sample, among the stream's
-// every token (whole) and in the rank's own buffers (own), `count` of them from each first.
-struct OwnRun {
-  int64_t whole_first, own_first, count;
-};
-struct OwnTokens {
-  int64_t whole, own;  // tokens per sample
-  std::vector<OwnRun> runs;
-};
-
-// A stream's tokens per sample: all of them, on every rank.
-int64_t tokens_of(const FluxDims& d, FluxStream stream) {
-  switch (stream) {
-    case FluxStream::Image:
-      return d.img_tokens;
-    case FluxStream::Text:
-      return d.txt_tokens;
-    case FluxStream::Joint:
-      break;
-  }
-  return d.tokens;
-}
-
-// In the joint sequence a rank holds its text tokens, then its image tokens.
-OwnTokens own_tokens_of(const FluxDims& d, FluxStream stream, int rank) {
-  const int64_t Oi = d.own_img, Ot = d.own_txt, whole = tokens_of(d, stream);
-  switch (stream) {
-    case FluxStream::Image:
-      return {whole, Oi, {{rank * Oi, 0, Oi}}};
-    case FluxStream::Text:
-      return {whole, Ot, {{rank * Ot, 0, Ot}}};
-    case FluxStream::Joint:
-      break;
-  }
-  return {whole, d.own_tokens(), {{rank * Ot, 0, Ot}, {d.txt_tokens + rank * Oi, Ot, Oi}}};
-}
-
 }  // namespace
 
 size_t FluxParameterSet::planned_bytes(const FluxConfig& config, DType dtype) {
@@ -759,6 +716,26 @@ int64_t flux_linear_rows(const FluxLinear& linear, int64_t batch, int64_t img_to
   }
 }
 
+bool flux_reads_own_tokens(const std::string& linear) {
+  return linear == "img_in" || linear == "txt_in" || linear == "final_layer.linear";
+}
+
+FluxOwnTokens flux_own_tokens(FluxStream stream, int64_t img_tokens, int64_t txt_tokens, int size,
+                              int rank) {
+  const int64_t own_img = img_tokens / size, own_txt = txt_tokens / size;
+  switch (stream) {
+    case FluxStream::Image:
+      return {img_tokens, own_img, {{rank * own_img, 0, own_img}}};
+    case FluxStream::Text:
+      return {txt_tokens, own_txt, {{rank * own_txt, 0, own_txt}}};
+    case FluxStream::Joint:
+      break;
+  }
+  return {img_tokens + txt_tokens,
+          own_img + own_txt,
+          {{rank * own_txt, 0, own_txt}, {txt_tokens + rank * own_img, own_txt, own_img}}};
+}
+
 double flux_flops_per_sample(const FluxConfig& config, int64_t img_tokens, int64_t txt_tokens) {
   const FluxDims dims = flux_dims(config, 1, img_tokens, txt_tokens);
   double flops = 0.0;
@@ -817,7 +794,7 @@ FluxModel::FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens
     const FluxLinear& spec = decision.linear;
     // Under sequence parallelism the linears on the residual streams' ends read this rank's
     // tokens.
-    const int64_t tokens = sequence_ && reads_own_tokens(spec.name)
+    const int64_t tokens = sequence_ && flux_reads_own_tokens(spec.name)
                                ? flux_linear_rows(spec, batch, dims.own_img, dims.own_txt)
                                : flux_linear_rows(spec, batch, img_tokens, txt_tokens);
     Linear layer{{tokens, spec.in_features, spec.out_features},
@@ -860,6 +837,12 @@ size_t FluxModel::planned_activation_bytes(const FluxConfig& config, int64_t bat
 
 FluxDims FluxModel::dims() const {
   return flux_dims(config_, batch_, img_tokens_, txt_tokens_, tensor_parallel_.size, sequence_);
+}
+
+FluxOwnTokens FluxModel::own_tokens(FluxStream stream) const {
+  return sequence_ ? flux_own_tokens(stream, img_tokens_, txt_tokens_, tensor_parallel_.size,
+                                     tensor_parallel_.rank)
+                   : flux_own_tokens(stream, img_tokens_, txt_tokens_, 1, 0);
 }
 
 void FluxModel::init_weights(uint64_t seed) {
@@ -932,8 +915,8 @@ void FluxModel::sum_over_group(float* values, int64_t count) {
 
 void FluxModel::place_own_tokens(float* whole, const float* own, FluxStream stream,
                                  int64_t width) const {
-  const OwnTokens tokens = own_tokens_of(dims(), stream, tensor_parallel_.rank);
-  for (const OwnRun& run : tokens.runs) {
+  const FluxOwnTokens tokens = own_tokens(stream);
+  for (const FluxTokenRun& run : tokens.runs) {
     copy_tokens(whole, {tokens.whole, run.whole_first, width}, own,
                 {tokens.own, run.own_first, width}, batch_, run.count, width);
   }
@@ -941,8 +924,8 @@ void FluxModel::place_own_tokens(float* whole, const float* own, FluxStream stre
 
 void FluxModel::take_own_tokens(float* own, const float* whole, FluxStream stream,
                                 int64_t width) const {
-  const OwnTokens tokens = own_tokens_of(dims(), stream, tensor_parallel_.rank);
-  for (const OwnRun& run : tokens.runs) {
+  const FluxOwnTokens tokens = own_tokens(stream);
+  for (const FluxTokenRun& run : tokens.runs) {
     copy_tokens(own, {tokens.own, run.own_first, width}, whole,
                 {tokens.whole, run.whole_first, width}, batch_, run.count, width);
   }
@@ -953,7 +936,7 @@ const float* FluxModel::gather_tokens(const float* own, FluxStream stream) {
   // An all-gather as a sum: each rank adds its tokens into zeros at their places.
   const TensorView& whole = workspace_->whole;
   const int64_t C = config_.hidden_size;
-  const int64_t count = batch_ * tokens_of(dims(), stream) * C;
+  const int64_t count = batch_ * own_tokens(stream).whole * C;
   std::fill_n(data(whole), count, 0.0f);
   place_own_tokens(data(whole), own, stream, C);
   sum_over_group(data(whole), count);
@@ -970,7 +953,7 @@ float* FluxModel::partial_output(float* own) {
 
 const float* FluxModel::reduce_to_own_tokens(float* partial, FluxStream stream, int64_t width,
                                              float* own) {
-  sum_over_group(partial, batch_ * tokens_of(dims(), stream) * width);
+  sum_over_group(partial, batch_ * own_tokens(stream).whole * width);
   if (!sequence_) return partial;
   take_own_tokens(own, partial, stream, width);
   return own;
@@ -984,7 +967,7 @@ void FluxModel::gather_split_gradients() {
   if (!tensor_parallel_.split()) return;
   for (auto& [name, layer] : linears_) {
     // Under sequence parallelism the linears on the streams' ends saw this rank's tokens only.
-    if (layer.share.split() == Split::None && !(sequence_ && reads_own_tokens(name))) continue;
+    if (layer.share.split() == Split::None && !(sequence_ && flux_reads_own_tokens(name))) continue;
     for (const char* tensor : {".weight", ".bias"})  // every rank's: rank 0's alone adds a bias
       sum_over_group(gradient(name + tensor), (*gradients_)[name + tensor].numel());
   }

@@ -134,6 +134,24 @@ struct FluxInputs {
 // joint [txt; img] sequence.
 enum class FluxStream : uint8_t { Image, Text, Joint };
 
+// Sequence parallelism over `size` ranks: where a rank's 1/size of a stream's tokens sit, per
+// sample, among the stream's every token (from whole_first) and in the rank's own buffers (from
+// own_first), `count` tokens each. A rank holds consecutive tokens of each stream; in the joint
+// sequence its text tokens, then its image tokens. size 1: every token.
+struct FluxTokenRun {
+  int64_t whole_first, own_first, count;
+};
+struct FluxOwnTokens {
+  int64_t whole, own;  // tokens per sample
+  std::vector<FluxTokenRun> runs;
+};
+FluxOwnTokens flux_own_tokens(FluxStream stream, int64_t img_tokens, int64_t txt_tokens, int size,
+                              int rank);
+
+// The linears at the residual streams' ends (img_in, txt_in, final_layer.linear): under sequence
+// parallelism they read a rank's tokens only, and their gradients are summed over the group.
+bool flux_reads_own_tokens(const std::string& linear);
+
 struct FluxDims;
 struct FluxActivations;
 struct FluxWorkspace;
@@ -231,6 +249,8 @@ class FluxModel {
   void sum_over_group(float* values, int64_t count);
   // The sizes of this rank's buffers.
   FluxDims dims() const;
+  // Where this rank's tokens of a stream sit (all of them without sequence parallelism).
+  FluxOwnTokens own_tokens(FluxStream stream) const;
   // Sequence parallelism: copies between this rank's tokens of a stream, own [B, O_s, width],
   // and their places among the stream's every token, whole [B, L_s, width].
   void place_own_tokens(float* whole, const float* own, FluxStream stream, int64_t width) const;

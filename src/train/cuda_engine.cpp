@@ -63,8 +63,8 @@ void check_gpu_precision(const ModelPrecision& precision) {
 void check_gpu_sequence_parallel(bool sequence_parallel) {
   if (sequence_parallel) {
     throw ConfigError(
-        "sequence_parallel: true runs on the CPU path only so far; set device: cpu, or "
-        "sequence_parallel: false");
+        "sequence_parallel: true runs for the GPT on the CPU path only so far (the Flux model "
+        "runs it on the GPU too); set device: cpu, or sequence_parallel: false");
   }
 }
 

@@ -21,16 +21,19 @@ struct CudaTensorGroup {
   DeviceTensorParallel device;
 
   // Every rank of the job makes its group together; `communicator` may be null (one process).
+  // sequence_parallel: the group's `sequence` (the Flux model's sequence parallelism).
   CudaTensorGroup(distributed::Communicator* communicator,
-                  const distributed::ParallelLayout& layout) {
+                  const distributed::ParallelLayout& layout, bool sequence_parallel = false) {
 #if FP8TRAIN_WITH_NCCL
     if (communicator == nullptr || layout.tensor == 1) return;
     distributed::NcclGroup every_rank(*communicator);
     nccl = every_rank.tensor_parallel_group(layout);
     device = nccl->device_tensor_parallel(layout);
+    device.sequence = sequence_parallel;
 #else
     static_cast<void>(communicator);
     static_cast<void>(layout);
+    static_cast<void>(sequence_parallel);
 #endif
   }
 };

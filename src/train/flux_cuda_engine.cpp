@@ -52,7 +52,7 @@ class FluxCudaEngine final : public FluxEngine {
         img_tokens_(setup.img_tokens),
         txt_tokens_(setup.txt_tokens),
         img_ids_(setup.img_ids),
-        tensor_group_(setup.communicator, setup.layout),
+        tensor_group_(setup.communicator, setup.layout, setup.sequence_parallel),
         model_(setup.model, setup.batch, setup.img_tokens, setup.txt_tokens, setup.precision,
                stream_.get(), setup.recompute, tensor_group_.device),
         layout_(setup.layout),
@@ -288,9 +288,10 @@ class FluxCudaEngine final : public FluxEngine {
 void check_flux_fits(const FluxEngineSetup& setup, const GpuInfo& gpu) {
   const auto plan_for = [&](int64_t batch, const ModelPrecision& precision) {
     const FluxMicroBatch micro_batch{batch, setup.img_tokens, setup.txt_tokens};
-    return std::pair(plan_flux_memory(setup.model, micro_batch, precision, setup.layout.tensor,
-                                      setup.recompute, setup.layout.tensor),
-                     double(flux_runtime_reserve_bytes(setup.model, micro_batch)));
+    return std::pair(
+        plan_flux_memory(setup.model, micro_batch, precision, setup.layout.tensor, setup.recompute,
+                         setup.layout.tensor, setup.sequence_parallel),
+        double(flux_runtime_reserve_bytes(setup.model, micro_batch)));
   };
   const int64_t most = ops::cuda::flux_max_batch(setup.model.hidden_size);
   if (setup.batch > most) {
@@ -346,7 +347,6 @@ void check_flux_fits(const FluxEngineSetup& setup, const GpuInfo& gpu) {
 
 std::unique_ptr<FluxEngine> make_flux_cuda_engine(const FluxEngineSetup& setup) {
   check_gpu_precision(setup.precision);
-  check_gpu_sequence_parallel(setup.sequence_parallel);
   GpuInfo gpu = training_gpu(setup.communicator);
   check_flux_fits(setup, gpu);
   return std::make_unique<FluxCudaEngine>(setup, std::move(gpu));

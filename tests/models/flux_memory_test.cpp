@@ -256,6 +256,33 @@ TEST(FluxMemory, TensorParallelRanksHoldTheirSharesOfTheSplitTensors) {
   EXPECT_THROW(plan_flux_memory(config, micro_batch(1), kBf16Precision, 3, {}, 2), Error);
 }
 
+TEST(FluxMemory, SequenceParallelRanksHoldTheirTokensOfTheResidualStreams) {
+  const FluxConfig config = FluxConfig::preset("flux_535m");
+  const FluxMemoryPlan plain = plan_flux_memory(config, micro_batch(1), kBf16Precision, 2, {}, 2);
+  const FluxMemoryPlan split =
+      plan_flux_memory(config, micro_batch(1), kBf16Precision, 2, {}, 2, true);
+  EXPECT_EQ(split.parameters, plain.parameters);
+  EXPECT_EQ(split.linear_copies, plain.linear_copies);
+  // Half of the 4096 image and 512 text tokens leave each rank (bf16, fp32 statistics): the
+  // inputs of img_in (64 channels) and txt_in (4096), the double block's six [rows, 3072] stream
+  // tensors and two rstd per stream, the single block's normed, modulated and output tensors and
+  // rstd, the final layer's normed and modulated tensors and rstd.
+  const size_t saved = kBf16 * (2048 * 64 + 256 * 4096) + kBf16 * 6 * (2048 + 256) * 3072 +
+                       kFloat * 2 * (2048 + 256) + kBf16 * 3 * 2304 * 3072 + kFloat * 2304 +
+                       kBf16 * 2 * 2048 * 3072 + kFloat * 2048;
+  EXPECT_EQ(plain.activations - split.activations, saved);
+  // The residual streams and their gradients halve; the staging and the gathered tokens
+  // [4608, 3072], a summed gradient's own tokens [2304, 3072] and the final layer's own output
+  // [2048, 64] come in.
+  const size_t halved = kBf16 * 2 * (2048 + 256 + 2304) * 3072;
+  const size_t added = kBf16 * (2 * 4608 * 3072 + 2304 * 3072 + 2048 * 64);
+  EXPECT_EQ(split.workspace + halved, plain.workspace + added);
+  // 4095 image tokens do not split over a pair.
+  EXPECT_THROW(plan_flux_memory(config, {.batch = 1, .img_tokens = 4095, .txt_tokens = 512},
+                                kBf16Precision, 2, {}, 2, true),
+               ConfigError);
+}
+
 TEST(FluxMemory, FitsWhenThePlanAndTheRuntimeReserveDo) {
   const FluxConfig config = FluxConfig::preset("flux_535m");
   const FluxMemoryPlan plan = plan_flux_memory(config, micro_batch(4), kBf16Precision);

@@ -391,7 +391,9 @@ INSTANTIATE_TEST_SUITE_P(Precisions, FluxRecomputeGpu, kRecipes, precision_name)
 // bit for bit on the prediction, the loss, the split gradients and every FP8 scale, and their
 // weights' scales are the whole weights'. An optimizer over each rank's shares takes the whole
 // model's step (expect_optimizer_over_shares). The memory plan counts what the first rank takes.
-// The ranks run without recompute, then with full recompute. AdamW over each rank's layout (its
+// The ranks run without recompute, then with full recompute, each without and with sequence
+// parallelism (each rank then keeps 32 of a sample's 64 image tokens and 4 of its 8 text tokens
+// outside the split linears, and plans fewer activations). AdamW over each rank's layout (its
 // shares first, then the replicated tensors), after the last step's backward: the gradient norm
 // (the shares' squares summed over the group) is that of the gathered gradients; one step moves
 // every parameter, gathered from the shares, by AdamW's first step from its gathered gradient,
@@ -511,18 +513,25 @@ TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfT
   std::vector<cudaStream_t> streams(kRanks + 1);
   for (cudaStream_t& stream : streams)
     FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
-  // The ranks without recompute, then with full recompute (their reruns sum over the group too).
-  for (const RecomputeOptions& recompute :
-       {RecomputeOptions{}, RecomputeOptions{RecomputeGranularity::Full}}) {
-    SCOPED_TRACE(recompute_summary(recompute, config.double_blocks + config.single_blocks));
+  // The ranks without recompute, then with full recompute (their reruns sum over the group too),
+  // each without and with sequence parallelism.
+  for (const auto& [recompute, sequence] :
+       {std::pair{RecomputeOptions{}, false},
+        std::pair{RecomputeOptions{RecomputeGranularity::Full}, false},
+        std::pair{RecomputeOptions{}, true},
+        std::pair{RecomputeOptions{RecomputeGranularity::Full}, true}}) {
+    SCOPED_TRACE(recompute_summary(recompute, config.double_blocks + config.single_blocks) +
+                 (sequence ? ", sequence parallel" : ""));
     CudaFluxModel whole(config, kBatch, kImgTokens, kTxtTokens, precision, streams[kRanks]);
     whole.upload_parameters(parameters);
     testing::ThreadGroup group(kRanks);
     std::vector<std::unique_ptr<CudaFluxModel>> ranks;
     for (int rank = 0; rank < kRanks; ++rank) {
+      DeviceTensorParallel member = testing::device_member(group, rank);
+      member.sequence = sequence;
       ranks.push_back(std::make_unique<CudaFluxModel>(config, kBatch, kImgTokens, kTxtTokens,
                                                       precision, streams[size_t(rank)], recompute,
-                                                      testing::device_member(group, rank)));
+                                                      member));
       ASSERT_EQ(ranks.back()->linear_precision().size(), whole.linear_precision().size());
       for (size_t i = 0; i < whole.linear_precision().size(); ++i)
         ASSERT_EQ(ranks.back()->linear_precision()[i].fp8, whole.linear_precision()[i].fp8);
@@ -532,9 +541,15 @@ TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfT
     testing::run_ranks<CudaFluxModel>(ranks, [&](CudaFluxModel& model, size_t rank) {
       model.upload_parameters(rank == 0 ? &parameters : nullptr);
     });
-    const FluxMemoryPlan plan = plan_flux_memory(
-        config, {.batch = kBatch, .img_tokens = kImgTokens, .txt_tokens = kTxtTokens}, precision,
-        kRanks, recompute, kRanks);
+    const FluxMicroBatch micro_batch{
+        .batch = kBatch, .img_tokens = kImgTokens, .txt_tokens = kTxtTokens};
+    const FluxMemoryPlan plan =
+        plan_flux_memory(config, micro_batch, precision, kRanks, recompute, kRanks, sequence);
+    if (sequence) {
+      EXPECT_LT(
+          plan.activations,
+          plan_flux_memory(config, micro_batch, precision, kRanks, recompute, kRanks).activations);
+    }
     const CudaFluxMemory& first = ranks[0]->memory();
     EXPECT_LT(first.parameters, whole.memory().parameters);  // the shares only
     EXPECT_EQ(plan.parameters, first.parameters);
@@ -557,6 +572,11 @@ TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfT
     }
     for (const FluxParam& param : flux_parameters(config))
       if (param.kind == FluxParamKind::NormScale) split.push_back(param.name);
+    for (const FluxLinear& linear : flux_linears(config)) {
+      if (!sequence || !flux_reads_own_tokens(linear.name)) continue;
+      split.push_back(linear.name + ".weight");  // each rank's tokens add their part
+      split.push_back(linear.name + ".bias");
+    }
 
     Arena whole_arena("gradients", planned), first_arena("gradients", planned),
         second_arena("gradients", planned);

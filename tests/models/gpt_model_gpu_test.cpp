@@ -535,12 +535,15 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
         // The partial sums round to bf16 once more than the whole model's outputs, which moves
         // an FP8 code now and then (E5M2 codes of the gradients are 12.5 to 25 % apart): over 14
         // seeds on the H200 a tensor moved by up to 0.02 in BF16 and 0.16 in FP8, the scalars
-        // (whose gradients cancel to a small remainder) together by 0.17 and 0.30. The tensors'
-        // bounds are the GPU-against-CPU test's.
+        // (whose gradients cancel to a small remainder) together by 0.17 and 0.30; over 25 seeds
+        // on an H100 the FP8 scalars moved by up to 0.28, and by 0.72 for one seed
+        // (FP8T_TEST_SEED=4032625459, tensorwise, full recompute). Their bound stays below 1, the
+        // error of a gradient missing or summed twice. The tensors' bounds are the
+        // GPU-against-CPU test's.
         expect_gradients_match(
             *rank, config, fp8 ? 0.2 : 0.05,
             [&](const std::string& name) { return whole_gradients[name].data<float>(); },
-            fp8 ? 0.6 : 0.4);
+            fp8 ? 0.9 : 0.4);
       }
       for (const ParamSpec& spec : gpt_parameters(config)) {
         if (gpt_split_parameter(spec)) {

@@ -21,10 +21,18 @@ namespace fp8t {
 struct DeviceTensorParallel {
   int size = 1;  // ranks in the group; 1: no tensor parallelism
   int rank = 0;  // this rank's place in the group, 0 .. size - 1
+  // Sequence parallelism (TensorParallel::sequence): the Flux model only.
+  bool sequence = false;
   // In place over the group, the same result on every rank of it. Unset when size is 1.
   std::function<void(bf16* values, size_t count, cudaStream_t stream)> sum_bf16;
   std::function<void(float* values, size_t count, cudaStream_t stream)> sum;
   std::function<void(float* values, size_t count, cudaStream_t stream)> max;
+  // Sequence parallelism. gather_bf16: every rank's `count` values of `own` into `all`
+  // [size, count], in rank order. reduce_scatter_bf16: `all` [size, count] summed over the
+  // group, this rank's `count` of the sum into `own`.
+  std::function<void(const bf16* own, bf16* all, size_t count, cudaStream_t stream)> gather_bf16;
+  std::function<void(const bf16* all, bf16* own, size_t count, cudaStream_t stream)>
+      reduce_scatter_bf16;
 
   bool split() const { return size > 1; }
 
@@ -48,6 +56,9 @@ inline void check_device_group(const DeviceTensorParallel& group, bool fp8_atten
              "expected a tensor-parallel rank in [0, {}), found {}", group.size, group.rank);
   FP8T_CHECK(!group.split() || (group.sum_bf16 && group.sum && group.max),
              "expected the tensor-parallel group's collectives, found none");
+  FP8T_CHECK(!group.split() || !group.sequence || (group.gather_bf16 && group.reduce_scatter_bf16),
+             "expected the tensor-parallel group's gather and reduce-scatter for sequence "
+             "parallelism, found none");
   if (group.split() && fp8_attention) {
     throw ConfigError(fmt::format(
         "fp8_dot_product_attention does not run with tensor_model_parallel_size {}", group.size));

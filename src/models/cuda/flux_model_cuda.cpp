@@ -95,7 +95,8 @@ struct CudaFluxModel::AttentionSaved {
   kernels::Fp8AttentionSaved fp8;  // fp8_dot_product_attention
 };
 
-// One stream of a double block: [B·L_s, ·].
+// One stream of a double block: [B·L_s, ·] (attn, mlp_hidden, mlp_act), [B·O_s, ·] this rank's
+// tokens (the rest; O_s = L_s without sequence parallelism).
 struct CudaFluxModel::Stream {
   bf16* mod = nullptr;  // [B, 6C]: shift1, scale1, gate1, shift2, scale2, gate2
   bf16 *norm1 = nullptr, *modulated1 = nullptr;
@@ -112,13 +113,13 @@ struct CudaFluxModel::DoubleBlock {
 };
 
 struct CudaFluxModel::SingleBlock {
-  bf16* mod = nullptr;  // [B, 3C]: shift, scale, gate
-  bf16 *normed = nullptr, *modulated = nullptr;
+  bf16* mod = nullptr;                           // [B, 3C]: shift, scale, gate
+  bf16 *normed = nullptr, *modulated = nullptr;  // [B·O, C]: this rank's tokens
   float* rstd = nullptr;
   bf16* linear1_out = nullptr;  // [B·L, 3C + M]: qkv, then the MLP's input
   AttentionSaved attention;
   bf16* linear2_in = nullptr;  // [B·L, C + M]: the attention output, then GELU(mlp)
-  bf16* out = nullptr;         // linear2's output: the gated branch
+  bf16* out = nullptr;         // [B·O, C] linear2's output: the gated branch
 };
 
 struct CudaFluxModel::Buffers {
@@ -171,6 +172,11 @@ struct CudaFluxModel::Buffers {
   bf16 *dq = nullptr, *dk = nullptr, *dv = nullptr;
   bf16 *d_mlp_act = nullptr, *d_mlp_hidden = nullptr, *d_qkv = nullptr;
   bf16 *d_linear1_out = nullptr, *d_linear2_in = nullptr;
+  // Sequence parallelism: the all-gathers' and reduce-scatters' [T, B·O_s, width] (and the
+  // inputs' conversion), a stream's every token (a gathered input or output gradient, a
+  // row-parallel partial output), a summed input gradient's own tokens, and the final layer's
+  // output and gradient on this rank's image tokens.
+  bf16 *sequence_staging = nullptr, *whole = nullptr, *d_own = nullptr, *own_prediction = nullptr;
   bool forward_has_gradient = false;
 
   // The host inputs of a micro-batch go through pinned memory: fast copies, and no wait for
@@ -205,6 +211,11 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
   const int group_size = tensor_parallel_.size;
   check_flux_tensor_parallel(config_, group_size);
   check_device_group(tensor_parallel_, precision_.fp8_attention);
+  sequence_ = tensor_parallel_.sequence && tensor_parallel_.split();
+  if (sequence_) check_flux_sequence_parallel(group_size, img_tokens, txt_tokens);
+  own_img_ = sequence_ ? img_tokens / group_size : img_tokens;
+  own_txt_ = sequence_ ? txt_tokens / group_size : txt_tokens;
+  own_tokens_ = own_img_ + own_txt_;
   attention_width_ = config_.hidden_size / group_size;
   heads_ = config_.num_heads / group_size;
   mlp_hidden_ = config_.mlp_hidden() / group_size;
@@ -263,7 +274,9 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
   int fp8_index = 0;
   for (const FluxLinearPrecision& decision : linear_precision_) {
     const FluxLinear& spec = decision.linear;
-    const int64_t rows = flux_linear_rows(spec, B, img_tokens_, txt_tokens_);
+    const int64_t rows = sequence_ && flux_reads_own_tokens(spec.name)
+                             ? flux_linear_rows(spec, B, own_img_, own_txt_)
+                             : flux_linear_rows(spec, B, img_tokens_, txt_tokens_);
     const TensorShare share = flux_tensor_share(spec, config_, group_size, tensor_parallel_.rank);
     const TensorSplit split = share.split;
     Linear linear;
@@ -304,6 +317,12 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
     linear.fp8_index = decision.fp8 ? fp8_index++ : -1;
     memory_.linear_copies += linear.layer->device_bytes();
     buffers_->linears.emplace(spec.name, std::move(linear));
+    if (sequence_ && flux_reads_own_tokens(spec.name)) {  // each rank's tokens add their part
+      for (const char* tensor : {".weight", ".bias"}) {
+        const optim::DeviceParameter& part = layout_[spec.name + tensor];
+        partial_gradient_ranges_.emplace_back(part.offset, part.numel);
+      }
+    }
     if (split == TensorSplit::None) continue;
     tensor_parts_[spec.name + ".weight"] = {share, spec.out_features, spec.in_features};
     if (split == TensorSplit::Outputs) {
@@ -381,13 +400,15 @@ void CudaFluxModel::lay_out() {
   const auto ctx = size_t(config_.context_in_dim), vec = size_t(config_.vec_in_dim);
   const auto sinusoid = size_t(config_.timestep_dim());
   const size_t N = B * L, Ls = std::max(Li, Lt);
+  // This rank's tokens of the residual streams (all of them without sequence parallelism).
+  const auto Oi = size_t(own_img_), Ot = size_t(own_txt_), O = size_t(own_tokens_);
 
   parameters_ = b.parameters.take<float>(size_t(layout_.total_elements));
   gradients_ = b.gradients.take<float>(size_t(layout_.total_elements));
 
   DeviceArena& act = b.activations;
-  b.img = act.take<bf16>(B * Li * Cin);
-  b.txt = act.take<bf16>(B * Lt * ctx);
+  b.img = act.take<bf16>(B * Oi * Cin);
+  b.txt = act.take<bf16>(B * Ot * ctx);
   const size_t embed_inputs[] = {sinusoid, vec, sinusoid};
   for (int e = 0; e < 3; ++e) {
     if (e == 2 && !config_.guidance_embed) break;
@@ -410,15 +431,16 @@ void CudaFluxModel::lay_out() {
     }
   };
   const auto take_double = [&](DoubleBlock& block) {
-    for (auto [stream, rows] : {std::pair{&block.img, B * Li}, std::pair{&block.txt, B * Lt}}) {
+    for (auto [stream, rows, own_rows] :
+         {std::tuple{&block.img, B * Li, B * Oi}, std::tuple{&block.txt, B * Lt, B * Ot}}) {
       stream->mod = act.take<bf16>(B * 6 * C);
       for (bf16** view : {&stream->norm1, &stream->modulated1, &stream->proj, &stream->norm2,
                           &stream->modulated2, &stream->mlp_out}) {
-        *view = act.take<bf16>(rows * C);
+        *view = act.take<bf16>(own_rows * C);
       }
       stream->attn = act.take<bf16>(rows * A);
-      stream->rstd1 = act.take<float>(rows);
-      stream->rstd2 = act.take<float>(rows);
+      stream->rstd1 = act.take<float>(own_rows);
+      stream->rstd2 = act.take<float>(own_rows);
       stream->mlp_hidden = act.take<bf16>(rows * M);
       stream->mlp_act = selective_ ? b.shared_mlp_act : act.take<bf16>(rows * M);
     }
@@ -426,13 +448,13 @@ void CudaFluxModel::lay_out() {
   };
   const auto take_single = [&](SingleBlock& block) {
     block.mod = act.take<bf16>(B * 3 * C);
-    block.normed = act.take<bf16>(N * C);
-    block.modulated = act.take<bf16>(N * C);
-    block.rstd = act.take<float>(N);
+    block.normed = act.take<bf16>(B * O * C);
+    block.modulated = act.take<bf16>(B * O * C);
+    block.rstd = act.take<float>(B * O);
     block.linear1_out = act.take<bf16>(N * (3 * A + M));
     attention(block.attention);
     block.linear2_in = selective_ ? b.shared_linear2_in : act.take<bf16>(N * (A + M));
-    block.out = act.take<bf16>(N * C);
+    block.out = act.take<bf16>(B * O * C);
   };
   // Full recompute: the blocks at the same place of their groups share one set of saved
   // activations, and each group saves its input.
@@ -461,15 +483,15 @@ void CudaFluxModel::lay_out() {
   take_blocks(b.doubles, config_.double_blocks, recompute_.doubles, take_double);
   b.double_group_inputs.clear();
   for (size_t group = 0; group < recompute_.doubles.size(); ++group)
-    b.double_group_inputs.emplace_back(act.take<bf16>(B * Li * C), act.take<bf16>(B * Lt * C));
+    b.double_group_inputs.emplace_back(act.take<bf16>(B * Oi * C), act.take<bf16>(B * Ot * C));
   take_blocks(b.singles, config_.single_blocks, recompute_.singles, take_single);
   b.single_group_inputs.clear();
   for (size_t group = 0; group < recompute_.singles.size(); ++group)
-    b.single_group_inputs.push_back(act.take<bf16>(N * C));
+    b.single_group_inputs.push_back(act.take<bf16>(B * O * C));
   b.final_mod = act.take<bf16>(B * 2 * C);
-  b.final_normed = act.take<bf16>(B * Li * C);
-  b.final_modulated = act.take<bf16>(B * Li * C);
-  b.final_rstd = act.take<float>(B * Li);
+  b.final_normed = act.take<bf16>(B * Oi * C);
+  b.final_modulated = act.take<bf16>(B * Oi * C);
+  b.final_rstd = act.take<float>(B * Oi);
   b.prediction = act.take<bf16>(B * Li * Cin);
 
   DeviceArena& ws = b.workspace;
@@ -483,14 +505,14 @@ void CudaFluxModel::lay_out() {
   b.rope_sin = ws.take<float>(L * D / 2);
   b.loss = ws.take<float>(1);
   b.reduction = ws.take<float>(size_t(kernels::flux_reduction_workspace_floats()));
-  b.x_img = ws.take<bf16>(B * Li * C);
-  b.x_txt = ws.take<bf16>(B * Lt * C);
-  b.x_joint = ws.take<bf16>(N * C);
+  b.x_img = ws.take<bf16>(B * Oi * C);
+  b.x_txt = ws.take<bf16>(B * Ot * C);
+  b.x_joint = ws.take<bf16>(B * O * C);
   b.embedding = ws.take<bf16>(B * C);
   b.qkv = ws.take<bf16>(B * Ls * 3 * A);
-  b.d_img = ws.take<bf16>(B * Li * C);
-  b.d_txt = ws.take<bf16>(B * Lt * C);
-  b.d_joint = ws.take<bf16>(N * C);
+  b.d_img = ws.take<bf16>(B * Oi * C);
+  b.d_txt = ws.take<bf16>(B * Ot * C);
+  b.d_joint = ws.take<bf16>(B * O * C);
   b.dpred = ws.take<bf16>(B * Li * Cin);
   b.dmod_img = ws.take<float>(B * 6 * C);
   b.dmod_txt = ws.take<float>(B * 6 * C);
@@ -510,6 +532,13 @@ void CudaFluxModel::lay_out() {
   if (precision_.fp8_attention) {
     b.fp8_attention_scratch = {ws.take<uint8_t>(N * A), ws.take<uint8_t>(N * A),
                                ws.take<uint8_t>(N * A), ws.take<uint8_t>(N * A)};
+  }
+  if (sequence_) {
+    const size_t widest = std::max({N * C, B * Li * Cin, B * Lt * ctx});
+    b.sequence_staging = ws.take<bf16>(widest);
+    b.whole = ws.take<bf16>(widest);
+    b.d_own = ws.take<bf16>(B * O * C);
+    b.own_prediction = ws.take<bf16>(B * Oi * Cin);
   }
 
   // FP8: the scaling floats and the quantization scratch of the largest linear (share).
@@ -762,8 +791,15 @@ void CudaFluxModel::upload_inputs(const FluxInputs& inputs, const float* target)
     send(b.sinusoid_f32[e], B * dim);
   }
   FP8T_CUDA_CHECK(cudaEventRecord(b.staging_free, stream_));
-  kernels::cast_to_bf16(b.img, b.img_f32, img_count, stream_);
-  kernels::cast_to_bf16(b.txt, b.txt_f32, txt_count, stream_);
+  if (sequence_) {  // img_in and txt_in read this rank's tokens
+    kernels::cast_to_bf16(b.whole, b.img_f32, img_count, stream_);
+    take_own_tokens(b.img, b.whole, FluxStream::Image, config_.in_channels);
+    kernels::cast_to_bf16(b.whole, b.txt_f32, txt_count, stream_);
+    take_own_tokens(b.txt, b.whole, FluxStream::Text, config_.context_in_dim);
+  } else {
+    kernels::cast_to_bf16(b.img, b.img_f32, img_count, stream_);
+    kernels::cast_to_bf16(b.txt, b.txt_f32, txt_count, stream_);
+  }
   kernels::cast_to_bf16(b.embed_input[1], b.y_f32, y_count, stream_);
   for (int e = 0; e < embedders; ++e)
     kernels::cast_to_bf16(b.embed_input[e == 0 ? 0 : 2], b.sinusoid_f32[e], B * dim, stream_);
@@ -872,42 +908,49 @@ void CudaFluxModel::double_block_forward(int block) {
   const std::string prefix = fmt::format("double_blocks.{}.", block);
   struct Part {
     const char* name;
+    FluxStream stream;
     Stream& saved;
     bf16* x;
-    int64_t tokens, first;
+    int64_t tokens, own_tokens, first;
   };
-  const Part parts[] = {{"img", saved.img, b.x_img, img_tokens_, txt_tokens_},
-                        {"txt", saved.txt, b.x_txt, txt_tokens_, 0}};
+  const Part parts[] = {
+      {"img", FluxStream::Image, saved.img, b.x_img, img_tokens_, own_img_, txt_tokens_},
+      {"txt", FluxStream::Text, saved.txt, b.x_txt, txt_tokens_, own_txt_, 0}};
   for (const Part& p : parts) {
     const std::string stream = prefix + p.name;
-    const kernels::StreamShape shape{B, p.tokens, C, p.tokens};
+    const kernels::StreamShape shape{B, p.own_tokens, C, p.own_tokens};
     modulation_forward(stream + "_mod.lin", p.saved.mod);
-    kernels::layernorm_modulate_forward(p.saved.modulated1, p.saved.norm1, p.saved.rstd1, p.x,
-                                        p.saved.mod, p.saved.mod + C, 6 * C, shape, stream_,
-                                        fused_input_cast(stream + "_attn.qkv"));
-    linear_forward(stream + "_attn.qkv", p.saved.modulated1, B * p.tokens, b.qkv);
+    // Under sequence parallelism the linear casts the gathered tokens itself.
+    kernels::layernorm_modulate_forward(
+        p.saved.modulated1, p.saved.norm1, p.saved.rstd1, p.x, p.saved.mod, p.saved.mod + C, 6 * C,
+        shape, stream_, sequence_ ? kernels::FusedCast{} : fused_input_cast(stream + "_attn.qkv"));
+    linear_forward(stream + "_attn.qkv", gather_tokens(p.saved.modulated1, p.stream, C, b.whole),
+                   B * p.tokens, b.qkv);
     stream_into_joint(saved.attention, stream + "_attn.norm", b.qkv, 3 * A, p.first, p.tokens);
   }
   AttentionSaved& a = saved.attention;
   joint_attention_forward(a);
   for (const Part& p : parts) {
     const std::string stream = prefix + p.name;
-    const kernels::StreamShape shape{B, p.tokens, C, p.tokens};
+    const kernels::StreamShape shape{B, p.own_tokens, C, p.own_tokens};
     const int64_t rows = B * p.tokens;
     Stream& s = p.saved;
     // The copies out of the joint sequence and GELU take the next linears' input amaxes.
     out_of_joint(s.attn, A, a.out, p.first, p.tokens, A, fused_input_amax(stream + "_attn.proj"));
-    linear_forward(stream + "_attn.proj", s.attn, rows, s.proj);
-    tensor_parallel_.sum_partials(s.proj, rows * C, stream_);
+    bf16* proj = partial_output(s.proj);
+    linear_forward(stream + "_attn.proj", s.attn, rows, proj);
+    reduce_to_own_tokens(proj, p.stream, C, s.proj);
     kernels::gated_residual_forward(p.x, s.proj, s.mod + 2 * C, 6 * C, shape, stream_);
-    kernels::layernorm_modulate_forward(s.modulated2, s.norm2, s.rstd2, p.x, s.mod + 3 * C,
-                                        s.mod + 4 * C, 6 * C, shape, stream_,
-                                        fused_input_cast(stream + "_mlp.0"));
-    linear_forward(stream + "_mlp.0", s.modulated2, rows, s.mlp_hidden);
+    kernels::layernorm_modulate_forward(
+        s.modulated2, s.norm2, s.rstd2, p.x, s.mod + 3 * C, s.mod + 4 * C, 6 * C, shape, stream_,
+        sequence_ ? kernels::FusedCast{} : fused_input_cast(stream + "_mlp.0"));
+    linear_forward(stream + "_mlp.0", gather_tokens(s.modulated2, p.stream, C, b.whole), rows,
+                   s.mlp_hidden);
     kernels::gelu_tanh_forward(s.mlp_act, M, s.mlp_hidden, M, rows, M, stream_,
                                fused_input_amax(stream + "_mlp.2"));
-    linear_forward(stream + "_mlp.2", s.mlp_act, rows, s.mlp_out);
-    tensor_parallel_.sum_partials(s.mlp_out, rows * C, stream_);
+    bf16* mlp_out = partial_output(s.mlp_out);
+    linear_forward(stream + "_mlp.2", s.mlp_act, rows, mlp_out);
+    reduce_to_own_tokens(mlp_out, p.stream, C, s.mlp_out);
     kernels::gated_residual_forward(p.x, s.mlp_out, s.mod + 5 * C, 6 * C, shape, stream_);
   }
 }
@@ -926,16 +969,19 @@ void CudaFluxModel::single_block_forward(int block) {
   const int64_t B = batch_, C = config_.hidden_size, A = attention_width_, M = mlp_hidden_;
   const int64_t N = B * tokens_, width1 = 3 * A + M;
   const std::string prefix = fmt::format("single_blocks.{}", block);
-  const kernels::StreamShape shape{B, tokens_, C, tokens_};
+  const kernels::StreamShape shape{B, own_tokens_, C, own_tokens_};
   modulation_forward(prefix + ".modulation.lin", s.mod);
-  kernels::layernorm_modulate_forward(s.modulated, s.normed, s.rstd, b.x_joint, s.mod, s.mod + C,
-                                      3 * C, shape, stream_, fused_input_cast(prefix + ".linear1"));
-  linear_forward(prefix + ".linear1", s.modulated, N, s.linear1_out);
+  kernels::layernorm_modulate_forward(
+      s.modulated, s.normed, s.rstd, b.x_joint, s.mod, s.mod + C, 3 * C, shape, stream_,
+      sequence_ ? kernels::FusedCast{} : fused_input_cast(prefix + ".linear1"));
+  linear_forward(prefix + ".linear1", gather_tokens(s.modulated, FluxStream::Joint, C, b.whole), N,
+                 s.linear1_out);
   stream_into_joint(s.attention, prefix + ".norm", s.linear1_out, width1, 0, tokens_);
   joint_attention_forward(s.attention);
   linear2_input(s, fused_input_amax(prefix + ".linear2"));
-  linear_forward(prefix + ".linear2", s.linear2_in, N, s.out);
-  tensor_parallel_.sum_partials(s.out, N * C, stream_);
+  bf16* out = partial_output(s.out);
+  linear_forward(prefix + ".linear2", s.linear2_in, N, out);
+  reduce_to_own_tokens(out, FluxStream::Joint, C, s.out);
   kernels::gated_residual_forward(b.x_joint, s.out, s.mod + 2 * C, 3 * C, shape, stream_);
 }
 
@@ -945,10 +991,11 @@ void CudaFluxModel::forward(const FluxInputs& inputs, const float* target, bool 
   // The weight casts first: the GPU runs them while the host copies the inputs.
   if (!weights_ready_) prepare_weights();
   upload_inputs(inputs, target);
-  const int64_t B = batch_, Li = img_tokens_, Lt = txt_tokens_, C = config_.hidden_size;
+  const int64_t B = batch_, Li = img_tokens_, C = config_.hidden_size;
+  const int64_t Oi = own_img_, Ot = own_txt_, O = own_tokens_;
 
-  linear_forward("img_in", b.img, B * Li, b.x_img);
-  linear_forward("txt_in", b.txt, B * Lt, b.x_txt);
+  linear_forward("img_in", b.img, B * Oi, b.x_img);
+  linear_forward("txt_in", b.txt, B * Ot, b.x_txt);
   embedder_forward("time_in", 0, b.vec);
   embedder_forward("vector_in", 1, b.embedding);
   kernels::add_forward(b.vec, b.vec, b.embedding, B * C, stream_);
@@ -962,9 +1009,9 @@ void CudaFluxModel::forward(const FluxInputs& inputs, const float* target, bool 
     save_group_input(true, block);
     double_block_forward(block);
   }
-  // The single blocks run on [txt; img].
-  into_joint(b.x_joint, b.x_txt, C, 0, Lt, C);
-  into_joint(b.x_joint, b.x_img, C, Lt, Li, C);
+  // The single blocks run on [txt; img] (this rank's text tokens, then its image tokens).
+  kernels::copy_rows({b.x_joint, C, O}, {b.x_txt, C, Ot}, B, Ot, C, stream_);
+  kernels::copy_rows({b.x_joint + Ot * C, C, O}, {b.x_img, C, Oi}, B, Oi, C, stream_);
   for (int block = 0; block < config_.single_blocks; ++block) {
     save_group_input(false, block);
     single_block_forward(block);
@@ -972,11 +1019,17 @@ void CudaFluxModel::forward(const FluxInputs& inputs, const float* target, bool 
 
   // The final layer on the image tokens, read in place from the joint sequence.
   modulation_forward("final_layer.adaLN_modulation.1", b.final_mod);
-  const kernels::StreamShape image{B, Li, C, tokens_};
-  kernels::layernorm_modulate_forward(b.final_modulated, b.final_normed, b.final_rstd,
-                                      b.x_joint + Lt * C, b.final_mod, b.final_mod + C, 2 * C,
-                                      image, stream_, fused_input_cast("final_layer.linear"));
-  linear_forward("final_layer.linear", b.final_modulated, B * Li, b.prediction);
+  const kernels::StreamShape image{B, Oi, C, O};
+  kernels::layernorm_modulate_forward(
+      b.final_modulated, b.final_normed, b.final_rstd, b.x_joint + Ot * C, b.final_mod,
+      b.final_mod + C, 2 * C, image, stream_,
+      sequence_ ? kernels::FusedCast{} : fused_input_cast("final_layer.linear"));
+  if (sequence_) {  // every rank's loss is the whole micro-batch's: the prediction gathered
+    linear_forward("final_layer.linear", b.final_modulated, B * Oi, b.own_prediction);
+    gather_tokens(b.own_prediction, FluxStream::Image, config_.in_channels, b.prediction);
+  } else {
+    linear_forward("final_layer.linear", b.final_modulated, B * Li, b.prediction);
+  }
   const int64_t count = B * Li * config_.in_channels;
   kernels::flow_mse_forward_backward(b.loss, b.dpred, b.prediction, b.target, count, grad_scale,
                                      b.reduction, stream_);
@@ -991,11 +1044,79 @@ void CudaFluxModel::copy_group_input(bool doubles, size_t group, bool save) {
                                     cudaMemcpyDeviceToDevice, stream_));
   };
   if (doubles) {
-    copy(b.double_group_inputs[group].first, b.x_img, img_tokens_);
-    copy(b.double_group_inputs[group].second, b.x_txt, txt_tokens_);
+    copy(b.double_group_inputs[group].first, b.x_img, own_img_);
+    copy(b.double_group_inputs[group].second, b.x_txt, own_txt_);
   } else {
-    copy(b.single_group_inputs[group], b.x_joint, tokens_);
+    copy(b.single_group_inputs[group], b.x_joint, own_tokens_);
   }
+}
+
+FluxOwnTokens CudaFluxModel::own_tokens(FluxStream stream) const {
+  return sequence_ ? flux_own_tokens(stream, img_tokens_, txt_tokens_, tensor_parallel_.size,
+                                     tensor_parallel_.rank)
+                   : flux_own_tokens(stream, img_tokens_, txt_tokens_, 1, 0);
+}
+
+const bf16* CudaFluxModel::gather_tokens(const bf16* own, FluxStream stream, int64_t width,
+                                         bf16* whole) {
+  if (!sequence_) return own;
+  Buffers& b = *buffers_;
+  const FluxOwnTokens tokens = own_tokens(stream);
+  const int64_t count = batch_ * tokens.own * width;
+  tensor_parallel_.gather_bf16(own, b.sequence_staging, size_t(count), stream_);
+  // The ranks' tokens, one after the other in the staging, into their places.
+  for (int rank = 0; rank < tensor_parallel_.size; ++rank) {
+    const bf16* rank_tokens = b.sequence_staging + rank * count;
+    const FluxOwnTokens at =
+        flux_own_tokens(stream, img_tokens_, txt_tokens_, tensor_parallel_.size, rank);
+    for (const FluxTokenRun& run : at.runs) {
+      kernels::copy_rows({whole + run.whole_first * width, width, at.whole},
+                         {rank_tokens + run.own_first * width, width, at.own}, batch_, run.count,
+                         width, stream_);
+    }
+  }
+  return whole;
+}
+
+void CudaFluxModel::take_own_tokens(bf16* own, const bf16* whole, FluxStream stream,
+                                    int64_t width) {
+  const FluxOwnTokens tokens = own_tokens(stream);
+  for (const FluxTokenRun& run : tokens.runs) {
+    kernels::copy_rows({own + run.own_first * width, width, tokens.own},
+                       {whole + run.whole_first * width, width, tokens.whole}, batch_, run.count,
+                       width, stream_);
+  }
+}
+
+const bf16* CudaFluxModel::reduce_to_own_tokens(bf16* partial, FluxStream stream, int64_t width,
+                                                bf16* own) {
+  const FluxOwnTokens tokens = own_tokens(stream);
+  if (!sequence_) {
+    tensor_parallel_.sum_partials(partial, batch_ * tokens.whole * width, stream_);
+    return partial;
+  }
+  // Each rank's tokens one after the other in the staging, for NCCL's reduce-scatter.
+  Buffers& b = *buffers_;
+  const int64_t count = batch_ * tokens.own * width;
+  for (int rank = 0; rank < tensor_parallel_.size; ++rank) {
+    const FluxOwnTokens at =
+        flux_own_tokens(stream, img_tokens_, txt_tokens_, tensor_parallel_.size, rank);
+    for (const FluxTokenRun& run : at.runs) {
+      kernels::copy_rows({b.sequence_staging + rank * count + run.own_first * width, width, at.own},
+                         {partial + run.whole_first * width, width, at.whole}, batch_, run.count,
+                         width, stream_);
+    }
+  }
+  tensor_parallel_.reduce_scatter_bf16(b.sequence_staging, own, size_t(count), stream_);
+  return own;
+}
+
+bf16* CudaFluxModel::partial_output(bf16* own) {
+  return sequence_ ? buffers_->whole : own;
+}
+
+void CudaFluxModel::sum_modulation_gradient(float* dmod, int64_t width) {
+  if (sequence_) tensor_parallel_.sum(dmod, size_t(batch_ * width), stream_);
 }
 
 void CudaFluxModel::save_group_input(bool doubles, int block) {
@@ -1052,23 +1173,27 @@ void CudaFluxModel::single_block_backward(int block) {
   const int64_t B = batch_, C = config_.hidden_size, A = attention_width_, M = mlp_hidden_;
   const int64_t N = B * tokens_, width1 = 3 * A + M, width2 = A + M;
   const std::string prefix = fmt::format("single_blocks.{}", block);
-  const kernels::StreamShape shape{B, tokens_, C, tokens_};
+  const kernels::StreamShape shape{B, own_tokens_, C, own_tokens_};
   FP8T_CUDA_CHECK(cudaMemsetAsync(b.dmod_img, 0, size_t(B * 3 * C) * sizeof(float), stream_));
   kernels::gated_residual_backward(b.d_branch, b.dmod_img + 2 * C, 3 * C, b.d_joint, s.out,
                                    s.mod + 2 * C, 3 * C, shape, b.reduction, stream_);
   if (selective_) linear2_input(s);  // the shared buffer holds a later block's
-  linear_backward(prefix + ".linear2", b.d_branch, s.linear2_in, N, b.d_linear2_in, false);
+  linear_backward(prefix + ".linear2", gather_tokens(b.d_branch, FluxStream::Joint, C, b.whole),
+                  s.linear2_in, N, b.d_linear2_in, false);
   kernels::gelu_tanh_backward(b.d_linear1_out + 3 * A, width1, b.d_linear2_in + A, width2,
                               s.linear1_out + 3 * A, width1, N, M, stream_);
   copy_rows(b.d_attn, A, b.d_linear2_in, width2, N, A, stream_);
   AttentionSaved& a = s.attention;
   joint_attention_backward(a);
   stream_from_joint(a, prefix + ".norm", b.d_linear1_out, width1, 0, tokens_);
-  linear_backward(prefix + ".linear1", b.d_linear1_out, s.modulated, N, b.d_modulated, false);
-  tensor_parallel_.sum_partials(b.d_modulated, N * C, stream_);
-  kernels::layernorm_modulate_backward(b.d_joint, b.dmod_img, b.dmod_img + C, 3 * C, b.d_modulated,
-                                       s.normed, s.rstd, s.mod + C, 3 * C, shape, GradStore::Add,
-                                       b.reduction, stream_);
+  linear_backward(prefix + ".linear1", b.d_linear1_out,
+                  gather_tokens(s.modulated, FluxStream::Joint, C, b.whole), N, b.d_modulated,
+                  false);
+  kernels::layernorm_modulate_backward(
+      b.d_joint, b.dmod_img, b.dmod_img + C, 3 * C,
+      reduce_to_own_tokens(b.d_modulated, FluxStream::Joint, C, b.d_own), s.normed, s.rstd,
+      s.mod + C, 3 * C, shape, GradStore::Add, b.reduction, stream_);
+  sum_modulation_gradient(b.dmod_img, 3 * C);
   kernels::cast_to_bf16(b.dmod, b.dmod_img, B * 3 * C, stream_);
   modulation_backward(prefix + ".modulation.lin");
 }
@@ -1080,17 +1205,20 @@ void CudaFluxModel::double_block_backward(int block) {
   const std::string prefix = fmt::format("double_blocks.{}.", block);
   struct Part {
     const char* name;
+    FluxStream stream;
     Stream& saved;
     bf16* dx;
     float* dmod;
-    int64_t tokens, first;
+    int64_t tokens, own_tokens, first;
   };
-  const Part parts[] = {{"img", saved.img, b.d_img, b.dmod_img, img_tokens_, txt_tokens_},
-                        {"txt", saved.txt, b.d_txt, b.dmod_txt, txt_tokens_, 0}};
+  const Part parts[] = {
+      {"img", FluxStream::Image, saved.img, b.d_img, b.dmod_img, img_tokens_, own_img_,
+       txt_tokens_},
+      {"txt", FluxStream::Text, saved.txt, b.d_txt, b.dmod_txt, txt_tokens_, own_txt_, 0}};
   // The MLP halves and the attention projections, down to the joint attention's output.
   for (const Part& p : parts) {
     const std::string stream = prefix + p.name;
-    const kernels::StreamShape shape{B, p.tokens, C, p.tokens};
+    const kernels::StreamShape shape{B, p.own_tokens, C, p.own_tokens};
     const int64_t rows = B * p.tokens;
     Stream& s = p.saved;
     FP8T_CUDA_CHECK(cudaMemsetAsync(p.dmod, 0, size_t(B * 6 * C) * sizeof(float), stream_));
@@ -1098,32 +1226,36 @@ void CudaFluxModel::double_block_backward(int block) {
                                      s.mod + 5 * C, 6 * C, shape, b.reduction, stream_);
     if (selective_)  // the shared buffer holds another stream's or block's
       kernels::gelu_tanh_forward(s.mlp_act, M, s.mlp_hidden, M, rows, M, stream_);
-    linear_backward(stream + "_mlp.2", b.d_branch, s.mlp_act, rows, b.d_mlp_act, false);
+    linear_backward(stream + "_mlp.2", gather_tokens(b.d_branch, p.stream, C, b.whole), s.mlp_act,
+                    rows, b.d_mlp_act, false);
     kernels::gelu_tanh_backward(b.d_mlp_hidden, M, b.d_mlp_act, M, s.mlp_hidden, M, rows, M,
                                 stream_);
-    linear_backward(stream + "_mlp.0", b.d_mlp_hidden, s.modulated2, rows, b.d_modulated, false);
-    tensor_parallel_.sum_partials(b.d_modulated, rows * C, stream_);
-    kernels::layernorm_modulate_backward(p.dx, p.dmod + 3 * C, p.dmod + 4 * C, 6 * C, b.d_modulated,
+    linear_backward(stream + "_mlp.0", b.d_mlp_hidden,
+                    gather_tokens(s.modulated2, p.stream, C, b.whole), rows, b.d_modulated, false);
+    kernels::layernorm_modulate_backward(p.dx, p.dmod + 3 * C, p.dmod + 4 * C, 6 * C,
+                                         reduce_to_own_tokens(b.d_modulated, p.stream, C, b.d_own),
                                          s.norm2, s.rstd2, s.mod + 4 * C, 6 * C, shape,
                                          GradStore::Add, b.reduction, stream_);
     kernels::gated_residual_backward(b.d_branch, p.dmod + 2 * C, 6 * C, p.dx, s.proj, s.mod + 2 * C,
                                      6 * C, shape, b.reduction, stream_);
-    linear_backward(stream + "_attn.proj", b.d_branch, s.attn, rows, b.d_modulated, false);
+    linear_backward(stream + "_attn.proj", gather_tokens(b.d_branch, p.stream, C, b.whole), s.attn,
+                    rows, b.d_modulated, false);
     into_joint(b.d_attn, b.d_modulated, A, p.first, p.tokens, A);
   }
   AttentionSaved& a = saved.attention;
   joint_attention_backward(a);
   for (const Part& p : parts) {
     const std::string stream = prefix + p.name;
-    const kernels::StreamShape shape{B, p.tokens, C, p.tokens};
+    const kernels::StreamShape shape{B, p.own_tokens, C, p.own_tokens};
     const int64_t rows = B * p.tokens;
     Stream& s = p.saved;
     stream_from_joint(a, stream + "_attn.norm", b.d_qkv, 3 * A, p.first, p.tokens);
-    linear_backward(stream + "_attn.qkv", b.d_qkv, s.modulated1, rows, b.d_modulated, false);
-    tensor_parallel_.sum_partials(b.d_modulated, rows * C, stream_);
-    kernels::layernorm_modulate_backward(p.dx, p.dmod, p.dmod + C, 6 * C, b.d_modulated, s.norm1,
-                                         s.rstd1, s.mod + C, 6 * C, shape, GradStore::Add,
-                                         b.reduction, stream_);
+    linear_backward(stream + "_attn.qkv", b.d_qkv,
+                    gather_tokens(s.modulated1, p.stream, C, b.whole), rows, b.d_modulated, false);
+    kernels::layernorm_modulate_backward(
+        p.dx, p.dmod, p.dmod + C, 6 * C, reduce_to_own_tokens(b.d_modulated, p.stream, C, b.d_own),
+        s.norm1, s.rstd1, s.mod + C, 6 * C, shape, GradStore::Add, b.reduction, stream_);
+    sum_modulation_gradient(p.dmod, 6 * C);
     kernels::cast_to_bf16(b.dmod, p.dmod, B * 6 * C, stream_);
     modulation_backward(stream + "_mod.lin");
   }
@@ -1132,17 +1264,24 @@ void CudaFluxModel::double_block_backward(int block) {
 void CudaFluxModel::backward() {
   Buffers& b = *buffers_;
   FP8T_CHECK(b.forward_has_gradient, "backward() needs a forward with_gradient first");
-  const int64_t B = batch_, Li = img_tokens_, Lt = txt_tokens_, C = config_.hidden_size;
+  const int64_t B = batch_, C = config_.hidden_size;
+  const int64_t Oi = own_img_, Ot = own_txt_, O = own_tokens_;
   FP8T_CUDA_CHECK(cudaMemsetAsync(b.d_vec_act, 0, size_t(B * C) * sizeof(bf16), stream_));
-  FP8T_CUDA_CHECK(cudaMemsetAsync(b.d_joint, 0, size_t(B * tokens_ * C) * sizeof(bf16), stream_));
+  FP8T_CUDA_CHECK(cudaMemsetAsync(b.d_joint, 0, size_t(B * O * C) * sizeof(bf16), stream_));
 
   // The final layer: its LayerNorm's gradient lands on the image rows of the joint sequence.
-  linear_backward("final_layer.linear", b.dpred, b.final_modulated, B * Li, b.d_modulated, false);
+  const bf16* dpred = b.dpred;
+  if (sequence_) {  // this rank's tokens of it
+    take_own_tokens(b.own_prediction, b.dpred, FluxStream::Image, config_.in_channels);
+    dpred = b.own_prediction;
+  }
+  linear_backward("final_layer.linear", dpred, b.final_modulated, B * Oi, b.d_modulated, false);
   FP8T_CUDA_CHECK(cudaMemsetAsync(b.dmod_img, 0, size_t(B * 2 * C) * sizeof(float), stream_));
-  const kernels::StreamShape image{B, Li, C, tokens_};
-  kernels::layernorm_modulate_backward(b.d_joint + Lt * C, b.dmod_img, b.dmod_img + C, 2 * C,
+  const kernels::StreamShape image{B, Oi, C, O};
+  kernels::layernorm_modulate_backward(b.d_joint + Ot * C, b.dmod_img, b.dmod_img + C, 2 * C,
                                        b.d_modulated, b.final_normed, b.final_rstd, b.final_mod + C,
                                        2 * C, image, GradStore::Add, b.reduction, stream_);
+  sum_modulation_gradient(b.dmod_img, 2 * C);
   kernels::cast_to_bf16(b.dmod, b.dmod_img, B * 2 * C, stream_);
   modulation_backward("final_layer.adaLN_modulation.1");
 
@@ -1150,16 +1289,16 @@ void CudaFluxModel::backward() {
     rerun_group_ending_at(false, block);
     single_block_backward(block);
   }
-  out_of_joint(b.d_txt, C, b.d_joint, 0, Lt, C);
-  out_of_joint(b.d_img, C, b.d_joint, Lt, Li, C);
+  kernels::copy_rows({b.d_txt, C, Ot}, {b.d_joint, C, O}, B, Ot, C, stream_);
+  kernels::copy_rows({b.d_img, C, Oi}, {b.d_joint + Ot * C, C, O}, B, Oi, C, stream_);
   for (int block = config_.double_blocks - 1; block >= 0; --block) {
     rerun_group_ending_at(true, block);
     double_block_backward(block);
   }
 
   // The inputs are not trained: the first linears need no dx.
-  linear_backward("img_in", b.d_img, b.img, B * Li, nullptr, false);
-  linear_backward("txt_in", b.d_txt, b.txt, B * Lt, nullptr, false);
+  linear_backward("img_in", b.d_img, b.img, B * Oi, nullptr, false);
+  linear_backward("txt_in", b.d_txt, b.txt, B * Ot, nullptr, false);
   tensor_parallel_.sum_partials(b.d_vec_act, B * C, stream_);  // the modulation shares' parts
   kernels::silu_backward(b.d_vec, b.d_vec_act, b.vec, B * C, GradStore::Write, stream_);
   embedder_backward("time_in", 0, b.d_vec);

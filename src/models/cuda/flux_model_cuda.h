@@ -19,6 +19,15 @@
 // only its shares of the split tensors, with their gradients (flux_rank_parameters: the shares
 // first, each one contiguous matrix for the GEMMs, then the replicated tensors whole), and so
 // does an optimizer over layout(); the host copies gather the shares over the group.
+//
+// Sequence parallelism (the group's `sequence`) splits the tokens outside the split linears as
+// the CPU model does: each rank keeps its 1/T of every sample's image and text tokens in img_in
+// and txt_in, the residual streams, the LayerNorms and modulated outputs, the gated sums and the
+// final layer; the modulated inputs are all-gathered before the column-parallel linears (in the
+// forward and again in the backward), and the row-parallel outputs and the column-parallel
+// input gradients reduce-scattered to each rank's tokens (NCCL's all-gather and reduce-scatter,
+// as many bytes as plain tensor parallelism's all-reduces). The prediction is gathered, so that
+// the loss is the whole micro-batch's on every rank.
 #pragma once
 
 #include <cstddef>
@@ -70,6 +79,8 @@ class CudaFluxModel {
   // buffer shared by the blocks and computes them again before mlp.2's (linear2's) backward.
   // tensor_parallel: the group this rank splits its blocks with; every rank of it sees the same
   // inputs and calls forward() and backward() in step with the others. Not with fp8_attention.
+  // With its `sequence` on, the group's size must divide img_tokens and txt_tokens (ConfigError
+  // naming sequence_parallel).
   CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens, int64_t txt_tokens,
                 const FluxPrecision& precision, cudaStream_t stream,
                 const RecomputeOptions& recompute = {},
@@ -117,8 +128,9 @@ class CudaFluxModel {
   // heads' part of the QK norms' scales' and (the first rank alone) the row-parallel biases'.
   void backward();
   // Under tensor parallelism, once per optimizer step after the last backward: those partial
-  // gradients of replicated tensors summed over the group, so that every rank holds them whole.
-  // Nothing otherwise.
+  // gradients of replicated tensors summed over the group (under sequence parallelism also
+  // img_in's, txt_in's and final_layer.linear's, which each rank takes from its tokens), so that
+  // every rank holds them whole. Nothing otherwise.
   void sum_partial_gradients();
   void zero_gradients();
   // Waits for the stream and returns the loss of the last forward.
@@ -212,11 +224,32 @@ class CudaFluxModel {
   // A group's input from the forward's streams (or joint sequence) into its saved copy (save),
   // or back.
   void copy_group_input(bool doubles, size_t group, bool save);
+  // Sequence parallelism: where this rank's tokens of a stream sit (all of them without it).
+  FluxOwnTokens own_tokens(FluxStream stream) const;
+  // A stream's tokens [B, L_s, width] gathered into `whole` from every rank's own [B, O_s,
+  // width]; returns whole, or own itself without sequence parallelism.
+  const bf16* gather_tokens(const bf16* own, FluxStream stream, int64_t width, bf16* whole);
+  // This rank's tokens of a stream's whole [B, L_s, width] into own [B, O_s, width].
+  void take_own_tokens(bf16* own, const bf16* whole, FluxStream stream, int64_t width);
+  // Reduces a partial [B, L_s, width] (a row-parallel output, a column-parallel input's
+  // gradient) over the group and returns this rank's tokens of the sum: reduce-scattered into
+  // `own` under sequence parallelism, the partial itself (summed in place) otherwise.
+  const bf16* reduce_to_own_tokens(bf16* partial, FluxStream stream, int64_t width, bf16* own);
+  // Where a row-parallel linear writes its partial output whose own tokens go to `own`: the
+  // workspace under sequence parallelism, else own itself.
+  bf16* partial_output(bf16* own);
+  // A modulation's gradient [B, width] (fp32), summed over the group under sequence
+  // parallelism, where each rank's tokens add their part.
+  void sum_modulation_gradient(float* dmod, int64_t width);
 
   FluxConfig config_;
   int64_t batch_, img_tokens_, txt_tokens_, tokens_;
   FluxPrecision precision_;
   DeviceTensorParallel tensor_parallel_;
+  bool sequence_ = false;  // sequence parallelism (tensor_parallel_.sequence with a group)
+  // This rank's image, text and joint tokens per sample in the residual streams: all of them,
+  // or under sequence parallelism its 1/T of each stream.
+  int64_t own_img_, own_txt_, own_tokens_;
   // This rank's attention width (its heads' features), heads and MLP hidden features: all of
   // them without tensor parallelism.
   int64_t attention_width_, heads_, mlp_hidden_;
