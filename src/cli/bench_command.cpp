@@ -749,7 +749,7 @@ DeviceTensorParallel alone_in_group(int tensor, bool sequence) {
   group.sum_bf16 = [](bf16*, size_t, cudaStream_t) {};
   group.sum = [](float*, size_t, cudaStream_t) {};
   group.max = [](float*, size_t, cudaStream_t) {};
-  group.gather_bf16 = [tensor](const bf16* own, bf16* all, size_t count, cudaStream_t stream) {
+  group.all_gather_bf16 = [tensor](const bf16* own, bf16* all, size_t count, cudaStream_t stream) {
     for (int rank = 0; rank < tensor; ++rank) {
       FP8T_CUDA_CHECK(cudaMemcpyAsync(all + size_t(rank) * count, own, count * sizeof(bf16),
                                       cudaMemcpyDeviceToDevice, stream));
@@ -777,11 +777,11 @@ int run_bench_flux(const BenchFluxOptions& options) {
   distributed::Communicator communicator(launch, 0);
   BenchRanks ranks =
       join_ranks(communicator, "bench flux", false, options.shard_optimizer_state, layout);
-  const train::CudaTensorGroup tensor_group(ranks.communicator, ranks.layout);
+  const train::CudaTensorGroup tensor_group(ranks.communicator, ranks.layout,
+                                            options.sequence_parallel);
   ranks.tensor = options.rank_alone
                      ? alone_in_group(options.tensor_parallel, options.sequence_parallel)
                      : tensor_group.device;
-  ranks.tensor.sequence = options.sequence_parallel;
   const FluxConfig config = flux_config_of(options.model);
   fmt::print(
       "bench flux: {} ({:.1f}M parameters; {} double + {} single blocks, hidden {}), micro-batch "

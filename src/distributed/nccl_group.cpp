@@ -64,8 +64,8 @@ DeviceTensorParallel NcclGroup::device_tensor_parallel(const ParallelLayout& lay
   group.max = [this](float* values, size_t count, cudaStream_t stream) {
     max(values, count, stream);
   };
-  group.gather_bf16 = [this](const bf16* own, bf16* all, size_t count, cudaStream_t stream) {
-    gather(own, all, count, stream);
+  group.all_gather_bf16 = [this](const bf16* own, bf16* all, size_t count, cudaStream_t stream) {
+    all_gather(own, all, count, stream);
   };
   group.reduce_scatter_bf16 = [this](const bf16* all, bf16* own, size_t count,
                                      cudaStream_t stream) {
@@ -116,7 +116,7 @@ void NcclGroup::broadcast(const std::vector<Piece>& pieces, cudaStream_t stream)
   check_nccl(ncclGroupEnd(), "ncclGroupEnd");
 }
 
-void NcclGroup::gather(const bf16* own, bf16* all, size_t count, cudaStream_t stream) {
+void NcclGroup::all_gather(const bf16* own, bf16* all, size_t count, cudaStream_t stream) {
   check_nccl(ncclAllGather(own, all, count, ncclBfloat16, comm_, stream), "ncclAllGather");
 }
 

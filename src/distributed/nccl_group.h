@@ -40,7 +40,7 @@ class NcclGroup {
   void sum(bf16* values, size_t count, cudaStream_t stream);
   void max(float* values, size_t count, cudaStream_t stream);
   // Every rank's `count` values of `own` into `all` [ranks, count], in rank order.
-  void gather(const bf16* own, bf16* all, size_t count, cudaStream_t stream);
+  void all_gather(const bf16* own, bf16* all, size_t count, cudaStream_t stream);
   // `all` [ranks, count] summed over the group; this rank's `count` of the sum into `own`.
   void reduce_scatter(const bf16* all, bf16* own, size_t count, cudaStream_t stream);
 

@@ -55,7 +55,7 @@ Dims dims_of(const FluxConfig& config, const FluxMicroBatch& micro_batch, int te
   d.Li = micro_batch.img_tokens;
   d.Lt = micro_batch.txt_tokens;
   d.L = d.Li + d.Lt;
-  d.sequence = sequence_parallel && tensor_parallel > 1;
+  d.sequence = sequence_parallel;
   d.Oi = d.sequence ? d.Li / tensor_parallel : d.Li;
   d.Ot = d.sequence ? d.Lt / tensor_parallel : d.Lt;
   d.O = d.Oi + d.Ot;
@@ -184,9 +184,8 @@ size_t workspace_bytes(const FluxConfig& config, const Dims& d) {
     ws.take<bf16>(d.N * (d.A + d.M));      // d(linear2's input)
   }
   if (d.sequence) {
-    const int64_t widest = std::max({d.N * d.C, d.B * d.Li * d.Cin, d.B * d.Lt * d.ctx});
-    ws.take<bf16>(widest);              // the gathers' and reduce-scatters' staging
-    ws.take<bf16>(widest);              // a stream's every token
+    ws.take<bf16>(std::max(d.N * d.C, d.B * d.Li * d.Cin));  // the collectives' staging
+    ws.take<bf16>(std::max({d.N * d.C, d.B * d.Li * d.Cin, d.B * d.Lt * d.ctx}));  // every token
     ws.take<bf16>(d.B * d.O * d.C);     // a summed input gradient's own tokens
     ws.take<bf16>(d.B * d.Oi * d.Cin);  // the final layer's own output
   }

@@ -765,7 +765,7 @@ FluxModel::FluxModel(const FluxConfig& config, int64_t batch, int64_t img_tokens
   FP8T_CHECK(img_tokens >= 1 && txt_tokens >= 1,
              "expected at least one image and one text token, found {} and {}", img_tokens,
              txt_tokens);
-  sequence_ = tensor_parallel_.sequence && tensor_parallel_.split();
+  sequence_ = tensor_parallel_.sequence;
   if (sequence_) check_flux_sequence_parallel(group, img_tokens, txt_tokens);
   recompute_groups_ =
       flux_recompute_groups(recompute_, config_.double_blocks, config_.single_blocks);
@@ -828,10 +828,9 @@ size_t FluxModel::planned_activation_bytes(const FluxConfig& config, int64_t bat
                                            bool sequence_parallel) {
   const FluxRecomputeGroups groups =
       flux_recompute_groups(recompute, config.double_blocks, config.single_blocks);
-  const bool sequence = sequence_parallel && tensor_parallel > 1;
-  if (sequence) check_flux_sequence_parallel(tensor_parallel, img_tokens, txt_tokens);
+  if (sequence_parallel) check_flux_sequence_parallel(tensor_parallel, img_tokens, txt_tokens);
   return planned_bytes<FluxActivations>(
-      flux_dims(config, batch, img_tokens, txt_tokens, tensor_parallel, sequence),
+      flux_dims(config, batch, img_tokens, txt_tokens, tensor_parallel, sequence_parallel),
       flux_saving(config, recompute.granularity, groups));
 }
 

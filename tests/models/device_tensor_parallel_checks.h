@@ -73,8 +73,8 @@ inline DeviceTensorParallel device_member(ThreadGroup& group, int rank) {
   // Sequence parallelism: a gather is the sum of every rank's values placed in zeros, a
   // reduce-scatter this rank's slice of the sum.
   const size_t size = static_cast<size_t>(group.size()), place = static_cast<size_t>(rank);
-  member.gather_bf16 = [sum_bf16, size, place](const bf16* own, bf16* all, size_t count,
-                                               cudaStream_t stream) {
+  member.all_gather_bf16 = [sum_bf16, size, place](const bf16* own, bf16* all, size_t count,
+                                                   cudaStream_t stream) {
     sum_bf16(own, count, place * count, all, size * count, 0, size * count, stream);
   };
   member.reduce_scatter_bf16 = [sum_bf16, size, place](const bf16* all, bf16* own, size_t count,

@@ -393,7 +393,8 @@ INSTANTIATE_TEST_SUITE_P(Precisions, FluxRecomputeGpu, kRecipes, precision_name)
 // model's step (expect_optimizer_over_shares). The memory plan counts what the first rank takes.
 // The ranks run without recompute, then with full recompute, each without and with sequence
 // parallelism (each rank then keeps 32 of a sample's 64 image tokens and 4 of its 8 text tokens
-// outside the split linears, and plans fewer activations). AdamW over each rank's layout (its
+// outside the split linears, and plans fewer activations), and with selective recompute and
+// sequence parallelism. AdamW over each rank's layout (its
 // shares first, then the replicated tensors), after the last step's backward: the gradient norm
 // (the shares' squares summed over the group) is that of the gathered gradients; one step moves
 // every parameter, gathered from the shares, by AdamW's first step from its gathered gradient,
@@ -514,12 +515,14 @@ TEST_P(FluxTensorParallelGpu, TwoRanksGiveThePredictionLossGradientsAndScalesOfT
   for (cudaStream_t& stream : streams)
     FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
   // The ranks without recompute, then with full recompute (their reruns sum over the group too),
-  // each without and with sequence parallelism.
+  // each without and with sequence parallelism, and with selective recompute and sequence
+  // parallelism.
   for (const auto& [recompute, sequence] :
        {std::pair{RecomputeOptions{}, false},
         std::pair{RecomputeOptions{RecomputeGranularity::Full}, false},
         std::pair{RecomputeOptions{}, true},
-        std::pair{RecomputeOptions{RecomputeGranularity::Full}, true}}) {
+        std::pair{RecomputeOptions{RecomputeGranularity::Full}, true},
+        std::pair{RecomputeOptions{RecomputeGranularity::Selective}, true}}) {
     SCOPED_TRACE(recompute_summary(recompute, config.double_blocks + config.single_blocks) +
                  (sequence ? ", sequence parallel" : ""));
     CudaFluxModel whole(config, kBatch, kImgTokens, kTxtTokens, precision, streams[kRanks]);

@@ -27,10 +27,11 @@ struct DeviceTensorParallel {
   std::function<void(bf16* values, size_t count, cudaStream_t stream)> sum_bf16;
   std::function<void(float* values, size_t count, cudaStream_t stream)> sum;
   std::function<void(float* values, size_t count, cudaStream_t stream)> max;
-  // Sequence parallelism. gather_bf16: every rank's `count` values of `own` into `all`
+  // Sequence parallelism. all_gather_bf16: every rank's `count` values of `own` into `all`
   // [size, count], in rank order. reduce_scatter_bf16: `all` [size, count] summed over the
   // group, this rank's `count` of the sum into `own`.
-  std::function<void(const bf16* own, bf16* all, size_t count, cudaStream_t stream)> gather_bf16;
+  std::function<void(const bf16* own, bf16* all, size_t count, cudaStream_t stream)>
+      all_gather_bf16;
   std::function<void(const bf16* all, bf16* own, size_t count, cudaStream_t stream)>
       reduce_scatter_bf16;
 
@@ -56,9 +57,10 @@ inline void check_device_group(const DeviceTensorParallel& group, bool fp8_atten
              "expected a tensor-parallel rank in [0, {}), found {}", group.size, group.rank);
   FP8T_CHECK(!group.split() || (group.sum_bf16 && group.sum && group.max),
              "expected the tensor-parallel group's collectives, found none");
-  FP8T_CHECK(!group.split() || !group.sequence || (group.gather_bf16 && group.reduce_scatter_bf16),
-             "expected the tensor-parallel group's gather and reduce-scatter for sequence "
-             "parallelism, found none");
+  FP8T_CHECK(
+      !group.split() || !group.sequence || (group.all_gather_bf16 && group.reduce_scatter_bf16),
+      "expected the tensor-parallel group's gather and reduce-scatter for sequence "
+      "parallelism, found none");
   if (group.split() && fp8_attention) {
     throw ConfigError(fmt::format(
         "fp8_dot_product_attention does not run with tensor_model_parallel_size {}", group.size));

@@ -172,9 +172,9 @@ struct CudaFluxModel::Buffers {
   bf16 *dq = nullptr, *dk = nullptr, *dv = nullptr;
   bf16 *d_mlp_act = nullptr, *d_mlp_hidden = nullptr, *d_qkv = nullptr;
   bf16 *d_linear1_out = nullptr, *d_linear2_in = nullptr;
-  // Sequence parallelism: the all-gathers' and reduce-scatters' [T, B·O_s, width] (and the
-  // inputs' conversion), a stream's every token (a gathered input or output gradient, a
-  // row-parallel partial output), a summed input gradient's own tokens, and the final layer's
+  // Sequence parallelism: the all-gathers' and reduce-scatters' [T, B·O_s, width], a stream's
+  // every token (a gathered input or output gradient, a row-parallel partial output; and the
+  // inputs' conversion to bf16), a summed input gradient's own tokens, and the final layer's
   // output and gradient on this rank's image tokens.
   bf16 *sequence_staging = nullptr, *whole = nullptr, *d_own = nullptr, *own_prediction = nullptr;
   bool forward_has_gradient = false;
@@ -211,7 +211,7 @@ CudaFluxModel::CudaFluxModel(const FluxConfig& config, int64_t batch, int64_t im
   const int group_size = tensor_parallel_.size;
   check_flux_tensor_parallel(config_, group_size);
   check_device_group(tensor_parallel_, precision_.fp8_attention);
-  sequence_ = tensor_parallel_.sequence && tensor_parallel_.split();
+  sequence_ = tensor_parallel_.sequence;
   if (sequence_) check_flux_sequence_parallel(group_size, img_tokens, txt_tokens);
   own_img_ = sequence_ ? img_tokens / group_size : img_tokens;
   own_txt_ = sequence_ ? txt_tokens / group_size : txt_tokens;
@@ -534,9 +534,8 @@ void CudaFluxModel::lay_out() {
                                ws.take<uint8_t>(N * A), ws.take<uint8_t>(N * A)};
   }
   if (sequence_) {
-    const size_t widest = std::max({N * C, B * Li * Cin, B * Lt * ctx});
-    b.sequence_staging = ws.take<bf16>(widest);
-    b.whole = ws.take<bf16>(widest);
+    b.sequence_staging = ws.take<bf16>(std::max(N * C, B * Li * Cin));
+    b.whole = ws.take<bf16>(std::max({N * C, B * Li * Cin, B * Lt * ctx}));
     b.d_own = ws.take<bf16>(B * O * C);
     b.own_prediction = ws.take<bf16>(B * Oi * Cin);
   }
@@ -710,7 +709,10 @@ void CudaFluxModel::linear_forward(const std::string& name, const bf16* x, int64
   linear(name).layer->forward(x, rows, y, training_ && !rerunning_, stream_);
 }
 
-kernels::FusedCast CudaFluxModel::fused_input_cast(const std::string& name) {
+kernels::FusedCast CudaFluxModel::norm_cast(const std::string& name) {
+  // Under sequence parallelism the norm writes this rank's tokens and the linear reads every
+  // rank's: it casts the gathered tokens itself.
+  if (sequence_) return {};
   return linear(name).layer->fused_input_cast(training_ && !rerunning_, stream_);
 }
 
@@ -921,9 +923,9 @@ void CudaFluxModel::double_block_forward(int block) {
     const kernels::StreamShape shape{B, p.own_tokens, C, p.own_tokens};
     modulation_forward(stream + "_mod.lin", p.saved.mod);
     // Under sequence parallelism the linear casts the gathered tokens itself.
-    kernels::layernorm_modulate_forward(
-        p.saved.modulated1, p.saved.norm1, p.saved.rstd1, p.x, p.saved.mod, p.saved.mod + C, 6 * C,
-        shape, stream_, sequence_ ? kernels::FusedCast{} : fused_input_cast(stream + "_attn.qkv"));
+    kernels::layernorm_modulate_forward(p.saved.modulated1, p.saved.norm1, p.saved.rstd1, p.x,
+                                        p.saved.mod, p.saved.mod + C, 6 * C, shape, stream_,
+                                        norm_cast(stream + "_attn.qkv"));
     linear_forward(stream + "_attn.qkv", gather_tokens(p.saved.modulated1, p.stream, C, b.whole),
                    B * p.tokens, b.qkv);
     stream_into_joint(saved.attention, stream + "_attn.norm", b.qkv, 3 * A, p.first, p.tokens);
@@ -941,9 +943,9 @@ void CudaFluxModel::double_block_forward(int block) {
     linear_forward(stream + "_attn.proj", s.attn, rows, proj);
     reduce_to_own_tokens(proj, p.stream, C, s.proj);
     kernels::gated_residual_forward(p.x, s.proj, s.mod + 2 * C, 6 * C, shape, stream_);
-    kernels::layernorm_modulate_forward(
-        s.modulated2, s.norm2, s.rstd2, p.x, s.mod + 3 * C, s.mod + 4 * C, 6 * C, shape, stream_,
-        sequence_ ? kernels::FusedCast{} : fused_input_cast(stream + "_mlp.0"));
+    kernels::layernorm_modulate_forward(s.modulated2, s.norm2, s.rstd2, p.x, s.mod + 3 * C,
+                                        s.mod + 4 * C, 6 * C, shape, stream_,
+                                        norm_cast(stream + "_mlp.0"));
     linear_forward(stream + "_mlp.0", gather_tokens(s.modulated2, p.stream, C, b.whole), rows,
                    s.mlp_hidden);
     kernels::gelu_tanh_forward(s.mlp_act, M, s.mlp_hidden, M, rows, M, stream_,
@@ -971,9 +973,8 @@ void CudaFluxModel::single_block_forward(int block) {
   const std::string prefix = fmt::format("single_blocks.{}", block);
   const kernels::StreamShape shape{B, own_tokens_, C, own_tokens_};
   modulation_forward(prefix + ".modulation.lin", s.mod);
-  kernels::layernorm_modulate_forward(
-      s.modulated, s.normed, s.rstd, b.x_joint, s.mod, s.mod + C, 3 * C, shape, stream_,
-      sequence_ ? kernels::FusedCast{} : fused_input_cast(prefix + ".linear1"));
+  kernels::layernorm_modulate_forward(s.modulated, s.normed, s.rstd, b.x_joint, s.mod, s.mod + C,
+                                      3 * C, shape, stream_, norm_cast(prefix + ".linear1"));
   linear_forward(prefix + ".linear1", gather_tokens(s.modulated, FluxStream::Joint, C, b.whole), N,
                  s.linear1_out);
   stream_into_joint(s.attention, prefix + ".norm", s.linear1_out, width1, 0, tokens_);
@@ -1020,10 +1021,9 @@ void CudaFluxModel::forward(const FluxInputs& inputs, const float* target, bool 
   // The final layer on the image tokens, read in place from the joint sequence.
   modulation_forward("final_layer.adaLN_modulation.1", b.final_mod);
   const kernels::StreamShape image{B, Oi, C, O};
-  kernels::layernorm_modulate_forward(
-      b.final_modulated, b.final_normed, b.final_rstd, b.x_joint + Ot * C, b.final_mod,
-      b.final_mod + C, 2 * C, image, stream_,
-      sequence_ ? kernels::FusedCast{} : fused_input_cast("final_layer.linear"));
+  kernels::layernorm_modulate_forward(b.final_modulated, b.final_normed, b.final_rstd,
+                                      b.x_joint + Ot * C, b.final_mod, b.final_mod + C, 2 * C,
+                                      image, stream_, norm_cast("final_layer.linear"));
   if (sequence_) {  // every rank's loss is the whole micro-batch's: the prediction gathered
     linear_forward("final_layer.linear", b.final_modulated, B * Oi, b.own_prediction);
     gather_tokens(b.own_prediction, FluxStream::Image, config_.in_channels, b.prediction);
@@ -1057,29 +1057,37 @@ FluxOwnTokens CudaFluxModel::own_tokens(FluxStream stream) const {
                    : flux_own_tokens(stream, img_tokens_, txt_tokens_, 1, 0);
 }
 
+void CudaFluxModel::copy_staging(bf16* whole, FluxStream stream, int64_t width, bool to_whole) {
+  bf16* staging = buffers_->sequence_staging;
+  for (int rank = 0; rank < tensor_parallel_.size; ++rank) {
+    const FluxOwnTokens at =
+        flux_own_tokens(stream, img_tokens_, txt_tokens_, tensor_parallel_.size, rank);
+    bf16* rank_tokens = staging + rank * batch_ * at.own * width;
+    for (const FluxTokenRun& run : at.runs) {
+      bf16* place = whole + run.whole_first * width;
+      bf16* slot = rank_tokens + run.own_first * width;
+      if (to_whole) {
+        kernels::copy_rows({place, width, at.whole}, {slot, width, at.own}, batch_, run.count,
+                           width, stream_);
+      } else {
+        kernels::copy_rows({slot, width, at.own}, {place, width, at.whole}, batch_, run.count,
+                           width, stream_);
+      }
+    }
+  }
+}
+
 const bf16* CudaFluxModel::gather_tokens(const bf16* own, FluxStream stream, int64_t width,
                                          bf16* whole) {
   if (!sequence_) return own;
-  Buffers& b = *buffers_;
-  const FluxOwnTokens tokens = own_tokens(stream);
-  const int64_t count = batch_ * tokens.own * width;
-  tensor_parallel_.gather_bf16(own, b.sequence_staging, size_t(count), stream_);
-  // The ranks' tokens, one after the other in the staging, into their places.
-  for (int rank = 0; rank < tensor_parallel_.size; ++rank) {
-    const bf16* rank_tokens = b.sequence_staging + rank * count;
-    const FluxOwnTokens at =
-        flux_own_tokens(stream, img_tokens_, txt_tokens_, tensor_parallel_.size, rank);
-    for (const FluxTokenRun& run : at.runs) {
-      kernels::copy_rows({whole + run.whole_first * width, width, at.whole},
-                         {rank_tokens + run.own_first * width, width, at.own}, batch_, run.count,
-                         width, stream_);
-    }
-  }
+  const int64_t count = batch_ * own_tokens(stream).own * width;
+  tensor_parallel_.all_gather_bf16(own, buffers_->sequence_staging, size_t(count), stream_);
+  copy_staging(whole, stream, width, true);
   return whole;
 }
 
 void CudaFluxModel::take_own_tokens(bf16* own, const bf16* whole, FluxStream stream,
-                                    int64_t width) {
+                                    int64_t width) const {
   const FluxOwnTokens tokens = own_tokens(stream);
   for (const FluxTokenRun& run : tokens.runs) {
     kernels::copy_rows({own + run.own_first * width, width, tokens.own},
@@ -1095,19 +1103,9 @@ const bf16* CudaFluxModel::reduce_to_own_tokens(bf16* partial, FluxStream stream
     tensor_parallel_.sum_partials(partial, batch_ * tokens.whole * width, stream_);
     return partial;
   }
-  // Each rank's tokens one after the other in the staging, for NCCL's reduce-scatter.
-  Buffers& b = *buffers_;
-  const int64_t count = batch_ * tokens.own * width;
-  for (int rank = 0; rank < tensor_parallel_.size; ++rank) {
-    const FluxOwnTokens at =
-        flux_own_tokens(stream, img_tokens_, txt_tokens_, tensor_parallel_.size, rank);
-    for (const FluxTokenRun& run : at.runs) {
-      kernels::copy_rows({b.sequence_staging + rank * count + run.own_first * width, width, at.own},
-                         {partial + run.whole_first * width, width, at.whole}, batch_, run.count,
-                         width, stream_);
-    }
-  }
-  tensor_parallel_.reduce_scatter_bf16(b.sequence_staging, own, size_t(count), stream_);
+  copy_staging(partial, stream, width, false);
+  tensor_parallel_.reduce_scatter_bf16(buffers_->sequence_staging, own,
+                                       size_t(batch_ * tokens.own * width), stream_);
   return own;
 }
 

@@ -177,8 +177,9 @@ class CudaFluxModel {
   float* gradient(const std::string& name) const;
   // Forward and backward pieces, in the order of BFL's Flux.forward.
   void linear_forward(const std::string& name, const bf16* x, int64_t rows, bf16* y);
-  // The input cast the modulated LayerNorm before linear `name` does for it (its next forward).
-  ops::cuda::FusedCast fused_input_cast(const std::string& name);
+  // The input cast the modulated LayerNorm before linear `name` does for it (its next forward);
+  // none under sequence parallelism.
+  ops::cuda::FusedCast norm_cast(const std::string& name);
   // The input amax a kernel writing linear `name`'s input can take for it (tensorwise; null
   // otherwise: CudaLinear::fused_input_amax).
   float* fused_input_amax(const std::string& name);
@@ -230,7 +231,11 @@ class CudaFluxModel {
   // width]; returns whole, or own itself without sequence parallelism.
   const bf16* gather_tokens(const bf16* own, FluxStream stream, int64_t width, bf16* whole);
   // This rank's tokens of a stream's whole [B, L_s, width] into own [B, O_s, width].
-  void take_own_tokens(bf16* own, const bf16* whole, FluxStream stream, int64_t width);
+  void take_own_tokens(bf16* own, const bf16* whole, FluxStream stream, int64_t width) const;
+  // Between every rank's tokens of a stream one after the other in the staging ([T, B·O_s,
+  // width], the collectives' order) and their places in whole [B, L_s, width]: into whole when
+  // to_whole, else out of it.
+  void copy_staging(bf16* whole, FluxStream stream, int64_t width, bool to_whole);
   // Reduces a partial [B, L_s, width] (a row-parallel output, a column-parallel input's
   // gradient) over the group and returns this rank's tokens of the sum: reduce-scattered into
   // `own` under sequence parallelism, the partial itself (summed in place) otherwise.
