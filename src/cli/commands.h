@@ -64,7 +64,8 @@ struct ModelSummaryOptions {
   int64_t txt_tokens = 512;
   std::vector<int> gpus = {1};  // a plan per GPU count
   int tensor_parallel = 1;      // ranks per tensor-parallel group; the plans are one rank's
-  // The plan of a rank with sequence parallelism (Flux: the CPU path's activations).
+  // The plan of a rank with sequence parallelism (Flux: the GPU plans, and the CPU path's
+  // activations beside them).
   bool sequence_parallel = false;
   std::optional<double> gpu_memory_gib;  // one GPU's; unset: an H200's
 };

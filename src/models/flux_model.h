@@ -312,7 +312,7 @@ class FluxModel {
   FluxPrecision precision_;
   RecomputeOptions recompute_;
   TensorParallel tensor_parallel_;
-  bool sequence_ = false;  // sequence parallelism (tensor_parallel_.sequence with a group)
+  bool sequence_ = false;  // sequence parallelism (the constructor refuses it without a group)
   FluxRecomputeGroups recompute_groups_;  // full recompute's; empty otherwise
   bool training_ = true;
   bool recording_fp8_health_ = false;

@@ -60,14 +60,6 @@ void check_gpu_precision(const ModelPrecision& precision) {
   }
 }
 
-void check_gpu_sequence_parallel(bool sequence_parallel) {
-  if (sequence_parallel) {
-    throw ConfigError(
-        "sequence_parallel: true runs for the GPT on the CPU path only so far (the Flux model "
-        "runs it on the GPU too); set device: cpu, or sequence_parallel: false");
-  }
-}
-
 #if FP8TRAIN_WITH_CUDA
 
 namespace {
@@ -346,7 +338,11 @@ GpuInfo training_gpu(const distributed::Communicator* communicator) {
 
 std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
   check_gpu_precision(setup.precision);
-  check_gpu_sequence_parallel(setup.sequence_parallel);
+  if (setup.sequence_parallel) {  // the GPU GPT does not split tokens
+    throw ConfigError(
+        "sequence_parallel: true runs for the GPT on the CPU path only so far (the Flux model "
+        "runs it on the GPU too); set device: cpu, or sequence_parallel: false");
+  }
   return std::make_unique<CudaEngine>(setup, training_gpu(setup.communicator));
 }
 

@@ -83,7 +83,7 @@ struct FluxEngineSetup {
   // Data parallelism: the gradients and losses are summed over the ranks and the delayed-scaling
   // amaxes max-reduced. Null: one process.
   distributed::Communicator* communicator = nullptr;
-  // Tensor and sequence parallelism (CPU path), as EngineSetup's.
+  // Tensor and sequence parallelism, on both paths (EngineSetup's are the GPT's).
   distributed::ParallelLayout layout;
   bool sequence_parallel = false;
   // With several ranks: ZeRO-1 (optim/optimizer_shard.h), as EngineSetup's.

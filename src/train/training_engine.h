@@ -141,8 +141,6 @@ bool use_cuda(DeviceChoice device);
 
 // Throws ConfigError, naming the key, for FP8 settings no GPU model runs (the fnuz formats).
 void check_gpu_precision(const ModelPrecision& precision);
-// Throws ConfigError naming sequence_parallel when it is set: the GPU GPT does not split tokens.
-void check_gpu_sequence_parallel(bool sequence_parallel);
 
 // The GPU a CUDA engine trains on, made the current device: with several ranks (communicator
 // set) GPU LOCAL_RANK (one rank per GPU of a node) or the only visible one (a launcher that

@@ -394,12 +394,12 @@ INSTANTIATE_TEST_SUITE_P(Precisions, FluxRecomputeGpu, kRecipes, precision_name)
 // The ranks run without recompute, then with full recompute, each without and with sequence
 // parallelism (each rank then keeps 32 of a sample's 64 image tokens and 4 of its 8 text tokens
 // outside the split linears, and plans fewer activations), and with selective recompute and
-// sequence parallelism. AdamW over each rank's layout (its
-// shares first, then the replicated tensors), after the last step's backward: the gradient norm
-// (the shares' squares summed over the group) is that of the gathered gradients; one step moves
-// every parameter, gathered from the shares, by AdamW's first step from its gathered gradient,
-// −lr·g / (|g| + eps), the same on every rank; the moments, gathered, are (1 − β1)·g; and they
-// come back onto every rank from the first rank's host copy alone.
+// sequence parallelism. AdamW over each rank's layout (its shares first, then the replicated
+// tensors), after the last step's backward: the gradient norm (the shares' squares summed over
+// the group) is that of the gathered gradients; one step moves every parameter, gathered from the
+// shares, by AdamW's first step from its gathered gradient, −lr·g / (|g| + eps), the same on
+// every rank; the moments, gathered, are (1 − β1)·g; and they come back onto every rank from the
+// first rank's host copy alone.
 void expect_optimizer_over_shares(const std::vector<std::unique_ptr<CudaFluxModel>>& ranks,
                                   const FluxConfig& config, const FluxParameterSet& before,
                                   const FluxParameterSet& gradients) {

@@ -127,7 +127,7 @@ split=$(grep -o "activations [0-9.]* [KMG]iB" "$output/flux_sp2.log")
   { echo "FAIL: Flux sequence parallelism planned the activations of plain tensor parallelism" \
     "($split against $plain)"; exit 1; }
 if [[ $device == cuda ]]; then
-  echo "PASS: tensor parallelism on the GPU matches one process"
+  echo "PASS: tensor parallelism on the GPU (Flux's with sequence parallelism too) matches one process"
   exit 0
 fi
 # 2 replicas of 2: every rank samples the grid (a group's collectives take every rank here; a

@@ -710,9 +710,9 @@ void CudaFluxModel::linear_forward(const std::string& name, const bf16* x, int64
 }
 
 kernels::FusedCast CudaFluxModel::norm_cast(const std::string& name) {
-  // Under sequence parallelism the norm writes this rank's tokens and the linear reads every
+  // Under sequence parallelism the norm writes this rank's tokens and a block linear reads every
   // rank's: it casts the gathered tokens itself.
-  if (sequence_) return {};
+  if (sequence_ && !flux_reads_own_tokens(name)) return {};
   return linear(name).layer->fused_input_cast(training_ && !rerunning_, stream_);
 }
 

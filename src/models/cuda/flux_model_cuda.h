@@ -178,7 +178,7 @@ class CudaFluxModel {
   // Forward and backward pieces, in the order of BFL's Flux.forward.
   void linear_forward(const std::string& name, const bf16* x, int64_t rows, bf16* y);
   // The input cast the modulated LayerNorm before linear `name` does for it (its next forward);
-  // none under sequence parallelism.
+  // none under sequence parallelism for the linears that read gathered tokens.
   ops::cuda::FusedCast norm_cast(const std::string& name);
   // The input amax a kernel writing linear `name`'s input can take for it (tensorwise; null
   // otherwise: CudaLinear::fused_input_amax).
@@ -251,7 +251,7 @@ class CudaFluxModel {
   int64_t batch_, img_tokens_, txt_tokens_, tokens_;
   FluxPrecision precision_;
   DeviceTensorParallel tensor_parallel_;
-  bool sequence_ = false;  // sequence parallelism (tensor_parallel_.sequence with a group)
+  bool sequence_ = false;  // sequence parallelism (the constructor refuses it without a group)
   // This rank's image, text and joint tokens per sample in the residual streams: all of them,
   // or under sequence parallelism its 1/T of each stream.
   int64_t own_img_, own_txt_, own_tokens_;

@@ -161,7 +161,7 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
   check_tensor_parallel(config_, group_size);
   check_device_group(tensor_parallel_, precision_.fp8_attention);
   FP8T_CHECK(!tensor_parallel_.sequence,
-             "the GPU GPT does not run sequence parallelism; expected a group without it");
+             "sequence_parallel: the GPU GPT does not run it; expected a group without it");
   heads_ = config_.n_head / group_size;
   kv_heads_ = config_.n_kv_head / group_size;
   hidden_ = 4 * int64_t{config_.n_embd} / group_size;
