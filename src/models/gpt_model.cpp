@@ -53,7 +53,7 @@ GptModel::GptModel(const GptConfig& config, int64_t batch, int64_t seq,
   FP8T_CHECK(seq >= 2 && seq <= config_.sequence_len,
              "expected a sequence of 2 to {} tokens, found {}", config_.sequence_len, seq);
   const int64_t tokens = batch * seq;
-  sequence_ = tensor_parallel_.sequence && tensor_parallel_.split();
+  sequence_ = tensor_parallel_.sequence;
   if (sequence_) check_sequence_parallel(group, batch, seq);
   rows_ = sequence_ ? tokens / group : tokens;
   recompute_groups_ = recompute_groups(recompute_, config_.n_layer);

@@ -140,7 +140,7 @@ class GptModel {
   RecomputeOptions recompute_;
   TensorParallel tensor_parallel_;
   int64_t heads_, kv_heads_, hidden_;  // this rank's query and kv heads and MLP hidden features
-  bool sequence_ = false;    // sequence parallelism (tensor_parallel_.sequence with a group)
+  bool sequence_ = false;              // sequence parallelism (refused without a group)
   int64_t rows_ = 0;         // of the residual stream on this rank: B·T, or its share of them
   float loss_share_ = 1.0f;  // sequence parallelism: this rank's share of the counted rows
   std::vector<RecomputeGroup> recompute_groups_;  // full recompute's; empty otherwise

@@ -242,13 +242,19 @@ TEST(GptTensorParallelSplits, ASequenceParallelRankHoldsItsRowsOfTheResidualStre
             sequence.activations);
   EXPECT_LT(sequence.activations, plain.activations);
 
-  // 7 rows do not split over 2 ranks.
-  try {
-    const GptModel odd(config, 1, 7, testing::precision_of(testing::Numbers::Fp32), {}, member);
-    FAIL() << "expected a ConfigError for 7 rows over 2 ranks";
-  } catch (const ConfigError& error) {
-    EXPECT_NE(std::string(error.what()).find("sequence_parallel"), std::string::npos)
-        << error.what();
+  // 7 rows do not split over 2 ranks, and a group of one has no ranks to split them over.
+  testing::ThreadGroup alone(1);
+  TensorParallel single = alone.member(0);
+  single.sequence = true;
+  for (const auto& [rows, ranks] : {std::pair{int64_t(7), member}, std::pair{int64_t(8), single}}) {
+    try {
+      const GptModel refused(config, 1, rows, testing::precision_of(testing::Numbers::Fp32), {},
+                             ranks);
+      FAIL() << "expected a ConfigError for " << rows << " rows over " << ranks.size << " ranks";
+    } catch (const ConfigError& error) {
+      EXPECT_NE(std::string(error.what()).find("sequence_parallel"), std::string::npos)
+          << error.what();
+    }
   }
 }
 
