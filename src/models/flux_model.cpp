@@ -722,6 +722,7 @@ bool flux_reads_own_tokens(const std::string& linear) {
 
 FluxOwnTokens flux_own_tokens(FluxStream stream, int64_t img_tokens, int64_t txt_tokens, int size,
                               int rank) {
+  if (size == 1) rank = 0;  // every token, whatever the rank's place in its group
   const int64_t own_img = img_tokens / size, own_txt = txt_tokens / size;
   switch (stream) {
     case FluxStream::Image:
@@ -839,9 +840,8 @@ FluxDims FluxModel::dims() const {
 }
 
 FluxOwnTokens FluxModel::own_tokens(FluxStream stream) const {
-  return sequence_ ? flux_own_tokens(stream, img_tokens_, txt_tokens_, tensor_parallel_.size,
-                                     tensor_parallel_.rank)
-                   : flux_own_tokens(stream, img_tokens_, txt_tokens_, 1, 0);
+  return flux_own_tokens(stream, img_tokens_, txt_tokens_, sequence_ ? tensor_parallel_.size : 1,
+                         tensor_parallel_.rank);
 }
 
 void FluxModel::init_weights(uint64_t seed) {

@@ -209,6 +209,31 @@ TEST(FluxTensorParallelSplits, EachRankPlansTheActivationsOfItsShare) {
   EXPECT_LT(sequence, share);  // the residual streams' tensors hold half the tokens
 }
 
+TEST(FluxTensorParallelSplits, EachRankHoldsConsecutiveTokensOfEachStream) {
+  // 8 image and 4 text tokens over 2 ranks: the second holds image tokens 4-7 and text tokens
+  // 2-3, in the joint [txt; img] sequence at 2 and 4 + 4 = 8.
+  const FluxOwnTokens image = flux_own_tokens(FluxStream::Image, 8, 4, 2, 1);
+  EXPECT_EQ(image.whole, 8);
+  EXPECT_EQ(image.own, 4);
+  ASSERT_EQ(image.runs.size(), 1u);
+  EXPECT_EQ(image.runs[0].whole_first, 4);
+  const FluxOwnTokens joint = flux_own_tokens(FluxStream::Joint, 8, 4, 2, 1);
+  EXPECT_EQ(joint.whole, 12);
+  EXPECT_EQ(joint.own, 6);
+  ASSERT_EQ(joint.runs.size(), 2u);
+  EXPECT_EQ(joint.runs[0].whole_first, 2);
+  EXPECT_EQ(joint.runs[0].own_first, 0);
+  EXPECT_EQ(joint.runs[0].count, 2);
+  EXPECT_EQ(joint.runs[1].whole_first, 8);
+  EXPECT_EQ(joint.runs[1].own_first, 2);
+  EXPECT_EQ(joint.runs[1].count, 4);
+  // Without a split every rank holds every token from the first.
+  const FluxOwnTokens every = flux_own_tokens(FluxStream::Joint, 8, 4, 1, 1);
+  EXPECT_EQ(every.own, 12);
+  EXPECT_EQ(every.runs[0].whole_first, 0);
+  EXPECT_EQ(every.runs[1].whole_first, 4);
+}
+
 TEST(FluxTensorParallelSplits, SequenceParallelismNeedsEachStreamToSplit) {
   const FluxConfig config = two_head_config(64);
   testing::ThreadGroup group(kRanks);

@@ -1052,9 +1052,8 @@ void CudaFluxModel::copy_group_input(bool doubles, size_t group, bool save) {
 }
 
 FluxOwnTokens CudaFluxModel::own_tokens(FluxStream stream) const {
-  return sequence_ ? flux_own_tokens(stream, img_tokens_, txt_tokens_, tensor_parallel_.size,
-                                     tensor_parallel_.rank)
-                   : flux_own_tokens(stream, img_tokens_, txt_tokens_, 1, 0);
+  return flux_own_tokens(stream, img_tokens_, txt_tokens_, sequence_ ? tensor_parallel_.size : 1,
+                         tensor_parallel_.rank);
 }
 
 void CudaFluxModel::copy_staging(bf16* whole, FluxStream stream, int64_t width, bool to_whole) {
