@@ -385,7 +385,9 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config,
   result.tuning_records = model.gemm().tuning_records();
   cudaFree(norm);
   result.throughput = double(tokens) * ranks.replicas() / (result.step_ms * 1e-3);
-  result.mfu = result.throughput / ranks.count() * gpt_flops_per_token(config) / kBf16PeakFlops;
+  // Per GPU: a tensor-parallel group's GPUs share each token's FLOPs (--rank-alone's too).
+  result.mfu = result.throughput / (ranks.replicas() * ranks.layout.tensor) *
+               gpt_flops_per_token(config) / kBf16PeakFlops;
   return result;
 }
 
@@ -683,59 +685,15 @@ std::string ranks_text(const BenchRanks& ranks, const char* unit) {
       ranks.sharded() ? "; ZeRO-1: each rank updates its share and broadcasts it" : "", unit);
 }
 
-}  // namespace
-
-int run_bench_gpt(const BenchGptOptions& options) {
-  const distributed::LaunchInfo launch = distributed::detect_launch();
-  const distributed::ParallelLayout layout =
-      bench_layout("bench gpt", options.tensor_parallel, launch);
-  const std::vector<GpuInfo> gpus = query_gpus();
-  if (gpus.empty()) throw Error("bench gpt: no CUDA GPU is visible");
-  distributed::Communicator communicator(launch, 0);
-  BenchRanks ranks = join_ranks(communicator, "bench gpt", options.overlap_grad_reduce,
-                                options.shard_optimizer_state, layout);
-  const train::CudaTensorGroup tensor_group(ranks.communicator, ranks.layout);
-  ranks.tensor = tensor_group.device;
-  GptConfig config = GptConfig::from_depth(options.depth);
-  config.vocab_size = options.vocab_size;
-  config.sequence_len = options.sequence_len;
-  config.window_pattern = options.window_pattern;
-  config.validate();
-  const double flops_per_token = gpt_flops_per_token(config);
-  fmt::print(
-      "bench gpt: depth {}, dim {}, {} heads, vocab {}, sequence {}, windows {}, micro-batch {} "
-      "({} tokens), {:.3f}B parameters, {:.4g} FLOPs/token; MuonAdamW, random tokens; {} "
-      "warm-up + {} timed steps\nGPU: {} ({}){}\n",
-      config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.sequence_len,
-      config.window_pattern, options.batch, options.batch * config.sequence_len,
-      double(ParameterSet::planned_bytes(config, DType::F32)) / 4e9, flops_per_token,
-      options.timing.warmup, options.timing.steps, gpus[0].name, gpus[0].architecture(),
-      ranks_text(ranks, "tokens/s"));
-
-  cudaStream_t stream = nullptr;
-  FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  print_tuning_notes(options.timing);
-  const std::vector<Measurement> results = measure_runs(
-      options.precisions, options.fp8_recipes, options.fp8_attention, options.fp8, options.timing,
-      "tokens/s", launch.world_size == 1, [&](const RunKind& run) {
-        return measure(options, config, bench_precision(run, options.fp8), bench_recompute(run),
-                       run_name(run, options.fp8), bench_tuning(run.autotune), ranks, stream);
-      });
-  FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
-  print_results(results, "tokens/s", options.timing);
-  return kExitOk;
-}
-
-namespace {
-
 // --rank-alone: the first rank of a group of `tensor` ranks, with collectives that leave their
 // values as they are (no other rank adds to them).
-distributed::ParallelLayout alone_layout(int tensor, const distributed::LaunchInfo& launch) {
+distributed::ParallelLayout alone_layout(const char* command, int tensor,
+                                         const distributed::LaunchInfo& launch) {
   if (tensor == 1 || launch.world_size != 1) {
     throw Error(fmt::format(
-        "bench flux: --rank-alone times one rank of a --tensor-parallel group in one process: "
-        "expected --tensor-parallel above 1 and one rank, found {} and {}",
-        tensor, launch.world_size));
+        "{}: --rank-alone times one rank of a --tensor-parallel group in one process: expected "
+        "--tensor-parallel above 1 and one rank, found {} and {}",
+        command, tensor, launch.world_size));
   }
   return {.tensor = tensor, .tensor_rank = 0, .data = 1, .data_rank = 0};
 }
@@ -762,7 +720,65 @@ DeviceTensorParallel alone_in_group(int tensor, bool sequence) {
   return group;
 }
 
+// The header's note on --rank-alone and --sequence-parallel; empty without them.
+std::string rank_alone_text(bool rank_alone, int tensor, bool sequence) {
+  const char* sequence_text = sequence ? "; sequence parallel" : "";
+  if (!rank_alone) return sequence_text;
+  return fmt::format(
+      "; the first rank of a tensor-parallel group of {} alone: its shares of the blocks, its "
+      "collectives within the group left out (losses not the model's){}",
+      tensor, sequence_text);
+}
+
 }  // namespace
+
+int run_bench_gpt(const BenchGptOptions& options) {
+  if (options.sequence_parallel)
+    check_sequence_parallel(options.tensor_parallel, options.batch, options.sequence_len);
+  const distributed::LaunchInfo launch = distributed::detect_launch();
+  const distributed::ParallelLayout layout =
+      options.rank_alone ? alone_layout("bench gpt", options.tensor_parallel, launch)
+                         : bench_layout("bench gpt", options.tensor_parallel, launch);
+  const std::vector<GpuInfo> gpus = query_gpus();
+  if (gpus.empty()) throw Error("bench gpt: no CUDA GPU is visible");
+  distributed::Communicator communicator(launch, 0);
+  BenchRanks ranks = join_ranks(communicator, "bench gpt", options.overlap_grad_reduce,
+                                options.shard_optimizer_state, layout);
+  const train::CudaTensorGroup tensor_group(ranks.communicator, ranks.layout,
+                                            options.sequence_parallel);
+  ranks.tensor = options.rank_alone
+                     ? alone_in_group(options.tensor_parallel, options.sequence_parallel)
+                     : tensor_group.device;
+  GptConfig config = GptConfig::from_depth(options.depth);
+  config.vocab_size = options.vocab_size;
+  config.sequence_len = options.sequence_len;
+  config.window_pattern = options.window_pattern;
+  config.validate();
+  const double flops_per_token = gpt_flops_per_token(config);
+  fmt::print(
+      "bench gpt: depth {}, dim {}, {} heads, vocab {}, sequence {}, windows {}, micro-batch {} "
+      "({} tokens), {:.3f}B parameters, {:.4g} FLOPs/token; MuonAdamW, random tokens; {} "
+      "warm-up + {} timed steps\nGPU: {} ({}){}{}\n",
+      config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.sequence_len,
+      config.window_pattern, options.batch, options.batch * config.sequence_len,
+      double(ParameterSet::planned_bytes(config, DType::F32)) / 4e9, flops_per_token,
+      options.timing.warmup, options.timing.steps, gpus[0].name, gpus[0].architecture(),
+      ranks_text(ranks, "tokens/s"),
+      rank_alone_text(options.rank_alone, options.tensor_parallel, options.sequence_parallel));
+
+  cudaStream_t stream = nullptr;
+  FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  print_tuning_notes(options.timing);
+  const std::vector<Measurement> results = measure_runs(
+      options.precisions, options.fp8_recipes, options.fp8_attention, options.fp8, options.timing,
+      "tokens/s", launch.world_size == 1, [&](const RunKind& run) {
+        return measure(options, config, bench_precision(run, options.fp8), bench_recompute(run),
+                       run_name(run, options.fp8), bench_tuning(run.autotune), ranks, stream);
+      });
+  FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
+  print_results(results, "tokens/s", options.timing);
+  return kExitOk;
+}
 
 int run_bench_flux(const BenchFluxOptions& options) {
   if (options.sequence_parallel) {
@@ -770,7 +786,7 @@ int run_bench_flux(const BenchFluxOptions& options) {
   }
   const distributed::LaunchInfo launch = distributed::detect_launch();
   const distributed::ParallelLayout layout =
-      options.rank_alone ? alone_layout(options.tensor_parallel, launch)
+      options.rank_alone ? alone_layout("bench flux", options.tensor_parallel, launch)
                          : bench_layout("bench flux", options.tensor_parallel, launch);
   const std::vector<GpuInfo> gpus = query_gpus();
   if (gpus.empty()) throw Error("bench flux: no CUDA GPU is visible");
@@ -792,13 +808,7 @@ int run_bench_flux(const BenchFluxOptions& options) {
       options.txt_tokens, flux_flops_per_sample(config, options.img_tokens, options.txt_tokens),
       options.timing.warmup, options.timing.steps, gpus[0].name, gpus[0].architecture(),
       ranks_text(ranks, "samples/s"),
-      options.rank_alone
-          ? fmt::format(
-                "; the first rank of a tensor-parallel group of {} alone: its shares of the "
-                "blocks, its collectives within the group left out (losses not the model's){}",
-                options.tensor_parallel, options.sequence_parallel ? "; sequence parallel" : "")
-      : options.sequence_parallel ? "; sequence parallel"
-                                  : "");
+      rank_alone_text(options.rank_alone, options.tensor_parallel, options.sequence_parallel));
 
   cudaStream_t stream = nullptr;
   FP8T_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));

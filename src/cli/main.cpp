@@ -53,6 +53,17 @@ int main(int argc, char** argv) {
         ->capture_default_str()
         ->check(CLI::Range(1, 1024));
   };
+  // The benchmarks' one rank of a group on one GPU, and their sequence parallelism.
+  const auto add_rank_alone = [](CLI::App* command, bool& rank_alone, bool& sequence_parallel) {
+    command->add_flag("--rank-alone", rank_alone,
+                      "With --tensor-parallel T in one process: time the first rank of a group "
+                      "alone on this GPU, its collectives within the group left out (its memory "
+                      "and compute, not the communication; the loss is not the model's): "
+                      "whether a rank fits before T GPUs are at hand");
+    command->add_flag("--sequence-parallel", sequence_parallel,
+                      "With --tensor-parallel T: sequence parallelism (sequence_parallel), each "
+                      "rank keeping 1/T of the tokens outside the split linears");
+  };
   app.require_subcommand(1);
 
   fp8t::cli::DoctorOptions doctor_options;
@@ -268,6 +279,7 @@ int main(int argc, char** argv) {
                   bench_options.fp8_attention, bench_options.timing);
   add_nproc_per_node(bench_gpt);
   add_tensor_parallel(bench_gpt, bench_options.tensor_parallel);
+  add_rank_alone(bench_gpt, bench_options.rank_alone, bench_options.sequence_parallel);
   bench_gpt->add_flag("--overlap-grad-reduce", bench_options.overlap_grad_reduce,
                       "With several ranks: sum each block's gradients while the backward goes on "
                       "(not with --tensor-parallel above 1)");
@@ -300,14 +312,7 @@ int main(int argc, char** argv) {
                   bench_flux_options.timing);
   add_nproc_per_node(bench_flux);
   add_tensor_parallel(bench_flux, bench_flux_options.tensor_parallel);
-  bench_flux->add_flag("--rank-alone", bench_flux_options.rank_alone,
-                       "With --tensor-parallel T in one process: time the first rank of a group "
-                       "alone on this GPU, its collectives within the group left out (its memory "
-                       "and compute, not the communication; the loss is not the model's): "
-                       "whether a rank fits before T GPUs are at hand");
-  bench_flux->add_flag("--sequence-parallel", bench_flux_options.sequence_parallel,
-                       "With --tensor-parallel T: sequence parallelism (sequence_parallel), each "
-                       "rank keeping 1/T of the tokens outside the split linears");
+  add_rank_alone(bench_flux, bench_flux_options.rank_alone, bench_flux_options.sequence_parallel);
   bench_flux->add_flag("--shard-optimizer-state,!--no-shard-optimizer-state",
                        bench_flux_options.shard_optimizer_state,
                        "With several ranks: ZeRO-1 (the default), each rank updates its share of "

@@ -658,16 +658,17 @@ std::vector<ConfigKey> build_keys() {
       "elsewhere they stay whole on every rank. 1: none."));
   keys.push_back(boolean_key(
       "sequence_parallel", S::Run, [](auto& c) -> auto& { return c.run.sequence_parallel; },
-      "Sequence parallelism (Megatron's) within each tensor-parallel group (both models on the "
-      "CPU path, the Flux model also on the GPU): each rank keeps 1/tensor_model_parallel_size of "
-      "a micro-batch's tokens outside the split "
-      "linears (GPT: the residual stream, the norms, lm_head and the loss; Flux: of each "
+      "Sequence parallelism (Megatron's) within each tensor-parallel group (both models, on the "
+      "CPU path and on the GPU): each rank keeps 1/tensor_model_parallel_size of a micro-batch's "
+      "tokens outside the split linears (GPT: the residual stream, the norms, lm_head and the "
+      "loss; Flux: of each "
       "sample's image and text tokens, the residual streams, the LayerNorms and modulated outputs, "
       "img_in, txt_in and the final layer), gathers the group's tokens before the column-parallel "
       "linears, and keeps its tokens of the summed row-parallel outputs. The same losses, less "
       "activation memory per rank. Needs tensor_model_parallel_size above 1, and it must divide "
       "micro_batch_size × sequence_len (GPT) or a sample's image tokens and its text tokens "
-      "(Flux); on the GPU the gathers and sums are NCCL all-gathers and reduce-scatters."));
+      "(Flux); on the GPU the gathers and sums are NCCL all-gathers and reduce-scatters, and a "
+      "GPT rank's share of the tokens must be a multiple of 16."));
   keys.push_back(boolean_key(
       "gemm_autotune", S::Run, [](auto& c) -> auto& { return c.run.gemm_autotune; },
       "GPU path: the first GEMM of each new problem (sizes, types, scale modes, epilogue) runs "

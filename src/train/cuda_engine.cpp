@@ -74,7 +74,7 @@ class CudaEngine final : public TrainingEngine {
                     ParameterSet::planned_bytes(setup.model, DType::F32)),
         host_parameters_(host_arena_, setup.model, DType::F32),
         sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
-        tensor_group_(setup.communicator, setup.layout),
+        tensor_group_(setup.communicator, setup.layout, setup.sequence_parallel),
         host_optimizer_(setup.model, setup.optimizer, setup.tokens_per_step,
                         sharded_ ? setup.communicator->rank() : 0,
                         sharded_ ? setup.communicator->size() : 1),
@@ -338,11 +338,6 @@ GpuInfo training_gpu(const distributed::Communicator* communicator) {
 
 std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup) {
   check_gpu_precision(setup.precision);
-  if (setup.sequence_parallel) {  // the GPU GPT does not split tokens
-    throw ConfigError(
-        "sequence_parallel: true runs for the GPT on the CPU path only so far (the Flux model "
-        "runs it on the GPU too); set device: cpu, or sequence_parallel: false");
-  }
   return std::make_unique<CudaEngine>(setup, training_gpu(setup.communicator));
 }
 

@@ -21,7 +21,7 @@ struct CudaTensorGroup {
   DeviceTensorParallel device;
 
   // Every rank of the job makes its group together; `communicator` may be null (one process).
-  // sequence_parallel: the group's `sequence` (the Flux model's sequence parallelism).
+  // sequence_parallel: the group's `sequence` (sequence parallelism).
   CudaTensorGroup(distributed::Communicator* communicator,
                   const distributed::ParallelLayout& layout, bool sequence_parallel = false) {
 #if FP8TRAIN_WITH_NCCL

@@ -88,10 +88,10 @@ struct EngineSetup {
   // Data parallelism: each rank takes its share of a step's micro-batches and the gradients are
   // summed over the ranks before the update (on the GPU path through NCCL). Null: one process.
   distributed::Communicator* communicator = nullptr;
-  // Tensor parallelism (CPU path): the ranks' split into tensor-parallel groups, which see the
-  // same micro-batches, and data-parallel replicas, which share a step's micro-batches.
+  // Tensor parallelism: the ranks' split into tensor-parallel groups, which see the same
+  // micro-batches, and data-parallel replicas, which share a step's micro-batches.
   distributed::ParallelLayout layout;
-  // Sequence parallelism within each tensor-parallel group (CPU path; models/tensor_parallel.h).
+  // Sequence parallelism within each tensor-parallel group (models/tensor_parallel.h).
   bool sequence_parallel = false;
   // With several ranks on the GPU path: the gradient sums overlap the backward.
   bool overlap_grad_reduce = false;

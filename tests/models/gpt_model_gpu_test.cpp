@@ -466,7 +466,8 @@ INSTANTIATE_TEST_SUITE_P(Precisions, GptRecomputeGpu,
 // rank has the whole model's loss and, once gathered, its gradients, within the rounding of the
 // partial sums; the ranks agree bit for bit on the loss, the split gradients and every FP8 scale,
 // and their weights' scales are the whole weights' (from the group's largest amax). The ranks run
-// without recompute, then with full recompute.
+// without recompute, then with full recompute; each without sequence parallelism, then with it
+// (each rank keeping half of the rows, and fewer activations than without).
 class GptTensorParallelGpu : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
 
 TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeModel) {
@@ -485,78 +486,118 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
   std::vector<cudaStream_t> streams(kRanks + 1);
   for (cudaStream_t& stream : streams)
     FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
-  // The ranks without recompute, then with full recompute (their reruns sum over the group too).
-  for (const RecomputeOptions& recompute :
-       {RecomputeOptions{}, RecomputeOptions{RecomputeGranularity::Full}}) {
-    SCOPED_TRACE(recompute_summary(recompute, config.n_layer));
-    CudaGptModel whole(config, kBatch, kSeq, precision, streams[kRanks]);
-    whole.upload_parameters(cpu.parameters());
-    testing::ThreadGroup group(kRanks);
-    std::vector<std::unique_ptr<CudaGptModel>> ranks;
-    for (int rank = 0; rank < kRanks; ++rank) {
-      ranks.push_back(std::make_unique<CudaGptModel>(
-          config, kBatch, kSeq, precision, streams[static_cast<size_t>(rank)],
-          CudaGptModel::PlanCheck{}, recompute, testing::device_member(group, rank)));
-      ranks.back()->upload_parameters(cpu.parameters());
-      ASSERT_EQ(ranks.back()->linear_precision().size(), whole.linear_precision().size());
-      for (size_t i = 0; i < whole.linear_precision().size(); ++i)
-        ASSERT_EQ(ranks.back()->linear_precision()[i].fp8, whole.linear_precision()[i].fp8);
-      EXPECT_LT(ranks.back()->memory().activations, whole.memory().activations);
-    }
-    Arena arena("gradients", ParameterSet::planned_bytes(config, DType::F32));
-    ParameterSet whole_gradients(arena, config, DType::F32);
-    size_t fp8_linears = 0;
-    for (const LinearPrecision& decision : whole.linear_precision())
-      fp8_linears += decision.fp8 && decision.linear.kind != ParamKind::Gate;
+  // The ranks without recompute, then with full recompute (their reruns sum over the group too);
+  // the activations of a rank without sequence parallelism, per recompute setting.
+  const std::array<RecomputeOptions, 2> recomputes = {RecomputeOptions{},
+                                                      RecomputeOptions{RecomputeGranularity::Full}};
+  std::array<size_t, 2> plain_activations{};
+  for (const bool sequence : {false, true}) {
+    for (size_t setting = 0; setting < recomputes.size(); ++setting) {
+      const RecomputeOptions& recompute = recomputes[setting];
+      SCOPED_TRACE(fmt::format("{}{}", recompute_summary(recompute, config.n_layer),
+                               sequence ? ", sequence parallel" : ""));
+      CudaGptModel whole(config, kBatch, kSeq, precision, streams[kRanks]);
+      whole.upload_parameters(cpu.parameters());
+      testing::ThreadGroup group(kRanks);
+      std::vector<std::unique_ptr<CudaGptModel>> ranks;
+      for (int rank = 0; rank < kRanks; ++rank) {
+        DeviceTensorParallel member = testing::device_member(group, rank);
+        member.sequence = sequence;
+        ranks.push_back(std::make_unique<CudaGptModel>(
+            config, kBatch, kSeq, precision, streams[static_cast<size_t>(rank)],
+            CudaGptModel::PlanCheck{}, recompute, member));
+        ranks.back()->upload_parameters(cpu.parameters());
+        ASSERT_EQ(ranks.back()->linear_precision().size(), whole.linear_precision().size());
+        for (size_t i = 0; i < whole.linear_precision().size(); ++i)
+          ASSERT_EQ(ranks.back()->linear_precision()[i].fp8, whole.linear_precision()[i].fp8);
+        EXPECT_LT(ranks.back()->memory().activations, whole.memory().activations);
+      }
+      if (sequence) {
+        EXPECT_LT(ranks[0]->memory().activations, plain_activations[setting]);
+      } else {
+        plain_activations[setting] = ranks[0]->memory().activations;
+      }
+      Arena arena("gradients", ParameterSet::planned_bytes(config, DType::F32));
+      ParameterSet whole_gradients(arena, config, DType::F32);
+      size_t fp8_linears = 0;
+      for (const LinearPrecision& decision : whole.linear_precision())
+        fp8_linears += decision.fp8 && decision.linear.kind != ParamKind::Gate;
 
-    for (int step = 1; step <= 2; ++step) {
-      SCOPED_TRACE(fmt::format("step {}", step));
-      const Tokens tokens = random_tokens(rng, config);
-      whole.zero_gradients();
-      whole.forward(tokens.idx.data(), tokens.targets.data(), true);
-      const double loss = whole.loss_value();
-      whole.backward();
-      std::vector<double> losses(kRanks);
-      testing::run_ranks<CudaGptModel>(ranks, [&](CudaGptModel& model, size_t rank) {
-        model.zero_gradients();
-        model.forward(tokens.idx.data(), tokens.targets.data(), true);
-        losses[rank] = model.loss_value();
-        model.backward();
-        model.gather_split_gradients();
-      });
-      EXPECT_EQ(losses[1], losses[0]);
-      EXPECT_NEAR(losses[0], loss, 2e-3 * loss);
-      whole.download_gradients(whole_gradients);
-      // Delayed scaling's first step casts at scale 1, where most gradients underflow: its
-      // gradients are compared once the first step's amaxes have set the scales.
-      for (const auto& rank : ranks) {
-        if (recipe == ScalingRecipe::Delayed && fp8 && step == 1) break;
-        if (test::verbose()) fmt::print("step {}, rank {}:\n", step, &rank - ranks.data());
-        // The partial sums round to bf16 once more than the whole model's outputs, which moves
-        // an FP8 code now and then (E5M2 codes of the gradients are 12.5 to 25 % apart): over 14
-        // seeds on the H200 a tensor moved by up to 0.02 in BF16 and 0.16 in FP8, the scalars
-        // (whose gradients cancel to a small remainder) together by 0.17 and 0.30; over 25 seeds
-        // on an H100 the FP8 scalars moved by up to 0.28, and by 0.72 for one seed
-        // (FP8T_TEST_SEED=4032625459, tensorwise, full recompute). Their bound stays below 1, the
-        // error of a gradient missing or summed twice. The tensors' bounds are the
-        // GPU-against-CPU test's.
-        expect_gradients_match(
-            *rank, config, fp8 ? 0.2 : 0.05,
-            [&](const std::string& name) { return whole_gradients[name].data<float>(); },
-            fp8 ? 0.9 : 0.4);
-      }
-      for (const ParamSpec& spec : gpt_parameters(config)) {
-        if (gpt_split_parameter(spec)) {
-          EXPECT_EQ(gradient_of(*ranks[1], config, spec.name),
-                    gradient_of(*ranks[0], config, spec.name))
-              << spec.name;
+      for (int step = 1; step <= 2; ++step) {
+        SCOPED_TRACE(fmt::format("step {}", step));
+        const Tokens tokens = random_tokens(rng, config);
+        whole.zero_gradients();
+        whole.forward(tokens.idx.data(), tokens.targets.data(), true);
+        const double loss = whole.loss_value();
+        whole.backward();
+        std::vector<double> losses(kRanks);
+        testing::run_ranks<CudaGptModel>(ranks, [&](CudaGptModel& model, size_t rank) {
+          model.zero_gradients();
+          model.forward(tokens.idx.data(), tokens.targets.data(), true);
+          losses[rank] = model.loss_value();
+          model.backward();
+          model.gather_split_gradients();
+        });
+        EXPECT_EQ(losses[1], losses[0]);
+        EXPECT_NEAR(losses[0], loss, 2e-3 * loss);
+        whole.download_gradients(whole_gradients);
+        // Delayed scaling's first step casts at scale 1, where most gradients underflow: its
+        // gradients are compared once the first step's amaxes have set the scales.
+        for (const auto& rank : ranks) {
+          if (recipe == ScalingRecipe::Delayed && fp8 && step == 1) break;
+          if (test::verbose()) fmt::print("step {}, rank {}:\n", step, &rank - ranks.data());
+          // The partial sums round to bf16 once more than the whole model's outputs, which moves
+          // an FP8 code now and then (E5M2 codes of the gradients are 12.5 to 25 % apart): over 14
+          // seeds on the H200 a tensor moved by up to 0.02 in BF16 and 0.16 in FP8, the scalars
+          // (whose gradients cancel to a small remainder) together by 0.17 and 0.30; over 25 seeds
+          // on an H100 the FP8 scalars moved by up to 0.28, and by 0.72 for one seed
+          // (FP8T_TEST_SEED=4032625459, tensorwise, full recompute). Their bound stays below 1, the
+          // error of a gradient missing or summed twice. The tensors' bounds are the
+          // GPU-against-CPU test's.
+          expect_gradients_match(
+              *rank, config, fp8 ? 0.2 : 0.05,
+              [&](const std::string& name) { return whole_gradients[name].data<float>(); },
+              fp8 ? 0.9 : 0.4);
         }
+        for (const ParamSpec& spec : gpt_parameters(config)) {
+          if (gpt_split_parameter(spec) || (sequence && gpt_sequence_split_gradient(spec))) {
+            EXPECT_EQ(gradient_of(*ranks[1], config, spec.name),
+                      gradient_of(*ranks[0], config, spec.name))
+                << spec.name;
+          }
+        }
+        testing::end_step_with_same_scales(whole, ranks, fp8_linears, recipe);
       }
-      testing::end_step_with_same_scales(whole, ranks, fp8_linears, recipe);
     }
   }
   for (cudaStream_t stream : streams)
     FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// A sequence-parallel rank's rows must make whole tiles of 16 for the GPU's GEMMs: 48 tokens split
+// over 2 ranks do not, and the error names the key; 64 do.
+TEST(GptTensorParallelGpu, SequenceParallelRefusesRowsThatAreNoMultipleOf16) {
+  GptConfig config = small_config();
+  config.n_embd = 256;
+  config.n_kv_head = 2;
+  cudaStream_t stream = nullptr;
+  FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
+  testing::ThreadGroup group(2);
+  DeviceTensorParallel member = testing::device_member(group, 0);
+  member.sequence = true;
+  const auto make = [&](int64_t seq) {
+    CudaGptModel model(config, 1, seq, precision_for(Fp8Mode::None, ScalingRecipe::Tensorwise),
+                       stream, CudaGptModel::PlanCheck{}, RecomputeOptions{}, member);
+  };
+  try {
+    make(48);
+    ADD_FAILURE() << "expected a ConfigError for ranks of 24 rows";
+  } catch (const ConfigError& error) {
+    EXPECT_NE(std::string(error.what()).find("sequence_parallel"), std::string::npos)
+        << error.what();
+  }
+  EXPECT_NO_THROW(make(64));
+  FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 INSTANTIATE_TEST_SUITE_P(Precisions, GptTensorParallelGpu,

@@ -132,6 +132,9 @@ struct CudaGptModel::Buffers {
   bf16 *dres = nullptr, *dres_next = nullptr, *dbackout = nullptr, *dx0 = nullptr;
   bf16 *dnorm = nullptr, *dattn_out = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
   bf16 *dq_lin = nullptr, *dk_lin = nullptr, *dvalue_embed = nullptr, *dfc_act = nullptr;
+  // Sequence parallelism: the group's rows [B·T, C] (gathered, or partial sums), and this rank's
+  // rows of a summed input gradient.
+  bf16 *whole = nullptr, *dnorm_own = nullptr;
   float* weight_staging = nullptr;  // row-parallel shares' columns (LinearSetup::weight_stride)
   uint8_t* region = nullptr;        // where the pieces of one phase take turns (lay_out)
   size_t region_bytes = 0;
@@ -160,8 +163,6 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
   const int group_size = tensor_parallel_.size;
   check_tensor_parallel(config_, group_size);
   check_device_group(tensor_parallel_, precision_.fp8_attention);
-  FP8T_CHECK(!tensor_parallel_.sequence,
-             "sequence_parallel: the GPU GPT does not run it; expected a group without it");
   heads_ = config_.n_head / group_size;
   kv_heads_ = config_.n_kv_head / group_size;
   hidden_ = 4 * int64_t{config_.n_embd} / group_size;
@@ -171,6 +172,18 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
   FP8T_CHECK(tokens_ % 16 == 0,
              "the GPU path needs batch x sequence to be a multiple of 16, found {} x {}", batch,
              seq);
+  sequence_ = tensor_parallel_.sequence;
+  if (sequence_) {
+    check_sequence_parallel(group_size, batch, seq);
+    if (tokens_ / group_size % 16 != 0) {
+      throw ConfigError(fmt::format(
+          "sequence_parallel: the GPU path needs each rank's rows, {} x {} / {}, to be a "
+          "multiple of 16",
+          batch, seq, group_size));
+    }
+  }
+  rows_ = sequence_ ? tokens_ / group_size : tokens_;
+  first_row_ = sequence_ ? tensor_parallel_.rank * rows_ : 0;
   if (!recompute_groups_.empty() && precision_.fp8_attention) {
     throw ConfigError(
         "recompute_granularity: full does not combine with fp8_dot_product_attention on the GPU "
@@ -293,6 +306,11 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
       // row-parallel: the input and the weight are shares.
       const bool outputs = share.split == TensorSplit::Outputs;
       setup.split_roles = {!outputs, true, outputs};
+    }
+    // Under sequence parallelism lm_head reads this rank's rows and their gradient.
+    if (sequence_ && decision.linear.kind == ParamKind::LmHead)
+      setup.split_roles = {true, false, true};
+    if (std::ranges::any_of(setup.split_roles, [](bool split) { return split; })) {
       setup.group_max = [this](float* amax, cudaStream_t amax_stream) {
         tensor_parallel_.max(amax, 1, amax_stream);
       };
@@ -381,6 +399,7 @@ class RegionPieces {
 void CudaGptModel::lay_out() {
   Buffers& b = *buffers_;
   const auto N = static_cast<size_t>(tokens_);
+  const auto R = static_cast<size_t>(rows_);  // of the residual stream on this rank
   const auto C = static_cast<size_t>(config_.n_embd);
   const auto H = static_cast<size_t>(heads_);
   const auto Hkv = static_cast<size_t>(kv_heads_);
@@ -397,7 +416,7 @@ void CudaGptModel::lay_out() {
   b.embedding_norm = act.take<bf16>(N * C);
   b.embedding_rstd = act.take<float>(N);
   b.smear_gate = act.take<float>(N);
-  b.x0 = act.take<bf16>(N * C);
+  b.x0 = act.take<bf16>(R * C);
   b.layers.resize(static_cast<size_t>(config_.n_layer));
   DeviceArena& ws = b.workspace;
   // FP8 attention keeps v and the attention output in FP8 for the backward: their bf16 forms
@@ -407,8 +426,8 @@ void CudaGptModel::lay_out() {
   bf16* attn_out_work = fp8_attention ? ws.take<bf16>(N * H * D) : nullptr;
   // Everything a block saves but its output.
   const auto take_layer = [&](Layer& layer, bool value_gate) {
-    layer.attn_norm = act.take<bf16>(N * C);
-    layer.attn_rstd = act.take<float>(N);
+    layer.attn_norm = act.take<bf16>(R * C);
+    layer.attn_rstd = act.take<float>(R);
     layer.q = act.take<bf16>(N * H * D);
     layer.k = act.take<bf16>(N * Hkv * D);
     layer.v = fp8_attention ? v_work : act.take<bf16>(N * Hkv * D);
@@ -425,8 +444,8 @@ void CudaGptModel::lay_out() {
       saved.out = act.take<uint8_t>(N * H * D);
       saved.floats = act.take<float>(static_cast<size_t>(kernels::kAttentionFp8Floats));
     }
-    layer.mlp_norm = act.take<bf16>(N * C);
-    layer.mlp_rstd = act.take<float>(N);
+    layer.mlp_norm = act.take<bf16>(R * C);
+    layer.mlp_rstd = act.take<float>(R);
     layer.fc = act.take<bf16>(N * hidden);
   };
   // Full recompute: the blocks at the same place of their groups share one set, and only a
@@ -435,29 +454,29 @@ void CudaGptModel::lay_out() {
   std::vector<Layer> places(static_cast<size_t>(recompute_slot_count(recompute_groups_)));
   for (Layer& place : places) {
     take_layer(place, true);  // a value gate: the last block has a value embedding at any depth
-    place.output = act.take<bf16>(N * C);
+    place.output = act.take<bf16>(R * C);
   }
   for (int index = 0; index < config_.n_layer; ++index) {
     Layer& layer = b.layers[static_cast<size_t>(index)];
     const int slot = slots[static_cast<size_t>(index)];
     if (slot < 0) {
       take_layer(layer, config_.has_value_embedding(index));
-      layer.output = act.take<bf16>(N * C);
+      layer.output = act.take<bf16>(R * C);
       continue;
     }
     layer = places[static_cast<size_t>(slot)];
     if (!config_.has_value_embedding(index)) layer.value_gate = nullptr;
     const bool last_of_group = recompute_group_ending_at(recompute_groups_, index) >= 0;
-    if (last_of_group || index == config_.backout_layer()) layer.output = act.take<bf16>(N * C);
+    if (last_of_group || index == config_.backout_layer()) layer.output = act.take<bf16>(R * C);
   }
-  b.final_norm = act.take<bf16>(N * C);
-  b.final_rstd = act.take<float>(N);
+  b.final_norm = act.take<bf16>(R * C);
+  b.final_rstd = act.take<float>(R);
 
   b.idx = ws.take<int32_t>(N);
   b.targets = ws.take<int32_t>(N);
   b.rotary_cos = ws.take<float>(static_cast<size_t>(seq_) * D / 2);
   b.rotary_sin = ws.take<float>(static_cast<size_t>(seq_) * D / 2);
-  b.row_losses = ws.take<float>(N);
+  b.row_losses = ws.take<float>(R);
   b.valid_rows = ws.take<int32_t>(1);
   loss_ = ws.take<float>(1);
   b.reduction = ws.take<float>(static_cast<size_t>(
@@ -468,17 +487,21 @@ void CudaGptModel::lay_out() {
   // What lives in one phase of a step only takes turns in one region: the forward's temporaries
   // (until lm_head's forward), the logits (from there to the end of lm_head's backward), the
   // backward's temporaries (after it), and between steps the optimizer's workspace
-  // (scratch_between_steps). fc_act and value_embed serve forward and backward both. Under full
-  // recompute the forward runs inside the backward too: its temporaries follow the backward's.
+  // (scratch_between_steps). fc_act, value_embed and (sequence parallelism) the group's rows
+  // serve forward and backward both. Under full recompute the forward runs inside the backward
+  // too: its temporaries follow the backward's. Under sequence parallelism the residual
+  // stream's pieces hold this rank's rows.
   const auto lay_out_region = [&](uint8_t* base) {
     RegionPieces both(base, 0);
     b.fc_act = both.take<bf16>(N * hidden);
     b.value_embed = both.take<bf16>(N * Hkv * D);
+    b.whole = sequence_ ? both.take<bf16>(N * C) : nullptr;
     RegionPieces backward(base, both.end());
-    b.dres = backward.take<bf16>(N * C);
-    b.dres_next = backward.take<bf16>(N * C);
-    b.dbackout = backward.take<bf16>(N * C);
-    b.dx0 = backward.take<bf16>(N * C);
+    b.dres = backward.take<bf16>(R * C);
+    b.dres_next = backward.take<bf16>(R * C);
+    b.dbackout = backward.take<bf16>(R * C);
+    b.dx0 = backward.take<bf16>(R * C);
+    b.dnorm_own = sequence_ ? backward.take<bf16>(R * C) : nullptr;
     b.dattn_out = backward.take<bf16>(N * H * D);
     b.dq = backward.take<bf16>(N * H * D);
     b.dk = backward.take<bf16>(N * Hkv * D);
@@ -488,12 +511,12 @@ void CudaGptModel::lay_out() {
     b.dvalue_embed = backward.take<bf16>(N * Hkv * D);
     b.dfc_act = backward.take<bf16>(N * hidden);
     RegionPieces forward(base, recompute_groups_.empty() ? both.end() : backward.end());
-    b.input = forward.take<bf16>(N * C);
-    b.mid = forward.take<bf16>(N * C);
+    b.input = forward.take<bf16>(R * C);
+    b.mid = forward.take<bf16>(R * C);
     b.q_lin = forward.take<bf16>(N * H * D);
     b.k_lin = forward.take<bf16>(N * Hkv * D);
     RegionPieces logits(base, 0);
-    b.logits = logits.take<bf16>(N * vocab);
+    b.logits = logits.take<bf16>(R * vocab);
     return std::max({forward.end(), backward.end(), logits.end()});
   };
   b.region_bytes = lay_out_region(nullptr);
@@ -640,8 +663,39 @@ const bf16* CudaGptModel::previous_output(int index) const {
   return index > 0 ? buffers_->layers[static_cast<size_t>(index - 1)].output : buffers_->x0;
 }
 
+const bf16* CudaGptModel::gather_rows(const bf16* own) {
+  if (!sequence_) return own;
+  tensor_parallel_.all_gather_bf16(own, buffers_->whole,
+                                   static_cast<size_t>(rows_ * config_.n_embd), stream_);
+  return buffers_->whole;
+}
+
+bf16* CudaGptModel::partial_rows(bf16* own) const {
+  return sequence_ ? buffers_->whole : own;
+}
+
+void CudaGptModel::sum_partial_rows(bf16* own, const bf16* residual) {
+  const int64_t count = rows_ * config_.n_embd;
+  if (!sequence_) {
+    tensor_parallel_.sum_partials(own, count, stream_);
+    return;
+  }
+  tensor_parallel_.reduce_scatter_bf16(buffers_->whole, own, static_cast<size_t>(count), stream_);
+  kernels::add_forward(own, own, residual, count, stream_);
+}
+
+const bf16* CudaGptModel::sum_gradient_rows(bf16* partial) {
+  if (!sequence_) {
+    tensor_parallel_.sum_partials(partial, tokens_ * config_.n_embd, stream_);
+    return partial;
+  }
+  tensor_parallel_.reduce_scatter_bf16(partial, buffers_->dnorm_own,
+                                       static_cast<size_t>(rows_ * config_.n_embd), stream_);
+  return buffers_->dnorm_own;
+}
+
 void CudaGptModel::block_forward(int index, bool record) {
-  const int64_t B = batch_, T = seq_, N = tokens_, C = config_.n_embd;
+  const int64_t B = batch_, T = seq_, N = tokens_, R = rows_, C = config_.n_embd;
   const int64_t H = heads_, Hkv = kv_heads_, D = config_.head_dim();
   const int rank = tensor_parallel_.rank;
   const int64_t vocab = config_.padded_vocab();
@@ -651,21 +705,26 @@ void CudaGptModel::block_forward(int index, bool record) {
   const bf16* previous = previous_output(index);
   Layer& layer = b.layers[static_cast<size_t>(index)];
   const std::string prefix = fmt::format("transformer.h.{}.", index);
+  // A norm casts for the linear after it unless that linear reads the group's rows.
+  const auto input_cast = [&](kernels::CudaLinear& next) {
+    return sequence_ ? kernels::FusedCast{} : next.fused_input_cast(record, s);
+  };
   kernels::residual_mix_forward(b.input, previous, b.x0, parameter("resid_lambdas") + index,
-                                parameter("x0_lambdas") + index, N * C, s);
+                                parameter("x0_lambdas") + index, R * C, s);
   kernels::CudaLinear& c_q = *linear(prefix + "attn.c_q").layer;
-  kernels::rmsnorm_forward(layer.attn_norm, layer.attn_rstd, b.input, N, C, kEps, s,
-                           c_q.fused_input_cast(record, s));
-  c_q.forward(layer.attn_norm, N, b.q_lin, record, s);
-  linear(prefix + "attn.c_k").layer->forward(layer.attn_norm, N, b.k_lin, record, s);
-  linear(prefix + "attn.c_v").layer->forward(layer.attn_norm, N, layer.v, record, s);
+  kernels::rmsnorm_forward(layer.attn_norm, layer.attn_rstd, b.input, R, C, kEps, s,
+                           input_cast(c_q));
+  const bf16* attn_norm = gather_rows(layer.attn_norm);
+  c_q.forward(attn_norm, N, b.q_lin, record, s);
+  linear(prefix + "attn.c_k").layer->forward(attn_norm, N, b.k_lin, record, s);
+  linear(prefix + "attn.c_v").layer->forward(attn_norm, N, layer.v, record, s);
   if (config_.has_value_embedding(index)) {  // this rank's kv heads' columns and gates
     kernels::embedding_forward(
         b.value_embed, b.idx,
         embedding_table(fmt::format("value_embeds.{}.weight", index)) + rank * Hkv * D, N, vocab,
         Hkv * D, s, config_.kv_dim());
     kernels::value_gate_forward(
-        layer.v, layer.value_gate, layer.attn_norm, b.value_embed,
+        layer.v, layer.value_gate, attn_norm, b.value_embed,
         parameter(prefix + "attn.ve_gate.weight") + rank * Hkv * kValueGateChannels,
         {N, C, Hkv, D, kValueGateChannels}, s);
   }
@@ -682,22 +741,23 @@ void CudaGptModel::block_forward(int index, bool record) {
                         config_.attention_scale(), s);
   }
   // The residual adds happen in the projections' GEMM epilogues (under tensor parallelism the
-  // first rank's, before the partial outputs are summed).
-  const auto residual = [&](const bf16* x) { return rank == 0 ? x : nullptr; };
+  // first rank's, before the partial outputs are summed; under sequence parallelism each rank
+  // adds its rows' after the reduce-scatter).
+  const auto residual = [&](const bf16* x) { return rank == 0 && !sequence_ ? x : nullptr; };
   linear(prefix + "attn.c_proj")
-      .layer->forward(layer.attn_out, N, b.mid, record, s, residual(b.input));
-  tensor_parallel_.sum_partials(b.mid, N * C, stream_);
+      .layer->forward(layer.attn_out, N, partial_rows(b.mid), record, s, residual(b.input));
+  sum_partial_rows(b.mid, b.input);
   kernels::CudaLinear& c_fc = *linear(prefix + "mlp.c_fc").layer;
-  kernels::rmsnorm_forward(layer.mlp_norm, layer.mlp_rstd, b.mid, N, C, kEps, s,
-                           c_fc.fused_input_cast(record, s));
-  c_fc.forward(layer.mlp_norm, N, layer.fc, record, s);
+  kernels::rmsnorm_forward(layer.mlp_norm, layer.mlp_rstd, b.mid, R, C, kEps, s, input_cast(c_fc));
+  c_fc.forward(gather_rows(layer.mlp_norm), N, layer.fc, record, s);
   kernels::CudaLinear& mlp_proj = *linear(prefix + "mlp.c_proj").layer;
-  mlp_proj.forward(mlp_activation(layer.fc, mlp_proj), N, layer.output, record, s, residual(b.mid));
-  tensor_parallel_.sum_partials(layer.output, N * C, stream_);
+  mlp_proj.forward(mlp_activation(layer.fc, mlp_proj), N, partial_rows(layer.output), record, s,
+                   residual(b.mid));
+  sum_partial_rows(layer.output, b.mid);
 }
 
 void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with_gradient) {
-  const int64_t B = batch_, T = seq_, N = tokens_, C = config_.n_embd;
+  const int64_t B = batch_, T = seq_, N = tokens_, R = rows_, C = config_.n_embd;
   const int64_t vocab = config_.padded_vocab();
   Buffers& b = *buffers_;
   check_tokens(config_, idx, targets, N);
@@ -714,28 +774,51 @@ void CudaGptModel::forward(const int32_t* idx, const int32_t* targets, bool with
 
   const bool record = training_;
   cudaStream_t s = stream_;
-  kernels::embedding_forward(b.input, b.idx, embedding_table("transformer.wte.weight"), N, vocab, C,
-                             s);
-  kernels::rmsnorm_forward(b.embedding_norm, b.embedding_rstd, b.input, N, C, kEps, s);
-  kernels::smear_forward(b.x0, b.smear_gate, b.embedding_norm, parameter("smear_gate.weight"),
-                         parameter("smear_lambda"), {B, T, C, kSmearGateChannels}, s);
+  // The embedding, its norm and the smear (which mixes each token with the one before) run on
+  // every row; under sequence parallelism this rank keeps its rows of x0.
+  bf16* every_row = sequence_ ? b.whole : b.input;
+  kernels::embedding_forward(every_row, b.idx, embedding_table("transformer.wte.weight"), N, vocab,
+                             C, s);
+  kernels::rmsnorm_forward(b.embedding_norm, b.embedding_rstd, every_row, N, C, kEps, s);
+  kernels::smear_forward(sequence_ ? b.whole : b.x0, b.smear_gate, b.embedding_norm,
+                         parameter("smear_gate.weight"), parameter("smear_lambda"),
+                         {B, T, C, kSmearGateChannels}, s);
+  if (sequence_) {
+    FP8T_CUDA_CHECK(cudaMemcpyAsync(b.x0, b.whole + first_row_ * C, sizeof(bf16) * size_t(R * C),
+                                    cudaMemcpyDeviceToDevice, s));
+  }
   for (int index = 0; index < config_.n_layer; ++index)
     block_forward(index, record);
   const bf16* previous = previous_output(config_.n_layer);
   const Layer& backout = b.layers[static_cast<size_t>(config_.backout_layer())];
-  kernels::backout_forward(b.input, previous, backout.output, parameter("backout_lambda"), N * C,
+  kernels::backout_forward(b.input, previous, backout.output, parameter("backout_lambda"), R * C,
                            s);
   kernels::CudaLinear& lm_head = *linear("lm_head").layer;
-  kernels::rmsnorm_forward(b.final_norm, b.final_rstd, b.input, N, C, kEps, s,
+  kernels::rmsnorm_forward(b.final_norm, b.final_rstd, b.input, R, C, kEps, s,
                            lm_head.fused_input_cast(record, s));
-  lm_head.forward(b.final_norm, N, b.logits, record, s);
+  lm_head.forward(b.final_norm, R, b.logits, record, s);
+  // Under sequence parallelism each rank's mean over its rows, weighted by its share of the
+  // counted rows and summed over the group: the mean over every row, and its gradient.
+  float share = 1.0f;
+  if (sequence_) {
+    const auto counted = [](const int32_t* first, int64_t count) {
+      return std::count_if(first, first + count, [](int32_t t) { return t != ops::kIgnoreTarget; });
+    };
+    const int64_t all = counted(targets, N);
+    share = all > 0 ? float(counted(targets + first_row_, R)) / float(all) : 0.0f;
+  }
+  const int32_t* own_targets = b.targets + first_row_;
   if (with_gradient) {
-    kernels::softcap_cross_entropy_with_gradient(b.logits, b.targets, N, config_.vocab_size, vocab,
-                                                 kSoftcap, 1.0f, b.row_losses, loss_, b.valid_rows,
-                                                 s);
+    kernels::softcap_cross_entropy_with_gradient(b.logits, own_targets, R, config_.vocab_size,
+                                                 vocab, kSoftcap, share, b.row_losses, loss_,
+                                                 b.valid_rows, s);
   } else {
-    kernels::softcap_cross_entropy_forward(b.logits, b.targets, N, config_.vocab_size, vocab,
+    kernels::softcap_cross_entropy_forward(b.logits, own_targets, R, config_.vocab_size, vocab,
                                            kSoftcap, b.row_losses, loss_, b.valid_rows, s);
+  }
+  if (sequence_) {
+    kernels::scale_f32(loss_, share, 1, s);
+    tensor_parallel_.sum(loss_, 1, s);
   }
   b.forward_has_gradient = with_gradient;
 }
@@ -763,7 +846,10 @@ void CudaGptModel::plan_gradient_ranges() {
     const ParamSpec& spec = *spec_of.at(parameters[i].name);
     add(gradient_ranges_[static_cast<size_t>(backward_gradient_group(spec, config_.n_layer))],
         offset, end);
-    if (tensor_parallel_.split() && gpt_split_parameter(spec))
+    // Under sequence parallelism lm_head and the residual mixes' scalars take their gradients
+    // from this rank's rows.
+    if (tensor_parallel_.split() &&
+        (gpt_split_parameter(spec) || (sequence_ && gpt_sequence_split_gradient(spec))))
       add(split_gradient_ranges_, offset, end);
   }
 }
@@ -779,7 +865,7 @@ void CudaGptModel::report_gradients(size_t group) const {
 }
 
 void CudaGptModel::backward() {
-  const int64_t B = batch_, T = seq_, N = tokens_, C = config_.n_embd;
+  const int64_t B = batch_, T = seq_, N = tokens_, R = rows_, C = config_.n_embd;
   const int64_t H = heads_, Hkv = kv_heads_, D = config_.head_dim();
   const int rank = tensor_parallel_.rank;
   const int64_t vocab = config_.padded_vocab();
@@ -790,17 +876,17 @@ void CudaGptModel::backward() {
   cudaStream_t s = stream_;
 
   // The logits hold their gradient (the fused cross-entropy wrote it).
-  linear("lm_head").layer->backward(b.logits, b.final_norm, N, b.dnorm, false,
+  linear("lm_head").layer->backward(b.logits, b.final_norm, R, b.dnorm, false,
                                     gradient("lm_head.weight"), record, s);
   report_gradients(0);
-  kernels::rmsnorm_backward(b.dres_next, b.dnorm, b.final_norm, b.final_rstd, N, C,
+  kernels::rmsnorm_backward(b.dres_next, b.dnorm, b.final_norm, b.final_rstd, R, C,
                             GradStore::Write, s);  // d final_input
   // final_input = output - backout_lambda * backout layer's output: d output of the last
   // block, and the share of the backout layer's output, added when the loop reaches it.
   const int backout_layer = config_.backout_layer();
   kernels::backout_backward(b.dres, b.dbackout, gradient("backout_lambda"), b.dres_next,
                             b.layers[static_cast<size_t>(backout_layer)].output,
-                            parameter("backout_lambda"), N * C, GradStore::Write, GradStore::Write,
+                            parameter("backout_lambda"), R * C, GradStore::Write, GradStore::Write,
                             b.reduction, s);
   const kernels::RotaryShape q_shape{B, T, H, D}, k_shape{B, T, Hkv, D};
   bool dx0_written = false;
@@ -815,32 +901,31 @@ void CudaGptModel::backward() {
     }
     Layer& layer = b.layers[static_cast<size_t>(index)];
     const std::string prefix = fmt::format("transformer.h.{}.", index);
-    if (index == backout_layer) kernels::add_forward(b.dres, b.dres, b.dbackout, N * C, s);
+    if (index == backout_layer) kernels::add_forward(b.dres, b.dres, b.dbackout, R * C, s);
 
     // MLP: output = mid + c_proj(relu²(c_fc(norm(mid))))
     Linear& mlp_proj = linear(prefix + "mlp.c_proj");
-    mlp_proj.layer->backward(b.dres, mlp_activation(layer.fc, *mlp_proj.layer), N, b.dfc_act, false,
-                             weight_gradient(mlp_proj), record, s);
+    mlp_proj.layer->backward(gather_rows(b.dres), mlp_activation(layer.fc, *mlp_proj.layer), N,
+                             b.dfc_act, false, weight_gradient(mlp_proj), record, s);
     const Linear& mlp_fc = linear(prefix + "mlp.c_fc");
     kernels::CudaLinear& c_fc = *mlp_fc.layer;
     float* c_fc_gradient = weight_gradient(mlp_fc);
+    const bf16* mlp_norm = gather_rows(layer.mlp_norm);
     if (c_fc.output_relu2()) {  // its gradient cast reads d relu²(fc) and fc
-      c_fc.backward(b.dfc_act, layer.mlp_norm, N, b.dnorm, false, c_fc_gradient, record, s,
-                    layer.fc);
+      c_fc.backward(b.dfc_act, mlp_norm, N, b.dnorm, false, c_fc_gradient, record, s, layer.fc);
     } else {
       kernels::relu2_backward(b.fc_act, b.dfc_act, layer.fc, N * hidden_, GradStore::Write, s);
-      c_fc.backward(b.fc_act, layer.mlp_norm, N, b.dnorm, false, c_fc_gradient, record, s);
+      c_fc.backward(b.fc_act, mlp_norm, N, b.dnorm, false, c_fc_gradient, record, s);
     }
-    tensor_parallel_.sum_partials(b.dnorm, N * C, stream_);
-    kernels::rmsnorm_backward(b.dres, b.dnorm, layer.mlp_norm, layer.mlp_rstd, N, C, GradStore::Add,
-                              s);  // dres: d mid
+    kernels::rmsnorm_backward(b.dres, sum_gradient_rows(b.dnorm), layer.mlp_norm, layer.mlp_rstd, R,
+                              C, GradStore::Add, s);  // dres: d mid
 
     // Attention: mid = input + c_proj(attention(q, k, v))
     const ops::AttentionShape shape{B, T, H, Hkv, D, config_.window(index)};
     if (b.fp8_attention)
       b.fp8_attention->read_output(layer.attn_out, layer.fp8_attention, shape, s);
     const Linear& attn_proj = linear(prefix + "attn.c_proj");
-    attn_proj.layer->backward(b.dres, layer.attn_out, N, b.dattn_out, false,
+    attn_proj.layer->backward(gather_rows(b.dres), layer.attn_out, N, b.dattn_out, false,
                               weight_gradient(attn_proj), record, s);
     if (b.fp8_attention) {
       b.fp8_attention->backward(b.dq, b.dk, b.dv, b.dattn_out, layer.fp8_attention, layer.stats,
@@ -855,9 +940,10 @@ void CudaGptModel::backward() {
                                      b.rotary_sin, k_shape, GradStore::Write, s);
     const std::array<std::pair<const char*, const bf16*>, 3> projections = {
         {{"attn.c_q", b.dq_lin}, {"attn.c_k", b.dk_lin}, {"attn.c_v", b.dv}}};
+    const bf16* attn_norm = gather_rows(layer.attn_norm);
     for (const auto& [name, dy] : projections) {
       const Linear& projection = linear(prefix + name);
-      projection.layer->backward(dy, layer.attn_norm, N, b.dnorm, dy != b.dq_lin,
+      projection.layer->backward(dy, attn_norm, N, b.dnorm, dy != b.dq_lin,
                                  weight_gradient(projection), record, s);
     }
     if (config_.has_value_embedding(index)) {  // this rank's kv heads' columns and gates
@@ -867,34 +953,36 @@ void CudaGptModel::backward() {
                                  Hkv * D, s, config_.kv_dim());
       kernels::value_gate_backward(
           b.dnorm, gradient(prefix + "attn.ve_gate.weight") + gates, b.dvalue_embed, b.dv,
-          layer.attn_norm, b.value_embed, parameter(prefix + "attn.ve_gate.weight") + gates,
+          attn_norm, b.value_embed, parameter(prefix + "attn.ve_gate.weight") + gates,
           layer.value_gate, {N, C, Hkv, D, kValueGateChannels}, b.reduction, s);
       kernels::embedding_backward(gradient(table) + columns, b.dvalue_embed, b.idx, N, vocab,
                                   Hkv * D, s, config_.kv_dim());
     }
-    tensor_parallel_.sum_partials(b.dnorm, N * C, stream_);
-    kernels::rmsnorm_backward(b.dres, b.dnorm, layer.attn_norm, layer.attn_rstd, N, C,
-                              GradStore::Add, s);  // dres: d input
+    kernels::rmsnorm_backward(b.dres, sum_gradient_rows(b.dnorm), layer.attn_norm, layer.attn_rstd,
+                              R, C, GradStore::Add, s);  // dres: d input
 
     // input = resid_lambda * previous + x0_lambda * x0; the first block's previous is x0.
     const bf16* previous = previous_output(index);
     kernels::residual_mix_backward(
         b.dres_next, b.dx0, gradient("resid_lambdas") + index, gradient("x0_lambdas") + index,
         b.dres, previous, b.x0, parameter("resid_lambdas") + index, parameter("x0_lambdas") + index,
-        N * C, GradStore::Write, dx0_written ? GradStore::Add : GradStore::Write, b.reduction, s);
+        R * C, GradStore::Write, dx0_written ? GradStore::Add : GradStore::Write, b.reduction, s);
     dx0_written = true;
     std::swap(b.dres, b.dres_next);
     report_gradients(static_cast<size_t>(1 + (config_.n_layer - 1 - index)));
   }
-  kernels::add_forward(b.dx0, b.dx0, b.dres, N * C, s);
+  kernels::add_forward(b.dx0, b.dx0, b.dres, R * C, s);
 
-  kernels::smear_backward(b.dnorm, gradient("smear_gate.weight"), gradient("smear_lambda"), b.dx0,
-                          b.embedding_norm, b.smear_gate, parameter("smear_gate.weight"),
-                          parameter("smear_lambda"), {B, T, C, kSmearGateChannels},
-                          GradStore::Write, b.reduction, s);
-  kernels::rmsnorm_backward(b.dres, b.dnorm, b.embedding_norm, b.embedding_rstd, N, C,
+  // The smear and the embedding ran on every row: their gradients from every row's d x0.
+  kernels::smear_backward(b.dnorm, gradient("smear_gate.weight"), gradient("smear_lambda"),
+                          gather_rows(b.dx0), b.embedding_norm, b.smear_gate,
+                          parameter("smear_gate.weight"), parameter("smear_lambda"),
+                          {B, T, C, kSmearGateChannels}, GradStore::Write, b.reduction, s);
+  bf16* dembedding = sequence_ ? b.whole : b.dres;  // of every row
+  kernels::rmsnorm_backward(dembedding, b.dnorm, b.embedding_norm, b.embedding_rstd, N, C,
                             GradStore::Write, s);
-  kernels::embedding_backward(gradient("transformer.wte.weight"), b.dres, b.idx, N, vocab, C, s);
+  kernels::embedding_backward(gradient("transformer.wte.weight"), dembedding, b.idx, N, vocab, C,
+                              s);
   report_gradients(static_cast<size_t>(1 + config_.n_layer));
 }
 

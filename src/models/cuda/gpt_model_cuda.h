@@ -16,6 +16,11 @@
 // the group's first rank), as are the input gradients of q, k, v and the MLP's first linear. The
 // parameters, gradients and optimizer state stay whole on every rank; each linear reads its
 // rows of the whole weight in place, or gathers its columns once per step.
+// Sequence parallelism (the group's `sequence`) keeps this rank's consecutive 1/size of the
+// micro-batch's B·T rows in the residual stream, its norms and lm_head, as the CPU model does:
+// the norms' outputs are gathered (all-gather) before the split linears, and the partial sums
+// become a reduce-scatter that leaves each rank its rows. The embedding and the smear run on
+// every row.
 #pragma once
 
 #include <cstdint>
@@ -82,6 +87,8 @@ class CudaGptModel {
   // recompute does not combine with fp8_attention, whose saved state a rerun would change.
   // tensor_parallel: the group this rank splits its blocks with; every rank of it sees the same
   // tokens and calls forward() and backward() in step with the others. Not with fp8_attention.
+  // Its `sequence` needs this rank's rows, B·T / size, to be a multiple of 16 (ConfigError
+  // naming sequence_parallel otherwise).
   CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq, const GptPrecision& precision,
                cudaStream_t stream, const PlanCheck& check_plan = {},
                const RecomputeOptions& recompute = {},
@@ -120,11 +127,12 @@ class CudaGptModel {
   // for backward(). The mean loss lands on the device: loss_value() reads it.
   void forward(const int32_t* idx, const int32_t* targets, bool with_gradient);
   // Adds d(loss)/d(parameter) to the gradients. Needs a forward with_gradient first. Under
-  // tensor parallelism each rank adds the gradients of its shares of the split parameters only.
+  // tensor parallelism each rank adds the gradients of its shares of the split parameters only,
+  // and under sequence parallelism its rows' part of lm_head's and the residual scalars'.
   void backward();
-  // Under tensor parallelism, once per optimizer step after the last backward: the split
-  // parameters' gradients summed over the group, so that every rank holds them whole, as a
-  // model without tensor parallelism does. Nothing otherwise.
+  // Under tensor parallelism, once per optimizer step after the last backward: those gradients
+  // summed over the group, so that every rank holds them whole, as a model without tensor
+  // parallelism does. Nothing otherwise.
   void gather_split_gradients();
   // Called by backward(), when set, with each range of the gradients (elements of the layout)
   // as soon as the work queued on the stream completes it: lm_head's, each block's (its value
@@ -133,7 +141,8 @@ class CudaGptModel {
   using GradientsReady = std::function<void(int64_t offset, int64_t count)>;
   void set_gradients_ready(GradientsReady ready) { gradients_ready_ = std::move(ready); }
   void zero_gradients();
-  // Waits for the stream and returns the mean loss of the last forward.
+  // Waits for the stream and returns the mean loss of the last forward (under sequence
+  // parallelism the group's, over every rank's rows).
   double loss_value();
   // The device pointer of that loss (fp32), for callers that sum it on the device.
   const float* loss_device() const { return loss_; }
@@ -179,6 +188,19 @@ class CudaGptModel {
   float* parameter(const std::string& name) const;  // an fp32 parameter
   const bf16* embedding_table(const std::string& name) const;
   float* gradient(const std::string& name) const;
+  // Sequence parallelism: the group's rows [B·T, C] of a tensor of this rank's rows, gathered
+  // into the workspace's `whole` (valid until the next gather); otherwise the tensor itself.
+  const bf16* gather_rows(const bf16* own);
+  // Where a row-parallel linear writes its partial output [B·T, C]: `whole` under sequence
+  // parallelism, else `own` itself.
+  bf16* partial_rows(bf16* own) const;
+  // The partial output of partial_rows(own) summed over the group into `own`: in place, or under
+  // sequence parallelism this rank's rows of the sum, to which it adds `residual` (its rows;
+  // without sequence parallelism the first rank's GEMM has added it).
+  void sum_partial_rows(bf16* own, const bf16* residual);
+  // A column-parallel input's gradient [B·T, C] summed over the group: the sum itself, or under
+  // sequence parallelism this rank's rows of it (in the workspace's `dnorm_own`).
+  const bf16* sum_gradient_rows(bf16* partial);
   // Groups the layout into the ranges backward() reports, in its order.
   void plan_gradient_ranges();
   void report_gradients(size_t group) const;
@@ -191,6 +213,9 @@ class CudaGptModel {
   // This rank's query and kv heads and MLP hidden features (all of them without tensor
   // parallelism).
   int64_t heads_, kv_heads_, hidden_;
+  bool sequence_ = false;  // sequence parallelism (tensor_parallel_.sequence)
+  // This rank's rows of the residual stream (B·T without sequence parallelism) and the first.
+  int64_t rows_ = 0, first_row_ = 0;
   cudaStream_t stream_;
   bool training_ = true;
   bool weights_ready_ = false;
@@ -201,8 +226,8 @@ class CudaGptModel {
   // Per group of gradients that complete together (lm_head, blocks n-1 .. 0, the rest): ranges
   // {offset, count} of the layout, padding between tensors included.
   std::vector<std::vector<std::pair<int64_t, int64_t>>> gradient_ranges_;
-  // Ranges {offset, count} of the split parameters' gradients (tensor parallelism), adjacent
-  // ones merged.
+  // Ranges {offset, count} of the gradients gather_split_gradients() sums, adjacent ones
+  // merged.
   std::vector<std::pair<int64_t, int64_t>> split_gradient_ranges_;
   float* parameters_ = nullptr;
   bf16* bf16_parameters_ = nullptr;
