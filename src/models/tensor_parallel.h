@@ -31,7 +31,8 @@ struct TensorParallel {
   // Sequence parallelism (Megatron's, with size > 1): outside the split linears (the residual
   // stream, the norms, the output layer and the loss) each rank holds its 1/size of the
   // micro-batch's tokens; the input of a column-parallel linear is gathered over the group, and
-  // a row-parallel output summed and scattered back to each rank's tokens. The CPU path only.
+  // a row-parallel output summed and scattered back to each rank's tokens. The GPU models take
+  // theirs from DeviceTensorParallel::sequence.
   bool sequence = false;
   // In place over the group, the same result on every rank of it. Unset when size is 1.
   std::function<void(float* values, size_t count)> sum;

@@ -82,7 +82,10 @@ class CudaEngine final : public TrainingEngine {
             setup.model, setup.batch, setup.seq, setup.precision, stream_.get(),
             [&](const CudaGptMemory& planned, const optim::DeviceParameterLayout& layout,
                 size_t lendable) { check_fits(setup, planned, layout, lendable); },
-            setup.recompute, tensor_group_.device),
+            setup.recompute, tensor_group_.device,
+            optim::CudaGptOptimizer::planned_workspace_bytes(
+                host_optimizer_, optim::device_parameter_layout(setup.model,
+                                                                /*bf16_embeddings=*/true))),
         optimizer_(host_optimizer_, model_.layout(), model_.gemm(),
                    model_.scratch_between_steps().data(), model_.scratch_between_steps().size()),
         norm_host_(1),

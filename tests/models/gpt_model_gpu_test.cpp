@@ -298,6 +298,17 @@ TEST(GptModelGpu, PlanBeforeAllocatingIsWhatTheModelTakes) {
     EXPECT_EQ(planned.workspace, taken.workspace);
     EXPECT_EQ(planned.linear_copies, taken.linear_copies);
     EXPECT_EQ(lendable, gpu.scratch_between_steps().size());
+    // Asked for more between steps than its own pieces need, the model lends that much, and
+    // plans it.
+    const size_t asked = lendable + 4096;
+    const CudaGptModel larger(
+        config, kBatch, kSeq, precision_for(mode, recipe), stream,
+        [&](const CudaGptMemory&, const optim::DeviceParameterLayout&, size_t scratch) {
+          lendable = scratch;
+        },
+        RecomputeOptions{}, DeviceTensorParallel{}, asked);
+    EXPECT_GE(larger.scratch_between_steps().size(), asked);
+    EXPECT_EQ(lendable, larger.scratch_between_steps().size());
   }
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
 }
@@ -467,7 +478,8 @@ INSTANTIATE_TEST_SUITE_P(Precisions, GptRecomputeGpu,
 // partial sums; the ranks agree bit for bit on the loss, the split gradients and every FP8 scale,
 // and their weights' scales are the whole weights' (from the group's largest amax). The ranks run
 // without recompute, then with full recompute; each without sequence parallelism, then with it
-// (each rank keeping half of the rows, and fewer activations than without).
+// (each rank keeping half of the rows, and fewer activations than without), on shares of the
+// counted targets that differ.
 class GptTensorParallelGpu : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
 
 TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeModel) {
@@ -475,6 +487,9 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
   GptConfig config = small_config();
   config.n_embd = 256;  // two heads of 128: each rank's share is whole 1x128 blocks
   config.n_kv_head = 2;
+  // One sequence of 128 tokens: a sequence-parallel rank's rows end inside it.
+  constexpr int64_t batch = 1, seq = kBatch * kSeq;
+  config.sequence_len = seq;
   const GptPrecision precision = precision_for(mode, recipe);
   const bool fp8 = mode != Fp8Mode::None;
   test::TestRng rng;
@@ -496,7 +511,7 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
       const RecomputeOptions& recompute = recomputes[setting];
       SCOPED_TRACE(fmt::format("{}{}", recompute_summary(recompute, config.n_layer),
                                sequence ? ", sequence parallel" : ""));
-      CudaGptModel whole(config, kBatch, kSeq, precision, streams[kRanks]);
+      CudaGptModel whole(config, batch, seq, precision, streams[kRanks]);
       whole.upload_parameters(cpu.parameters());
       testing::ThreadGroup group(kRanks);
       std::vector<std::unique_ptr<CudaGptModel>> ranks;
@@ -504,7 +519,7 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
         DeviceTensorParallel member = testing::device_member(group, rank);
         member.sequence = sequence;
         ranks.push_back(std::make_unique<CudaGptModel>(
-            config, kBatch, kSeq, precision, streams[static_cast<size_t>(rank)],
+            config, batch, seq, precision, streams[static_cast<size_t>(rank)],
             CudaGptModel::PlanCheck{}, recompute, member));
         ranks.back()->upload_parameters(cpu.parameters());
         ASSERT_EQ(ranks.back()->linear_precision().size(), whole.linear_precision().size());
@@ -525,7 +540,13 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
 
       for (int step = 1; step <= 2; ++step) {
         SCOPED_TRACE(fmt::format("step {}", step));
-        const Tokens tokens = random_tokens(rng, config);
+        Tokens tokens = random_tokens(rng, config);
+        // The ranks' shares of the counted targets differ: at step 1 the second half's rows
+        // ignore more of theirs, at step 2 the first half's ignore all of theirs.
+        for (size_t i = 0; i < tokens.targets.size(); ++i) {
+          const bool first_half = i < tokens.targets.size() / 2;
+          if (step == 1 ? !first_half && i % 3 == 0 : first_half) tokens.targets[i] = -1;
+        }
         whole.zero_gradients();
         whole.forward(tokens.idx.data(), tokens.targets.data(), true);
         const double loss = whole.loss_value();

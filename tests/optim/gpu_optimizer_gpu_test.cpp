@@ -458,6 +458,12 @@ TEST_P(CudaGptOptimizerTest, BorrowedWorkspaceGivesTheSameSteps) {
   DeviceBuffer<uint8_t> small(lent.count() / 2);
   const CudaGptOptimizer refused(host, layout_, gemm_, small.get(), small.count());
   EXPECT_FALSE(refused.workspace_borrowed());
+  // planned_workspace_bytes is the least a lender must hold.
+  const size_t workspace = CudaGptOptimizer::planned_workspace_bytes(host, layout_);
+  const CudaGptOptimizer exact(host, layout_, gemm_, lent.get(), workspace);
+  const CudaGptOptimizer short_by_one(host, layout_, gemm_, lent.get(), workspace - 1);
+  EXPECT_TRUE(exact.workspace_borrowed());
+  EXPECT_FALSE(short_by_one.workspace_borrowed());
   // The plan an engine checks before allocating is what each one took.
   for (const auto& [optimizer, lendable] : {std::pair<const CudaGptOptimizer*, size_t>{&own, 0},
                                             {&borrowing, lent.count()},

@@ -21,7 +21,7 @@ namespace fp8t {
 struct DeviceTensorParallel {
   int size = 1;  // ranks in the group; 1: no tensor parallelism
   int rank = 0;  // this rank's place in the group, 0 .. size - 1
-  // Sequence parallelism (TensorParallel::sequence): the Flux model only.
+  // Sequence parallelism (TensorParallel::sequence), both models.
   bool sequence = false;
   // In place over the group, the same result on every rank of it. Unset when size is 1.
   std::function<void(bf16* values, size_t count, cudaStream_t stream)> sum_bf16;

@@ -150,7 +150,7 @@ struct CudaGptModel::Buffers {
 CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
                            const GptPrecision& precision, cudaStream_t stream,
                            const PlanCheck& check_plan, const RecomputeOptions& recompute,
-                           const DeviceTensorParallel& tensor_parallel)
+                           const DeviceTensorParallel& tensor_parallel, size_t between_steps_bytes)
     : config_(config),
       batch_(batch),
       seq_(seq),
@@ -158,6 +158,7 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
       precision_(precision),
       recompute_groups_(recompute_groups(recompute, config.n_layer)),
       tensor_parallel_(tensor_parallel),
+      between_steps_bytes_(between_steps_bytes),
       stream_(stream) {
   config_.validate();
   const int group_size = tensor_parallel_.size;
@@ -519,7 +520,9 @@ void CudaGptModel::lay_out() {
     b.logits = logits.take<bf16>(R * vocab);
     return std::max({forward.end(), backward.end(), logits.end()});
   };
-  b.region_bytes = lay_out_region(nullptr);
+  // Under sequence parallelism the region can be smaller than the optimizer's workspace, which
+  // would then take memory of its own beside it.
+  b.region_bytes = std::max(lay_out_region(nullptr), between_steps_bytes_);
   b.region = ws.take<uint8_t>(b.region_bytes);
   lay_out_region(b.region);
   if (fp8_attention) {

@@ -89,10 +89,12 @@ class CudaGptModel {
   // tokens and calls forward() and backward() in step with the others. Not with fp8_attention.
   // Its `sequence` needs this rank's rows, B·T / size, to be a multiple of 16 (ConfigError
   // naming sequence_parallel otherwise).
+  // between_steps_bytes: the least scratch_between_steps() holds, for the optimizer's workspace
+  // (optim::CudaGptOptimizer::planned_workspace_bytes) to live there rather than beside it.
   CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq, const GptPrecision& precision,
                cudaStream_t stream, const PlanCheck& check_plan = {},
                const RecomputeOptions& recompute = {},
-               const DeviceTensorParallel& tensor_parallel = {});
+               const DeviceTensorParallel& tensor_parallel = {}, size_t between_steps_bytes = 0);
   ~CudaGptModel();
   CudaGptModel(const CudaGptModel&) = delete;
   CudaGptModel& operator=(const CudaGptModel&) = delete;
@@ -189,7 +191,7 @@ class CudaGptModel {
   const bf16* embedding_table(const std::string& name) const;
   float* gradient(const std::string& name) const;
   // Sequence parallelism: the group's rows [B·T, C] of a tensor of this rank's rows, gathered
-  // into the workspace's `whole` (valid until the next gather); otherwise the tensor itself.
+  // into the workspace's `whole` (valid until its next use); otherwise the tensor itself.
   const bf16* gather_rows(const bf16* own);
   // Where a row-parallel linear writes its partial output [B·T, C]: `whole` under sequence
   // parallelism, else `own` itself.
@@ -214,6 +216,7 @@ class CudaGptModel {
   // parallelism).
   int64_t heads_, kv_heads_, hidden_;
   bool sequence_ = false;  // sequence parallelism (tensor_parallel_.sequence)
+  size_t between_steps_bytes_ = 0;
   // This rank's rows of the residual stream (B·T without sequence parallelism) and the first.
   int64_t rows_ = 0, first_row_ = 0;
   cudaStream_t stream_;

@@ -435,6 +435,15 @@ size_t CudaGptOptimizer::planned_device_bytes(const GptOptimizer& host,
          (borrowed_bytes < workspace ? workspace : 0);
 }
 
+size_t CudaGptOptimizer::planned_workspace_bytes(const GptOptimizer& host,
+                                                 const DeviceParameterLayout& layout) {
+  State plan(nullptr, layout, host);
+  std::vector<cuda::AdamWChunk> chunk_table, bf16_table;
+  std::vector<int64_t> offset_table;
+  plan.plan(chunk_table, bf16_table, offset_table);
+  return static_cast<size_t>(plan.workspace_layout().bytes);
+}
+
 void CudaGptOptimizer::step(float* params, bf16* bf16_params, const float* grads,
                             const StepSchedule& schedule, cudaStream_t stream) {
   State& s = *state_;

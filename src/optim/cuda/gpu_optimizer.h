@@ -61,6 +61,10 @@ class CudaGptOptimizer {
   // device_workspace_bytes(), before anything is allocated.
   static size_t planned_device_bytes(const GptOptimizer& host, const DeviceParameterLayout& layout,
                                      size_t borrowed_bytes);
+  // The workspace's bytes alone: what `borrowed_bytes` must hold for the workspace to live
+  // there.
+  static size_t planned_workspace_bytes(const GptOptimizer& host,
+                                        const DeviceParameterLayout& layout);
   CudaGptOptimizer& operator=(const CudaGptOptimizer&) = delete;
 
   // One step over every parameter; params, bf16_params and grads are the base pointers of the
