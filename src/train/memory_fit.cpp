@@ -42,8 +42,8 @@ void check_gpu_memory_plan(const GpuMemoryPlan& plan, int64_t batch, double free
       fits > 0 ? fmt::format(
                      "micro_batch_size {} would fit (gradient accumulation keeps the {} "
                      "per step); more data-parallel GPUs shard only the optimizer state, while "
-                     "recompute_granularity and tensor_model_parallel_size take activations off "
-                     "each GPU",
+                     "recompute_granularity, tensor_model_parallel_size and sequence_parallel "
+                     "take activations off each GPU",
                      fits, step_unit)
                : std::string(when_none);
   if (plan.weight_transposes_saving > 0.0) {

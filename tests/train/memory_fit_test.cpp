@@ -51,8 +51,8 @@ TEST(MemoryFit, GpuPlanAsksForTheFittingBatchOnlyWhenItDoesNotFit) {
         "gradients 0.0 MiB, optimizer 0.0 MiB, activations 2.0 GiB, workspace 0.0 MiB, linear "
         "copies 0.0 MiB, CUDA, cuBLASLt and cuDNN 1.0 GiB) but 3.5 GiB is free on GPU 0; "
         "micro_batch_size 3 would fit (gradient accumulation keeps the samples per step); "
-        "more data-parallel GPUs shard only the optimizer state, while recompute_granularity and "
-        "tensor_model_parallel_size take activations off each GPU");
+        "more data-parallel GPUs shard only the optimizer state, while recompute_granularity, "
+        "tensor_model_parallel_size and sequence_parallel take activations off each GPU");
   }
   EXPECT_EQ(asked, 1);
   GpuMemoryPlan fp8 = plan;
