@@ -10,12 +10,14 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #include <cuda_runtime_api.h>
 #include <cupti.h>
 #include <fmt/format.h>
 
 #include "core/cuda_check.h"
+#include "core/device_buffer.h"
 #include "core/error.h"
 
 namespace fp8t {
@@ -59,23 +61,20 @@ const Cupti& cupti() {
           "toolkit's folder that holds it (lib64, or extras/CUPTI/lib64) to LD_LIBRARY_PATH",
           versioned, why));
     }
-    const auto symbol = [library](const char* name) {
-      void* function = dlsym(library, name);
-      if (function == nullptr) throw Error(fmt::format("CUPTI: {} not found in libcupti", name));
-      return function;
+    // Sets `function` to the library's function of that name.
+    const auto find = [library](auto& function, const char* name) {
+      void* found = dlsym(library, name);
+      if (found == nullptr) throw Error(fmt::format("CUPTI: {} not found in libcupti", name));
+      function = reinterpret_cast<std::remove_reference_t<decltype(function)>>(found);
     };
     Cupti found;
-    found.register_callbacks = reinterpret_cast<decltype(found.register_callbacks)>(
-        symbol("cuptiActivityRegisterCallbacks"));
-    found.enable = reinterpret_cast<decltype(found.enable)>(symbol("cuptiActivityEnable"));
-    found.disable = reinterpret_cast<decltype(found.disable)>(symbol("cuptiActivityDisable"));
-    found.flush_all = reinterpret_cast<decltype(found.flush_all)>(symbol("cuptiActivityFlushAll"));
-    found.next_record =
-        reinterpret_cast<decltype(found.next_record)>(symbol("cuptiActivityGetNextRecord"));
-    found.callback_name =
-        reinterpret_cast<decltype(found.callback_name)>(symbol("cuptiGetCallbackName"));
-    found.result_string =
-        reinterpret_cast<decltype(found.result_string)>(symbol("cuptiGetResultString"));
+    find(found.register_callbacks, "cuptiActivityRegisterCallbacks");
+    find(found.enable, "cuptiActivityEnable");
+    find(found.disable, "cuptiActivityDisable");
+    find(found.flush_all, "cuptiActivityFlushAll");
+    find(found.next_record, "cuptiActivityGetNextRecord");
+    find(found.callback_name, "cuptiGetCallbackName");
+    find(found.result_string, "cuptiGetResultString");
     return found;
   }();
   return functions;
@@ -217,6 +216,15 @@ CudaTrace::CudaTrace() {
     FP8T_CUPTI_CHECK(functions.register_callbacks(buffer_requested, buffer_completed));
     for (const CUpti_ActivityKind kind : kRecordedKinds)
       FP8T_CUPTI_CHECK(functions.enable(kind));
+    // CUPTI sets itself up on the first calls it records, milliseconds in which the GPU would
+    // look idle before the traced work: a throwaway memset takes that time first, and its
+    // records are dropped.
+    DeviceBuffer<uint8_t> scratch(1);
+    FP8T_CUDA_CHECK(cudaMemsetAsync(scratch.get(), 0, 1));
+    FP8T_CUDA_CHECK(cudaDeviceSynchronize());
+    FP8T_CUPTI_CHECK(functions.flush_all(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED));
+    std::lock_guard<std::mutex> lock(records_mutex);
+    records_.clear();
   } catch (...) {
     stop_recording();
     std::lock_guard<std::mutex> lock(records_mutex);
