@@ -138,8 +138,9 @@ struct BenchGptOptions {
   bool overlap_grad_reduce = false;   // with several ranks (--nproc-per-node)
   bool shard_optimizer_state = true;  // with several ranks: ZeRO-1
   int tensor_parallel = 1;            // ranks per tensor-parallel group
-  bool rank_alone = false;            // as BenchFluxOptions'
-  bool sequence_parallel = false;     // with tensor_parallel above 1 (sequence_parallel)
+  // One process times the first rank of one tensor-parallel group alone (as for bench flux).
+  bool rank_alone = false;
+  bool sequence_parallel = false;  // with tensor_parallel above 1 (sequence_parallel)
 };
 
 // Times training steps of the GPT on the GPU (docs/benchmarks.md): step ms (median), tokens/s,
