@@ -311,9 +311,10 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config,
   result.name = name + tuning_suffix(tuning);
   const optim::GptOptimizer host_optimizer(config, optim::OptimizerSettings{}, tokens,
                                            ranks.shard_rank(), ranks.shard_count());
-  CudaGptModel model(config, batch, seq, precision, stream, {}, recompute, ranks.tensor,
-                     optim::CudaGptOptimizer::planned_workspace_bytes(
-                         host_optimizer, optim::device_parameter_layout(config, true)));
+  CudaGptModel model(
+      config, batch, seq, precision, stream, {}, recompute, ranks.tensor,
+      optim::CudaGptOptimizer::planned_workspace_bytes(
+          host_optimizer, optim::device_parameter_layout(config, /*bf16_embeddings=*/true)));
   model.gemm().configure_tuning(tuning);
   const std::span<uint8_t> scratch = model.scratch_between_steps();
   optim::CudaGptOptimizer optimizer(host_optimizer, model.layout(), model.gemm(), scratch.data(),

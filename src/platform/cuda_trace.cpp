@@ -217,16 +217,16 @@ CudaTrace::CudaTrace() {
     for (const CUpti_ActivityKind kind : kRecordedKinds)
       FP8T_CUPTI_CHECK(functions.enable(kind));
     // CUPTI sets itself up on the first calls it records, milliseconds in which the GPU would
-    // look idle before the traced work: a throwaway memset takes that time first, and its
-    // records are dropped.
-    DeviceBuffer<uint8_t> scratch(1);
-    FP8T_CUDA_CHECK(cudaMemsetAsync(scratch.get(), 0, 1));
+    // look idle before the traced work: a throwaway buffer (its allocation, memset and free)
+    // takes that time first, and its records are dropped.
+    { const DeviceBuffer<uint8_t> scratch(1); }
     FP8T_CUDA_CHECK(cudaDeviceSynchronize());
     FP8T_CUPTI_CHECK(functions.flush_all(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED));
     std::lock_guard<std::mutex> lock(records_mutex);
     records_.clear();
   } catch (...) {
     stop_recording();
+    functions.flush_all(CUPTI_ACTIVITY_FLAG_FLUSH_FORCED);  // none left for the next trace
     std::lock_guard<std::mutex> lock(records_mutex);
     active_records = nullptr;
     throw;

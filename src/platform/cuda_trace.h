@@ -12,7 +12,8 @@ namespace fp8t {
 
 class CudaTrace {
  public:
-  // Starts recording. One trace at a time per process; a second throws fp8t::Error.
+  // Starts recording, after waiting for the device. One trace at a time per process; a second
+  // throws fp8t::Error.
   CudaTrace();
   // Stops recording, if finish() has not.
   ~CudaTrace();

@@ -269,12 +269,16 @@ class CudaEngine final : public TrainingEngine {
     size_t free = 0, total = 0;
     FP8T_CUDA_CHECK(cudaMemGetInfo(&free, &total));
     // Activations, the step's workspace and the linears' FP8 scratch grow with the micro-batch;
-    // the rest does not.
-    const double per_sample =
-        double(planned.activations + planned.workspace + planned.linear_scratch) /
-        double(setup.batch);
+    // the rest does not. The step's temporaries take turns in a region that holds the
+    // optimizer's workspace between steps, so it shrinks with the micro-batch down to that.
+    const double growing =
+        double(planned.activations + planned.workspace - lendable + planned.linear_scratch);
+    const double per_sample = growing / double(setup.batch);
+    const double region_per_sample = double(planned.step_temporaries) / double(setup.batch);
+    const double region_floor =
+        double(optim::CudaGptOptimizer::planned_workspace_bytes(host_optimizer_, layout));
     const double fixed =
-        double(planned.total()) + optimizer + kRuntimeReserve - per_sample * double(setup.batch);
+        double(planned.total()) + optimizer + kRuntimeReserve - growing - double(lendable);
     check_gpu_memory_plan(
         {.parameters = double(planned.parameters),
          .gradients = double(planned.gradients),
@@ -285,7 +289,10 @@ class CudaEngine final : public TrainingEngine {
          .runtime = kRuntimeReserve,
          .weight_transposes_saving = double(planned.weight_transposes_saving)},
         setup.batch, double(free), gpu_.name, "tokens",
-        [&] { return largest_fitting_batch(fixed, per_sample, double(free)); },
+        [&] {
+          return largest_fitting_batch(fixed, per_sample, double(free), region_per_sample,
+                                       region_floor);
+        },
         "the parameters, gradients and optimizer state alone do not fit: a smaller model "
         "(depth)");
   }

@@ -1,5 +1,6 @@
 #include "train/memory_fit.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include <fmt/format.h>
@@ -42,8 +43,8 @@ void check_gpu_memory_plan(const GpuMemoryPlan& plan, int64_t batch, double free
       fits > 0 ? fmt::format(
                      "micro_batch_size {} would fit (gradient accumulation keeps the {} "
                      "per step); more data-parallel GPUs shard only the optimizer state, while "
-                     "recompute_granularity, tensor_model_parallel_size and sequence_parallel "
-                     "take activations off each GPU",
+                     "recompute_granularity, tensor_model_parallel_size and (with it) "
+                     "sequence_parallel take activations off each GPU",
                      fits, step_unit)
                : std::string(when_none);
   if (plan.weight_transposes_saving > 0.0) {
@@ -57,6 +58,13 @@ void check_gpu_memory_plan(const GpuMemoryPlan& plan, int64_t batch, double free
 int64_t largest_fitting_batch(double fixed, double per_sample, double available) {
   if (per_sample <= 0.0 || available <= fixed) return 0;
   return static_cast<int64_t>(std::floor((available - fixed) / per_sample));
+}
+
+int64_t largest_fitting_batch(double fixed, double per_sample, double available,
+                              double region_per_sample, double region_floor) {
+  // The region is the larger of the two: each bound must hold.
+  return std::min(largest_fitting_batch(fixed, per_sample + region_per_sample, available),
+                  largest_fitting_batch(fixed + region_floor, per_sample, available));
 }
 
 }  // namespace fp8t::train

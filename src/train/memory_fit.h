@@ -48,5 +48,9 @@ void check_gpu_memory_plan(const GpuMemoryPlan& plan, int64_t batch, double free
 // The largest micro-batch whose plan fits in `available`: `fixed` bytes whatever the batch,
 // plus `per_sample` bytes for each sample; 0 when not even one fits.
 int64_t largest_fitting_batch(double fixed, double per_sample, double available);
+// The same with a region besides that grows by `region_per_sample` bytes a sample but holds
+// `region_floor` bytes at the least (memory lent between steps to work of a fixed size).
+int64_t largest_fitting_batch(double fixed, double per_sample, double available,
+                              double region_per_sample, double region_floor);
 
 }  // namespace fp8t::train

@@ -1,7 +1,8 @@
-// NcclGroup's collectives on a group of one rank (the machines the tests run on may have one GPU,
-// and NCCL takes one GPU per rank): what each copies, and how much, by element counts. The
-// buffers start poisoned, so a count taken in bytes or a gather and a scatter with their
-// buffers swapped shows as poison where values belong, or values where poison should stay.
+// NcclGroup's gather and reduce-scatter on a group of one rank (the machines the tests run on may
+// have one GPU, and NCCL takes one GPU per rank): what each copies, and how much, by element
+// counts. The buffers start poisoned, so a count taken in bytes or a gather and a scatter with
+// their buffers swapped shows as poison where values belong, or values where poison should stay.
+// (A one-rank sum in place has nothing to move: only two GPUs can test the sums.)
 #if FP8TRAIN_WITH_NCCL
 
 #include <gtest/gtest.h>
@@ -22,7 +23,8 @@
 namespace fp8t::distributed {
 namespace {
 
-// Random bf16 values (no poison among them: finite, below 10 in magnitude).
+// Random bf16 values in [-10, 10]; one equal to the poison (DeviceBuffer::kPoison's bytes, about
+// -2.9e-16) is as good as never drawn.
 std::vector<bf16> random_values(test::TestRng& rng, size_t count) {
   std::vector<bf16> values(count);
   for (bf16& value : values)
@@ -45,7 +47,7 @@ TEST(NcclGroupAlone, GatherAndReduceScatterMoveCountElementsOfTheirOwnPlace) {
   NcclGroup every_rank(host);
   const ParallelLayout layout{.tensor = 1, .tensor_rank = 0, .data = 1, .data_rank = 0};
   const std::unique_ptr<NcclGroup> group = every_rank.tensor_parallel_group(layout);
-  constexpr size_t kCount = 1000, kSlack = 24;  // odd sizes: no vector width hides a miscount
+  constexpr size_t kCount = 1001, kSlack = 23;  // odd sizes: no vector width hides a miscount
   const std::vector<bf16> own_values = random_values(rng, kCount);
   const DeviceBuffer<bf16> own(own_values);
   DeviceBuffer<bf16> all(kCount + kSlack), back(kCount + kSlack);
@@ -60,14 +62,6 @@ TEST(NcclGroupAlone, GatherAndReduceScatterMoveCountElementsOfTheirOwnPlace) {
   expected.insert(expected.end(), poison.begin() + kCount, poison.end());
   EXPECT_EQ(bits_of(all.download()), bits_of(expected)) << "the gather";
   EXPECT_EQ(bits_of(back.download()), bits_of(expected)) << "the reduce-scatter";
-
-  // The in-place sums of one rank leave their values, and only `count` of them, as they are.
-  DeviceBuffer<bf16> summed(kCount + kSlack);
-  FP8T_CUDA_CHECK(
-      cudaMemcpy(summed.get(), own.get(), kCount * sizeof(bf16), cudaMemcpyDeviceToDevice));
-  group->sum(summed.get(), kCount, stream);
-  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
-  EXPECT_EQ(bits_of(summed.download()), bits_of(expected)) << "the bf16 sum";
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 

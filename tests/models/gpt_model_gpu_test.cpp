@@ -10,6 +10,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <span>
 #include <string>
 #include <utility>
 #include <vector>
@@ -29,6 +30,8 @@
 #include "numerics/test_util.h"
 #include "ops/fp8_linear_layout.h"
 #include "ops/gpu_compare.h"
+#include "optim/cuda/gpu_optimizer.h"
+#include "optim/gpt_optimizer.h"
 
 namespace fp8t {
 namespace {
@@ -307,8 +310,27 @@ TEST(GptModelGpu, PlanBeforeAllocatingIsWhatTheModelTakes) {
           lendable = scratch;
         },
         RecomputeOptions{}, DeviceTensorParallel{}, asked);
-    EXPECT_GE(larger.scratch_between_steps().size(), asked);
-    EXPECT_EQ(lendable, larger.scratch_between_steps().size());
+    EXPECT_EQ(larger.scratch_between_steps().size(), asked);
+    EXPECT_EQ(lendable, asked);
+    EXPECT_EQ(larger.memory().workspace, gpu.memory().workspace + 4096);
+    EXPECT_EQ(larger.memory().step_temporaries, gpu.memory().step_temporaries);
+  }
+  // Asked for the optimizer's workspace, which the small model's own temporaries would not hold,
+  // the model lends a region the optimizer then borrows (in a scope of its own: the model
+  // synchronizes its stream as it goes, so before the stream goes).
+  {
+    const optim::GptOptimizer host(config, optim::OptimizerSettings{}, kBatch * kSeq);
+    const optim::DeviceParameterLayout layout =
+        optim::device_parameter_layout(config, /*bf16_embeddings=*/true);
+    const size_t workspace = optim::CudaGptOptimizer::planned_workspace_bytes(host, layout);
+    CudaGptModel lender(config, kBatch, kSeq,
+                        precision_for(Fp8Mode::None, ScalingRecipe::Tensorwise), stream, {},
+                        RecomputeOptions{}, DeviceTensorParallel{}, workspace);
+    EXPECT_LT(lender.memory().step_temporaries, workspace);
+    const std::span<uint8_t> lent = lender.scratch_between_steps();
+    const optim::CudaGptOptimizer optimizer(host, lender.layout(), lender.gemm(), lent.data(),
+                                            lent.size());
+    EXPECT_TRUE(optimizer.workspace_borrowed());
   }
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
 }

@@ -52,7 +52,8 @@ TEST(MemoryFit, GpuPlanAsksForTheFittingBatchOnlyWhenItDoesNotFit) {
         "copies 0.0 MiB, CUDA, cuBLASLt and cuDNN 1.0 GiB) but 3.5 GiB is free on GPU 0; "
         "micro_batch_size 3 would fit (gradient accumulation keeps the samples per step); "
         "more data-parallel GPUs shard only the optimizer state, while recompute_granularity, "
-        "tensor_model_parallel_size and sequence_parallel take activations off each GPU");
+        "tensor_model_parallel_size and (with it) sequence_parallel take activations off each "
+        "GPU");
   }
   EXPECT_EQ(asked, 1);
   GpuMemoryPlan fp8 = plan;
@@ -85,6 +86,12 @@ TEST(MemoryFit, LargestFittingBatch) {
   EXPECT_EQ(largest_fitting_batch(10.0, 3.0, 21.9), 3);
   EXPECT_EQ(largest_fitting_batch(10.0, 3.0, 12.0), 0);
   EXPECT_EQ(largest_fitting_batch(10.0, 3.0, 9.0), 0);
+  // A region of 2 a sample that holds 8 at the least: 10 + 3·b + max(2·b, 8).
+  EXPECT_EQ(largest_fitting_batch(10.0, 3.0, 30.0, 2.0, 8.0), 4);  // 10 + 12 + 8
+  EXPECT_EQ(largest_fitting_batch(10.0, 3.0, 29.0, 2.0, 8.0), 3);  // the floor: 10 + 9 + 8
+  EXPECT_EQ(largest_fitting_batch(10.0, 3.0, 25.0, 2.0, 8.0), 2);  // 10 + 6 + 8
+  EXPECT_EQ(largest_fitting_batch(10.0, 3.0, 41.0, 2.0, 8.0), 6);  // its growth: 10 + 18 + 12
+  EXPECT_EQ(largest_fitting_batch(10.0, 3.0, 17.0, 2.0, 8.0), 0);
 }
 
 }  // namespace

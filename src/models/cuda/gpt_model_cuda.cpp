@@ -520,9 +520,10 @@ void CudaGptModel::lay_out() {
     b.logits = logits.take<bf16>(R * vocab);
     return std::max({forward.end(), backward.end(), logits.end()});
   };
-  // Under sequence parallelism the region can be smaller than the optimizer's workspace, which
-  // would then take memory of its own beside it.
-  b.region_bytes = std::max(lay_out_region(nullptr), between_steps_bytes_);
+  // A region smaller than the optimizer's workspace (a small micro-batch; sequence parallelism)
+  // would leave that workspace to take memory of its own beside it.
+  memory_.step_temporaries = lay_out_region(nullptr);
+  b.region_bytes = std::max(memory_.step_temporaries, between_steps_bytes_);
   b.region = ws.take<uint8_t>(b.region_bytes);
   lay_out_region(b.region);
   if (fp8_attention) {

@@ -68,6 +68,9 @@ struct CudaGptMemory {
   // In the plan only, for FP8 linears that keep Ŵᵗ: what fp8_weight_transposes: in_backward
   // would take off linear_copies (not a category: total() leaves it out).
   size_t weight_transposes_saving = 0;
+  // Of workspace: what the step's temporaries need of the region scratch_between_steps() lends,
+  // which holds between_steps_bytes at the least (not a category).
+  size_t step_temporaries = 0;
   size_t total() const { return parameters + gradients + activations + workspace + linear_copies; }
 };
 
@@ -215,8 +218,8 @@ class CudaGptModel {
   // This rank's query and kv heads and MLP hidden features (all of them without tensor
   // parallelism).
   int64_t heads_, kv_heads_, hidden_;
-  bool sequence_ = false;  // sequence parallelism (tensor_parallel_.sequence)
-  size_t between_steps_bytes_ = 0;
+  bool sequence_ = false;           // sequence parallelism (tensor_parallel_.sequence)
+  size_t between_steps_bytes_ = 0;  // the least scratch_between_steps() holds
   // This rank's rows of the residual stream (B·T without sequence parallelism) and the first.
   int64_t rows_ = 0, first_row_ = 0;
   cudaStream_t stream_;
