@@ -795,9 +795,9 @@ void CudaFluxModel::upload_inputs(const FluxInputs& inputs, const float* target)
   FP8T_CUDA_CHECK(cudaEventRecord(b.staging_free, stream_));
   if (sequence_) {  // img_in and txt_in read this rank's tokens
     kernels::cast_to_bf16(b.whole, b.img_f32, img_count, stream_);
-    take_own_tokens(b.img, b.whole, FluxStream::Image, config_.in_channels);
+    copy_token_runs(own_tokens(FluxStream::Image), b.img, b.whole, config_.in_channels, false);
     kernels::cast_to_bf16(b.whole, b.txt_f32, txt_count, stream_);
-    take_own_tokens(b.txt, b.whole, FluxStream::Text, config_.context_in_dim);
+    copy_token_runs(own_tokens(FluxStream::Text), b.txt, b.whole, config_.context_in_dim, false);
   } else {
     kernels::cast_to_bf16(b.img, b.img_f32, img_count, stream_);
     kernels::cast_to_bf16(b.txt, b.txt_f32, txt_count, stream_);
@@ -1056,23 +1056,27 @@ FluxOwnTokens CudaFluxModel::own_tokens(FluxStream stream) const {
                          tensor_parallel_.rank);
 }
 
+void CudaFluxModel::copy_token_runs(const FluxOwnTokens& at, bf16* own, bf16* whole, int64_t width,
+                                    bool to_whole) const {
+  for (const FluxTokenRun& run : at.runs) {
+    bf16* place = whole + run.whole_first * width;
+    bf16* slot = own + run.own_first * width;
+    if (to_whole) {
+      kernels::copy_rows({place, width, at.whole}, {slot, width, at.own}, batch_, run.count, width,
+                         stream_);
+    } else {
+      kernels::copy_rows({slot, width, at.own}, {place, width, at.whole}, batch_, run.count, width,
+                         stream_);
+    }
+  }
+}
+
 void CudaFluxModel::copy_staging(bf16* whole, FluxStream stream, int64_t width, bool to_whole) {
-  bf16* staging = buffers_->sequence_staging;
   for (int rank = 0; rank < tensor_parallel_.size; ++rank) {
     const FluxOwnTokens at =
         flux_own_tokens(stream, img_tokens_, txt_tokens_, tensor_parallel_.size, rank);
-    bf16* rank_tokens = staging + rank * batch_ * at.own * width;
-    for (const FluxTokenRun& run : at.runs) {
-      bf16* place = whole + run.whole_first * width;
-      bf16* slot = rank_tokens + run.own_first * width;
-      if (to_whole) {
-        kernels::copy_rows({place, width, at.whole}, {slot, width, at.own}, batch_, run.count,
-                           width, stream_);
-      } else {
-        kernels::copy_rows({slot, width, at.own}, {place, width, at.whole}, batch_, run.count,
-                           width, stream_);
-      }
-    }
+    copy_token_runs(at, buffers_->sequence_staging + rank * batch_ * at.own * width, whole, width,
+                    to_whole);
   }
 }
 
@@ -1083,16 +1087,6 @@ const bf16* CudaFluxModel::gather_tokens(const bf16* own, FluxStream stream, int
   tensor_parallel_.all_gather_bf16(own, buffers_->sequence_staging, size_t(count), stream_);
   copy_staging(whole, stream, width, true);
   return whole;
-}
-
-void CudaFluxModel::take_own_tokens(bf16* own, const bf16* whole, FluxStream stream,
-                                    int64_t width) const {
-  const FluxOwnTokens tokens = own_tokens(stream);
-  for (const FluxTokenRun& run : tokens.runs) {
-    kernels::copy_rows({own + run.own_first * width, width, tokens.own},
-                       {whole + run.whole_first * width, width, tokens.whole}, batch_, run.count,
-                       width, stream_);
-  }
 }
 
 const bf16* CudaFluxModel::reduce_to_own_tokens(bf16* partial, FluxStream stream, int64_t width,
@@ -1269,7 +1263,8 @@ void CudaFluxModel::backward() {
   // The final layer: its LayerNorm's gradient lands on the image rows of the joint sequence.
   const bf16* dpred = b.dpred;
   if (sequence_) {  // this rank's tokens of it
-    take_own_tokens(b.own_prediction, b.dpred, FluxStream::Image, config_.in_channels);
+    copy_token_runs(own_tokens(FluxStream::Image), b.own_prediction, b.dpred, config_.in_channels,
+                    false);
     dpred = b.own_prediction;
   }
   linear_backward("final_layer.linear", dpred, b.final_modulated, B * Oi, b.d_modulated, false);

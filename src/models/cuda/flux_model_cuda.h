@@ -230,8 +230,10 @@ class CudaFluxModel {
   // A stream's tokens [B, L_s, width] gathered into `whole` from every rank's own [B, O_s,
   // width]; returns whole, or own itself without sequence parallelism.
   const bf16* gather_tokens(const bf16* own, FluxStream stream, int64_t width, bf16* whole);
-  // This rank's tokens of a stream's whole [B, L_s, width] into own [B, O_s, width].
-  void take_own_tokens(bf16* own, const bf16* whole, FluxStream stream, int64_t width) const;
+  // Between one rank's tokens of a stream, own [B, O_s, width], and their places (`at`) among
+  // the stream's every token, whole [B, L_s, width]: into own, or into whole when to_whole.
+  void copy_token_runs(const FluxOwnTokens& at, bf16* own, bf16* whole, int64_t width,
+                       bool to_whole) const;
   // Between every rank's tokens of a stream one after the other in the staging ([T, B·O_s,
   // width], the collectives' order) and their places in whole [B, L_s, width]: into whole when
   // to_whole, else out of it.
