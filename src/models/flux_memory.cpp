@@ -172,8 +172,9 @@ size_t workspace_bytes(const FluxConfig& config, const Dims& d) {
   ws.take<bf16>(d.B * 6 * d.C);         // their bf16 copy
   for (int view = 0; view < 4; ++view)  // d_vec_act, d_vec, d_embed_act, d_embed_hidden
     ws.take<bf16>(d.B * d.C);
-  for (int view = 0; view < 2; ++view)  // d_branch, d_modulated
-    ws.take<bf16>(d.N * d.C);
+  // d_branch (this rank's tokens, or a modulation's chunks), then d_modulated.
+  ws.take<bf16>(d.B * std::max<int64_t>(d.O, 6) * d.C);
+  ws.take<bf16>(d.N * d.C);
   for (int view = 0; view < 4; ++view)  // d_attn, dq, dk, dv
     ws.take<bf16>(d.N * d.A);
   ws.take<bf16>(d.B * d.Ls * d.M);      // d_mlp_act

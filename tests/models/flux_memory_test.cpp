@@ -271,10 +271,10 @@ TEST(FluxMemory, SequenceParallelRanksHoldTheirTokensOfTheResidualStreams) {
                        kFloat * 2 * (2048 + 256) + kBf16 * 3 * 2304 * 3072 + kFloat * 2304 +
                        kBf16 * 2 * 2048 * 3072 + kFloat * 2048;
   EXPECT_EQ(plain.activations - split.activations, saved);
-  // The residual streams and their gradients halve; the staging and the gathered tokens
-  // [4608, 3072], a summed gradient's own tokens [2304, 3072] and the final layer's own output
-  // [2048, 64] come in.
-  const size_t halved = kBf16 * 2 * (2048 + 256 + 2304) * 3072;
+  // The residual streams, their gradients and a branch's gradient (d_branch) halve; the staging
+  // and the gathered tokens [4608, 3072], a summed gradient's own tokens [2304, 3072] and the
+  // final layer's own output [2048, 64] come in.
+  const size_t halved = kBf16 * (2 * (2048 + 256 + 2304) + 2304) * 3072;
   const size_t added = kBf16 * (2 * 4608 * 3072 + 2304 * 3072 + 2048 * 64);
   EXPECT_EQ(split.workspace + halved, plain.workspace + added);
   // 4095 image tokens do not split over a pair.

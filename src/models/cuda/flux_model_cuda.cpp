@@ -519,9 +519,11 @@ void CudaFluxModel::lay_out() {
   b.dmod = ws.take<bf16>(B * 6 * C);
   for (bf16** view : {&b.d_vec_act, &b.d_vec, &b.d_embed_act, &b.d_embed_hidden})
     *view = ws.take<bf16>(B * C);
-  // d_modulated also holds the attention projections' input gradients ([rows, A]).
-  for (bf16** view : {&b.d_branch, &b.d_modulated})
-    *view = ws.take<bf16>(N * C);
+  // d_branch: a branch's gradient on this rank's tokens, or its share of a modulation's (at
+  // most 6) chunks. d_modulated also holds the attention projections' input gradients
+  // ([rows, A]).
+  b.d_branch = ws.take<bf16>(B * std::max<size_t>(O, 6) * C);
+  b.d_modulated = ws.take<bf16>(N * C);
   for (bf16** view : {&b.d_attn, &b.dq, &b.dk, &b.dv})
     *view = ws.take<bf16>(N * A);
   b.d_mlp_act = ws.take<bf16>(B * Ls * M);
