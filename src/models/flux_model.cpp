@@ -912,21 +912,13 @@ void FluxModel::sum_over_group(float* values, int64_t count) {
   if (tensor_parallel_.split()) tensor_parallel_.sum(values, static_cast<size_t>(count));
 }
 
-void FluxModel::place_own_tokens(float* whole, const float* own, FluxStream stream,
-                                 int64_t width) const {
+void FluxModel::copy_own_tokens(const float* from, float* to, FluxStream stream, int64_t width,
+                                bool to_whole) const {
   const FluxOwnTokens tokens = own_tokens(stream);
   for (const FluxTokenRun& run : tokens.runs) {
-    copy_tokens(whole, {tokens.whole, run.whole_first, width}, own,
-                {tokens.own, run.own_first, width}, batch_, run.count, width);
-  }
-}
-
-void FluxModel::take_own_tokens(float* own, const float* whole, FluxStream stream,
-                                int64_t width) const {
-  const FluxOwnTokens tokens = own_tokens(stream);
-  for (const FluxTokenRun& run : tokens.runs) {
-    copy_tokens(own, {tokens.own, run.own_first, width}, whole,
-                {tokens.whole, run.whole_first, width}, batch_, run.count, width);
+    const TokenRows own{tokens.own, run.own_first, width};
+    const TokenRows whole{tokens.whole, run.whole_first, width};
+    copy_tokens(to, to_whole ? whole : own, from, to_whole ? own : whole, batch_, run.count, width);
   }
 }
 
@@ -937,7 +929,7 @@ const float* FluxModel::gather_tokens(const float* own, FluxStream stream) {
   const int64_t C = config_.hidden_size;
   const int64_t count = batch_ * own_tokens(stream).whole * C;
   std::fill_n(data(whole), count, 0.0f);
-  place_own_tokens(data(whole), own, stream, C);
+  copy_own_tokens(own, data(whole), stream, C, /*to_whole=*/true);
   sum_over_group(data(whole), count);
   return data(whole);
 }
@@ -954,7 +946,7 @@ const float* FluxModel::reduce_to_own_tokens(float* partial, FluxStream stream, 
                                              float* own) {
   sum_over_group(partial, batch_ * own_tokens(stream).whole * width);
   if (!sequence_) return partial;
-  take_own_tokens(own, partial, stream, width);
+  copy_own_tokens(partial, own, stream, width, /*to_whole=*/false);
   return own;
 }
 
@@ -1358,8 +1350,10 @@ void FluxModel::forward(const FluxInputs& inputs, float* prediction) {
   const int64_t Oi = d.own_img, Ot = d.own_txt, O = d.own_tokens();
 
   if (sequence_) {
-    take_own_tokens(data(act.img), inputs.img, FluxStream::Image, d.in_channels);
-    take_own_tokens(data(act.txt), inputs.txt, FluxStream::Text, d.context_in_dim);
+    copy_own_tokens(inputs.img, data(act.img), FluxStream::Image, d.in_channels,
+                    /*to_whole=*/false);
+    copy_own_tokens(inputs.txt, data(act.txt), FluxStream::Text, d.context_in_dim,
+                    /*to_whole=*/false);
   } else {
     std::copy_n(inputs.img, act.img.numel(), data(act.img));
     std::copy_n(inputs.txt, act.txt.numel(), data(act.txt));
@@ -1422,7 +1416,8 @@ void FluxModel::forward(const FluxInputs& inputs, float* prediction) {
   // Every rank returns the whole prediction: its tokens' gathered over the group.
   linear_forward(linear("final_layer.linear"), data(act.final_modulated), data(ws.own_prediction));
   std::fill_n(prediction, B * Li * d.in_channels, 0.0f);
-  place_own_tokens(prediction, data(ws.own_prediction), FluxStream::Image, d.in_channels);
+  copy_own_tokens(data(ws.own_prediction), prediction, FluxStream::Image, d.in_channels,
+                  /*to_whole=*/true);
   sum_over_group(prediction, B * Li * d.in_channels);
 }
 
@@ -1438,7 +1433,8 @@ void FluxModel::backward(const float* grad_prediction) {
   zero(ws.d_modulated);
   const float* d_prediction = grad_prediction;
   if (sequence_) {  // this rank's tokens of it
-    take_own_tokens(data(ws.own_prediction), grad_prediction, FluxStream::Image, d.in_channels);
+    copy_own_tokens(grad_prediction, data(ws.own_prediction), FluxStream::Image, d.in_channels,
+                    /*to_whole=*/false);
     d_prediction = data(ws.own_prediction);
   }
   linear_backward(linear("final_layer.linear"), d_prediction, data(act.final_modulated),

@@ -251,10 +251,11 @@ class FluxModel {
   FluxDims dims() const;
   // Where this rank's tokens of a stream sit (all of them without sequence parallelism).
   FluxOwnTokens own_tokens(FluxStream stream) const;
-  // Sequence parallelism: copies between this rank's tokens of a stream, own [B, O_s, width],
-  // and their places among the stream's every token, whole [B, L_s, width].
-  void place_own_tokens(float* whole, const float* own, FluxStream stream, int64_t width) const;
-  void take_own_tokens(float* own, const float* whole, FluxStream stream, int64_t width) const;
+  // Sequence parallelism: copies this rank's tokens of a stream between own [B, O_s, width] and
+  // their places among the stream's every token, whole [B, L_s, width]: from own to whole when
+  // to_whole, else from whole to own.
+  void copy_own_tokens(const float* from, float* to, FluxStream stream, int64_t width,
+                       bool to_whole) const;
   // Every token of a stream from this rank's own, [B, O_s, C] (the hidden width): gathered over
   // the group into the workspace (valid until the next gather or partial output) under sequence
   // parallelism, else own itself.
