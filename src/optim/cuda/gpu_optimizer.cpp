@@ -110,10 +110,14 @@ struct CudaGptOptimizer::State {
   float* exp_avg() const { return state->get(); }
   float* exp_avg_sq() const { return state->get() + adamw_floats; }
 
-  // The AdamW chunks of the fp32 parameters and of the bf16 ones, the Muon matrices' offsets,
-  // and the state's slices and sizes; allocates nothing.
-  void plan(std::vector<cuda::AdamWChunk>& chunk_table, std::vector<cuda::AdamWChunk>& bf16_table,
-            std::vector<int64_t>& offset_table);
+  // The AdamW chunks of the fp32 parameters and of the bf16 ones, and the Muon matrices'
+  // offsets, for the device.
+  struct Tables {
+    std::vector<cuda::AdamWChunk> chunks, bf16_chunks;
+    std::vector<int64_t> offsets;
+  };
+  // Sets the state's slices and sizes and returns the tables; allocates nothing.
+  Tables plan();
   // Elements of the fp32 and of the bf16 state, as allocated.
   size_t state_count() const { return static_cast<size_t>(std::max<int64_t>(1, state_floats)); }
   size_t bf16_state_count() const {
@@ -133,9 +137,8 @@ struct CudaGptOptimizer::State {
   std::vector<std::pair<NamedTensor, const StateSlice*>> match(GptOptimizer& host) const;
 };
 
-void CudaGptOptimizer::State::plan(std::vector<cuda::AdamWChunk>& chunk_table,
-                                   std::vector<cuda::AdamWChunk>& bf16_table,
-                                   std::vector<int64_t>& offset_table) {
+CudaGptOptimizer::State::Tables CudaGptOptimizer::State::plan() {
+  Tables tables;
   std::map<std::string, int> uses;
   for (const OptimizerGroup& group : groups) {
     for (const std::string& name : group.parameters) {
@@ -166,7 +169,7 @@ void CudaGptOptimizer::State::plan(std::vector<cuda::AdamWChunk>& chunk_table,
           parameter.bf16 ? parameter.offset - layout.bf16_offset : parameter.offset;
       adamw_tensors.emplace_back(name, StateSlice{state_end, parameter.numel, parameter.bf16});
       for (int64_t begin = 0; begin < parameter.numel; begin += cuda::kAdamWChunkElements) {
-        (parameter.bf16 ? bf16_table : chunk_table)
+        (parameter.bf16 ? tables.bf16_chunks : tables.chunks)
             .push_back({.param = param + begin,
                         .grad = parameter.offset + begin,
                         .state = state_end + begin,
@@ -182,8 +185,8 @@ void CudaGptOptimizer::State::plan(std::vector<cuda::AdamWChunk>& chunk_table,
     slices[name + ".exp_avg_sq"] = {(slice.bf16 ? adamw_bf16 : adamw_floats) + slice.offset,
                                     slice.count, slice.bf16};
   }
-  chunk_count = std::ssize(chunk_table);
-  bf16_chunk_count = std::ssize(bf16_table);
+  chunk_count = std::ssize(tables.chunks);
+  bf16_chunk_count = std::ssize(tables.bf16_chunks);
 
   state_floats = 2 * adamw_floats;
   for (size_t index = 0; index < groups.size(); ++index) {
@@ -202,7 +205,7 @@ void CudaGptOptimizer::State::plan(std::vector<cuda::AdamWChunk>& chunk_table,
         .stack = {count, rows, cols, round_up(rows * cols, kBf16Alignment)},
         .gram = {count, side, side, round_up(side * side, kBf16Alignment)},
         .tall = rows > cols,
-        .first_offset = std::ssize(offset_table),
+        .first_offset = std::ssize(tables.offsets),
         .momentum = state_floats,
         .second_moment = state_floats + round_up(count * rows * cols, kFloatAlignment)};
     state_floats = muon_plan.second_moment + round_up(count * kept, kFloatAlignment);
@@ -214,12 +217,13 @@ void CudaGptOptimizer::State::plan(std::vector<cuda::AdamWChunk>& chunk_table,
       FP8T_CHECK(parameter.shape == shape,
                  "Muon group '{}': expected every matrix [{}, {}], found '{}' [{}]",
                  groups[index].name, rows, cols, name, fmt::join(parameter.shape, ", "));
-      offset_table.push_back(parameter.offset);
+      tables.offsets.push_back(parameter.offset);
       slices[name + ".momentum"] = {muon_plan.momentum + matrix * rows * cols, rows * cols};
       slices[name + ".second_moment"] = {muon_plan.second_moment + matrix * kept, kept};
     }
     muon.push_back(muon_plan);
   }
+  return tables;
 }
 
 CudaGptOptimizer::State::WorkspaceLayout CudaGptOptimizer::State::workspace_layout() const {
@@ -404,16 +408,14 @@ CudaGptOptimizer::CudaGptOptimizer(const GptOptimizer& host, const DeviceParamet
     : state_(std::make_unique<State>(&gemm, layout, host)) {
   FP8T_CHECK(layout.element_bytes == sizeof(float),
              "expected a layout of fp32 parameters, found {}-byte elements", layout.element_bytes);
-  std::vector<cuda::AdamWChunk> chunk_table, bf16_table;
-  std::vector<int64_t> offset_table;
-  state_->plan(chunk_table, bf16_table, offset_table);
+  const State::Tables tables = state_->plan();
   state_->state = std::make_unique<DeviceBuffer<float>>(state_->state_count());
   state_->state->zero();
   state_->bf16_state = std::make_unique<DeviceBuffer<bf16>>(state_->bf16_state_count());
   state_->bf16_state->zero();
-  state_->chunks = upload_table(chunk_table);
-  state_->bf16_chunks = upload_table(bf16_table);
-  state_->offsets = upload_table(offset_table);
+  state_->chunks = upload_table(tables.chunks);
+  state_->bf16_chunks = upload_table(tables.bf16_chunks);
+  state_->offsets = upload_table(tables.offsets);
   state_->allocate_workspace(borrowed, borrowed_bytes);
 }
 
@@ -423,24 +425,20 @@ size_t CudaGptOptimizer::planned_device_bytes(const GptOptimizer& host,
                                               const DeviceParameterLayout& layout,
                                               size_t borrowed_bytes) {
   State plan(nullptr, layout, host);
-  std::vector<cuda::AdamWChunk> chunk_table, bf16_table;
-  std::vector<int64_t> offset_table;
-  plan.plan(chunk_table, bf16_table, offset_table);
+  const State::Tables tables = plan.plan();
   const auto table_bytes = [](const auto& table) {
     return std::max<size_t>(1, table.size()) * sizeof(table.front());
   };
   const auto workspace = static_cast<size_t>(plan.workspace_layout().bytes);
   return plan.state_count() * sizeof(float) + plan.bf16_state_count() * sizeof(bf16) +
-         table_bytes(chunk_table) + table_bytes(bf16_table) + table_bytes(offset_table) +
-         (borrowed_bytes < workspace ? workspace : 0);
+         table_bytes(tables.chunks) + table_bytes(tables.bf16_chunks) +
+         table_bytes(tables.offsets) + (borrowed_bytes < workspace ? workspace : 0);
 }
 
 size_t CudaGptOptimizer::planned_workspace_bytes(const GptOptimizer& host,
                                                  const DeviceParameterLayout& layout) {
   State plan(nullptr, layout, host);
-  std::vector<cuda::AdamWChunk> chunk_table, bf16_table;
-  std::vector<int64_t> offset_table;
-  plan.plan(chunk_table, bf16_table, offset_table);
+  plan.plan();
   return static_cast<size_t>(plan.workspace_layout().bytes);
 }
 
