@@ -296,10 +296,11 @@ struct BenchRanks {
   int count() const { return communicator != nullptr ? communicator->size() : 1; }
   int rank() const { return communicator != nullptr ? communicator->rank() : 0; }
   int replicas() const { return layout.data; }  // the micro-batches of a step
-  // The rank and rank count the optimizer shards over: 0 of 1 unless sharding several ranks.
+  // The replica and replica count the optimizer shards over: 0 of 1 unless sharding several
+  // ranks (under tensor parallelism each rank of a group owns the same parameters' shares).
   bool sharded() const { return shard && count() > 1; }
-  int shard_rank() const { return sharded() ? communicator->rank() : 0; }
-  int shard_count() const { return sharded() ? count() : 1; }
+  int shard_rank() const { return sharded() ? layout.data_rank : 0; }
+  int shard_count() const { return sharded() ? layout.data : 1; }
 };
 
 Measurement measure(const BenchGptOptions& options, const GptConfig& config,
@@ -314,11 +315,12 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config,
   CudaGptModel model(
       config, batch, seq, precision, stream, {}, recompute, ranks.tensor,
       optim::CudaGptOptimizer::planned_workspace_bytes(
-          host_optimizer, optim::device_parameter_layout(config, /*bf16_embeddings=*/true)));
+          host_optimizer, optim::device_parameter_layout(config, /*bf16_embeddings=*/true,
+                                                         ranks.tensor.size, ranks.tensor.rank)));
   model.gemm().configure_tuning(tuning);
   const std::span<uint8_t> scratch = model.scratch_between_steps();
   optim::CudaGptOptimizer optimizer(host_optimizer, model.layout(), model.gemm(), scratch.data(),
-                                    scratch.size());
+                                    scratch.size(), train::share_collectives(ranks.tensor));
   {
     Arena arena("parameters", ParameterSet::planned_bytes(config, DType::F32));
     ParameterSet parameters(arena, config, DType::F32);
@@ -330,16 +332,16 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config,
 #if FP8TRAIN_WITH_NCCL
   std::unique_ptr<train::GptRankSums> rank_sums;
   if (ranks.communicator != nullptr) {
-    rank_sums =
-        std::make_unique<train::GptRankSums>(*ranks.communicator, model, ranks.overlap,
-                                             ranks.sharded() ? &host_optimizer.shard() : nullptr);
+    rank_sums = std::make_unique<train::GptRankSums>(
+        *ranks.communicator, model, ranks.layout, ranks.overlap,
+        ranks.sharded() ? &host_optimizer.shard() : nullptr);
   }
   const auto backward = [&] { rank_sums ? rank_sums->last_backward() : model.backward(); };
   const auto sum_over_ranks = [&] {
     if (!rank_sums) return;
     model.gather_split_gradients();
     rank_sums->sum_gradients();
-    ops::cuda::scale_f32(model.gradients(), 1.0f / float(ranks.count()),
+    ops::cuda::scale_f32(model.gradients(), 1.0f / float(ranks.replicas()),
                          model.layout().total_elements, stream);
   };
   const auto after_update = [&] {

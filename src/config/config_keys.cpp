@@ -653,9 +653,10 @@ std::vector<ConfigKey> build_keys() {
       "over the group, and see the same micro-batches; the groups are the data-parallel "
       "replicas. FP8 per-tensor scales of split tensors come from the group's largest amax. "
       "Must divide the ranks, the heads (GPT: query and kv heads) and the MLP's hidden "
-      "features. The GPU Flux keeps only each rank's shares of the split weights, gradients and "
-      "optimizer state, and only a group's first rank keeps the host copies for checkpoints; "
-      "elsewhere they stay whole on every rank. 1: none."));
+      "features. On the GPU each rank keeps only its shares of the split weights, gradients and "
+      "optimizer state (the GPT's Muon gathers a split matrix's shares to orthogonalize it "
+      "whole), and only a Flux group's first rank keeps the host copies for checkpoints; on the "
+      "CPU path they stay whole on every rank. 1: none."));
   keys.push_back(boolean_key(
       "sequence_parallel", S::Run, [](auto& c) -> auto& { return c.run.sequence_parallel; },
       "Sequence parallelism (Megatron's) within each tensor-parallel group (both models, on the "

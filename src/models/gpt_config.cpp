@@ -163,9 +163,14 @@ TensorSplit gpt_tensor_split(std::string_view linear) {
   return TensorSplit::None;
 }
 
-bool gpt_split_parameter(const ParamSpec& spec) {
-  return spec.kind == ParamKind::BlockLinear || spec.name.ends_with(".attn.ve_gate.weight") ||
-         spec.name.starts_with("value_embeds.");
+TensorSplit gpt_parameter_split(const ParamSpec& spec) {
+  constexpr std::string_view kWeight = ".weight";
+  if (spec.kind == ParamKind::BlockLinear)
+    return gpt_tensor_split(
+        std::string_view(spec.name).substr(0, spec.name.size() - kWeight.size()));
+  if (spec.name.ends_with(".attn.ve_gate.weight")) return TensorSplit::Outputs;
+  if (spec.name.starts_with("value_embeds.")) return TensorSplit::Inputs;
+  return TensorSplit::None;
 }
 
 bool gpt_sequence_split_gradient(const ParamSpec& spec) {

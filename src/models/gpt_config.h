@@ -69,10 +69,11 @@ enum class TensorSplit : uint8_t;  // models/tensor_parallel.h
 // How tensor parallelism splits a linear (by name): q, k, v and the MLP's first linear by
 // outputs, the attention's and the MLP's output projections by inputs, the rest not at all.
 TensorSplit gpt_tensor_split(std::string_view linear);
-// Whether tensor parallelism splits a parameter over the group, so that each rank computes the
-// gradient of its share only: the blocks' linears, the value gates' and the value embeddings'
-// columns of each rank's kv heads.
-bool gpt_split_parameter(const ParamSpec& spec);
+// How tensor parallelism splits a parameter over the group, each rank holding and computing
+// the gradient of its share only: the blocks' linears as gpt_tensor_split, the value gates' rows
+// (Outputs) and the value embeddings' columns (Inputs) of each rank's kv heads; None for the
+// rest.
+TensorSplit gpt_parameter_split(const ParamSpec& spec);
 // Whether sequence parallelism leaves each rank the gradient of a whole parameter from its own
 // rows only, to be summed over the group: lm_head and the residual scalars (resid_lambdas,
 // x0_lambdas, backout_lambda). The embedding and the smear run on every row.

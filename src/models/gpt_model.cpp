@@ -261,7 +261,8 @@ const float* GptModel::sum_rows_over_group(const TensorView& partial) {
 void GptModel::gather_split_gradients() {
   if (!tensor_parallel_.split()) return;
   for (const ParamSpec& spec : gradients_->specs())
-    if (gpt_split_parameter(spec) || (sequence_ && gpt_sequence_split_gradient(spec)))
+    if (gpt_parameter_split(spec) != TensorSplit::None ||
+        (sequence_ && gpt_sequence_split_gradient(spec)))
       sum_over_group((*gradients_)[spec.name]);
 }
 

@@ -3,9 +3,10 @@
 // ranks (one GPU each) the gradients and the delayed-scaling amaxes are reduced through NCCL;
 // with shard_optimizer_state each rank's GPU holds the state of its own parameters only, and
 // the host mirror is gathered whole for a checkpoint. Under tensor parallelism the model's
-// blocks are split over each group's GPUs (an NCCL communicator of the group's own); once the
-// split gradients are gathered, every rank of a group holds the same gradients, so the sum over
-// all ranks is the replicas' sum times the group size, which the mean over ranks divides out.
+// blocks are split over each group's GPUs (an NCCL communicator of the group's own): each rank
+// holds its shares of the split tensors, their gradients and optimizer state, sums its
+// gradients with the same shares of the other replicas only, and shards ZeRO-1 over the
+// replicas; every rank of a group brings the host mirror together (the shares are gathered).
 #include <memory>
 #include <optional>
 #include <string>
@@ -76,26 +77,27 @@ class CudaEngine final : public TrainingEngine {
         sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
         tensor_group_(setup.communicator, setup.layout, setup.sequence_parallel),
         host_optimizer_(setup.model, setup.optimizer, setup.tokens_per_step,
-                        sharded_ ? setup.communicator->rank() : 0,
-                        sharded_ ? setup.communicator->size() : 1),
+                        sharded_ ? setup.layout.data_rank : 0, sharded_ ? setup.layout.data : 1),
         model_(
             setup.model, setup.batch, setup.seq, setup.precision, stream_.get(),
             [&](const CudaGptMemory& planned, const optim::DeviceParameterLayout& layout,
                 size_t lendable) { check_fits(setup, planned, layout, lendable); },
             setup.recompute, tensor_group_.device,
             optim::CudaGptOptimizer::planned_workspace_bytes(
-                host_optimizer_, optim::device_parameter_layout(setup.model,
-                                                                /*bf16_embeddings=*/true))),
+                host_optimizer_,
+                optim::device_parameter_layout(setup.model, /*bf16_embeddings=*/true,
+                                               setup.layout.tensor, setup.layout.tensor_rank))),
         optimizer_(host_optimizer_, model_.layout(), model_.gemm(),
-                   model_.scratch_between_steps().data(), model_.scratch_between_steps().size()),
+                   model_.scratch_between_steps().data(), model_.scratch_between_steps().size(),
+                   share_collectives(tensor_group_.device)),
         norm_host_(1),
         scan_order_(gradient_scan_order(setup.model)) {
     FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));
     model_.gemm().configure_tuning(setup.gemm_tuning);
 #if FP8TRAIN_WITH_NCCL
     if (communicator_ != nullptr) {
-      // Overlapped sums would reduce the split gradients before they are gathered.
-      rank_sums_ = std::make_unique<GptRankSums>(*communicator_, model_,
+      // Overlapped sums would reduce the sequence-parallel gradients before the group's sum.
+      rank_sums_ = std::make_unique<GptRankSums>(*communicator_, model_, layout_,
                                                  setup.overlap_grad_reduce && layout_.tensor == 1,
                                                  sharded_ ? &host_optimizer_.shard() : nullptr);
     }
@@ -159,9 +161,10 @@ class CudaEngine final : public TrainingEngine {
       FP8T_CUDA_CHECK(cudaMemsetAsync(gradients + offset, 0xFF, sizeof(float), stream));
     }
     nan_injections_.clear();
+    // The gradients are the sums over the replicas' micro-batches; the loss over every rank's.
     const int64_t micro_batches = accumulation * ranks;
-    if (micro_batches > 1) {  // the gradient of the mean over micro-batches
-      ops::cuda::scale_f32(gradients, 1.0f / float(micro_batches), count, stream);
+    if (const int64_t summed = accumulation * layout_.data; summed > 1) {
+      ops::cuda::scale_f32(gradients, 1.0f / float(summed), count, stream);
     }
     optimizer_.global_norm(gradients, count, norm_, stream);
     if (clip_grad > 0.0) optimizer_.clip(gradients, count, norm_, float(clip_grad), stream);
@@ -232,7 +235,9 @@ class CudaEngine final : public TrainingEngine {
   void gather_optimizer_state() override {
     if (!sharded_) return;
     optimizer_.download_state(host_optimizer_);
-    train::gather_optimizer_state(host_optimizer_.state(), host_optimizer_.shard(), *communicator_);
+    // Each replica's owned state, whole on every rank of its group: the first rank's counts.
+    train::gather_optimizer_state(host_optimizer_.state(), host_optimizer_.shard(), *communicator_,
+                                  layout_.tensor_rank == 0);
   }
   void from_host() override {
     model_.upload_parameters(host_parameters_);

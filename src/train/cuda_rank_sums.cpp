@@ -2,6 +2,8 @@
 
 #include "train/cuda_rank_sums.h"
 
+#include "core/error.h"
+
 namespace fp8t::train {
 
 namespace {
@@ -26,11 +28,17 @@ std::vector<distributed::NcclGroup::Piece> parameter_pieces(
 }  // namespace
 
 GptRankSums::GptRankSums(distributed::Communicator& host, CudaGptModel& model,
-                         bool overlap_grad_reduce, const optim::OptimizerShard* shard)
+                         const distributed::ParallelLayout& layout, bool overlap_grad_reduce,
+                         const optim::OptimizerShard* shard)
     : model_(model),
       overlap_(overlap_grad_reduce),
       delayed_(!model.delayed_scalings().empty()),
       nccl_(std::make_unique<distributed::NcclGroup>(host)) {
+  FP8T_CHECK(layout.tensor == 1 || !overlap_grad_reduce,
+             "overlapped gradient sums would reduce the sequence-parallel gradients before they "
+             "are summed over the tensor-parallel group");
+  // A split linear's amax is the group's already; a replicated one's is the same on every rank.
+  if (layout.tensor > 1) nccl_ = nccl_->data_parallel_group(layout);
   if (shard != nullptr) {
     parameter_pieces_ =
         parameter_pieces(model.layout(), model.parameters(), model.bf16_parameters(), *shard);

@@ -1,5 +1,5 @@
 // What data parallelism adds to a step of the GPU GPT or Flux on each rank (CUDA builds with
-// NCCL): the sum of every rank's fp32 gradients, after the last backward (or, for the GPT,
+// NCCL): the sum of every replica's fp32 gradients, after the last backward (or, for the GPT,
 // overlapped with it), and for delayed scaling the largest amax any rank saw. The training
 // engines and `bench gpt|flux` both run them, so that the benchmarks time what training does.
 #pragma once
@@ -18,9 +18,13 @@ namespace fp8t::train {
 class GptRankSums {
  public:
   // Joins the ranks of `host` through NCCL on the current device (every rank together). The
-  // collectives run on the model's stream, the overlapped sums on NCCL's own. `shard`: which
-  // rank updates each parameter when the optimizer state is sharded (ZeRO-1), else null.
-  GptRankSums(distributed::Communicator& host, CudaGptModel& model, bool overlap_grad_reduce,
+  // collectives run on the model's stream, the overlapped sums on NCCL's own. Under tensor
+  // parallelism (layout.tensor > 1) each rank's shares are summed with the same shares of the
+  // other replicas only, over this rank's data-parallel group, as FluxRankSums does. `shard`:
+  // which replica updates each parameter when the optimizer state is sharded (ZeRO-1), else
+  // null.
+  GptRankSums(distributed::Communicator& host, CudaGptModel& model,
+              const distributed::ParallelLayout& layout, bool overlap_grad_reduce,
               const optim::OptimizerShard* shard = nullptr);
 
   // The step's last backward; with overlap_grad_reduce each finished range of gradients is

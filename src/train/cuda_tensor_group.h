@@ -8,6 +8,7 @@
 #include "distributed/communicator.h"
 #include "distributed/tensor_parallel_group.h"
 #include "models/cuda/device_tensor_parallel.h"
+#include "optim/cuda/gpu_optimizer.h"
 #if FP8TRAIN_WITH_NCCL
 #include "distributed/nccl_group.h"
 #endif
@@ -37,5 +38,12 @@ struct CudaTensorGroup {
 #endif
   }
 };
+
+// What the GPT optimizer of a tensor-parallel rank's shares needs of its group (none without
+// one).
+inline optim::ShareCollectives share_collectives(const DeviceTensorParallel& group) {
+  if (!group.split()) return {};
+  return {group.all_gather_bf16, group.sum, group.sum_bf16};
+}
 
 }  // namespace fp8t::train

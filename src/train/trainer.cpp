@@ -334,10 +334,11 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
     if (several && !scaling.empty()) {
       check_same_scaling_on_every_rank(scaling, communicator, at_step);
     }
-    // Every rank holds the same weights; sharded optimizer state the ranks gather together.
+    // Sharded optimizer state the ranks gather together; the weights of a tensor-parallel
+    // group's shares, the group's ranks (every rank holds the same weights otherwise).
     engine->gather_optimizer_state();
+    if (leader || layout.tensor > 1) engine->to_host();
     if (!leader) return;
-    engine->to_host();
     nlohmann::json trainer_state = {{"data_position", loader.position()},
                                     {"train_seconds", train_seconds},
                                     {"tokens_seen", at_step * tokens_per_step},

@@ -102,25 +102,27 @@ double relative_error(const float* a, const float* b, int64_t count) {
   return norm > 0.0 ? std::sqrt(diff / norm) : std::sqrt(diff);
 }
 
-// Every parameter's gradient on the GPU against a reference: relative norm error below `bound`
-// per tensor (twice that for the gates), and below scalars_bound (0: 3 * bound) for the scalars
-// together.
-// One parameter's gradient, downloaded from a GPU model.
-std::vector<float> gradient_of(const CudaGptModel& gpu, const GptConfig& config,
-                               const std::string& name) {
-  Arena arena("gradients", ParameterSet::planned_bytes(config, DType::F32));
-  ParameterSet gradients(arena, config, DType::F32);
-  gpu.download_gradients(gradients);
-  const float* values = gradients[name].data<float>();
-  return {values, values + gradients[name].numel()};
-}
+// Whole f32 tensors on the host: a model's parameters or gradients, downloaded.
+struct HostTensors {
+  Arena arena;
+  ParameterSet values;
+  explicit HostTensors(const GptConfig& config)
+      : arena("host tensors", ParameterSet::planned_bytes(config, DType::F32)),
+        values(arena, config, DType::F32) {}
+  std::vector<float> operator()(const std::string& name) const { return copy(values[name]); }
+  static std::vector<float> copy(const TensorView& view) {
+    const float* first = view.data<float>();
+    return {first, first + view.numel()};
+  }
+};
 
-void expect_gradients_match(const CudaGptModel& gpu, const GptConfig& config, double bound,
+// Every parameter's gradient on the GPU (downloaded) against a reference: relative norm error
+// below `bound` per tensor (twice that for the gates), and below scalars_bound (0: 3 * bound) for
+// the scalars together.
+void expect_gradients_match(const ParameterSet& gpu_gradients, const GptConfig& config,
+                            double bound,
                             const std::function<const float*(const std::string&)>& reference,
                             double scalars_bound = 0.0) {
-  Arena arena("gradients", ParameterSet::planned_bytes(config, DType::F32));
-  ParameterSet gpu_gradients(arena, config, DType::F32);
-  gpu.download_gradients(gpu_gradients);
   std::vector<double> gpu_scalars, reference_scalars;
   for (const ParamSpec& spec : gpt_parameters(config)) {
     const float* got = gpu_gradients[spec.name].data<float>();
@@ -153,6 +155,21 @@ void expect_gradients_match(const CudaGptModel& gpu, const GptConfig& config, do
   if (test::verbose()) fmt::print("{:40} error {:.2e}\n", "the scalars", scalars_error);
   EXPECT_LT(scalars_error, scalars_bound > 0.0 ? scalars_bound : 3 * bound)
       << "the scalars' gradients";
+}
+
+// One parameter's gradient, downloaded from a GPU model (of one rank, or a group's rank alone).
+std::vector<float> gradient_of(const CudaGptModel& gpu, const GptConfig& config,
+                               const std::string& name) {
+  HostTensors gradients(config);
+  gpu.download_gradients(gradients.values);
+  return gradients(name);
+}
+
+void expect_gradients_match(const CudaGptModel& gpu, const GptConfig& config, double bound,
+                            const std::function<const float*(const std::string&)>& reference) {
+  HostTensors gradients(config);
+  gpu.download_gradients(gradients.values);
+  expect_gradients_match(gradients.values, config, bound, reference);
 }
 
 class GptModelGpuTest : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
@@ -496,22 +513,49 @@ INSTANTIATE_TEST_SUITE_P(Precisions, GptRecomputeGpu,
 
 // Tensor parallelism over two ranks (threads on one GPU, each on its own stream) against the
 // same model whole, over two steps (the second on the scales the first's amaxes gave): every
-// rank has the whole model's loss and, once gathered, its gradients, within the rounding of the
-// partial sums; the ranks agree bit for bit on the loss, the split gradients and every FP8 scale,
+// rank holds less of the parameters and gradients (its shares), and has the whole model's loss
+// and, its shares gathered, its gradients, within the rounding of the partial sums; the ranks
+// agree bit for bit on the loss, the sequence-parallel gradients and every FP8 scale,
 // and their weights' scales are the whole weights' (from the group's largest amax). The ranks run
 // without recompute, then with full recompute; each without sequence parallelism, then with it
 // (each rank keeping half of the rows, and fewer activations than without), on shares of the
 // counted targets that differ.
 class GptTensorParallelGpu : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
 
+// Two heads of 128 (each rank's share of a pair is whole 1x128 blocks) and two kv heads, and one
+// sequence of kTwoRankSeq tokens (a sequence-parallel rank's rows end inside it).
+constexpr int64_t kTwoRankSeq = kBatch * kSeq;
+GptConfig two_rank_config() {
+  GptConfig config = small_config();
+  config.n_embd = 256;
+  config.n_kv_head = 2;
+  config.sequence_len = kTwoRankSeq;
+  return config;
+}
+
+// A stream for each rank, and one for the model whole.
+class Streams {
+ public:
+  explicit Streams(int count) : streams_(static_cast<size_t>(count)) {
+    for (cudaStream_t& stream : streams_)
+      FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
+  }
+  ~Streams() {
+    for (cudaStream_t stream : streams_)
+      cudaStreamDestroy(stream);
+  }
+  Streams(const Streams&) = delete;
+  Streams& operator=(const Streams&) = delete;
+  cudaStream_t operator[](size_t index) const { return streams_[index]; }
+
+ private:
+  std::vector<cudaStream_t> streams_;
+};
+
 TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeModel) {
   const auto [mode, recipe] = GetParam();
-  GptConfig config = small_config();
-  config.n_embd = 256;  // two heads of 128: each rank's share is whole 1x128 blocks
-  config.n_kv_head = 2;
-  // One sequence of 128 tokens: a sequence-parallel rank's rows end inside it.
-  constexpr int64_t batch = 1, seq = kBatch * kSeq;
-  config.sequence_len = seq;
+  const GptConfig config = two_rank_config();
+  constexpr int64_t batch = 1, seq = kTwoRankSeq;
   const GptPrecision precision = precision_for(mode, recipe);
   const bool fp8 = mode != Fp8Mode::None;
   test::TestRng rng;
@@ -520,9 +564,7 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
   init_with_gradient_everywhere(cpu, config, rng);
 
   constexpr int kRanks = 2;
-  std::vector<cudaStream_t> streams(kRanks + 1);
-  for (cudaStream_t& stream : streams)
-    FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
+  const Streams streams(kRanks + 1);
   // The ranks without recompute, then with full recompute (their reruns sum over the group too);
   // the activations of a rank without sequence parallelism, per recompute setting.
   const std::array<RecomputeOptions, 2> recomputes = {RecomputeOptions{},
@@ -548,14 +590,19 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
         for (size_t i = 0; i < whole.linear_precision().size(); ++i)
           ASSERT_EQ(ranks.back()->linear_precision()[i].fp8, whole.linear_precision()[i].fp8);
         EXPECT_LT(ranks.back()->memory().activations, whole.memory().activations);
+        // Its shares of the split tensors, and their gradients.
+        EXPECT_LT(ranks.back()->memory().parameters, whole.memory().parameters);
+        EXPECT_LT(ranks.back()->memory().gradients, whole.memory().gradients);
       }
       if (sequence) {
         EXPECT_LT(ranks[0]->memory().activations, plain_activations[setting]);
       } else {
         plain_activations[setting] = ranks[0]->memory().activations;
       }
-      Arena arena("gradients", ParameterSet::planned_bytes(config, DType::F32));
-      ParameterSet whole_gradients(arena, config, DType::F32);
+      HostTensors whole_gradients(config);
+      std::vector<std::unique_ptr<HostTensors>> rank_gradients;
+      for (int rank = 0; rank < kRanks; ++rank)
+        rank_gradients.push_back(std::make_unique<HostTensors>(config));
       size_t fp8_linears = 0;
       for (const LinearPrecision& decision : whole.linear_precision())
         fp8_linears += decision.fp8 && decision.linear.kind != ParamKind::Gate;
@@ -580,15 +627,16 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
           losses[rank] = model.loss_value();
           model.backward();
           model.gather_split_gradients();
+          model.download_gradients(rank_gradients[rank]->values);  // the group's shares
         });
         EXPECT_EQ(losses[1], losses[0]);
         EXPECT_NEAR(losses[0], loss, 2e-3 * loss);
-        whole.download_gradients(whole_gradients);
+        whole.download_gradients(whole_gradients.values);
         // Delayed scaling's first step casts at scale 1, where most gradients underflow: its
         // gradients are compared once the first step's amaxes have set the scales.
-        for (const auto& rank : ranks) {
+        for (int rank = 0; rank < kRanks; ++rank) {
           if (recipe == ScalingRecipe::Delayed && fp8 && step == 1) break;
-          if (test::verbose()) fmt::print("step {}, rank {}:\n", step, &rank - ranks.data());
+          if (test::verbose()) fmt::print("step {}, rank {}:\n", step, rank);
           // The partial sums round to bf16 once more than the whole model's outputs, which moves
           // an FP8 code now and then (E5M2 codes of the gradients are 12.5 to 25 % apart): over 14
           // seeds on the H200 a tensor moved by up to 0.02 in BF16 and 0.16 in FP8, the scalars
@@ -598,14 +646,13 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
           // error of a gradient missing or summed twice. The tensors' bounds are the
           // GPU-against-CPU test's.
           expect_gradients_match(
-              *rank, config, fp8 ? 0.2 : 0.05,
-              [&](const std::string& name) { return whole_gradients[name].data<float>(); },
+              rank_gradients[size_t(rank)]->values, config, fp8 ? 0.2 : 0.05,
+              [&](const std::string& name) { return whole_gradients.values[name].data<float>(); },
               fp8 ? 0.9 : 0.4);
         }
         for (const ParamSpec& spec : gpt_parameters(config)) {
-          if (gpt_split_parameter(spec) || (sequence && gpt_sequence_split_gradient(spec))) {
-            EXPECT_EQ(gradient_of(*ranks[1], config, spec.name),
-                      gradient_of(*ranks[0], config, spec.name))
+          if (sequence && gpt_sequence_split_gradient(spec)) {
+            EXPECT_EQ((*rank_gradients[1])(spec.name), (*rank_gradients[0])(spec.name))
                 << spec.name;
           }
         }
@@ -613,8 +660,133 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
       }
     }
   }
-  for (cudaStream_t stream : streams)
-    FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+// The optimizer of each rank of a group of two updates its shares as the whole model's updates
+// the whole tensors, over two steps: Muon orthogonalizes each split matrix whole (its shares
+// gathered over the group) and AdamW steps the value embeddings' shares. Given the ranks'
+// gradients, gathered, the whole model's optimizer moves every parameter and every state buffer
+// as the ranks' do, bit for bit, their shares gathered; the gradient norm is the same up to the
+// order of its sums. The state given to the ranks comes back as it was (each rank cutting its
+// shares out of the whole tensors, a download gathering them).
+TEST(GptTensorParallelGpu, OptimizerStepsTheSharesAsTheWholeModelsOptimizer) {
+  const GptConfig config = two_rank_config();
+  constexpr int64_t batch = 1, seq = kTwoRankSeq;
+  const GptPrecision precision = precision_for(Fp8Mode::None, ScalingRecipe::Tensorwise);
+  test::TestRng rng;
+  SCOPED_TRACE(rng.trace());
+  GptModel cpu(config, kBatch, kSeq, GptPrecision::fp32_reference());
+  init_with_gradient_everywhere(cpu, config, rng);
+  constexpr int kRanks = 2;
+  const Streams streams(kRanks + 1);
+  {
+    optim::GptOptimizer host(config, optim::OptimizerSettings{}, batch * seq);
+    CudaGptModel whole(config, batch, seq, precision, streams[kRanks]);
+    whole.upload_parameters(cpu.parameters());
+    optim::CudaGptOptimizer whole_optimizer(host, whole.layout(), whole.gemm());
+    testing::ThreadGroup group(kRanks);
+    std::vector<std::unique_ptr<CudaGptModel>> ranks;
+    std::vector<std::unique_ptr<optim::CudaGptOptimizer>> optimizers;
+    for (int rank = 0; rank < kRanks; ++rank) {
+      const DeviceTensorParallel member = testing::device_member(group, rank);
+      ranks.push_back(
+          std::make_unique<CudaGptModel>(config, batch, seq, precision, streams[size_t(rank)],
+                                         CudaGptModel::PlanCheck{}, RecomputeOptions{}, member));
+      ranks.back()->upload_parameters(cpu.parameters());
+      optimizers.push_back(std::make_unique<optim::CudaGptOptimizer>(
+          host, ranks.back()->layout(), ranks.back()->gemm(), nullptr, 0,
+          optim::ShareCollectives{member.all_gather_bf16, member.sum, member.sum_bf16}));
+      EXPECT_LT(optimizers.back()->device_state_bytes(), whole_optimizer.device_state_bytes());
+    }
+    HostTensors gathered(config);
+    DeviceBuffer<float> norms(kRanks + 1);
+    const optim::StepSchedule schedule;
+    for (int step = 1; step <= 2; ++step) {
+      const Tokens tokens = random_tokens(rng, config);
+      testing::run_ranks<CudaGptModel>(ranks, [&](CudaGptModel& model, size_t rank) {
+        optim::CudaGptOptimizer& optimizer = *optimizers[rank];
+        model.zero_gradients();
+        model.forward(tokens.idx.data(), tokens.targets.data(), true);
+        model.backward();
+        model.gather_split_gradients();
+        if (rank == 0) {
+          model.download_gradients(gathered.values);
+        } else {
+          HostTensors again(config);
+          model.download_gradients(again.values);
+        }
+        optimizer.global_norm(model.gradients(), model.layout().total_elements, norms.get() + rank,
+                              model.stream());
+        optimizer.step(model.parameters(), model.bf16_parameters(), model.gradients(), schedule,
+                       model.stream());
+      });
+      // The whole model's optimizer on the ranks' gradients.
+      for (const optim::DeviceParameter& tensor : whole.layout().parameters) {
+        FP8T_CUDA_CHECK(cudaMemcpyAsync(
+            whole.gradients() + tensor.offset, gathered.values[tensor.name].data<float>(),
+            size_t(tensor.numel) * sizeof(float), cudaMemcpyHostToDevice, whole.stream()));
+      }
+      whole_optimizer.global_norm(whole.gradients(), whole.layout().total_elements,
+                                  norms.get() + kRanks, whole.stream());
+      whole_optimizer.step(whole.parameters(), whole.bf16_parameters(), whole.gradients(), schedule,
+                           whole.stream());
+      FP8T_CUDA_CHECK(cudaDeviceSynchronize());
+      const std::vector<float> norm = norms.download();
+      EXPECT_EQ(norm[1], norm[0]) << "step " << step;
+      EXPECT_NEAR(norm[0], norm[kRanks], 1e-6 * norm[kRanks]) << "step " << step;
+    }
+
+    HostTensors whole_parameters(config);
+    whole.download_parameters(whole_parameters.values);
+    std::vector<std::unique_ptr<HostTensors>> rank_parameters;
+    std::vector<std::unique_ptr<optim::GptOptimizer>> rank_states;
+    for (int rank = 0; rank < kRanks; ++rank) {
+      rank_parameters.push_back(std::make_unique<HostTensors>(config));
+      rank_states.push_back(
+          std::make_unique<optim::GptOptimizer>(config, optim::OptimizerSettings{}, batch * seq));
+    }
+    testing::run_ranks<CudaGptModel>(ranks, [&](CudaGptModel& model, size_t rank) {
+      model.download_parameters(rank_parameters[rank]->values);
+      optimizers[rank]->download_state(*rank_states[rank]);
+    });
+    whole_optimizer.download_state(host);
+    for (const ParamSpec& spec : gpt_parameters(config)) {
+      const std::vector<float> start = HostTensors::copy(cpu.parameters()[spec.name]);
+      const std::vector<float> want = whole_parameters(spec.name);
+      if (gpt_parameter_split(spec) != TensorSplit::None) {
+        EXPECT_NE(want, start) << spec.name << " did not move";
+      }
+      for (int rank = 0; rank < kRanks; ++rank)
+        EXPECT_EQ((*rank_parameters[size_t(rank)])(spec.name), want)
+            << spec.name << ", rank " << rank;
+    }
+    const std::vector<NamedTensor> whole_state = host.state();
+    for (size_t i = 0; i < whole_state.size(); ++i) {
+      const TensorView& want = whole_state[i].view;
+      if (want.dtype() != DType::F32) continue;  // the step counter
+      for (int rank = 0; rank < kRanks; ++rank) {
+        const TensorView& got = rank_states[size_t(rank)]->state()[i].view;
+        ASSERT_EQ(got.bytes(), want.bytes()) << whole_state[i].name;
+        EXPECT_EQ(std::memcmp(got.raw(), want.raw(), want.bytes()), 0)
+            << whole_state[i].name << ", rank " << rank;
+      }
+    }
+    // The state given to the ranks comes back as it was: the whole model's after a third step
+    // of its own, which the ranks never took.
+    whole_optimizer.step(whole.parameters(), whole.bf16_parameters(), whole.gradients(), schedule,
+                         whole.stream());
+    whole_optimizer.download_state(host);
+    testing::run_ranks<CudaGptModel>(ranks, [&](CudaGptModel&, size_t rank) {
+      optimizers[rank]->upload_state(host);
+      optimizers[rank]->download_state(*rank_states[rank]);
+    });
+    const std::vector<NamedTensor> given = host.state();
+    for (size_t i = 0; i < given.size(); ++i) {
+      const TensorView& want = given[i].view;
+      const TensorView& got = rank_states[0]->state()[i].view;
+      EXPECT_EQ(std::memcmp(got.raw(), want.raw(), want.bytes()), 0) << given[i].name;
+    }
+  }
 }
 
 // A sequence-parallel rank's rows must make whole tiles of 16 for the GPU's GEMMs: 48 tokens split

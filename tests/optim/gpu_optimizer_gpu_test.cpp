@@ -87,6 +87,51 @@ TEST(DeviceParameterLayout, PutsBf16EmbeddingTablesLast) {
   EXPECT_EQ(layout.bf16_parameter_elements(), layout.total_elements - layout.bf16_offset);
 }
 
+// A tensor-parallel rank's layout holds its shares of the split tensors: a run of whole rows
+// (q, k, v, the MLP's first linear, the value gates) or of each row's columns (the output
+// projections, the value embeddings), at the rank's place in the whole tensor; the rest whole.
+TEST(DeviceParameterLayout, HoldsATensorParallelRanksShares) {
+  GptConfig config = GptConfig::from_depth(2);
+  config.vocab_size = 100;
+  const DeviceParameterLayout whole = device_parameter_layout(config, /*bf16_embeddings=*/true);
+  const DeviceParameterLayout rank = device_parameter_layout(config, true, 2, 1);
+  EXPECT_EQ(rank.tensor_parallel, 2);
+  EXPECT_EQ(rank.tensor_rank, 1);
+  ASSERT_EQ(rank.parameters.size(), whole.parameters.size());
+  const int64_t C = config.n_embd;
+  const DeviceParameter& q = rank["transformer.h.0.attn.c_q.weight"];
+  EXPECT_EQ(q.split, TensorSplit::Outputs);
+  EXPECT_EQ(q.shape, (std::vector<int64_t>{C / 2, C}));
+  EXPECT_EQ(q.whole_shape, (std::vector<int64_t>{C, C}));
+  const ShareRows q_rows = rank.share_rows(q);
+  EXPECT_EQ(q_rows.whole_first, C / 2 * C);
+  EXPECT_EQ(q_rows.whole_cols, C);
+  const DeviceParameter& proj = rank["transformer.h.0.mlp.c_proj.weight"];
+  EXPECT_EQ(proj.split, TensorSplit::Inputs);
+  EXPECT_EQ(proj.shape, (std::vector<int64_t>{C, 2 * C}));
+  const ShareRows proj_rows = rank.share_rows(proj);
+  EXPECT_EQ(proj_rows.whole_first, 2 * C);
+  EXPECT_EQ(proj_rows.whole_cols, 4 * C);
+  const DeviceParameter& table = rank["value_embeds.1.weight"];
+  EXPECT_EQ(table.split, TensorSplit::Inputs);
+  EXPECT_TRUE(table.bf16);
+  EXPECT_EQ(table.shape[1], config.kv_dim() / 2);
+  EXPECT_EQ(rank["transformer.h.1.attn.ve_gate.weight"].split, TensorSplit::Outputs);
+  for (const std::string name : {"transformer.wte.weight", "lm_head.weight", "resid_lambdas"}) {
+    EXPECT_EQ(rank[name].split, TensorSplit::None) << name;
+    EXPECT_EQ(rank[name].shape, whole[name].shape) << name;
+  }
+  // The share of a whole host tensor: rank 1's columns of each row.
+  std::vector<float> values(static_cast<size_t>(C * 4 * C));
+  for (size_t i = 0; i < values.size(); ++i)
+    values[i] = static_cast<float>(i);
+  const std::vector<float> share = host_share(rank, proj, values.data());
+  ASSERT_EQ(std::ssize(share), proj.numel);
+  EXPECT_EQ(share[0], static_cast<float>(2 * C));
+  EXPECT_EQ(share[size_t(2 * C)], static_cast<float>(4 * C + 2 * C));  // row 1's first
+  EXPECT_THROW(device_parameter_layout(config, true, 2, 2), Error);
+}
+
 using test::expect_close;
 using test::TestRng;
 using test::Tolerance;
@@ -605,7 +650,11 @@ TEST_P(CudaGptOptimizerTest, RejectsMismatchedLayoutAndHost) {
   expect_error([&] { CudaGptOptimizer gpu(muon, missing, gemm_); },
                "holds no tensor named '" + layout_.parameters.back().name + "'");
   DeviceParameterLayout extra = layout_;
-  extra.parameters.push_back({"extra.weight", {4, 4}, 16, layout_.total_elements});
+  DeviceParameter& added = extra.parameters.emplace_back();
+  added.name = "extra.weight";
+  added.shape = {4, 4};
+  added.numel = 16;
+  added.offset = layout_.total_elements;
   expect_error([&] { CudaGptOptimizer gpu(muon, extra, gemm_); },
                "expected the parameter 'extra.weight' in one optimizer group, found it in 0");
   CudaGptOptimizer gpu(muon, layout_, gemm_);

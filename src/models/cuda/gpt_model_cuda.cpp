@@ -12,10 +12,10 @@
 
 #include "core/cuda_check.h"
 #include "core/device_arena.h"
+#include "core/device_buffer.h"
 #include "core/error.h"
 #include "gemm/cublaslt_gemm.h"
 #include "models/cuda/linear_scalings.h"
-#include "models/cuda/parameter_copies.h"
 #include "models/tensor_parallel.h"
 #include "ops/cross_entropy.h"
 #include "ops/cuda/attention_cudnn.h"
@@ -53,18 +53,15 @@ struct PinnedBuffer {
 struct LinearShare {
   TensorSplit split = TensorSplit::None;
   int64_t in_features = 0, out_features = 0;
-  int64_t offset = 0;  // where the share starts in the whole weight, in elements
 };
 
 LinearShare share_of(const LinearSpec& linear, const DeviceTensorParallel& group) {
   LinearShare share{group.split() ? gpt_tensor_split(linear.name) : TensorSplit::None,
-                    linear.in_features, linear.out_features, 0};
+                    linear.in_features, linear.out_features};
   if (share.split == TensorSplit::Outputs) {  // this rank's run of whole rows
     share.out_features /= group.size;
-    share.offset = group.rank * share.out_features * linear.in_features;
   } else if (share.split == TensorSplit::Inputs) {  // this rank's run of each row's columns
     share.in_features /= group.size;
-    share.offset = group.rank * share.in_features;
   }
   return share;
 }
@@ -75,7 +72,6 @@ struct CudaGptModel::Linear {
   std::string weight;  // parameter name
   std::unique_ptr<kernels::CudaLinear> layer;
   int fp8_index = -1;  // its CudaLinearScalings index; -1 outside FP8
-  int64_t offset = 0;  // where this rank's share starts in the whole weight (LinearShare)
 };
 
 // What one block saves for backward.
@@ -135,8 +131,7 @@ struct CudaGptModel::Buffers {
   // Sequence parallelism: the group's rows [B·T, C] (gathered, or partial sums), and this rank's
   // rows of a summed input gradient.
   bf16 *whole = nullptr, *dnorm_own = nullptr;
-  float* weight_staging = nullptr;  // row-parallel shares' columns (LinearSetup::weight_stride)
-  uint8_t* region = nullptr;        // where the pieces of one phase take turns (lay_out)
+  uint8_t* region = nullptr;  // where the pieces of one phase take turns (lay_out)
   size_t region_bytes = 0;
   bool forward_has_gradient = false;
 
@@ -203,7 +198,8 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
     }
   }
 
-  layout_ = optim::device_parameter_layout(config_, /*bf16_embeddings=*/true);
+  layout_ = optim::device_parameter_layout(config_, /*bf16_embeddings=*/true, group_size,
+                                           tensor_parallel_.rank);
   plan_gradient_ranges();
   lay_out();
   memory_.parameters = buffers_->parameters.bytes();
@@ -298,10 +294,6 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
     kernels::LinearSetup setup;
     setup.in_features = share.in_features;
     setup.out_features = share.out_features;
-    if (share.split == TensorSplit::Inputs) {
-      setup.weight_stride = decision.linear.in_features;
-      setup.weight_staging = buffers_->weight_staging;
-    }
     if (share.split != TensorSplit::None) {
       // Column-parallel: the weight and the output gradient are shares, the input is whole;
       // row-parallel: the input and the weight are shares.
@@ -338,7 +330,6 @@ CudaGptModel::CudaGptModel(const GptConfig& config, int64_t batch, int64_t seq,
     if (decision.fp8) setup.wgrad_group = qkv_wgrad_group(decision.linear);
     Linear linear;
     linear.weight = decision.linear.name + ".weight";
-    linear.offset = share.offset;
     const std::string& name = decision.linear.name;
     if (decision.fp8) {
       const int index = static_cast<int>(fp8_index_of.size());
@@ -531,16 +522,13 @@ void CudaGptModel::lay_out() {
                                ws.take<uint8_t>(N * Hkv * D), ws.take<uint8_t>(N * Hkv * D)};
   }
 
-  // FP8: the scaling floats and the quantization scratch of the largest linear (share); the
-  // row-parallel shares' columns of their weights, gathered in turn.
+  // FP8: the scaling floats and the quantization scratch of the largest linear (share).
   int fp8_count = 0;
-  int64_t max_in = 0, max_out = 0, max_staged = 0;
+  int64_t max_in = 0, max_out = 0;
   ops::WeightTScratch weight_t;
   for (const LinearPrecision& decision : linear_precision_) {
     if (decision.linear.kind == ParamKind::Gate) continue;
     const LinearShare share = share_of(decision.linear, tensor_parallel_);
-    if (share.split == TensorSplit::Inputs)
-      max_staged = std::max(max_staged, share.in_features * share.out_features);
     if (!decision.fp8) continue;
     ++fp8_count;
     max_in = std::max(max_in, share.in_features);
@@ -548,7 +536,6 @@ void CudaGptModel::lay_out() {
     if (precision_.fp8_weight_transposes == ops::WeightTransposes::InBackward)
       weight_t.fit(share.in_features, share.out_features, precision_.fp8.recipe);
   }
-  b.weight_staging = max_staged > 0 ? ws.take<float>(static_cast<size_t>(max_staged)) : nullptr;
   b.scalings.take(b.linear_scratch, fp8_count);
   if (fp8_count > 0) {
     DeviceArena& scratch = b.linear_scratch;
@@ -585,11 +572,11 @@ float* CudaGptModel::gradient(const std::string& name) const {
 }
 
 const float* CudaGptModel::weight(const Linear& linear) const {
-  return parameter(linear.weight) + linear.offset;
+  return parameter(linear.weight);
 }
 
 float* CudaGptModel::weight_gradient(const Linear& linear) const {
-  return gradient(linear.weight) + linear.offset;
+  return gradient(linear.weight);
 }
 
 const bf16* CudaGptModel::mlp_activation(const bf16* fc, const ops::cuda::CudaLinear& mlp_proj) {
@@ -606,16 +593,80 @@ CudaGptModel::Linear& CudaGptModel::linear(const std::string& name) {
 }
 
 void CudaGptModel::upload_parameters(const ParameterSet& host) {
-  upload_parameter_set(host, layout_, parameters_, stream_, bf16_parameters_);
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  std::vector<float> share;
+  std::vector<bf16> staging;
+  for (const optim::DeviceParameter& tensor : layout_.parameters) {
+    const TensorView& view = host[tensor.name];
+    FP8T_CHECK(view.dtype() == DType::F32, "expected f32 parameters, '{}' is {}", tensor.name,
+               dtype_name(view.dtype()));
+    const float* values = view.data<float>();
+    if (tensor.split != TensorSplit::None) {
+      share = optim::host_share(layout_, tensor, values);
+      values = share.data();
+    }
+    if (tensor.bf16) {
+      staging.resize(static_cast<size_t>(tensor.numel));
+      std::transform(values, values + tensor.numel, staging.begin(), float_to_bf16);
+      FP8T_CUDA_CHECK(cudaMemcpy(bf16_parameters_ + (tensor.offset - layout_.bf16_offset),
+                                 staging.data(), staging.size() * sizeof(bf16),
+                                 cudaMemcpyHostToDevice));
+    } else {
+      FP8T_CUDA_CHECK(cudaMemcpy(parameters_ + tensor.offset, values,
+                                 size_t(tensor.numel) * sizeof(float), cudaMemcpyHostToDevice));
+    }
+  }
   weights_ready_ = false;
 }
 
 void CudaGptModel::download_parameters(ParameterSet& host) const {
-  download_parameter_set(layout_, parameters_, host, stream_, bf16_parameters_);
+  download(parameters_, bf16_parameters_, host);
 }
 
 void CudaGptModel::download_gradients(ParameterSet& host) const {
-  download_parameter_set(layout_, gradients_, host, stream_);
+  download(gradients_, nullptr, host);
+}
+
+void CudaGptModel::download(const float* base, const bf16* bf16_base, ParameterSet& host) const {
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  int64_t largest_share = 0;
+  for (const optim::DeviceParameter& tensor : layout_.parameters)
+    if (tensor.split != TensorSplit::None) largest_share = std::max(largest_share, tensor.numel);
+  // A split tensor: each rank's share in its place among zeros, summed over the group.
+  DeviceBuffer<float> whole(size_t(largest_share * tensor_parallel_.size));
+  std::vector<bf16> staging;
+  for (const optim::DeviceParameter& tensor : layout_.parameters) {
+    TensorView& view = host[tensor.name];
+    const bool in_bf16 = bf16_base != nullptr && tensor.bf16;
+    const size_t element = in_bf16 ? sizeof(bf16) : sizeof(float);
+    const auto* device =
+        in_bf16 ? static_cast<const void*>(bf16_base + (tensor.offset - layout_.bf16_offset))
+                : static_cast<const void*>(base + tensor.offset);
+    if (tensor.split != TensorSplit::None) {
+      auto* bytes = reinterpret_cast<uint8_t*>(whole.get());
+      FP8T_CUDA_CHECK(cudaMemsetAsync(bytes, 0, size_t(view.numel()) * element, stream_));
+      const optim::ShareRows share = layout_.share_rows(tensor);
+      FP8T_CUDA_CHECK(cudaMemcpy2DAsync(bytes + share.whole_first * element,
+                                        size_t(share.whole_cols) * element, device,
+                                        size_t(share.cols) * element, size_t(share.cols) * element,
+                                        size_t(share.rows), cudaMemcpyDeviceToDevice, stream_));
+      if (in_bf16) {
+        tensor_parallel_.sum_bf16(reinterpret_cast<bf16*>(bytes), size_t(view.numel()), stream_);
+      } else {
+        tensor_parallel_.sum(whole.get(), size_t(view.numel()), stream_);
+      }
+      FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      device = bytes;
+    }
+    if (in_bf16) {
+      staging.resize(static_cast<size_t>(view.numel()));
+      FP8T_CUDA_CHECK(cudaMemcpy(staging.data(), device, staging.size() * sizeof(bf16),
+                                 cudaMemcpyDeviceToHost));
+      std::ranges::transform(staging, view.data<float>(), bf16_to_float);
+    } else {
+      FP8T_CUDA_CHECK(cudaMemcpy(view.raw(), device, view.bytes(), cudaMemcpyDeviceToHost));
+    }
+  }
 }
 
 void CudaGptModel::zero_gradients() {
@@ -723,14 +774,12 @@ void CudaGptModel::block_forward(int index, bool record) {
   linear(prefix + "attn.c_k").layer->forward(attn_norm, N, b.k_lin, record, s);
   linear(prefix + "attn.c_v").layer->forward(attn_norm, N, layer.v, record, s);
   if (config_.has_value_embedding(index)) {  // this rank's kv heads' columns and gates
-    kernels::embedding_forward(
-        b.value_embed, b.idx,
-        embedding_table(fmt::format("value_embeds.{}.weight", index)) + rank * Hkv * D, N, vocab,
-        Hkv * D, s, config_.kv_dim());
-    kernels::value_gate_forward(
-        layer.v, layer.value_gate, attn_norm, b.value_embed,
-        parameter(prefix + "attn.ve_gate.weight") + rank * Hkv * kValueGateChannels,
-        {N, C, Hkv, D, kValueGateChannels}, s);
+    kernels::embedding_forward(b.value_embed, b.idx,
+                               embedding_table(fmt::format("value_embeds.{}.weight", index)), N,
+                               vocab, Hkv * D, s);
+    kernels::value_gate_forward(layer.v, layer.value_gate, attn_norm, b.value_embed,
+                                parameter(prefix + "attn.ve_gate.weight"),
+                                {N, C, Hkv, D, kValueGateChannels}, s);
   }
   kernels::rotary_rmsnorm_forward(layer.q, layer.q_rstd, b.q_lin, b.rotary_cos, b.rotary_sin,
                                   q_shape, kEps, s);
@@ -851,10 +900,8 @@ void CudaGptModel::plan_gradient_ranges() {
     add(gradient_ranges_[static_cast<size_t>(backward_gradient_group(spec, config_.n_layer))],
         offset, end);
     // Under sequence parallelism lm_head and the residual mixes' scalars take their gradients
-    // from this rank's rows.
-    if (tensor_parallel_.split() &&
-        (gpt_split_parameter(spec) || (sequence_ && gpt_sequence_split_gradient(spec))))
-      add(split_gradient_ranges_, offset, end);
+    // from this rank's rows; the split tensors' shares have theirs whole.
+    if (sequence_ && gpt_sequence_split_gradient(spec)) add(split_gradient_ranges_, offset, end);
   }
 }
 
@@ -871,7 +918,6 @@ void CudaGptModel::report_gradients(size_t group) const {
 void CudaGptModel::backward() {
   const int64_t B = batch_, T = seq_, N = tokens_, R = rows_, C = config_.n_embd;
   const int64_t H = heads_, Hkv = kv_heads_, D = config_.head_dim();
-  const int rank = tensor_parallel_.rank;
   const int64_t vocab = config_.padded_vocab();
   Buffers& b = *buffers_;
   FP8T_CHECK(b.forward_has_gradient, "backward() needs a forward with the gradient first");
@@ -952,15 +998,13 @@ void CudaGptModel::backward() {
     }
     if (config_.has_value_embedding(index)) {  // this rank's kv heads' columns and gates
       const std::string table = fmt::format("value_embeds.{}.weight", index);
-      const int64_t columns = rank * Hkv * D, gates = rank * Hkv * kValueGateChannels;
-      kernels::embedding_forward(b.value_embed, b.idx, embedding_table(table) + columns, N, vocab,
-                                 Hkv * D, s, config_.kv_dim());
-      kernels::value_gate_backward(
-          b.dnorm, gradient(prefix + "attn.ve_gate.weight") + gates, b.dvalue_embed, b.dv,
-          attn_norm, b.value_embed, parameter(prefix + "attn.ve_gate.weight") + gates,
-          layer.value_gate, {N, C, Hkv, D, kValueGateChannels}, b.reduction, s);
-      kernels::embedding_backward(gradient(table) + columns, b.dvalue_embed, b.idx, N, vocab,
-                                  Hkv * D, s, config_.kv_dim());
+      kernels::embedding_forward(b.value_embed, b.idx, embedding_table(table), N, vocab, Hkv * D,
+                                 s);
+      kernels::value_gate_backward(b.dnorm, gradient(prefix + "attn.ve_gate.weight"),
+                                   b.dvalue_embed, b.dv, attn_norm, b.value_embed,
+                                   parameter(prefix + "attn.ve_gate.weight"), layer.value_gate,
+                                   {N, C, Hkv, D, kValueGateChannels}, b.reduction, s);
+      kernels::embedding_backward(gradient(table), b.dvalue_embed, b.idx, N, vocab, Hkv * D, s);
     }
     kernels::rmsnorm_backward(b.dres, sum_gradient_rows(b.dnorm), layer.attn_norm, layer.attn_rstd,
                               R, C, GradStore::Add, s);  // dres: d input

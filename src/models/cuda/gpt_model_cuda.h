@@ -14,8 +14,9 @@
 // model does: this rank computes its heads and its share of the MLP's hidden features, the
 // output projections' partial outputs are summed over the group in bf16 (the residual added by
 // the group's first rank), as are the input gradients of q, k, v and the MLP's first linear. The
-// parameters, gradients and optimizer state stay whole on every rank; each linear reads its
-// rows of the whole weight in place, or gathers its columns once per step.
+// rank holds only its shares of the split tensors (gpt_parameter_split: the blocks' linears, the
+// value gates and the value embeddings), each one contiguous matrix, with their gradients
+// (layout(): optim::device_parameter_layout of the rank); the rest stays whole on every rank.
 // Sequence parallelism (the group's `sequence`) keeps this rank's consecutive 1/size of the
 // micro-batch's B·T rows in the residual stream, its norms and lm_head, as the CPU model does:
 // the norms' outputs are gathered (all-gather) before the split linears, and the partial sums
@@ -121,8 +122,10 @@ class CudaGptModel {
   bf16* bf16_parameters() const { return bf16_parameters_; }
   float* gradients() const { return gradients_; }
   const optim::DeviceParameterLayout& layout() const { return layout_; }
-  // Copies between a host ParameterSet (f32) and the device parameters (synchronizes); an upload
-  // makes the next forward cast the weights again.
+  // Copies between a host ParameterSet (f32, whole tensors) and the device parameters
+  // (synchronizes); an upload makes the next forward cast the weights again. Under tensor
+  // parallelism an upload takes this rank's shares of the host's tensors, and a download gathers
+  // the group's shares: every rank of the group downloads together.
   void upload_parameters(const ParameterSet& host);
   void download_parameters(ParameterSet& host) const;
   void download_gradients(ParameterSet& host) const;
@@ -135,9 +138,9 @@ class CudaGptModel {
   // tensor parallelism each rank adds the gradients of its shares of the split parameters only,
   // and under sequence parallelism its rows' part of lm_head's and the residual scalars'.
   void backward();
-  // Under tensor parallelism, once per optimizer step after the last backward: those gradients
-  // summed over the group, so that every rank holds them whole, as a model without tensor
-  // parallelism does. Nothing otherwise.
+  // Under sequence parallelism, once per optimizer step after the last backward: the gradients
+  // of lm_head and the residual scalars summed over the group, so that every rank holds them
+  // whole, as a model without it does. Nothing otherwise: a share's gradient is whole already.
   void gather_split_gradients();
   // Called by backward(), when set, with each range of the gradients (elements of the layout)
   // as soon as the work queued on the stream completes it: lm_head's, each block's (its value
@@ -192,6 +195,9 @@ class CudaGptModel {
   float* weight_gradient(const Linear& linear) const;
   float* parameter(const std::string& name) const;  // an fp32 parameter
   const bf16* embedding_table(const std::string& name) const;
+  // download_parameters and download_gradients: the tensors of a layout-ordered buffer (its bf16
+  // ones from bf16_base, when not null) into host, the split ones gathered over the group.
+  void download(const float* base, const bf16* bf16_base, ParameterSet& host) const;
   float* gradient(const std::string& name) const;
   // Sequence parallelism: the group's rows [B·T, C] of a tensor of this rank's rows, gathered
   // into the workspace's `whole` (valid until its next use); otherwise the tensor itself.

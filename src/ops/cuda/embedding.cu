@@ -30,7 +30,7 @@ template <int kWidth, typename Table>
 __global__ void __launch_bounds__(kThreads)
     embedding_forward_kernel(bf16* __restrict__ out, const int32_t* __restrict__ ids,
                              const Table* __restrict__ table, int64_t num_tokens, int64_t vocab,
-                             int64_t dim, int64_t table_stride) {
+                             int64_t dim) {
   const int64_t chunks = dim / kWidth;
   const int64_t items = num_tokens * chunks;
   for (int64_t item = int64_t(blockIdx.x) * kThreads + threadIdx.x; item < items;
@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kThreads)
     const int32_t id = ids[token];
     float values[kWidth];
     if (valid_id(id, vocab)) {
-      const Table* row = table + id * table_stride + column;
+      const Table* row = table + id * dim + column;
       if constexpr (kWidth == kBf16Vector && std::is_same_v<Table, float>) {
         device::load_f32x8(row, values);
       } else if constexpr (kWidth == kBf16Vector) {
@@ -67,7 +67,7 @@ template <int kWidth>
 __global__ void __launch_bounds__(kThreads)
     embedding_backward_atomic_kernel(float* __restrict__ dtable, const bf16* __restrict__ dout,
                                      const int32_t* __restrict__ ids, int64_t num_tokens,
-                                     int64_t vocab, int64_t dim, int64_t table_stride) {
+                                     int64_t vocab, int64_t dim) {
   const int64_t chunks = dim / kWidth;
   const int64_t items = num_tokens * chunks;
   for (int64_t item = int64_t(blockIdx.x) * kThreads + threadIdx.x; item < items;
@@ -77,7 +77,7 @@ __global__ void __launch_bounds__(kThreads)
     const int32_t id = ids[token];
     if (!valid_id(id, vocab)) continue;
     const bf16* source = dout + token * dim + column;
-    float* destination = dtable + id * table_stride + column;
+    float* destination = dtable + id * dim + column;
     if constexpr (kWidth == 4) {
       const uint2 raw = *reinterpret_cast<const uint2*>(source);
       const float4 values =
@@ -207,29 +207,18 @@ void check_sortable(int64_t num_tokens, int64_t vocab) {
              "expected num_tokens and vocab below 2^31, found {} and {}", num_tokens, vocab);
 }
 
-// The table's row stride: dim, or for a run of each row's columns (a tensor-parallel rank's
-// share) the whole row's width.
-int64_t checked_stride(int64_t dim, int64_t table_stride) {
-  const int64_t stride = table_stride == 0 ? dim : table_stride;
-  FP8T_CHECK(stride >= dim, "expected a table row stride >= dim ({}), found {}", dim, stride);
-  return stride;
-}
-
 template <typename Table>
 void launch_embedding_forward(bf16* out, const int32_t* ids, const Table* table, int64_t num_tokens,
-                              int64_t vocab, int64_t dim, int64_t table_stride,
-                              cudaStream_t stream) {
+                              int64_t vocab, int64_t dim, cudaStream_t stream) {
   check_embedding_args(num_tokens, vocab, dim, out, ids, table);
-  const int64_t stride = checked_stride(dim, table_stride);
   if (num_tokens == 0) return;
-  if (dim % kBf16Vector == 0 && stride % kBf16Vector == 0 && device::aligned16(out) &&
-      device::aligned16(table)) {
+  if (dim % kBf16Vector == 0 && device::aligned16(out) && device::aligned16(table)) {
     embedding_forward_kernel<kBf16Vector>
         <<<grid_for(num_tokens * (dim / kBf16Vector)), kThreads, 0, stream>>>(
-            out, ids, table, num_tokens, vocab, dim, stride);
+            out, ids, table, num_tokens, vocab, dim);
   } else {
     embedding_forward_kernel<1><<<grid_for(num_tokens * dim), kThreads, 0, stream>>>(
-        out, ids, table, num_tokens, vocab, dim, stride);
+        out, ids, table, num_tokens, vocab, dim);
   }
   FP8T_CUDA_CHECK_LAUNCH();
 }
@@ -237,27 +226,25 @@ void launch_embedding_forward(bf16* out, const int32_t* ids, const Table* table,
 }  // namespace
 
 void embedding_forward(bf16* out, const int32_t* ids, const float* table, int64_t num_tokens,
-                       int64_t vocab, int64_t dim, cudaStream_t stream, int64_t table_stride) {
-  launch_embedding_forward(out, ids, table, num_tokens, vocab, dim, table_stride, stream);
+                       int64_t vocab, int64_t dim, cudaStream_t stream) {
+  launch_embedding_forward(out, ids, table, num_tokens, vocab, dim, stream);
 }
 
 void embedding_forward(bf16* out, const int32_t* ids, const bf16* table, int64_t num_tokens,
-                       int64_t vocab, int64_t dim, cudaStream_t stream, int64_t table_stride) {
-  launch_embedding_forward(out, ids, table, num_tokens, vocab, dim, table_stride, stream);
+                       int64_t vocab, int64_t dim, cudaStream_t stream) {
+  launch_embedding_forward(out, ids, table, num_tokens, vocab, dim, stream);
 }
 
 void embedding_backward(float* dtable, const bf16* dout, const int32_t* ids, int64_t num_tokens,
-                        int64_t vocab, int64_t dim, cudaStream_t stream, int64_t table_stride) {
+                        int64_t vocab, int64_t dim, cudaStream_t stream) {
   check_embedding_args(num_tokens, vocab, dim, dtable, dout, ids);
-  const int64_t stride = checked_stride(dim, table_stride);
   if (num_tokens == 0) return;
-  if (dim % 4 == 0 && stride % 4 == 0 && device::aligned16(dtable) &&
-      reinterpret_cast<uintptr_t>(dout) % 8 == 0) {
+  if (dim % 4 == 0 && device::aligned16(dtable) && reinterpret_cast<uintptr_t>(dout) % 8 == 0) {
     embedding_backward_atomic_kernel<4><<<grid_for(num_tokens * (dim / 4)), kThreads, 0, stream>>>(
-        dtable, dout, ids, num_tokens, vocab, dim, stride);
+        dtable, dout, ids, num_tokens, vocab, dim);
   } else {
     embedding_backward_atomic_kernel<1><<<grid_for(num_tokens * dim), kThreads, 0, stream>>>(
-        dtable, dout, ids, num_tokens, vocab, dim, stride);
+        dtable, dout, ids, num_tokens, vocab, dim);
   }
   FP8T_CUDA_CHECK_LAUNCH();
 }

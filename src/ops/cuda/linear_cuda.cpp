@@ -71,12 +71,6 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
              "expected a linear [{} -> {}] over at least one token, found {} tokens", in, out,
              setup.max_tokens);
   const auto weight_count = static_cast<size_t>(in * out);
-  FP8T_CHECK(
-      setup.weight_stride == 0 || (setup.weight_stride >= in && setup.weight_staging != nullptr &&
-                                   setup.wgrad_group.rows == 0),
-      "a share of a wider weight (row stride {}, at least {}) needs a staging buffer and "
-      "no joint weight gradient",
-      setup.weight_stride, in);
   const bool split_operands = std::any_of(setup.split_roles.begin(), setup.split_roles.end(),
                                           [](bool split) { return split; });
   FP8T_CHECK(setup.group_max || !split_operands,
@@ -355,7 +349,7 @@ void CudaLinear::dequantize_mx(const uint8_t* data, const float* scales, int64_t
 }
 
 float* CudaLinear::weight_amax_slot() const {
-  if (!setup_.fp8 || !tensorwise() || weight_ld() != setup_.in_features) {
+  if (!setup_.fp8 || !tensorwise()) {
     return nullptr;
   }
   return slot(TensorRole::Weight, kAmaxSlot);
@@ -371,14 +365,6 @@ void CudaLinear::prepare_weight(const float* weight, bool record_amax, cudaStrea
   if (bias != nullptr) {
     const PhaseScope timed(StepPhase::Quantization, stream);
     cast_to_bf16(bias_bf16_->get(), bias, out, stream);
-  }
-  if (weight_ld() != in) {  // a row-parallel share: its columns, gathered
-    const PhaseScope timed(StepPhase::Quantization, stream);
-    const size_t row_bytes = static_cast<size_t>(in) * sizeof(float);
-    FP8T_CUDA_CHECK(cudaMemcpy2DAsync(setup_.weight_staging, row_bytes, weight,
-                                      static_cast<size_t>(weight_ld()) * sizeof(float), row_bytes,
-                                      static_cast<size_t>(out), cudaMemcpyDeviceToDevice, stream));
-    weight = setup_.weight_staging;
   }
   if (!setup_.fp8) {
     const PhaseScope timed(StepPhase::Quantization, stream);
@@ -456,7 +442,7 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
     FP8T_CHECK(x != nullptr, "a BF16 weight gradient needs the forward's input");
     gemm::GemmOutput grad_weight;
     grad_weight.data = dweight;
-    grad_weight.ld = weight_ld();
+    grad_weight.ld = setup_.in_features;
     grad_weight.type = gemm::GemmType::F32;
     grad_weight.accumulate = true;
     gemm_.bf16_gemm(gemm::Bf16Form::DytX, tokens, out, in, dy, out, x, in, grad_weight, stream);
@@ -511,7 +497,7 @@ void CudaLinear::backward_rows(const bf16* dy, const bf16* x, int64_t first_row,
   grad_input.accumulate = accumulate_dx;
   gemm::GemmOutput grad_weight;
   grad_weight.data = dweight;
-  grad_weight.ld = weight_ld();
+  grad_weight.ld = setup_.in_features;
   grad_weight.type = gemm::GemmType::F32;
   grad_weight.accumulate = true;
   const bool wgrad = dweight != nullptr;

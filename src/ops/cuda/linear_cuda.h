@@ -154,14 +154,6 @@ struct LinearSetup {
     int64_t rows = 0;
   };
   WgradGroup wgrad_group;
-  // A row-parallel share under tensor parallelism (models/tensor_parallel.h): the layer's weight
-  // is in_features columns of a whole weight whose rows lie weight_stride floats apart (0: a
-  // weight of its own, rows in_features apart). prepare_weight gathers the share into
-  // weight_staging (device, in_features * out_features floats; a model's layers can share one,
-  // as they prepare one at a time on one stream), and backward adds the weight gradient into the
-  // same columns of the whole gradient. Not with a wgrad_group.
-  int64_t weight_stride = 0;
-  float* weight_staging = nullptr;
   // Tensor parallelism, tensorwise: the roles (by TensorRole) whose tensor is this rank's share
   // of one split over the group. Their scale comes from the group's largest amax, which
   // group_max reduces in place on the device (queued on the stream), so that every rank casts
@@ -187,8 +179,7 @@ class CudaLinear {
 
   // Where the weight's per-tensor amax goes before its cast, for the optimizer step that writes
   // the weight to take in the same pass (optim::CudaAdamW::measure_amaxes). Null (nothing to
-  // take) unless the layer is FP8 under tensorwise and reads its weight as one matrix (not a
-  // row-parallel share's columns of a whole weight).
+  // take) unless the layer is FP8 under tensorwise.
   float* weight_amax_slot() const;
 
   // The cast the kernel producing this layer's next input can do for it, in the same pass:
@@ -304,10 +295,6 @@ class CudaLinear {
   bool tensorwise() const { return setup_.fp8_config.recipe == ScalingRecipe::Tensorwise; }
   // The role's amax slot, zeroed on the stream: for a kernel before the cast to fold into.
   float* zeroed_amax(TensorRole role, cudaStream_t stream);
-  // The row stride of the whole weight and of its gradient.
-  int64_t weight_ld() const {
-    return setup_.weight_stride != 0 ? setup_.weight_stride : setup_.in_features;
-  }
   bool mx() const { return setup_.fp8_config.recipe == ScalingRecipe::Mxfp8; }
   // MXFP8's dgrad (grad_input.data null: none) and wgrad (null: none) on the quantized dŷ and
   // dŷᵗ in the scratch, as BF16 GEMMs of the dequantized operands.

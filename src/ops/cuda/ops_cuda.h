@@ -134,17 +134,16 @@ void residual_mix_backward(bf16* dx, bf16* dx0, float* dresid_lambda, float* dx0
 // [0, vocab) gives a row of NaN in the forward and is skipped by the backward. ---
 
 // out [num_tokens, dim] = bf16(table[ids[n]]) (writes); the table fp32 or bf16 (the GPT's
-// embedding tables on the GPU). table_stride: the table's row stride when it is more than dim
-// (0: dim), for a run of columns of a wider table (a tensor-parallel rank's share).
+// embedding tables on the GPU).
 void embedding_forward(bf16* out, const int32_t* ids, const float* table, int64_t num_tokens,
-                       int64_t vocab, int64_t dim, cudaStream_t stream, int64_t table_stride = 0);
+                       int64_t vocab, int64_t dim, cudaStream_t stream);
 void embedding_forward(bf16* out, const int32_t* ids, const bf16* table, int64_t num_tokens,
-                       int64_t vocab, int64_t dim, cudaStream_t stream, int64_t table_stride = 0);
+                       int64_t vocab, int64_t dim, cudaStream_t stream);
 
 // dtable[ids[n]] += dout[n] with fp32 atomics: fast, but the order in which repeated ids sum
-// varies from run to run, so the last bits of dtable do too. table_stride as for the forward.
+// varies from run to run, so the last bits of dtable do too.
 void embedding_backward(float* dtable, const bf16* dout, const int32_t* ids, int64_t num_tokens,
-                        int64_t vocab, int64_t dim, cudaStream_t stream, int64_t table_stride = 0);
+                        int64_t vocab, int64_t dim, cudaStream_t stream);
 
 // The same sum, bit-reproducible: the tokens are sorted by id (a stable radix sort), and each
 // id's rows are summed in token order by one thread per column chunk, then added to dtable.

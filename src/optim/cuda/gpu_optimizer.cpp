@@ -9,6 +9,7 @@
 #include <cmath>
 #include <map>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -36,6 +37,14 @@ int64_t round_up(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
 }
 
+// The elements of the whole tensor a share is part of.
+int64_t whole_numel(const DeviceParameter& parameter) {
+  int64_t count = 1;
+  for (const int64_t dim : parameter.whole_shape)
+    count *= dim;
+  return count;
+}
+
 cuda::AdamWScalars adamw_scalars(const OptimizerGroup& group, int64_t step) {
   return cuda::adamw_step_scalars(group.lr, group.beta1, group.beta2, group.eps, group.weight_decay,
                                   step);
@@ -47,6 +56,8 @@ struct StateSlice {
   int64_t offset;
   int64_t count;
   bool bf16 = false;
+  // A share's state (the host's is the whole tensor's): the parameter it is the share of.
+  const DeviceParameter* share = nullptr;
 };
 
 // One Muon group: its matrices stacked in the bf16 work buffers, their Gram matrices, and its
@@ -59,6 +70,12 @@ struct MuonPlan {
   int64_t first_offset;   // index of the group's first matrix in the offset table
   int64_t momentum;       // offsets (floats) in the state
   int64_t second_moment;
+  // Under tensor parallelism, matrices split over the group: this rank's shares of them
+  // stacked (one matrix shape that holds each share's elements), and where their MuonShare
+  // entries start in the share table; shares.count 0 for whole matrices.
+  cuda::MuonShape shares{};
+  int64_t first_share = 0;
+  int64_t min_share_cols = 0;
 };
 
 // A table on the device; an empty one still gets an element, and no copy.
@@ -91,10 +108,18 @@ struct CudaGptOptimizer::State {
   std::unique_ptr<DeviceBuffer<float>> state;
   std::unique_ptr<DeviceBuffer<bf16>> bf16_state;
   std::unique_ptr<DeviceBuffer<cuda::AdamWChunk>> chunks, bf16_chunks;
-  std::unique_ptr<DeviceBuffer<int64_t>> offsets;    // the Muon matrices' offsets in the layout
+  std::unique_ptr<DeviceBuffer<int64_t>> offsets;  // the Muon matrices' offsets in the layout
+  std::unique_ptr<DeviceBuffer<cuda::MuonShare>> share_table;  // the split Muon matrices' shares
+  ShareCollectives collectives;                                // with a layout of shares
+  // The gradient norm's ranges {offset, count} of shares (their squares summed over the group)
+  // and of whole tensors, and a float per range for their sums of squares.
+  std::vector<std::pair<int64_t, int64_t>> share_ranges, whole_ranges;
+  std::unique_ptr<DeviceBuffer<float>> range_squares;
   std::unique_ptr<DeviceBuffer<uint8_t>> workspace;  // null when borrowed
   // Pieces of the workspace, sized for the largest Muon group (groups take turns).
   bf16* update = nullptr;      // the stacked update X
+  bf16* own_shares = nullptr;  // this rank's shares of it, and every rank's gathered
+  bf16* gathered = nullptr;
   bf16* product = nullptr;     // Polar Express's next X, a·X + B·X (the two take turns)
   bf16* gram = nullptr;        // A
   bf16* combined = nullptr;    // B = b·A + c·A²
@@ -104,8 +129,13 @@ struct CudaGptOptimizer::State {
   float* scales = nullptr;     // NorMuon's, per row or column
   double* partials = nullptr;  // the gradient norm's block sums
 
-  State(gemm::CublasLtGemm* gemm_, const DeviceParameterLayout& layout_, const GptOptimizer& host)
-      : gemm(gemm_), layout(layout_), groups(host.groups()), shard(host.shard()) {}
+  State(gemm::CublasLtGemm* gemm_, const DeviceParameterLayout& layout_, const GptOptimizer& host,
+        ShareCollectives collectives_ = {})
+      : gemm(gemm_),
+        layout(layout_),
+        groups(host.groups()),
+        shard(host.shard()),
+        collectives(std::move(collectives_)) {}
 
   float* exp_avg() const { return state->get(); }
   float* exp_avg_sq() const { return state->get() + adamw_floats; }
@@ -115,6 +145,7 @@ struct CudaGptOptimizer::State {
   struct Tables {
     std::vector<cuda::AdamWChunk> chunks, bf16_chunks;
     std::vector<int64_t> offsets;
+    std::vector<cuda::MuonShare> shares;
   };
   // Sets the state's slices and sizes and returns the tables; allocates nothing.
   Tables plan();
@@ -125,13 +156,20 @@ struct CudaGptOptimizer::State {
   }
   // Byte offsets of the workspace's pieces, each aligned, and its size.
   struct WorkspaceLayout {
-    int64_t update, product, gram, combined, lines, scales, scalars, factors, partials, bytes;
+    int64_t update, own_shares, gathered, product, gram, combined, lines, scales, scalars, factors,
+        partials, bytes;
   };
   WorkspaceLayout workspace_layout() const;
   void allocate_workspace(uint8_t* borrowed, size_t borrowed_bytes);
   void muon_step(const MuonPlan& plan, float* params, const float* grads,
                  const StepSchedule& schedule, cudaStream_t stream);
   bf16* polar_express(const MuonPlan& plan, cudaStream_t stream);
+  // A slice's values on the device, in the fp32 or the bf16 state.
+  template <typename T>
+  T* slice_values(const StateSlice& slice) const;
+  // A slice's values into host (synchronizes): a share's gathered over the group.
+  template <typename T>
+  void download_slice(const StateSlice& slice, T* host) const;
   // The host's state buffers, each checked against the device state (name, dtype, size), with
   // the slice it maps to; the step counter maps to none.
   std::vector<std::pair<NamedTensor, const StateSlice*>> match(GptOptimizer& host) const;
@@ -167,7 +205,9 @@ CudaGptOptimizer::State::Tables CudaGptOptimizer::State::plan() {
       int64_t& state_end = parameter.bf16 ? adamw_bf16 : adamw_floats;
       const int64_t param =
           parameter.bf16 ? parameter.offset - layout.bf16_offset : parameter.offset;
-      adamw_tensors.emplace_back(name, StateSlice{state_end, parameter.numel, parameter.bf16});
+      adamw_tensors.emplace_back(
+          name, StateSlice{state_end, parameter.numel, parameter.bf16,
+                           parameter.split != TensorSplit::None ? &parameter : nullptr});
       for (int64_t begin = 0; begin < parameter.numel; begin += cuda::kAdamWChunkElements) {
         (parameter.bf16 ? tables.bf16_chunks : tables.chunks)
             .push_back({.param = param + begin,
@@ -183,7 +223,7 @@ CudaGptOptimizer::State::Tables CudaGptOptimizer::State::plan() {
   for (const auto& [name, slice] : adamw_tensors) {
     slices[name + ".exp_avg"] = slice;
     slices[name + ".exp_avg_sq"] = {(slice.bf16 ? adamw_bf16 : adamw_floats) + slice.offset,
-                                    slice.count, slice.bf16};
+                                    slice.count, slice.bf16, slice.share};
   }
   chunk_count = std::ssize(tables.chunks);
   bf16_chunk_count = std::ssize(tables.bf16_chunks);
@@ -192,7 +232,9 @@ CudaGptOptimizer::State::Tables CudaGptOptimizer::State::plan() {
   for (size_t index = 0; index < groups.size(); ++index) {
     if (adamw_slot[index] >= 0) continue;
     const std::vector<std::string>& names = groups[index].parameters;
-    const std::vector<int64_t>& shape = layout[names.front()].shape;
+    const DeviceParameter& front = layout[names.front()];
+    const bool split = front.split != TensorSplit::None;
+    const std::vector<int64_t>& shape = split ? front.whole_shape : front.shape;
     FP8T_CHECK(shape.size() == 2, "Muon group '{}': expected matrices, found '{}' of rank {}",
                groups[index].name, names.front(), shape.size());
     const int64_t rows = shape[0], cols = shape[1];
@@ -200,36 +242,65 @@ CudaGptOptimizer::State::Tables CudaGptOptimizer::State::plan() {
     if (count == 0) continue;
     const int64_t side = std::min(rows, cols);
     const int64_t kept = std::max(rows, cols);
-    MuonPlan muon_plan{
-        .group = index,
-        .stack = {count, rows, cols, round_up(rows * cols, kBf16Alignment)},
-        .gram = {count, side, side, round_up(side * side, kBf16Alignment)},
-        .tall = rows > cols,
-        .first_offset = std::ssize(tables.offsets),
-        .momentum = state_floats,
-        .second_moment = state_floats + round_up(count * rows * cols, kFloatAlignment)};
+    const int64_t held = split ? front.numel : rows * cols;  // of each matrix on this rank
+    MuonPlan muon_plan{.group = index,
+                       .stack = {count, rows, cols, round_up(rows * cols, kBf16Alignment)},
+                       .gram = {count, side, side, round_up(side * side, kBf16Alignment)},
+                       .tall = rows > cols,
+                       .first_offset = std::ssize(tables.offsets),
+                       .momentum = state_floats,
+                       .second_moment = state_floats + round_up(count * held, kFloatAlignment)};
+    if (split) {
+      muon_plan.shares = {count, front.shape[0], front.shape[1], round_up(held, kBf16Alignment)};
+      muon_plan.first_share = std::ssize(tables.shares);
+      muon_plan.min_share_cols = cols;
+    }
     state_floats = muon_plan.second_moment + round_up(count * kept, kFloatAlignment);
     for (int64_t matrix = 0; matrix < count; ++matrix) {
       const std::string& name = names[static_cast<size_t>(first + matrix)];
       const DeviceParameter& parameter = layout[name];
       FP8T_CHECK(!parameter.bf16, "Muon group '{}': expected fp32 matrices, found '{}' in bf16",
                  groups[index].name, name);
-      FP8T_CHECK(parameter.shape == shape,
-                 "Muon group '{}': expected every matrix [{}, {}], found '{}' [{}]",
-                 groups[index].name, rows, cols, name, fmt::join(parameter.shape, ", "));
+      const bool this_split = parameter.split != TensorSplit::None;
+      FP8T_CHECK(
+          (this_split ? parameter.whole_shape : parameter.shape) == shape && this_split == split,
+          "Muon group '{}': expected every matrix [{}, {}]{}, found '{}' [{}]{}",
+          groups[index].name, rows, cols, split ? " split over the group" : "", name,
+          fmt::join(this_split ? parameter.whole_shape : parameter.shape, ", "),
+          this_split ? " split over the group" : "");
       tables.offsets.push_back(parameter.offset);
-      slices[name + ".momentum"] = {muon_plan.momentum + matrix * rows * cols, rows * cols};
+      if (split) {
+        tables.shares.push_back({parameter.shape[0], parameter.shape[1],
+                                 parameter.split == TensorSplit::Outputs ? 1 : 0});
+        muon_plan.min_share_cols = std::min(muon_plan.min_share_cols, parameter.shape[1]);
+      }
+      slices[name + ".momentum"] = {muon_plan.momentum + matrix * held, held, false,
+                                    split ? &parameter : nullptr};
       slices[name + ".second_moment"] = {muon_plan.second_moment + matrix * kept, kept};
     }
     muon.push_back(muon_plan);
+  }
+
+  // The gradient norm's ranges: each tensor with the padding after it, adjacent ones merged.
+  for (size_t i = 0; i < layout.parameters.size(); ++i) {
+    const int64_t offset = layout.parameters[i].offset;
+    const int64_t end =
+        i + 1 < layout.parameters.size() ? layout.parameters[i + 1].offset : layout.total_elements;
+    auto& ranges = layout.parameters[i].split != TensorSplit::None ? share_ranges : whole_ranges;
+    if (!ranges.empty() && ranges.back().first + ranges.back().second == offset) {
+      ranges.back().second += end - offset;
+    } else {
+      ranges.emplace_back(offset, end - offset);
+    }
   }
   return tables;
 }
 
 CudaGptOptimizer::State::WorkspaceLayout CudaGptOptimizer::State::workspace_layout() const {
-  int64_t stack = 0, grams = 0, lines_count = 0, matrices = 0;
+  int64_t stack = 0, grams = 0, lines_count = 0, matrices = 0, shares = 0;
   for (const MuonPlan& plan : muon) {
     stack = std::max(stack, plan.stack.count * plan.stack.stride);
+    shares = std::max(shares, plan.shares.count * plan.shares.stride);
     grams = std::max(grams, plan.gram.count * plan.gram.stride);
     lines_count =
         std::max(lines_count, plan.stack.count * std::max(plan.stack.rows, plan.stack.cols));
@@ -243,6 +314,8 @@ CudaGptOptimizer::State::WorkspaceLayout CudaGptOptimizer::State::workspace_layo
   };
   WorkspaceLayout pieces{};
   pieces.update = take(stack * 2);
+  pieces.own_shares = take(shares * 2);
+  pieces.gathered = take(shares * layout.tensor_parallel * 2);
   pieces.product = take(stack * 2);
   pieces.gram = take(grams * 2);
   pieces.combined = take(grams * 2);
@@ -268,6 +341,8 @@ void CudaGptOptimizer::State::allocate_workspace(uint8_t* borrowed, size_t borro
                kAlignmentBytes, static_cast<const void*>(base));
   }
   update = reinterpret_cast<bf16*>(base + pieces.update);
+  own_shares = reinterpret_cast<bf16*>(base + pieces.own_shares);
+  gathered = reinterpret_cast<bf16*>(base + pieces.gathered);
   product = reinterpret_cast<bf16*>(base + pieces.product);
   gram = reinterpret_cast<bf16*>(base + pieces.gram);
   combined = reinterpret_cast<bf16*>(base + pieces.combined);
@@ -293,7 +368,20 @@ void CudaGptOptimizer::State::muon_step(const MuonPlan& plan, float* params, con
   float* second_moment = state->get() + plan.second_moment;
   const int64_t* matrix_offsets = offsets->get() + plan.first_offset;
 
-  cuda::muon_nesterov(update, lines, momentum, grads, matrix_offsets, x, mu, stream);
+  cuda::MuonShares shares;
+  if (plan.shares.count == 0) {
+    cuda::muon_nesterov(update, lines, momentum, grads, matrix_offsets, x, mu, stream);
+  } else {  // this rank's shares, then the whole matrices from every rank's
+    shares = {share_table->get() + plan.first_share, layout.tensor_rank,
+              plan.shares.rows * plan.shares.cols, plan.min_share_cols};
+    cuda::muon_nesterov(own_shares, lines, momentum, grads, matrix_offsets, plan.shares, mu,
+                        stream);
+    collectives.all_gather_bf16(own_shares, gathered,
+                                size_t(plan.shares.count * plan.shares.stride), stream);
+    cuda::muon_place_shares(update, gathered, shares, x, plan.shares.stride, layout.tensor_parallel,
+                            stream);
+    cuda::muon_row_squares(lines, update, nullptr, x, stream);
+  }
   cuda::muon_matrix_scalars(scalars, lines, x, cuda::MatrixScalar::MuonEqTarget, stream);
   cuda::muon_equilibrate_rows(update, lines, scalars, x, stream);
   cuda::muon_matrix_scalars(scalars, lines, x, cuda::MatrixScalar::PolarExpressDivisor, stream);
@@ -308,7 +396,7 @@ void CudaGptOptimizer::State::muon_step(const MuonPlan& plan, float* params, con
   }
   cuda::normuon_scales(scales, second_moment, lines, x, beta2, stream);
   cuda::muon_cautious_update(params, matrix_offsets, orthogonalized, factors, scales, x, lr, decay,
-                             stream);
+                             stream, shares);
 }
 
 // The iterations of muon.cpp's polar_express() on the whole stack, three batched GEMMs each
@@ -377,9 +465,11 @@ std::vector<std::pair<NamedTensor, const StateSlice*>> CudaGptOptimizer::State::
                "optimizer state: the GPU optimizer has no buffer '{}' (a host optimizer of "
                "another model?)",
                buffer.name);
-    FP8T_CHECK(buffer.view.dtype() == DType::F32 && buffer.view.numel() == found->second.count,
+    const StateSlice& slice = found->second;
+    const int64_t count = slice.share != nullptr ? whole_numel(*slice.share) : slice.count;
+    FP8T_CHECK(buffer.view.dtype() == DType::F32 && buffer.view.numel() == count,
                "optimizer state: expected '{}' to be {} f32 values, found {} of {}", buffer.name,
-               found->second.count, buffer.view.numel(), dtype_name(buffer.view.dtype()));
+               count, buffer.view.numel(), dtype_name(buffer.view.dtype()));
     matched.emplace_back(std::move(buffer), &found->second);
   }
   FP8T_CHECK(std::ssize(matched) == std::ssize(slices) + 1,
@@ -404,11 +494,14 @@ AdamWScalars adamw_step_scalars(double lr, double beta1, double beta2, double ep
 
 CudaGptOptimizer::CudaGptOptimizer(const GptOptimizer& host, const DeviceParameterLayout& layout,
                                    gemm::CublasLtGemm& gemm, uint8_t* borrowed,
-                                   size_t borrowed_bytes)
-    : state_(std::make_unique<State>(&gemm, layout, host)) {
+                                   size_t borrowed_bytes, ShareCollectives collectives)
+    : state_(std::make_unique<State>(&gemm, layout, host, std::move(collectives))) {
   FP8T_CHECK(layout.element_bytes == sizeof(float),
              "expected a layout of fp32 parameters, found {}-byte elements", layout.element_bytes);
   const State::Tables tables = state_->plan();
+  const ShareCollectives& group = state_->collectives;
+  FP8T_CHECK(!layout.has_shares() || (group.all_gather_bf16 && group.sum && group.sum_bf16),
+             "a layout of tensor-parallel shares needs its group's collectives, found none");
   state_->state = std::make_unique<DeviceBuffer<float>>(state_->state_count());
   state_->state->zero();
   state_->bf16_state = std::make_unique<DeviceBuffer<bf16>>(state_->bf16_state_count());
@@ -416,6 +509,9 @@ CudaGptOptimizer::CudaGptOptimizer(const GptOptimizer& host, const DeviceParamet
   state_->chunks = upload_table(tables.chunks);
   state_->bf16_chunks = upload_table(tables.bf16_chunks);
   state_->offsets = upload_table(tables.offsets);
+  state_->share_table = upload_table(tables.shares);
+  state_->range_squares = std::make_unique<DeviceBuffer<float>>(state_->share_ranges.size() +
+                                                                state_->whole_ranges.size());
   state_->allocate_workspace(borrowed, borrowed_bytes);
 }
 
@@ -430,9 +526,12 @@ size_t CudaGptOptimizer::planned_device_bytes(const GptOptimizer& host,
     return std::max<size_t>(1, table.size()) * sizeof(table.front());
   };
   const auto workspace = static_cast<size_t>(plan.workspace_layout().bytes);
+  const size_t range_squares =
+      std::max<size_t>(1, plan.share_ranges.size() + plan.whole_ranges.size()) * sizeof(float);
   return plan.state_count() * sizeof(float) + plan.bf16_state_count() * sizeof(bf16) +
          table_bytes(tables.chunks) + table_bytes(tables.bf16_chunks) +
-         table_bytes(tables.offsets) + (borrowed_bytes < workspace ? workspace : 0);
+         table_bytes(tables.offsets) + table_bytes(tables.shares) + range_squares +
+         (borrowed_bytes < workspace ? workspace : 0);
 }
 
 size_t CudaGptOptimizer::planned_workspace_bytes(const GptOptimizer& host,
@@ -476,7 +575,22 @@ void CudaGptOptimizer::step(float* params, bf16* bf16_params, const float* grads
 
 void CudaGptOptimizer::global_norm(const float* grads, int64_t count, float* norm_out,
                                    cudaStream_t stream) {
-  cuda::sum_of_squares_norm(norm_out, grads, count, state_->partials, stream);
+  const State& s = *state_;
+  if (s.share_ranges.empty()) {
+    cuda::sum_of_squares_norm(norm_out, grads, count, s.partials, stream);
+    return;
+  }
+  FP8T_CHECK(count == s.layout.total_elements,
+             "the gradient norm of a layout of shares takes all of its {} elements, found {}",
+             s.layout.total_elements, count);
+  float* squares = s.range_squares->get();
+  int sums = 0;
+  for (const auto& [offset, elements] : s.share_ranges)
+    cuda::sum_of_squares(squares + sums++, grads + offset, elements, s.partials, stream);
+  s.collectives.sum(squares, s.share_ranges.size(), stream);
+  for (const auto& [offset, elements] : s.whole_ranges)
+    cuda::sum_of_squares(squares + sums++, grads + offset, elements, s.partials, stream);
+  cuda::norm_of_squares(norm_out, squares, sums, stream);
 }
 
 void CudaGptOptimizer::clip(float* grads, int64_t count, const float* norm, float max_norm,
@@ -493,14 +607,47 @@ void CudaGptOptimizer::download_state(GptOptimizer& host) const {
       continue;
     }
     if (slice->bf16) {
-      std::vector<bf16> values(static_cast<size_t>(slice->count));
-      FP8T_CUDA_CHECK(cudaMemcpy(values.data(), state_->bf16_state->get() + slice->offset,
-                                 values.size() * sizeof(bf16), cudaMemcpyDeviceToHost));
+      std::vector<bf16> values(static_cast<size_t>(buffer.view.numel()));
+      state_->download_slice(*slice, values.data());
       std::ranges::transform(values, buffer.view.data<float>(), bf16_to_float);
     } else {
-      FP8T_CUDA_CHECK(cudaMemcpy(buffer.view.raw(), state_->state->get() + slice->offset,
-                                 buffer.view.bytes(), cudaMemcpyDeviceToHost));
+      state_->download_slice(*slice, buffer.view.data<float>());
     }
+  }
+}
+
+template <typename T>
+void CudaGptOptimizer::State::download_slice(const StateSlice& slice, T* host) const {
+  const T* device = slice_values<T>(slice);
+  if (slice.share == nullptr) {
+    FP8T_CUDA_CHECK(
+        cudaMemcpy(host, device, size_t(slice.count) * sizeof(T), cudaMemcpyDeviceToHost));
+    return;
+  }
+  // Each rank's share in its place among zeros, summed over the group: the whole tensor's.
+  const ShareRows share = layout.share_rows(*slice.share);
+  const auto count = static_cast<size_t>(whole_numel(*slice.share));
+  DeviceBuffer<T> whole(count);
+  FP8T_CUDA_CHECK(cudaMemset(whole.get(), 0, whole.bytes()));
+  FP8T_CUDA_CHECK(cudaMemcpy2D(whole.get() + share.whole_first,
+                               size_t(share.whole_cols) * sizeof(T), device,
+                               size_t(share.cols) * sizeof(T), size_t(share.cols) * sizeof(T),
+                               size_t(share.rows), cudaMemcpyDeviceToDevice));
+  if constexpr (std::is_same_v<T, bf16>) {
+    collectives.sum_bf16(whole.get(), count, nullptr);
+  } else {
+    collectives.sum(whole.get(), count, nullptr);
+  }
+  FP8T_CUDA_CHECK(cudaDeviceSynchronize());
+  FP8T_CUDA_CHECK(cudaMemcpy(host, whole.get(), whole.bytes(), cudaMemcpyDeviceToHost));
+}
+
+template <typename T>
+T* CudaGptOptimizer::State::slice_values(const StateSlice& slice) const {
+  if constexpr (std::is_same_v<T, bf16>) {
+    return bf16_state->get() + slice.offset;
+  } else {
+    return state->get() + slice.offset;
   }
 }
 
@@ -516,15 +663,20 @@ void CudaGptOptimizer::upload_state(GptOptimizer& host) {
   state_->steps = steps;
   for (const auto& [buffer, slice] : matched) {
     if (slice == nullptr) continue;
+    std::vector<float> share;
+    const float* values = buffer.view.data<float>();
+    if (slice->share != nullptr) {
+      share = host_share(state_->layout, *slice->share, values);
+      values = share.data();
+    }
     if (slice->bf16) {  // rounded to the values the bf16 state holds
-      std::vector<bf16> values(static_cast<size_t>(slice->count));
-      const float* source = buffer.view.data<float>();
-      std::transform(source, source + slice->count, values.begin(), float_to_bf16);
-      FP8T_CUDA_CHECK(cudaMemcpy(state_->bf16_state->get() + slice->offset, values.data(),
-                                 values.size() * sizeof(bf16), cudaMemcpyHostToDevice));
+      std::vector<bf16> rounded(static_cast<size_t>(slice->count));
+      std::transform(values, values + slice->count, rounded.begin(), float_to_bf16);
+      FP8T_CUDA_CHECK(cudaMemcpy(state_->slice_values<bf16>(*slice), rounded.data(),
+                                 rounded.size() * sizeof(bf16), cudaMemcpyHostToDevice));
     } else {
-      FP8T_CUDA_CHECK(cudaMemcpy(state_->state->get() + slice->offset, buffer.view.raw(),
-                                 buffer.view.bytes(), cudaMemcpyHostToDevice));
+      FP8T_CUDA_CHECK(cudaMemcpy(state_->slice_values<float>(*slice), values,
+                                 size_t(slice->count) * sizeof(float), cudaMemcpyHostToDevice));
     }
   }
 }
@@ -535,7 +687,8 @@ size_t CudaGptOptimizer::device_state_bytes() const {
 
 size_t CudaGptOptimizer::device_workspace_bytes() const {
   const size_t own = state_->workspace ? state_->workspace->bytes() : 0;
-  return own + state_->chunks->bytes() + state_->bf16_chunks->bytes() + state_->offsets->bytes();
+  return own + state_->chunks->bytes() + state_->bf16_chunks->bytes() + state_->offsets->bytes() +
+         state_->share_table->bytes() + state_->range_squares->bytes();
 }
 
 bool CudaGptOptimizer::workspace_borrowed() const {

@@ -384,32 +384,40 @@ __global__ void __launch_bounds__(kThreads)
     line_scales[i] = __fmul_rn(line_scales[i], restore);
 }
 
-// A vector lies in one row: kWidth divides the row length.
+// A vector lies in one row: kWidth divides the row length. With shares, each matrix's
+// parameters are this rank's share of it (shares[matrix]), its update and scales the whole
+// matrix's.
 template <int kWidth>
 __global__ void __launch_bounds__(kThreads)
     cautious_update_kernel(float* params, const int64_t* offsets, const bf16* x,
                            const float* matrix_factors, const float* scales, MuonShape shape,
-                           float lr, float decay) {
+                           float lr, float decay, const MuonShare* shares, int rank) {
   const int64_t matrix = blockIdx.y;
-  const int64_t elements = shape.rows * shape.cols;
+  const MuonShare share = shares != nullptr ? shares[matrix] : MuonShare{shape.rows, shape.cols, 1};
+  // Where this rank's share starts in the whole matrix.
+  const int64_t first_row = shares != nullptr && share.by_rows ? rank * share.rows : 0;
+  const int64_t first_col = shares != nullptr && !share.by_rows ? rank * share.cols : 0;
+  const int64_t elements = share.rows * share.cols;
   const bool per_row = shape.rows >= shape.cols;
   const float factor = matrix_factors[matrix];
   const float* line_scales = scales + matrix * std::max(shape.rows, shape.cols);
   const bf16* updates = x + matrix * shape.stride;
   float* param = params + offsets[matrix];
   // 32-bit division (cheaper): check_shape keeps a matrix below 2^31 elements.
-  const auto cols = static_cast<int32_t>(shape.cols);
+  const auto cols = static_cast<int32_t>(share.cols);
   for (int64_t i = first_element() * kWidth; i < elements; i += element_stride() * kWidth) {
     const int32_t row = static_cast<int32_t>(i) / cols;
+    const int64_t col = first_col + (static_cast<int32_t>(i) - row * cols);
+    const int64_t whole_row = first_row + row;
     float update[kWidth], p[kWidth], scale[kWidth];
-    device::load_bf16<kWidth>(updates + i, update);
+    device::load_bf16<kWidth>(updates + whole_row * shape.cols + col, update);
     load_floats<kWidth>(param + i, p);
     if (per_row) {
 #pragma unroll
       for (int k = 0; k < kWidth; ++k)
-        scale[k] = line_scales[row];
+        scale[k] = line_scales[whole_row];
     } else {
-      load_floats<kWidth>(line_scales + (static_cast<int32_t>(i) - row * cols), scale);
+      load_floats<kWidth>(line_scales + col, scale);
     }
 #pragma unroll
     for (int k = 0; k < kWidth; ++k) {
@@ -418,6 +426,24 @@ __global__ void __launch_bounds__(kThreads)
       p[k] = __fsub_rn(p[k], __fadd_rn(__fmul_rn(lr, u), weight_decay));
     }
     store_floats<kWidth>(param + i, p);
+  }
+}
+
+// Grid (blocks, ranks · count): blockIdx.y = rank · count + matrix. Rank t's share of matrix i,
+// gathered at (t · count + i) · share_stride, into its place in x.
+__global__ void __launch_bounds__(kThreads)
+    place_shares_kernel(bf16* x, const bf16* gathered, const MuonShare* shares, MuonShape shape,
+                        int64_t share_stride) {
+  const int64_t matrix = blockIdx.y % shape.count, rank = blockIdx.y / shape.count;
+  const MuonShare share = shares[matrix];
+  const bf16* from = gathered + int64_t(blockIdx.y) * share_stride;
+  bf16* to = x + matrix * shape.stride +
+             (share.by_rows ? rank * share.rows * shape.cols : rank * share.cols);
+  const int64_t elements = share.rows * share.cols;
+  const auto cols = static_cast<int32_t>(share.cols);
+  for (int64_t i = first_element(); i < elements; i += element_stride()) {
+    const int32_t row = static_cast<int32_t>(i) / cols;
+    to[row * shape.cols + (static_cast<int32_t>(i) - row * cols)] = from[i];
   }
 }
 
@@ -602,14 +628,34 @@ void normuon_scales(float* scales, float* second_moment, const double* line_squa
 
 void muon_cautious_update(float* params, const int64_t* offsets, const bf16* x,
                           const float* matrix_factors, const float* scales, const MuonShape& shape,
-                          float lr, float decay, cudaStream_t stream) {
+                          float lr, float decay, cudaStream_t stream, const MuonShares& shares) {
   check_shape(shape, "muon_cautious_update");
   check_pointers({params, offsets, x, matrix_factors, scales}, "muon_cautious_update");
-  const int width = takes_vectors(shape, {params, x, scales}) ? device::kBf16Vector : 1;
+  FP8T_CHECK(shares.table == nullptr || (shares.rank >= 0 && shares.min_cols >= 1),
+             "muon_cautious_update: expected a rank >= 0 and share columns, found {} and {}",
+             shares.rank, shares.min_cols);
+  const bool vectors = takes_vectors(shape, {params, x, scales}) &&
+                       (shares.table == nullptr || shares.min_cols % device::kBf16Vector == 0);
+  const int width = vectors ? device::kBf16Vector : 1;
+  const int64_t elements = shares.table != nullptr ? shares.elements : shape.rows * shape.cols;
   const auto kernel =
       width > 1 ? cautious_update_kernel<device::kBf16Vector> : cautious_update_kernel<1>;
-  kernel<<<matrix_grid(shape.rows * shape.cols / width, shape.count), kThreads, 0, stream>>>(
-      params, offsets, x, matrix_factors, scales, shape, lr, decay);
+  kernel<<<matrix_grid(elements / width, shape.count), kThreads, 0, stream>>>(
+      params, offsets, x, matrix_factors, scales, shape, lr, decay, shares.table, shares.rank);
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void muon_place_shares(bf16* x, const bf16* gathered, const MuonShares& shares,
+                       const MuonShape& shape, int64_t share_stride, int ranks,
+                       cudaStream_t stream) {
+  check_shape(shape, "muon_place_shares");
+  check_pointers({x, gathered, shares.table}, "muon_place_shares");
+  FP8T_CHECK(ranks >= 1 && ranks * shape.count <= kMaxMatrices && share_stride >= shares.elements,
+             "muon_place_shares: expected 1 to {} matrices of all ranks and a stride >= {}, found "
+             "{} x {} and {}",
+             kMaxMatrices, shares.elements, ranks, shape.count, share_stride);
+  place_shares_kernel<<<matrix_grid(shares.elements, ranks * shape.count), kThreads, 0, stream>>>(
+      x, gathered, shares.table, shape, share_stride);
   FP8T_CUDA_CHECK_LAUNCH();
 }
 

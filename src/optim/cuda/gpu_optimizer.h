@@ -25,6 +25,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -40,6 +41,19 @@ class GptOptimizer;
 struct OptimizerGroup;
 struct StepSchedule;
 
+// The collectives of the tensor-parallel group whose rank's shares a layout holds
+// (DeviceParameterLayout::tensor_parallel > 1), in place on the device and queued on the stream,
+// every rank of the group calling each: Muon gathers each split matrix's shares to orthogonalize
+// it whole (all_gather_bf16: every rank's `count` values into `all` [ranks, count]), the gradient
+// norm sums the shares' squares (sum), and a download of the state gathers the shares' moments
+// (sum, sum_bf16).
+struct ShareCollectives {
+  std::function<void(const bf16* own, bf16* all, size_t count, cudaStream_t stream)>
+      all_gather_bf16;
+  std::function<void(float* values, size_t count, cudaStream_t stream)> sum;
+  std::function<void(bf16* values, size_t count, cudaStream_t stream)> sum_bf16;
+};
+
 class CudaGptOptimizer {
  public:
   // The groups (parameters, rules, lrs, betas, eps, weight decays) and the shard are copied
@@ -50,9 +64,12 @@ class CudaGptOptimizer {
   // `borrowed`, `borrowed_bytes`: device memory (256-byte aligned) that nothing else uses while
   // step(), global_norm() or clip() run, such as CudaGptModel::scratch_between_steps(); the
   // workspace lives there when it fits, else in memory of the optimizer's own.
+  // A layout of a tensor-parallel rank's shares needs its group's `collectives`: the optimizer
+  // updates the shares, with the moments of its shares only (ZeRO-1's shard then splits the
+  // parameters over the data-parallel replicas, each rank of a group owning the same).
   CudaGptOptimizer(const GptOptimizer& host, const DeviceParameterLayout& layout,
-                   gemm::CublasLtGemm& gemm, uint8_t* borrowed = nullptr,
-                   size_t borrowed_bytes = 0);
+                   gemm::CublasLtGemm& gemm, uint8_t* borrowed = nullptr, size_t borrowed_bytes = 0,
+                   ShareCollectives collectives = {});
   ~CudaGptOptimizer();
   CudaGptOptimizer(const CudaGptOptimizer&) = delete;
 
@@ -75,7 +92,9 @@ class CudaGptOptimizer {
             cudaStream_t stream);
 
   // *norm_out (device) = sqrt(Σ grads²) over count elements, summed in double in an order that
-  // depends only on count: the same gradients give the same norm, bit for bit.
+  // depends only on count: the same gradients give the same norm, bit for bit. With a layout of
+  // shares (count: all of its elements) the shares' squares are summed over the group, and the
+  // whole tensors', the same on every rank of it, added once: the norm of the whole gradients.
   void global_norm(const float* grads, int64_t count, float* norm_out, cudaStream_t stream);
   // Reads *norm (device); when it exceeds max_norm, scales the gradients by
   // max_norm / (norm + 1e-6). A non-finite norm leaves them as they are (clip_gradients' rule).
@@ -84,7 +103,9 @@ class CudaGptOptimizer {
   // Copies the state into host.state() (same names and shapes as the host's own: momentum and
   // second_moment per Muon matrix, exp_avg and exp_avg_sq per AdamW tensor, optimizer.step),
   // for a checkpoint, and back from it; with a shard, the buffers of this rank's parameters
-  // only. Both wait for all device work first. `host` must have
+  // only. Both wait for all device work first. With a layout of shares, a download gathers the
+  // shares' state over the group (every rank of it downloads together) and an upload takes this
+  // rank's share of the host's. `host` must have
   // the groups this optimizer was built from; a mismatch throws before anything is copied.
   void download_state(GptOptimizer& host) const;
   void upload_state(GptOptimizer& host);
@@ -210,10 +231,35 @@ void muon_divide(bf16* x, const float* divisors, const MuonShape& shape, cudaStr
 void normuon_scales(float* scales, float* second_moment, const double* line_squares,
                     const MuonShape& shape, float beta2, cudaStream_t stream);
 
+// Under tensor parallelism, matrix i's share on each rank of the group: a run of whole rows
+// (by_rows) or of each row's columns, [rows, cols]; rank t's starts at t·rows or t·cols.
+struct MuonShare {
+  int64_t rows;
+  int64_t cols;
+  int32_t by_rows;
+};
+// A group's shares: `table` (device, one per matrix; null: the matrices are whole), this rank,
+// the elements of each share (the same for all) and the fewest columns of any.
+struct MuonShares {
+  const MuonShare* table = nullptr;
+  int rank = 0;
+  int64_t elements = 0;
+  int64_t min_cols = 0;
+};
+
 // Step 6: u = (x·f_i)·scales[line]; p −= lr·u + [u·p >= 0]·decay·p (the cautious weight decay).
+// With shares, the parameters at offsets[i] are this rank's share of matrix i, and x and the
+// scales the whole matrix's.
 void muon_cautious_update(float* params, const int64_t* offsets, const bf16* x,
                           const float* matrix_factors, const float* scales, const MuonShape& shape,
-                          float lr, float decay, cudaStream_t stream);
+                          float lr, float decay, cudaStream_t stream,
+                          const MuonShares& shares = {});
+
+// The ranks' shares of each matrix, gathered ([ranks, count] shares, share_stride elements
+// apart), into their places in x [count, rows, cols].
+void muon_place_shares(bf16* x, const bf16* gathered, const MuonShares& shares,
+                       const MuonShape& shape, int64_t share_stride, int ranks,
+                       cudaStream_t stream);
 
 // Gradient norm: blocks sum squares in double into partials (kNormPartials doubles, contents
 // irrelevant), then one block adds them in block order: *norm = sqrt(total).
