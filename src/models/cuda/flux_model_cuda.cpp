@@ -631,6 +631,7 @@ void CudaFluxModel::download_tensor(const std::string& name, const float* device
   const TensorPart& p = part->second;
   const auto count = size_t(p.whole_out * p.whole_in);
   DeviceBuffer<float> whole(count);
+  FP8T_CUDA_CHECK(cudaDeviceSynchronize());  // its poison, on the legacy stream, comes first
   FP8T_CUDA_CHECK(cudaMemsetAsync(whole.get(), 0, whole.bytes(), stream_));
   copy_share(p.share, p.whole_out, p.whole_in, device, whole.get(), false, stream_);
   tensor_parallel_.sum(whole.get(), count, stream_);
@@ -655,6 +656,7 @@ void CudaFluxModel::upload_tensor(const std::string& name, const float* host, fl
   const TensorPart* p = part != tensor_parts_.end() ? &part->second : nullptr;
   const auto count = size_t(p != nullptr ? p->whole_out * p->whole_in : layout_[name].numel);
   DeviceBuffer<float> whole(count);
+  FP8T_CUDA_CHECK(cudaDeviceSynchronize());  // its poison, on the legacy stream, comes first
   if (tensor_parallel_.rank == 0) {
     whole.upload(host);
   } else {

@@ -634,6 +634,7 @@ void CudaGptModel::download(const float* base, const bf16* bf16_base, ParameterS
     if (tensor.split != TensorSplit::None) largest_share = std::max(largest_share, tensor.numel);
   // A split tensor: each rank's share in its place among zeros, summed over the group.
   DeviceBuffer<float> whole(size_t(largest_share * tensor_parallel_.size));
+  FP8T_CUDA_CHECK(cudaDeviceSynchronize());  // its poison, on the legacy stream, comes first
   std::vector<bf16> staging;
   for (const optim::DeviceParameter& tensor : layout_.parameters) {
     TensorView& view = host[tensor.name];
@@ -883,6 +884,7 @@ void CudaGptModel::plan_gradient_ranges() {
     spec_of[spec.name] = &spec;
   gradient_ranges_.assign(static_cast<size_t>(config_.n_layer + 2), {});
   split_gradient_ranges_.clear();
+  replicated_gradient_ranges_.clear();
   const auto add = [](std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t offset,
                       int64_t end) {
     if (!ranges.empty() && ranges.back().first + ranges.back().second == offset) {
@@ -901,11 +903,25 @@ void CudaGptModel::plan_gradient_ranges() {
         offset, end);
     // Under sequence parallelism lm_head and the residual mixes' scalars take their gradients
     // from this rank's rows; the split tensors' shares have theirs whole.
-    if (sequence_ && gpt_sequence_split_gradient(spec)) add(split_gradient_ranges_, offset, end);
+    if (!tensor_parallel_.split() || parameters[i].split != TensorSplit::None) continue;
+    add(sequence_ && gpt_sequence_split_gradient(spec) ? split_gradient_ranges_
+                                                       : replicated_gradient_ranges_,
+        offset, end);
   }
 }
 
 void CudaGptModel::gather_split_gradients() {
+  if (!tensor_parallel_.split()) return;
+  // Every rank computes the replicated tensors' gradients from the same values, but its sums
+  // may round differently (the embedding's atomics, autotuned GEMM algorithms): the first
+  // rank's, zeros elsewhere summed, so that their copies cannot drift apart.
+  if (tensor_parallel_.rank != 0) {
+    for (const auto& [offset, count] : replicated_gradient_ranges_) {
+      FP8T_CUDA_CHECK(
+          cudaMemsetAsync(gradients_ + offset, 0, size_t(count) * sizeof(float), stream_));
+    }
+  }
+  tensor_parallel_.sum_ranges(gradients_, replicated_gradient_ranges_, stream_);
   tensor_parallel_.sum_ranges(gradients_, split_gradient_ranges_, stream_);
 }
 

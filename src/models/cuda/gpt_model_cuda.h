@@ -138,9 +138,11 @@ class CudaGptModel {
   // tensor parallelism each rank adds the gradients of its shares of the split parameters only,
   // and under sequence parallelism its rows' part of lm_head's and the residual scalars'.
   void backward();
-  // Under sequence parallelism, once per optimizer step after the last backward: the gradients
-  // of lm_head and the residual scalars summed over the group, so that every rank holds them
-  // whole, as a model without it does. Nothing otherwise: a share's gradient is whole already.
+  // Under tensor parallelism, once per optimizer step after the last backward: every rank of
+  // the group takes the first rank's gradients of the tensors it holds whole, and under
+  // sequence parallelism the gradients of lm_head and the residual scalars summed over the
+  // group, so that every rank holds the same whole gradients of them. A share's gradient is
+  // whole already. Nothing without tensor parallelism.
   void gather_split_gradients();
   // Called by backward(), when set, with each range of the gradients (elements of the layout)
   // as soon as the work queued on the stream completes it: lm_head's, each block's (its value
@@ -238,9 +240,12 @@ class CudaGptModel {
   // Per group of gradients that complete together (lm_head, blocks n-1 .. 0, the rest): ranges
   // {offset, count} of the layout, padding between tensors included.
   std::vector<std::vector<std::pair<int64_t, int64_t>>> gradient_ranges_;
-  // Ranges {offset, count} of the gradients gather_split_gradients() sums, adjacent ones
-  // merged.
+  // Under sequence parallelism, the ranges {offset, count} of the gradients
+  // gather_split_gradients() sums (lm_head's, the scalars'), adjacent ones merged.
   std::vector<std::pair<int64_t, int64_t>> split_gradient_ranges_;
+  // Under tensor parallelism the other tensors every rank holds whole, whose gradients are the
+  // first rank's (gather_split_gradients).
+  std::vector<std::pair<int64_t, int64_t>> replicated_gradient_ranges_;
   float* parameters_ = nullptr;
   bf16* bf16_parameters_ = nullptr;
   float* gradients_ = nullptr;

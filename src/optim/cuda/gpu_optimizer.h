@@ -93,8 +93,10 @@ class CudaGptOptimizer {
 
   // *norm_out (device) = sqrt(Σ grads²) over count elements, summed in double in an order that
   // depends only on count: the same gradients give the same norm, bit for bit. With a layout of
-  // shares (count: all of its elements) the shares' squares are summed over the group, and the
-  // whole tensors', the same on every rank of it, added once: the norm of the whole gradients.
+  // shares (count: all of its elements) each run of shares and of whole tensors sums its squares
+  // (rounded to fp32), the shares' are summed over the group and the whole tensors', which every
+  // rank of it holds alike, added once: the norm of the whole gradients, the same on every rank
+  // of the group.
   void global_norm(const float* grads, int64_t count, float* norm_out, cudaStream_t stream);
   // Reads *norm (device); when it exceeds max_norm, scales the gradients by
   // max_norm / (norm + 1e-6). A non-finite norm leaves them as they are (clip_gradients' rule).
