@@ -93,6 +93,7 @@ TEST(DeviceParameterLayout, PutsBf16EmbeddingTablesLast) {
 TEST(DeviceParameterLayout, HoldsATensorParallelRanksShares) {
   GptConfig config = GptConfig::from_depth(2);
   config.vocab_size = 100;
+  config.n_head = config.n_kv_head = 2;  // a pair splits the heads, and the value gates' rows
   const DeviceParameterLayout whole = device_parameter_layout(config, /*bf16_embeddings=*/true);
   const DeviceParameterLayout rank = device_parameter_layout(config, true, 2, 1);
   EXPECT_EQ(rank.tensor_parallel, 2);
@@ -130,6 +131,8 @@ TEST(DeviceParameterLayout, HoldsATensorParallelRanksShares) {
   EXPECT_EQ(share[0], static_cast<float>(2 * C));
   EXPECT_EQ(share[size_t(2 * C)], static_cast<float>(4 * C + 2 * C));  // row 1's first
   EXPECT_THROW(device_parameter_layout(config, true, 2, 2), Error);
+  config.n_head = config.n_kv_head = 1;  // one value gate row: no pair splits it
+  EXPECT_THROW(device_parameter_layout(config, true, 2, 0), Error);
 }
 
 using test::expect_close;
