@@ -96,7 +96,7 @@ class CudaEngine final : public TrainingEngine {
     model_.gemm().configure_tuning(setup.gemm_tuning);
 #if FP8TRAIN_WITH_NCCL
     if (communicator_ != nullptr) {
-      // Overlapped sums would reduce the sequence-parallel gradients before the group's sum.
+      // Overlapped sums would reduce the gradients before the group's sums of them.
       rank_sums_ = std::make_unique<GptRankSums>(*communicator_, model_, layout_,
                                                  setup.overlap_grad_reduce && layout_.tensor == 1,
                                                  sharded_ ? &host_optimizer_.shard() : nullptr);

@@ -35,8 +35,8 @@ GptRankSums::GptRankSums(distributed::Communicator& host, CudaGptModel& model,
       delayed_(!model.delayed_scalings().empty()),
       nccl_(std::make_unique<distributed::NcclGroup>(host)) {
   FP8T_CHECK(layout.tensor == 1 || !overlap_grad_reduce,
-             "overlapped gradient sums would reduce the sequence-parallel gradients before they "
-             "are summed over the tensor-parallel group");
+             "overlapped gradient sums would reduce the gradients before the tensor-parallel "
+             "group's sums of them");
   // A split linear's amax is the group's already; a replicated one's is the same on every rank.
   if (layout.tensor > 1) nccl_ = nccl_->data_parallel_group(layout);
   if (shard != nullptr) {
