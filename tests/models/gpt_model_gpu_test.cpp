@@ -25,6 +25,7 @@
 #include "models/device_tensor_parallel_checks.h"
 #include "models/golden.h"
 #include "models/gpt_model.h"
+#include "models/host_parameters.h"
 #include "models/recompute_checks.h"
 #include "models/tensor_parallel_checks.h"
 #include "numerics/test_util.h"
@@ -102,19 +103,7 @@ double relative_error(const float* a, const float* b, int64_t count) {
   return norm > 0.0 ? std::sqrt(diff / norm) : std::sqrt(diff);
 }
 
-// Whole f32 tensors on the host: a model's parameters or gradients, downloaded.
-struct HostTensors {
-  Arena arena;
-  ParameterSet values;
-  explicit HostTensors(const GptConfig& config)
-      : arena("host tensors", ParameterSet::planned_bytes(config, DType::F32)),
-        values(arena, config, DType::F32) {}
-  std::vector<float> operator()(const std::string& name) const { return copy(values[name]); }
-  static std::vector<float> copy(const TensorView& view) {
-    const float* first = view.data<float>();
-    return {first, first + view.numel()};
-  }
-};
+using testing::HostParameters;
 
 // Every parameter's gradient on the GPU (downloaded) against a reference: relative norm error
 // below `bound` per tensor (twice that for the gates), and below scalars_bound (0: 3 * bound) for
@@ -160,16 +149,16 @@ void expect_gradients_match(const ParameterSet& gpu_gradients, const GptConfig& 
 // One parameter's gradient, downloaded from a GPU model (of one rank, or a group's rank alone).
 std::vector<float> gradient_of(const CudaGptModel& gpu, const GptConfig& config,
                                const std::string& name) {
-  HostTensors gradients(config);
-  gpu.download_gradients(gradients.values);
-  return gradients(name);
+  HostParameters gradients(config);
+  gpu.download_gradients(gradients.set);
+  return gradients.values(name);
 }
 
 void expect_gradients_match(const CudaGptModel& gpu, const GptConfig& config, double bound,
                             const std::function<const float*(const std::string&)>& reference) {
-  HostTensors gradients(config);
-  gpu.download_gradients(gradients.values);
-  expect_gradients_match(gradients.values, config, bound, reference);
+  HostParameters gradients(config);
+  gpu.download_gradients(gradients.set);
+  expect_gradients_match(gradients.set, config, bound, reference);
 }
 
 class GptModelGpuTest : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
@@ -599,10 +588,10 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
       } else {
         plain_activations[setting] = ranks[0]->memory().activations;
       }
-      HostTensors whole_gradients(config);
-      std::vector<std::unique_ptr<HostTensors>> rank_gradients;
+      HostParameters whole_gradients(config);
+      std::vector<std::unique_ptr<HostParameters>> rank_gradients;
       for (int rank = 0; rank < kRanks; ++rank)
-        rank_gradients.push_back(std::make_unique<HostTensors>(config));
+        rank_gradients.push_back(std::make_unique<HostParameters>(config));
       size_t fp8_linears = 0;
       for (const LinearPrecision& decision : whole.linear_precision())
         fp8_linears += decision.fp8 && decision.linear.kind != ParamKind::Gate;
@@ -627,11 +616,11 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
           losses[rank] = model.loss_value();
           model.backward();
           model.gather_split_gradients();
-          model.download_gradients(rank_gradients[rank]->values);  // the group's shares
+          model.download_gradients(rank_gradients[rank]->set);  // the group's shares
         });
         EXPECT_EQ(losses[1], losses[0]);
         EXPECT_NEAR(losses[0], loss, 2e-3 * loss);
-        whole.download_gradients(whole_gradients.values);
+        whole.download_gradients(whole_gradients.set);
         // Delayed scaling's first step casts at scale 1, where most gradients underflow: its
         // gradients are compared once the first step's amaxes have set the scales.
         for (int rank = 0; rank < kRanks; ++rank) {
@@ -646,14 +635,15 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
           // error of a gradient missing or summed twice. The tensors' bounds are the
           // GPU-against-CPU test's.
           expect_gradients_match(
-              rank_gradients[size_t(rank)]->values, config, fp8 ? 0.2 : 0.05,
-              [&](const std::string& name) { return whole_gradients.values[name].data<float>(); },
+              rank_gradients[size_t(rank)]->set, config, fp8 ? 0.2 : 0.05,
+              [&](const std::string& name) { return whole_gradients.set[name].data<float>(); },
               fp8 ? 0.9 : 0.4);
         }
         // The shares gathered, and the tensors every rank holds whole taken from the first rank
         // (or summed, under sequence parallelism): the same gradients on both.
         for (const ParamSpec& spec : gpt_parameters(config))
-          EXPECT_EQ((*rank_gradients[1])(spec.name), (*rank_gradients[0])(spec.name)) << spec.name;
+          EXPECT_EQ(rank_gradients[1]->values(spec.name), rank_gradients[0]->values(spec.name))
+              << spec.name;
         testing::end_step_with_same_scales(whole, ranks, fp8_linears, recipe);
       }
     }
@@ -696,7 +686,7 @@ TEST(GptTensorParallelGpu, OptimizerStepsTheSharesAsTheWholeModelsOptimizer) {
           optim::ShareCollectives{member.all_gather_bf16, member.sum, member.sum_bf16}));
       EXPECT_LT(optimizers.back()->device_state_bytes(), whole_optimizer.device_state_bytes());
     }
-    HostTensors gathered(config);
+    HostParameters gathered(config);
     DeviceBuffer<float> norms(kRanks + 1);
     const optim::StepSchedule schedule;
     for (int step = 1; step <= 2; ++step) {
@@ -708,10 +698,10 @@ TEST(GptTensorParallelGpu, OptimizerStepsTheSharesAsTheWholeModelsOptimizer) {
         model.backward();
         model.gather_split_gradients();
         if (rank == 0) {
-          model.download_gradients(gathered.values);
+          model.download_gradients(gathered.set);
         } else {
-          HostTensors again(config);
-          model.download_gradients(again.values);
+          HostParameters again(config);
+          model.download_gradients(again.set);
         }
         optimizer.global_norm(model.gradients(), model.layout().total_elements, norms.get() + rank,
                               model.stream());
@@ -721,7 +711,7 @@ TEST(GptTensorParallelGpu, OptimizerStepsTheSharesAsTheWholeModelsOptimizer) {
       // The whole model's optimizer on the ranks' gradients.
       for (const optim::DeviceParameter& tensor : whole.layout().parameters) {
         FP8T_CUDA_CHECK(cudaMemcpyAsync(
-            whole.gradients() + tensor.offset, gathered.values[tensor.name].data<float>(),
+            whole.gradients() + tensor.offset, gathered.set[tensor.name].data<float>(),
             size_t(tensor.numel) * sizeof(float), cudaMemcpyHostToDevice, whole.stream()));
       }
       whole_optimizer.global_norm(whole.gradients(), whole.layout().total_elements,
@@ -734,28 +724,28 @@ TEST(GptTensorParallelGpu, OptimizerStepsTheSharesAsTheWholeModelsOptimizer) {
       EXPECT_NEAR(norm[0], norm[kRanks], 1e-6 * norm[kRanks]) << "step " << step;
     }
 
-    HostTensors whole_parameters(config);
-    whole.download_parameters(whole_parameters.values);
-    std::vector<std::unique_ptr<HostTensors>> rank_parameters;
+    HostParameters whole_parameters(config);
+    whole.download_parameters(whole_parameters.set);
+    std::vector<std::unique_ptr<HostParameters>> rank_parameters;
     std::vector<std::unique_ptr<optim::GptOptimizer>> rank_states;
     for (int rank = 0; rank < kRanks; ++rank) {
-      rank_parameters.push_back(std::make_unique<HostTensors>(config));
+      rank_parameters.push_back(std::make_unique<HostParameters>(config));
       rank_states.push_back(
           std::make_unique<optim::GptOptimizer>(config, optim::OptimizerSettings{}, batch * seq));
     }
     testing::run_ranks<CudaGptModel>(ranks, [&](CudaGptModel& model, size_t rank) {
-      model.download_parameters(rank_parameters[rank]->values);
+      model.download_parameters(rank_parameters[rank]->set);
       optimizers[rank]->download_state(*rank_states[rank]);
     });
     whole_optimizer.download_state(host);
     for (const ParamSpec& spec : gpt_parameters(config)) {
-      const std::vector<float> start = HostTensors::copy(cpu.parameters()[spec.name]);
-      const std::vector<float> want = whole_parameters(spec.name);
+      const std::vector<float> start = testing::values_of(cpu.parameters()[spec.name]);
+      const std::vector<float> want = whole_parameters.values(spec.name);
       if (gpt_parameter_split(spec) != TensorSplit::None) {
         EXPECT_NE(want, start) << spec.name << " did not move";
       }
       for (int rank = 0; rank < kRanks; ++rank)
-        EXPECT_EQ((*rank_parameters[size_t(rank)])(spec.name), want)
+        EXPECT_EQ(rank_parameters[size_t(rank)]->values(spec.name), want)
             << spec.name << ", rank " << rank;
     }
     const std::vector<NamedTensor> whole_state = host.state();

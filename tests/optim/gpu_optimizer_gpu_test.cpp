@@ -27,6 +27,7 @@
 #include "gemm/cublaslt_gemm.h"
 #include "models/gpt_config.h"
 #include "models/gpt_memory.h"
+#include "models/host_parameters.h"
 #include "numerics/test_util.h"
 #include "ops/gpu_compare.h"
 #include "optim/clip.h"
@@ -194,15 +195,7 @@ StepSchedule schedule_at(int step) {
           .weight_decay_multiplier = 1.0 - 0.1 * step};
 }
 
-// fp32 parameters (or gradients) of the config on the host.
-struct HostSet {
-  Arena arena;
-  ParameterSet set;
-  explicit HostSet(const GptConfig& config)
-      : arena("gpu optimizer test", ParameterSet::planned_bytes(config, DType::F32)),
-        set(arena, config, DType::F32) {}
-  float* operator[](const std::string& name) { return set[name].data<float>(); }
-};
+using HostSet = testing::HostParameters;  // fp32 parameters (or gradients)
 
 // A Muon gradient that gives every step of muon.h work: rows of magnitudes 2^-3 to 2^3 (which
 // MuonEq evens out) and, along the longer side, a first half of lines that share an eighth as
