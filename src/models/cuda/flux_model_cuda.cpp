@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <span>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -21,6 +22,7 @@
 #include "core/parallel_runs.h"
 #include "gemm/cublaslt_gemm.h"
 #include "models/cuda/linear_scalings.h"
+#include "models/cuda/share_transfer.h"
 #include "models/tensor_parallel.h"
 #include "ops/cuda/attention_cudnn.h"
 #include "ops/cuda/attention_fp8_cuda.h"
@@ -37,33 +39,6 @@ namespace kernels = ops::cuda;
 using kernels::GradStore;
 
 namespace {
-
-// Between a whole tensor [whole_out, whole_in] (a bias: whole_in 1) and a rank's share of it,
-// the share's runs of rows or columns one after the other: from the whole into the share
-// (to_share), or from the share into its places in the whole.
-void copy_share(const TensorShare& share, int64_t whole_out, int64_t whole_in, const float* source,
-                float* target, bool to_share, cudaStream_t stream) {
-  const int64_t part_in = share.features(whole_in, whole_out).first;
-  const auto copy = [&](int64_t whole_at, int64_t whole_ld, int64_t part_at, int64_t part_ld,
-                        int64_t width, int64_t rows) {
-    const float* const from = source + (to_share ? whole_at : part_at);
-    float* const to = target + (to_share ? part_at : whole_at);
-    const size_t from_pitch = size_t(to_share ? whole_ld : part_ld) * sizeof(float);
-    const size_t to_pitch = size_t(to_share ? part_ld : whole_ld) * sizeof(float);
-    FP8T_CUDA_CHECK(cudaMemcpy2DAsync(to, to_pitch, from, from_pitch, size_t(width) * sizeof(float),
-                                      size_t(rows), cudaMemcpyDeviceToDevice, stream));
-  };
-  int64_t done = 0;
-  for (const ShareSegment& segment : share.segments) {
-    if (share.split == TensorSplit::Outputs) {  // a run of rows is contiguous
-      const int64_t values = segment.count * whole_in;
-      copy(segment.first * whole_in, values, done * whole_in, values, values, 1);
-    } else {  // a run of columns: whole_out rows of its values
-      copy(segment.first, whole_in, done, part_in, segment.count, whole_out);
-    }
-    done += segment.count;
-  }
-}
 
 // Copies rows rows of width values from src (row stride src_ld) to dst (row stride dst_ld).
 void copy_rows(bf16* dst, int64_t dst_ld, const bf16* src, int64_t src_ld, int64_t rows,
@@ -627,17 +602,12 @@ void CudaFluxModel::download_tensor(const std::string& name, const float* device
                                cudaMemcpyDeviceToHost));
     return;
   }
-  // Each rank's share in its place among zeros, summed over the group: the whole tensor.
   const TensorPart& p = part->second;
-  const auto count = size_t(p.whole_out * p.whole_in);
-  DeviceBuffer<float> whole(count);
+  const ShareBlocks share = share_blocks(p.share, p.whole_out, p.whole_in);
+  DeviceBuffer<float> staging(share_staging_elements(share.whole_numel(), sizeof(float)));
   FP8T_CUDA_CHECK(cudaDeviceSynchronize());  // its poison, on the legacy stream, comes first
-  FP8T_CUDA_CHECK(cudaMemsetAsync(whole.get(), 0, whole.bytes(), stream_));
-  copy_share(p.share, p.whole_out, p.whole_in, device, whole.get(), false, stream_);
-  tensor_parallel_.sum(whole.get(), count, stream_);
-  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  if (host != nullptr)
-    FP8T_CUDA_CHECK(cudaMemcpy(host, whole.get(), whole.bytes(), cudaMemcpyDeviceToHost));
+  gather_share(share, device, std::span<float>(staging.get(), staging.count()),
+               tensor_parallel_.sum, host, stream_);
 }
 
 void CudaFluxModel::upload_tensor(const std::string& name, const float* host, float* device) const {
@@ -653,23 +623,16 @@ void CudaFluxModel::upload_tensor(const std::string& name, const float* host, fl
   FP8T_CHECK(host != nullptr || tensor_parallel_.rank != 0,
              "'{}': the tensor-parallel group's first rank must give its host values", name);
   const auto part = tensor_parts_.find(name);
-  const TensorPart* p = part != tensor_parts_.end() ? &part->second : nullptr;
-  const auto count = size_t(p != nullptr ? p->whole_out * p->whole_in : layout_[name].numel);
-  DeviceBuffer<float> whole(count);
+  const optim::DeviceParameter& tensor = layout_[name];
+  const ShareBlocks share =
+      part != tensor_parts_.end()
+          ? share_blocks(part->second.share, part->second.whole_out, part->second.whole_in)
+          : share_blocks(TensorShare{}, tensor.numel / tensor.shape.back(), tensor.shape.back());
+  DeviceBuffer<float> staging(share_staging_elements(share.whole_numel(), sizeof(float)));
   FP8T_CUDA_CHECK(cudaDeviceSynchronize());  // its poison, on the legacy stream, comes first
-  if (tensor_parallel_.rank == 0) {
-    whole.upload(host);
-  } else {
-    FP8T_CUDA_CHECK(cudaMemsetAsync(whole.get(), 0, whole.bytes(), stream_));
-  }
-  tensor_parallel_.sum(whole.get(), count, stream_);
-  if (p != nullptr) {
-    copy_share(p->share, p->whole_out, p->whole_in, whole.get(), device, true, stream_);
-  } else {
-    FP8T_CUDA_CHECK(
-        cudaMemcpyAsync(device, whole.get(), whole.bytes(), cudaMemcpyDeviceToDevice, stream_));
-  }
-  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  scatter_share(share, tensor_parallel_.rank == 0 ? host : nullptr,
+                std::span<float>(staging.get(), staging.count()), tensor_parallel_.sum, device,
+                stream_);
 }
 
 void CudaFluxModel::zero_gradients() {

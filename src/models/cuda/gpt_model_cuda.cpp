@@ -16,6 +16,7 @@
 #include "core/error.h"
 #include "gemm/cublaslt_gemm.h"
 #include "models/cuda/linear_scalings.h"
+#include "models/cuda/share_transfer.h"
 #include "models/tensor_parallel.h"
 #include "ops/cross_entropy.h"
 #include "ops/cuda/attention_cudnn.h"
@@ -629,43 +630,37 @@ void CudaGptModel::download_gradients(ParameterSet& host) const {
 
 void CudaGptModel::download(const float* base, const bf16* bf16_base, ParameterSet& host) const {
   FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
-  int64_t largest_share = 0;
+  int64_t largest_whole = 0;
   for (const optim::DeviceParameter& tensor : layout_.parameters)
-    if (tensor.split != TensorSplit::None) largest_share = std::max(largest_share, tensor.numel);
-  // A split tensor: each rank's share in its place among zeros, summed over the group.
-  DeviceBuffer<float> whole(size_t(largest_share * tensor_parallel_.size));
+    if (tensor.split != TensorSplit::None) largest_whole = std::max(largest_whole, tensor.numel);
+  largest_whole *= tensor_parallel_.size;
+  // A split tensor's whole comes through staging that holds as many fp32 values or bf16 ones.
+  DeviceBuffer<float> staging(share_staging_elements(largest_whole, sizeof(float)));
   FP8T_CUDA_CHECK(cudaDeviceSynchronize());  // its poison, on the legacy stream, comes first
-  std::vector<bf16> staging;
+  const std::span<float> staged_f32(staging.get(), staging.count());
+  const std::span<bf16> staged_bf16(reinterpret_cast<bf16*>(staging.get()), staging.count());
+  std::vector<bf16> values;
   for (const optim::DeviceParameter& tensor : layout_.parameters) {
     TensorView& view = host[tensor.name];
     const bool in_bf16 = bf16_base != nullptr && tensor.bf16;
-    const size_t element = in_bf16 ? sizeof(bf16) : sizeof(float);
-    const auto* device =
-        in_bf16 ? static_cast<const void*>(bf16_base + (tensor.offset - layout_.bf16_offset))
-                : static_cast<const void*>(base + tensor.offset);
-    if (tensor.split != TensorSplit::None) {
-      auto* bytes = reinterpret_cast<uint8_t*>(whole.get());
-      FP8T_CUDA_CHECK(cudaMemsetAsync(bytes, 0, size_t(view.numel()) * element, stream_));
-      const optim::ShareRows share = layout_.share_rows(tensor);
-      FP8T_CUDA_CHECK(cudaMemcpy2DAsync(bytes + share.whole_first * element,
-                                        size_t(share.whole_cols) * element, device,
-                                        size_t(share.cols) * element, size_t(share.cols) * element,
-                                        size_t(share.rows), cudaMemcpyDeviceToDevice, stream_));
-      if (in_bf16) {
-        tensor_parallel_.sum_bf16(reinterpret_cast<bf16*>(bytes), size_t(view.numel()), stream_);
-      } else {
-        tensor_parallel_.sum(whole.get(), size_t(view.numel()), stream_);
-      }
-      FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
-      device = bytes;
-    }
+    const bool split = tensor.split != TensorSplit::None;
     if (in_bf16) {
-      staging.resize(static_cast<size_t>(view.numel()));
-      FP8T_CUDA_CHECK(cudaMemcpy(staging.data(), device, staging.size() * sizeof(bf16),
-                                 cudaMemcpyDeviceToHost));
-      std::ranges::transform(staging, view.data<float>(), bf16_to_float);
+      const bf16* device = bf16_base + (tensor.offset - layout_.bf16_offset);
+      values.resize(static_cast<size_t>(view.numel()));
+      if (split) {
+        gather_share(share_blocks(layout_.share_rows(tensor), view.numel()), device, staged_bf16,
+                     tensor_parallel_.sum_bf16, values.data(), stream_);
+      } else {
+        FP8T_CUDA_CHECK(cudaMemcpy(values.data(), device, values.size() * sizeof(bf16),
+                                   cudaMemcpyDeviceToHost));
+      }
+      std::ranges::transform(values, view.data<float>(), bf16_to_float);
+    } else if (split) {
+      gather_share(share_blocks(layout_.share_rows(tensor), view.numel()), base + tensor.offset,
+                   staged_f32, tensor_parallel_.sum, view.data<float>(), stream_);
     } else {
-      FP8T_CUDA_CHECK(cudaMemcpy(view.raw(), device, view.bytes(), cudaMemcpyDeviceToHost));
+      FP8T_CUDA_CHECK(
+          cudaMemcpy(view.raw(), base + tensor.offset, view.bytes(), cudaMemcpyDeviceToHost));
     }
   }
 }
@@ -885,28 +880,20 @@ void CudaGptModel::plan_gradient_ranges() {
   gradient_ranges_.assign(static_cast<size_t>(config_.n_layer + 2), {});
   split_gradient_ranges_.clear();
   replicated_gradient_ranges_.clear();
-  const auto add = [](std::vector<std::pair<int64_t, int64_t>>& ranges, int64_t offset,
-                      int64_t end) {
-    if (!ranges.empty() && ranges.back().first + ranges.back().second == offset) {
-      ranges.back().second += end - offset;  // adjacent: one range
-    } else {
-      ranges.emplace_back(offset, end - offset);
-    }
-  };
   const auto& parameters = layout_.parameters;
   for (size_t i = 0; i < parameters.size(); ++i) {
-    const int64_t offset = parameters[i].offset;
-    const int64_t end =
-        i + 1 < parameters.size() ? parameters[i + 1].offset : layout_.total_elements;
+    const optim::DeviceParameterLayout::Range range = layout_.padded_range(i);
     const ParamSpec& spec = *spec_of.at(parameters[i].name);
-    add(gradient_ranges_[static_cast<size_t>(backward_gradient_group(spec, config_.n_layer))],
-        offset, end);
+    optim::append_range(
+        gradient_ranges_[static_cast<size_t>(backward_gradient_group(spec, config_.n_layer))],
+        range);
     // Under sequence parallelism lm_head and the residual mixes' scalars take their gradients
     // from this rank's rows; the split tensors' shares have theirs whole.
     if (!tensor_parallel_.split() || parameters[i].split != TensorSplit::None) continue;
-    add(sequence_ && gpt_sequence_split_gradient(spec) ? split_gradient_ranges_
-                                                       : replicated_gradient_ranges_,
-        offset, end);
+    optim::append_range(sequence_ && gpt_sequence_split_gradient(spec)
+                            ? split_gradient_ranges_
+                            : replicated_gradient_ranges_,
+                        range);
   }
 }
 

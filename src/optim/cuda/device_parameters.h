@@ -74,6 +74,13 @@ struct DeviceParameterLayout {
     }
     throw Error(fmt::format("the device parameter layout holds no tensor named '{}'", name));
   }
+  // Element ranges {offset, count}.
+  using Range = std::pair<int64_t, int64_t>;
+  // The i-th tensor's range with the padding after it, up to the next tensor or the end.
+  Range padded_range(size_t i) const {
+    const int64_t end = i + 1 < parameters.size() ? parameters[i + 1].offset : total_elements;
+    return {parameters[i].offset, end - parameters[i].offset};
+  }
   bool has_shares() const { return tensor_parallel > 1; }
   ShareRows share_rows(const DeviceParameter& parameter) const {
     const int64_t rows = parameter.shape[0];
@@ -85,6 +92,16 @@ struct DeviceParameterLayout {
     return {rows, cols, cols, 0};
   }
 };
+
+// `range` after `ranges`, one range with the last when they are adjacent.
+inline void append_range(std::vector<DeviceParameterLayout::Range>& ranges,
+                         DeviceParameterLayout::Range range) {
+  if (!ranges.empty() && ranges.back().first + ranges.back().second == range.first) {
+    ranges.back().second += range.second;
+  } else {
+    ranges.push_back(range);
+  }
+}
 
 // The share of a whole host tensor that this rank of a layout holds.
 template <typename T>

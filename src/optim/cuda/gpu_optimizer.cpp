@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
+#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -19,6 +20,7 @@
 #include "core/cuda_check.h"
 #include "core/device_buffer.h"
 #include "core/error.h"
+#include "models/cuda/share_transfer.h"
 #include "optim/gpt_optimizer.h"
 #include "optim/muon.h"
 
@@ -283,15 +285,8 @@ CudaGptOptimizer::State::Tables CudaGptOptimizer::State::plan() {
 
   // The gradient norm's ranges: each tensor with the padding after it, adjacent ones merged.
   for (size_t i = 0; i < layout.parameters.size(); ++i) {
-    const int64_t offset = layout.parameters[i].offset;
-    const int64_t end =
-        i + 1 < layout.parameters.size() ? layout.parameters[i + 1].offset : layout.total_elements;
-    auto& ranges = layout.parameters[i].split != TensorSplit::None ? share_ranges : whole_ranges;
-    if (!ranges.empty() && ranges.back().first + ranges.back().second == offset) {
-      ranges.back().second += end - offset;
-    } else {
-      ranges.emplace_back(offset, end - offset);
-    }
+    append_range(layout.parameters[i].split != TensorSplit::None ? share_ranges : whole_ranges,
+                 layout.padded_range(i));
   }
   return tables;
 }
@@ -624,22 +619,19 @@ void CudaGptOptimizer::State::download_slice(const StateSlice& slice, T* host) c
         cudaMemcpy(host, device, size_t(slice.count) * sizeof(T), cudaMemcpyDeviceToHost));
     return;
   }
-  // Each rank's share in its place among zeros, summed over the group: the whole tensor's.
-  const ShareRows share = layout.share_rows(*slice.share);
-  const auto count = static_cast<size_t>(whole_numel(*slice.share));
-  DeviceBuffer<T> whole(count);
-  FP8T_CUDA_CHECK(cudaMemset(whole.get(), 0, whole.bytes()));
-  FP8T_CUDA_CHECK(cudaMemcpy2D(whole.get() + share.whole_first,
-                               size_t(share.whole_cols) * sizeof(T), device,
-                               size_t(share.cols) * sizeof(T), size_t(share.cols) * sizeof(T),
-                               size_t(share.rows), cudaMemcpyDeviceToDevice));
-  if constexpr (std::is_same_v<T, bf16>) {
-    collectives.sum_bf16(whole.get(), count, nullptr);
-  } else {
-    collectives.sum(whole.get(), count, nullptr);
-  }
-  FP8T_CUDA_CHECK(cudaDeviceSynchronize());
-  FP8T_CUDA_CHECK(cudaMemcpy(host, whole.get(), whole.bytes(), cudaMemcpyDeviceToHost));
+  const auto whole = whole_numel(*slice.share);
+  DeviceBuffer<T> staging(share_staging_elements(whole, sizeof(T)));
+  FP8T_CUDA_CHECK(cudaDeviceSynchronize());  // its poison, on the legacy stream, comes first
+  const std::span<T> staged(staging.get(), staging.count());
+  const GroupSum<T>& sum = [this]() -> const GroupSum<T>& {
+    if constexpr (std::is_same_v<T, bf16>) {
+      return collectives.sum_bf16;
+    } else {
+      return collectives.sum;
+    }
+  }();
+  gather_share(share_blocks(layout.share_rows(*slice.share), whole), device, staged, sum, host,
+               nullptr);
 }
 
 template <typename T>
