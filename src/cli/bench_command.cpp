@@ -331,15 +331,15 @@ Measurement measure(const BenchGptOptions& options, const GptConfig& config,
   // Several ranks: what a training step adds on each (train/cuda_rank_sums.h).
 #if FP8TRAIN_WITH_NCCL
   std::unique_ptr<train::GptRankSums> rank_sums;
-  if (ranks.communicator != nullptr) {
+  if (ranks.communicator != nullptr && ranks.replicas() > 1) {
     rank_sums = std::make_unique<train::GptRankSums>(
         *ranks.communicator, model, ranks.layout, ranks.overlap,
         ranks.sharded() ? &host_optimizer.shard() : nullptr);
   }
   const auto backward = [&] { rank_sums ? rank_sums->last_backward() : model.backward(); };
   const auto sum_over_ranks = [&] {
-    if (!rank_sums) return;
     model.gather_split_gradients();
+    if (!rank_sums) return;
     rank_sums->sum_gradients();
     ops::cuda::scale_f32(model.gradients(), 1.0f / float(ranks.replicas()),
                          model.layout().total_elements, stream);

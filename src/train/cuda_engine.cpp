@@ -95,7 +95,7 @@ class CudaEngine final : public TrainingEngine {
     FP8T_CUDA_CHECK(cudaMalloc(reinterpret_cast<void**>(&norm_), sizeof(float)));
     model_.gemm().configure_tuning(setup.gemm_tuning);
 #if FP8TRAIN_WITH_NCCL
-    if (communicator_ != nullptr) {
+    if (communicator_ != nullptr && layout_.data > 1) {
       // Overlapped sums would reduce the gradients before the group's sums of them.
       rank_sums_ = std::make_unique<GptRankSums>(*communicator_, model_, layout_,
                                                  setup.overlap_grad_reduce && layout_.tensor == 1,
@@ -142,11 +142,12 @@ class CudaEngine final : public TrainingEngine {
     model_.zero_gradients();
     StepResult result;
     const int ranks = communicator_ != nullptr ? communicator_->size() : 1;
+    const bool replicated = layout_.data > 1;  // the data-parallel group's sums
     for (int64_t micro = 0; micro < accumulation; ++micro) {
       const data::TokenBatch batch = this_ranks_batch(loader, layout_);
       model_.forward(batch.inputs.data(), batch.targets.data(), true);
       losses_.add(model_.loss_device(), stream);
-      if (ranks > 1 && micro + 1 == accumulation) {
+      if (replicated && micro + 1 == accumulation) {
         last_backward();
       } else {
         model_.backward();
@@ -155,7 +156,7 @@ class CudaEngine final : public TrainingEngine {
     float* gradients = model_.gradients();
     const int64_t count = model_.layout().total_elements;
     model_.gather_split_gradients();
-    if (ranks > 1) sum_gradients();
+    if (replicated) sum_gradients();
     for (const int64_t offset : nan_injections_) {
       // Bytes 0xFF make a float NaN.
       FP8T_CUDA_CHECK(cudaMemsetAsync(gradients + offset, 0xFF, sizeof(float), stream));
@@ -176,7 +177,7 @@ class CudaEngine final : public TrainingEngine {
     result.grad_norm = norm_host_.data()[0];
     if (result.finite()) {
       optimizer_.step(model_.parameters(), model_.bf16_parameters(), gradients, schedule, stream);
-      if (ranks > 1) after_update();
+      if (replicated) after_update();
       model_.end_step();
     }
     peak_memory_ = std::max(peak_memory_, device_memory_in_use());
@@ -246,7 +247,7 @@ class CudaEngine final : public TrainingEngine {
   }
 
  private:
-  // With several ranks (GptRankSums); without NCCL make_cuda_engine refuses them.
+  // With several replicas (GptRankSums); without NCCL make_cuda_engine refuses several ranks.
   void last_backward() {
 #if FP8TRAIN_WITH_NCCL
     rank_sums_->last_backward();
@@ -320,7 +321,7 @@ class CudaEngine final : public TrainingEngine {
   std::vector<int64_t> nan_injections_;  // gradient offsets the next step poisons
   double peak_memory_ = 0.0;
 #if FP8TRAIN_WITH_NCCL
-  std::unique_ptr<GptRankSums> rank_sums_;  // with several ranks
+  std::unique_ptr<GptRankSums> rank_sums_;  // with several replicas
 #endif
 };
 
