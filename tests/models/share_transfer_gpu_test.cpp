@@ -78,13 +78,7 @@ void check_transfers(const ShareBlocks& share, const std::vector<T>& own,
   DeviceBuffer<T> staging(size_t(staged_rows * share.whole_cols + 1));
   FP8T_CUDA_CHECK(cudaDeviceSynchronize());
   const std::span<T> staged(staging.get(), staging.count());
-  const auto& sum = [&]() -> const GroupSum<T>& {
-    if constexpr (std::is_same_v<T, bf16>) {
-      return member.sum_bf16;
-    } else {
-      return member.sum;
-    }
-  }();
+  const GroupSum<T>& sum = group_sum<T>(member);
   if (gather) {
     constexpr float kNan = std::numeric_limits<float>::quiet_NaN();
     std::vector<T> gathered(whole.size());
@@ -124,7 +118,7 @@ TEST(ShareTransferGpu, GathersAndScattersAGptLayoutsShares) {
       const int64_t whole_numel = tensor.numel * kRanks;
       const std::vector<float> whole =
           random_values(size_t(whole_numel), uint32_t(std::hash<std::string>{}(tensor.name)));
-      const ShareBlocks share = share_blocks(layout.share_rows(tensor), whole_numel);
+      const ShareBlocks share = share_blocks(layout, tensor);
       check_transfers(share, optim::host_share(layout, tensor, whole.data()), whole, member, 3,
                       tensor.name);
       if (!tensor.bf16) continue;

@@ -105,6 +105,7 @@ TEST(DeviceParameterLayout, HoldsATensorParallelRanksShares) {
   EXPECT_EQ(q.split, TensorSplit::Outputs);
   EXPECT_EQ(q.shape, (std::vector<int64_t>{C / 2, C}));
   EXPECT_EQ(q.whole_shape, (std::vector<int64_t>{C, C}));
+  EXPECT_EQ(q.whole_numel(), C * C);
   const ShareRows q_rows = rank.share_rows(q);
   EXPECT_EQ(q_rows.whole_first, C / 2 * C);
   EXPECT_EQ(q_rows.whole_cols, C);
@@ -122,6 +123,7 @@ TEST(DeviceParameterLayout, HoldsATensorParallelRanksShares) {
   for (const std::string name : {"transformer.wte.weight", "lm_head.weight", "resid_lambdas"}) {
     EXPECT_EQ(rank[name].split, TensorSplit::None) << name;
     EXPECT_EQ(rank[name].shape, whole[name].shape) << name;
+    EXPECT_EQ(rank[name].whole_numel(), whole[name].numel) << name;
   }
   // The share of a whole host tensor: rank 1's columns of each row.
   std::vector<float> values(static_cast<size_t>(C * 4 * C));

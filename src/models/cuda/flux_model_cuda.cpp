@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <span>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -17,7 +16,6 @@
 #include "core/cuda_check.h"
 #include "core/cuda_resources.h"
 #include "core/device_arena.h"
-#include "core/device_buffer.h"
 #include "core/error.h"
 #include "core/parallel_runs.h"
 #include "gemm/cublaslt_gemm.h"
@@ -604,10 +602,8 @@ void CudaFluxModel::download_tensor(const std::string& name, const float* device
   }
   const TensorPart& p = part->second;
   const ShareBlocks share = share_blocks(p.share, p.whole_out, p.whole_in);
-  DeviceBuffer<float> staging(share_staging_elements(share.whole_numel(), sizeof(float)));
-  FP8T_CUDA_CHECK(cudaDeviceSynchronize());  // its poison, on the legacy stream, comes first
-  gather_share(share, device, std::span<float>(staging.get(), staging.count()),
-               tensor_parallel_.sum, host, stream_);
+  const ShareStaging staging(size_t(share.whole_numel()) * sizeof(float));
+  gather_share(share, device, staging.as<float>(), tensor_parallel_.sum, host, stream_);
 }
 
 void CudaFluxModel::upload_tensor(const std::string& name, const float* host, float* device) const {
@@ -628,11 +624,9 @@ void CudaFluxModel::upload_tensor(const std::string& name, const float* host, fl
       part != tensor_parts_.end()
           ? share_blocks(part->second.share, part->second.whole_out, part->second.whole_in)
           : share_blocks(TensorShare{}, tensor.numel / tensor.shape.back(), tensor.shape.back());
-  DeviceBuffer<float> staging(share_staging_elements(share.whole_numel(), sizeof(float)));
-  FP8T_CUDA_CHECK(cudaDeviceSynchronize());  // its poison, on the legacy stream, comes first
-  scatter_share(share, tensor_parallel_.rank == 0 ? host : nullptr,
-                std::span<float>(staging.get(), staging.count()), tensor_parallel_.sum, device,
-                stream_);
+  const ShareStaging staging(size_t(share.whole_numel()) * sizeof(float));
+  scatter_share(share, tensor_parallel_.rank == 0 ? host : nullptr, staging.as<float>(),
+                tensor_parallel_.sum, device, stream_);
 }
 
 void CudaFluxModel::zero_gradients() {

@@ -12,7 +12,6 @@
 
 #include "core/cuda_check.h"
 #include "core/device_arena.h"
-#include "core/device_buffer.h"
 #include "core/error.h"
 #include "gemm/cublaslt_gemm.h"
 #include "models/cuda/linear_scalings.h"
@@ -632,13 +631,9 @@ void CudaGptModel::download(const float* base, const bf16* bf16_base, ParameterS
   FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
   int64_t largest_whole = 0;
   for (const optim::DeviceParameter& tensor : layout_.parameters)
-    if (tensor.split != TensorSplit::None) largest_whole = std::max(largest_whole, tensor.numel);
-  largest_whole *= tensor_parallel_.size;
-  // A split tensor's whole comes through staging that holds as many fp32 values or bf16 ones.
-  DeviceBuffer<float> staging(share_staging_elements(largest_whole, sizeof(float)));
-  FP8T_CUDA_CHECK(cudaDeviceSynchronize());  // its poison, on the legacy stream, comes first
-  const std::span<float> staged_f32(staging.get(), staging.count());
-  const std::span<bf16> staged_bf16(reinterpret_cast<bf16*>(staging.get()), staging.count());
+    if (tensor.split != TensorSplit::None)
+      largest_whole = std::max(largest_whole, tensor.whole_numel());
+  const ShareStaging staging(size_t(largest_whole) * sizeof(float));
   std::vector<bf16> values;
   for (const optim::DeviceParameter& tensor : layout_.parameters) {
     TensorView& view = host[tensor.name];
@@ -648,7 +643,7 @@ void CudaGptModel::download(const float* base, const bf16* bf16_base, ParameterS
       const bf16* device = bf16_base + (tensor.offset - layout_.bf16_offset);
       values.resize(static_cast<size_t>(view.numel()));
       if (split) {
-        gather_share(share_blocks(layout_.share_rows(tensor), view.numel()), device, staged_bf16,
+        gather_share(share_blocks(layout_, tensor), device, staging.as<bf16>(),
                      tensor_parallel_.sum_bf16, values.data(), stream_);
       } else {
         FP8T_CUDA_CHECK(cudaMemcpy(values.data(), device, values.size() * sizeof(bf16),
@@ -656,8 +651,8 @@ void CudaGptModel::download(const float* base, const bf16* bf16_base, ParameterS
       }
       std::ranges::transform(values, view.data<float>(), bf16_to_float);
     } else if (split) {
-      gather_share(share_blocks(layout_.share_rows(tensor), view.numel()), base + tensor.offset,
-                   staged_f32, tensor_parallel_.sum, view.data<float>(), stream_);
+      gather_share(share_blocks(layout_, tensor), base + tensor.offset, staging.as<float>(),
+                   tensor_parallel_.sum, view.data<float>(), stream_);
     } else {
       FP8T_CUDA_CHECK(
           cudaMemcpy(view.raw(), base + tensor.offset, view.bytes(), cudaMemcpyDeviceToHost));

@@ -51,10 +51,12 @@ void copy_2d(T* to, int64_t to_ld, const T* from, int64_t from_ld, int64_t cols,
 
 }  // namespace
 
-ShareBlocks share_blocks(const optim::ShareRows& share, int64_t whole_numel) {
+ShareBlocks share_blocks(const optim::DeviceParameterLayout& layout,
+                         const optim::DeviceParameter& parameter) {
+  const optim::ShareRows share = layout.share_rows(parameter);
   const int64_t row = share.whole_first / share.whole_cols;
   const int64_t col = share.whole_first % share.whole_cols;
-  return {whole_numel / share.whole_cols,
+  return {parameter.whole_numel() / share.whole_cols,
           share.whole_cols,
           {{0, share.cols, row, col, share.rows, share.cols}}};
 }
@@ -79,8 +81,8 @@ ShareBlocks share_blocks(const TensorShare& share, int64_t whole_out, int64_t wh
   return blocks;
 }
 
-size_t share_staging_elements(int64_t whole_numel, size_t element_bytes) {
-  return std::min(static_cast<size_t>(whole_numel), kShareStagingBytes / element_bytes);
+ShareStaging::ShareStaging(size_t whole_bytes) : bytes_(std::min(whole_bytes, kShareStagingBytes)) {
+  FP8T_CUDA_CHECK(cudaDeviceSynchronize());  // its poison, on the legacy stream, comes first
 }
 
 template <typename T>

@@ -9,11 +9,14 @@
 #include <cstdint>
 #include <functional>
 #include <span>
+#include <type_traits>
 #include <vector>
 
 #include <cuda_runtime_api.h>
 
+#include "core/device_buffer.h"
 #include "models/weight_share.h"
+#include "numerics/float_bits.h"
 #include "optim/cuda/device_parameters.h"
 
 namespace fp8t {
@@ -37,17 +40,39 @@ struct ShareBlocks {
   int64_t whole_numel() const { return whole_rows * whole_cols; }
 };
 
-// A layout's share (the GPT's), of a whole tensor of whole_numel elements.
-ShareBlocks share_blocks(const optim::ShareRows& share, int64_t whole_numel);
+// A layout's share of one of its tensors (the GPT's).
+ShareBlocks share_blocks(const optim::DeviceParameterLayout& layout,
+                         const optim::DeviceParameter& parameter);
 // A linear's share (the Flux's) of its whole [whole_out, whole_in] (a bias: whole_in 1).
 ShareBlocks share_blocks(const TensorShare& share, int64_t whole_out, int64_t whole_in);
 
-// The staging elements of type size element_bytes for a tensor of whole_numel elements: the
-// whole, or kShareStagingBytes' worth.
-size_t share_staging_elements(int64_t whole_numel, size_t element_bytes);
+// Device staging for the transfers of tensors of up to whole_bytes: as many bytes, or
+// kShareStagingBytes; once made, ready for work on any stream. The ranks of a group make it
+// with the same whole_bytes.
+class ShareStaging {
+ public:
+  explicit ShareStaging(size_t whole_bytes);
+  template <typename T>
+  std::span<T> as() const {
+    return {reinterpret_cast<T*>(bytes_.get()), bytes_.count() / sizeof(T)};
+  }
+
+ private:
+  DeviceBuffer<uint8_t> bytes_;
+};
 
 template <typename T>
 using GroupSum = std::function<void(T* values, size_t count, cudaStream_t stream)>;
+
+// A group's sum of fp32 or of bf16 values (DeviceTensorParallel's, optim::ShareCollectives').
+template <typename T, typename Group>
+const GroupSum<T>& group_sum(const Group& group) {
+  if constexpr (std::is_same_v<T, bf16>) {
+    return group.sum_bf16;
+  } else {
+    return group.sum;
+  }
+}
 
 // The whole tensor into `host` on every rank (null: the rank only takes part in the sums): each
 // rank's runs of `own` in their places among zeros, summed over the group (`sum`). Returns with

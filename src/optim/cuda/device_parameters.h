@@ -38,6 +38,15 @@ struct DeviceParameter {
   // its run of whole_shape's rows (Outputs) or of each row's columns (Inputs). None: whole.
   TensorSplit split{};
   std::vector<int64_t> whole_shape;
+
+  // The elements of the whole tensor (numel when it is not split).
+  int64_t whole_numel() const {
+    if (split == TensorSplit::None) return numel;
+    int64_t count = 1;
+    for (const int64_t dim : whole_shape)
+      count *= dim;
+    return count;
+  }
 };
 
 // A rank's share [rows, cols] of a whole tensor, row by row: share row r is the whole tensor's

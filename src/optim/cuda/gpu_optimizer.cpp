@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cmath>
 #include <map>
-#include <span>
 #include <string>
 #include <type_traits>
 #include <utility>
@@ -37,14 +36,6 @@ const char* const kStepCounterName = "optimizer.step";
 
 int64_t round_up(int64_t value, int64_t multiple) {
   return (value + multiple - 1) / multiple * multiple;
-}
-
-// The elements of the whole tensor a share is part of.
-int64_t whole_numel(const DeviceParameter& parameter) {
-  int64_t count = 1;
-  for (const int64_t dim : parameter.whole_shape)
-    count *= dim;
-  return count;
 }
 
 cuda::AdamWScalars adamw_scalars(const OptimizerGroup& group, int64_t step) {
@@ -461,7 +452,7 @@ std::vector<std::pair<NamedTensor, const StateSlice*>> CudaGptOptimizer::State::
                "another model?)",
                buffer.name);
     const StateSlice& slice = found->second;
-    const int64_t count = slice.share != nullptr ? whole_numel(*slice.share) : slice.count;
+    const int64_t count = slice.share != nullptr ? slice.share->whole_numel() : slice.count;
     FP8T_CHECK(buffer.view.dtype() == DType::F32 && buffer.view.numel() == count,
                "optimizer state: expected '{}' to be {} f32 values, found {} of {}", buffer.name,
                count, buffer.view.numel(), dtype_name(buffer.view.dtype()));
@@ -619,19 +610,9 @@ void CudaGptOptimizer::State::download_slice(const StateSlice& slice, T* host) c
         cudaMemcpy(host, device, size_t(slice.count) * sizeof(T), cudaMemcpyDeviceToHost));
     return;
   }
-  const auto whole = whole_numel(*slice.share);
-  DeviceBuffer<T> staging(share_staging_elements(whole, sizeof(T)));
-  FP8T_CUDA_CHECK(cudaDeviceSynchronize());  // its poison, on the legacy stream, comes first
-  const std::span<T> staged(staging.get(), staging.count());
-  const GroupSum<T>& sum = [this]() -> const GroupSum<T>& {
-    if constexpr (std::is_same_v<T, bf16>) {
-      return collectives.sum_bf16;
-    } else {
-      return collectives.sum;
-    }
-  }();
-  gather_share(share_blocks(layout.share_rows(*slice.share), whole), device, staged, sum, host,
-               nullptr);
+  const ShareStaging staging(size_t(slice.share->whole_numel()) * sizeof(T));
+  gather_share(share_blocks(layout, *slice.share), device, staging.as<T>(),
+               group_sum<T>(collectives), host, nullptr);
 }
 
 template <typename T>
