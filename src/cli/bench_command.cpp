@@ -297,8 +297,8 @@ struct BenchRanks {
   int rank() const { return communicator != nullptr ? communicator->rank() : 0; }
   int replicas() const { return layout.data; }  // the micro-batches of a step
   // The replica and replica count the optimizer shards over: 0 of 1 unless sharding several
-  // ranks (under tensor parallelism each rank of a group owns the same parameters' shares).
-  bool sharded() const { return shard && count() > 1; }
+  // replicas (under tensor parallelism each rank of a group owns the same parameters' shares).
+  bool sharded() const { return shard && replicas() > 1; }
   int shard_rank() const { return sharded() ? layout.data_rank : 0; }
   int shard_count() const { return sharded() ? layout.data : 1; }
 };
@@ -554,10 +554,9 @@ Measurement measure_flux(const BenchFluxOptions& options, const FluxConfig& conf
   model.gemm().configure_tuning(tuning);
   const optim::AdamWHyperparameters adamw{.lr = 1e-4, .weight_decay = 0.01};
   // ZeRO-1 over the replicas, as training's: a tensor-parallel group's ranks hold other shares.
-  const bool sharded = ranks.sharded() && ranks.replicas() > 1;
-  const optim::OptimizerShard shard =
-      optim::adamw_shard(train::flux_optimized_parameters(config),
-                         sharded ? ranks.layout.data_rank : 0, sharded ? ranks.replicas() : 1);
+  const bool sharded = ranks.sharded();
+  const optim::OptimizerShard shard = optim::adamw_shard(train::flux_optimized_parameters(config),
+                                                         ranks.shard_rank(), ranks.shard_count());
   optim::CudaAdamW optimizer(model.layout(), adamw, &shard, model.gradient_shares());
   if (!sharded) optimizer.measure_amaxes(model.weight_amax_slots());  // as training's
   model.upload_parameters(initial);

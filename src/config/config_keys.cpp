@@ -640,8 +640,9 @@ std::vector<ConfigKey> build_keys() {
       "matrices split evenly, AdamW's tensors balanced by size) and sends the new values to the "
       "others; "
       "on the GPU path each rank keeps optimizer state for its share only. Checkpoints hold the "
-      "whole state and resume on any number of ranks. No effect with one rank; false: every rank "
-      "runs the whole update and holds the whole state."));
+      "whole state and resume on any number of ranks. No effect with one rank, nor on the GPU path "
+      "with one tensor-parallel group (it shards over the groups); false: every rank runs the "
+      "whole update and holds the whole state."));
   keys.push_back(integer_key(
       "tensor_model_parallel_size", S::Run,
       [](auto& c) -> auto& { return c.run.tensor_model_parallel_size; }, {1},

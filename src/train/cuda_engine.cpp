@@ -74,7 +74,7 @@ class CudaEngine final : public TrainingEngine {
         host_arena_("parameters (host mirror)",
                     ParameterSet::planned_bytes(setup.model, DType::F32)),
         host_parameters_(host_arena_, setup.model, DType::F32),
-        sharded_(setup.shard_optimizer_state && setup.communicator != nullptr),
+        sharded_(setup.shard_optimizer_state && setup.communicator != nullptr && layout_.data > 1),
         tensor_group_(setup.communicator, setup.layout, setup.sequence_parallel),
         host_optimizer_(setup.model, setup.optimizer, setup.tokens_per_step,
                         sharded_ ? setup.layout.data_rank : 0, sharded_ ? setup.layout.data : 1),

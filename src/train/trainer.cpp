@@ -293,7 +293,10 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
     fmt::print("memory plan: {}\n", engine->memory_plan());
     fmt::print("activation recompute: {}\n",
                recompute_summary(setup.recompute, model_config.n_layer));
-    if (several && setup.shard_optimizer_state) print_zero1_note(ranks, cuda);
+    // The GPU path shards over the replicas: a tensor-parallel group's ranks hold other shares.
+    const int zero1_ranks = cuda ? layout.data : ranks;
+    if (several && setup.shard_optimizer_state && zero1_ranks > 1)
+      print_zero1_note(zero1_ranks, cuda);
     for (const std::string& note : setup.gemm_tuning.notes)
       fmt::print("{}\n", note);
     fmt::print("data: {}\ndevice: {}\n", describe_data(loader, sources), engine->device_name());
