@@ -720,24 +720,19 @@ bf16* CudaGptModel::partial_rows(bf16* own) const {
   return sequence_ ? buffers_->whole : own;
 }
 
-void CudaGptModel::sum_partial_rows(bf16* own, const bf16* residual) {
-  const int64_t count = rows_ * config_.n_embd;
+const bf16* CudaGptModel::sum_rows(bf16* partial, bf16* own) {
   if (!sequence_) {
-    tensor_parallel_.sum_partials(own, count, stream_);
-    return;
-  }
-  tensor_parallel_.reduce_scatter_bf16(buffers_->whole, own, static_cast<size_t>(count), stream_);
-  kernels::add_forward(own, own, residual, count, stream_);
-}
-
-const bf16* CudaGptModel::sum_gradient_rows(bf16* partial) {
-  if (!sequence_) {
-    tensor_parallel_.sum_partials(partial, tokens_ * config_.n_embd, stream_);
+    tensor_parallel_.sum_partials(partial, rows_ * config_.n_embd, stream_);
     return partial;
   }
-  tensor_parallel_.reduce_scatter_bf16(partial, buffers_->dnorm_own,
-                                       static_cast<size_t>(rows_ * config_.n_embd), stream_);
-  return buffers_->dnorm_own;
+  tensor_parallel_.reduce_scatter_bf16(partial, own, static_cast<size_t>(rows_ * config_.n_embd),
+                                       stream_);
+  return own;
+}
+
+void CudaGptModel::sum_partial_rows(bf16* own, const bf16* residual) {
+  sum_rows(partial_rows(own), own);
+  if (sequence_) kernels::add_forward(own, own, residual, rows_ * config_.n_embd, stream_);
 }
 
 void CudaGptModel::block_forward(int index, bool record) {
@@ -965,8 +960,8 @@ void CudaGptModel::backward() {
       kernels::relu2_backward(b.fc_act, b.dfc_act, layer.fc, N * hidden_, GradStore::Write, s);
       c_fc.backward(b.fc_act, mlp_norm, N, b.dnorm, false, c_fc_gradient, record, s);
     }
-    kernels::rmsnorm_backward(b.dres, sum_gradient_rows(b.dnorm), layer.mlp_norm, layer.mlp_rstd, R,
-                              C, GradStore::Add, s);  // dres: d mid
+    kernels::rmsnorm_backward(b.dres, sum_rows(b.dnorm, buffers_->dnorm_own), layer.mlp_norm,
+                              layer.mlp_rstd, R, C, GradStore::Add, s);  // dres: d mid
 
     // Attention: mid = input + c_proj(attention(q, k, v))
     const ops::AttentionShape shape{B, T, H, Hkv, D, config_.window(index)};
@@ -1004,8 +999,8 @@ void CudaGptModel::backward() {
                                    {N, C, Hkv, D, kValueGateChannels}, b.reduction, s);
       kernels::embedding_backward(gradient(table), b.dvalue_embed, b.idx, N, vocab, Hkv * D, s);
     }
-    kernels::rmsnorm_backward(b.dres, sum_gradient_rows(b.dnorm), layer.attn_norm, layer.attn_rstd,
-                              R, C, GradStore::Add, s);  // dres: d input
+    kernels::rmsnorm_backward(b.dres, sum_rows(b.dnorm, buffers_->dnorm_own), layer.attn_norm,
+                              layer.attn_rstd, R, C, GradStore::Add, s);  // dres: d input
 
     // input = resid_lambda * previous + x0_lambda * x0; the first block's previous is x0.
     const bf16* previous = previous_output(index);

@@ -211,9 +211,9 @@ class CudaGptModel {
   // sequence parallelism this rank's rows of the sum, to which it adds `residual` (its rows;
   // without sequence parallelism the first rank's GEMM has added it).
   void sum_partial_rows(bf16* own, const bf16* residual);
-  // A column-parallel input's gradient [B·T, C] summed over the group: the sum itself, or under
-  // sequence parallelism this rank's rows of it (in the workspace's `dnorm_own`).
-  const bf16* sum_gradient_rows(bf16* partial);
+  // A partial [B·T, C] summed over the group: in place, or under sequence parallelism this
+  // rank's rows of the sum, into `own`. Returns where the sum is.
+  const bf16* sum_rows(bf16* partial, bf16* own);
   // Groups the layout into the ranges backward() reports, in its order.
   void plan_gradient_ranges();
   void report_gradients(size_t group) const;
