@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <filesystem>
@@ -20,6 +21,7 @@
 
 #include "core/arena.h"
 #include "core/cuda_check.h"
+#include "core/cuda_resources.h"
 #include "io/safetensors.h"
 #include "models/cuda/gpt_model_cuda.h"
 #include "models/device_tensor_parallel_checks.h"
@@ -58,9 +60,9 @@ struct Tokens {
   std::vector<int32_t> idx, targets;
 };
 
-Tokens random_tokens(test::TestRng& rng, const GptConfig& config) {
+Tokens random_tokens(test::TestRng& rng, const GptConfig& config, int64_t count = kBatch * kSeq) {
   Tokens tokens;
-  for (int64_t i = 0; i < kBatch * kSeq; ++i) {
+  for (int64_t i = 0; i < count; ++i) {
     tokens.idx.push_back(rng.uniform_int(0, config.vocab_size - 1));
     // Some ignored targets, as at document ends.
     tokens.targets.push_back(i % 17 == 5 ? -1 : rng.uniform_int(0, config.vocab_size - 1));
@@ -513,7 +515,9 @@ class GptTensorParallelGpu : public ::testing::TestWithParam<std::pair<Fp8Mode, 
 
 // Two heads of 128 (each rank's share of a pair is whole 1x128 blocks) and two kv heads, and one
 // sequence of kTwoRankSeq tokens (a sequence-parallel rank's rows end inside it).
-constexpr int64_t kTwoRankSeq = kBatch * kSeq;
+constexpr int64_t kTwoRankBatch = 1;
+constexpr int64_t kTwoRankSeq = 128;
+constexpr int kRanks = 2;
 GptConfig two_rank_config() {
   GptConfig config = small_config();
   config.n_embd = 256;
@@ -522,38 +526,27 @@ GptConfig two_rank_config() {
   return config;
 }
 
-// A stream for each rank, and one for the model whole.
-class Streams {
- public:
-  explicit Streams(int count) : streams_(static_cast<size_t>(count)) {
-    for (cudaStream_t& stream : streams_)
-      FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
-  }
-  ~Streams() {
-    for (cudaStream_t stream : streams_)
-      cudaStreamDestroy(stream);
-  }
-  Streams(const Streams&) = delete;
-  Streams& operator=(const Streams&) = delete;
-  cudaStream_t operator[](size_t index) const { return streams_[index]; }
+// What each two-rank test starts from: the parameters of a CPU model with a gradient at every
+// weight, a stream for each rank and one for the model whole.
+struct TwoRankStart {
+  explicit TwoRankStart(test::TestRng& rng) { init_with_gradient_everywhere(cpu, config, rng); }
+  cudaStream_t stream(size_t index) const { return streams[index].get(); }
+  cudaStream_t whole_stream() const { return stream(kRanks); }
 
- private:
-  std::vector<cudaStream_t> streams_;
+  GptConfig config = two_rank_config();
+  GptModel cpu{config, kTwoRankBatch, kTwoRankSeq, GptPrecision::fp32_reference()};
+  std::array<CudaStream, kRanks + 1> streams;
 };
 
 TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeModel) {
   const auto [mode, recipe] = GetParam();
-  const GptConfig config = two_rank_config();
-  constexpr int64_t batch = 1, seq = kTwoRankSeq;
   const GptPrecision precision = precision_for(mode, recipe);
   const bool fp8 = mode != Fp8Mode::None;
   test::TestRng rng;
   SCOPED_TRACE(rng.trace());
-  GptModel cpu(config, kBatch, kSeq, GptPrecision::fp32_reference());
-  init_with_gradient_everywhere(cpu, config, rng);
-
-  constexpr int kRanks = 2;
-  const Streams streams(kRanks + 1);
+  TwoRankStart start(rng);
+  const GptConfig& config = start.config;
+  constexpr int64_t batch = kTwoRankBatch, seq = kTwoRankSeq;
   // The ranks without recompute, then with full recompute (their reruns sum over the group too);
   // the activations of a rank without sequence parallelism, per recompute setting.
   const std::array<RecomputeOptions, 2> recomputes = {RecomputeOptions{},
@@ -564,17 +557,17 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
       const RecomputeOptions& recompute = recomputes[setting];
       SCOPED_TRACE(fmt::format("{}{}", recompute_summary(recompute, config.n_layer),
                                sequence ? ", sequence parallel" : ""));
-      CudaGptModel whole(config, batch, seq, precision, streams[kRanks]);
-      whole.upload_parameters(cpu.parameters());
+      CudaGptModel whole(config, batch, seq, precision, start.whole_stream());
+      whole.upload_parameters(start.cpu.parameters());
       testing::ThreadGroup group(kRanks);
       std::vector<std::unique_ptr<CudaGptModel>> ranks;
       for (int rank = 0; rank < kRanks; ++rank) {
         DeviceTensorParallel member = testing::device_member(group, rank);
         member.sequence = sequence;
         ranks.push_back(std::make_unique<CudaGptModel>(
-            config, batch, seq, precision, streams[static_cast<size_t>(rank)],
+            config, batch, seq, precision, start.stream(static_cast<size_t>(rank)),
             CudaGptModel::PlanCheck{}, recompute, member));
-        ranks.back()->upload_parameters(cpu.parameters());
+        ranks.back()->upload_parameters(start.cpu.parameters());
         ASSERT_EQ(ranks.back()->linear_precision().size(), whole.linear_precision().size());
         for (size_t i = 0; i < whole.linear_precision().size(); ++i)
           ASSERT_EQ(ranks.back()->linear_precision()[i].fp8, whole.linear_precision()[i].fp8);
@@ -598,7 +591,7 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
 
       for (int step = 1; step <= 2; ++step) {
         SCOPED_TRACE(fmt::format("step {}", step));
-        Tokens tokens = random_tokens(rng, config);
+        Tokens tokens = random_tokens(rng, config, batch * seq);
         // The ranks' shares of the counted targets differ: at step 1 the second half's rows
         // ignore more of theirs, at step 2 the first half's ignore all of theirs.
         for (size_t i = 0; i < tokens.targets.size(); ++i) {
@@ -658,18 +651,16 @@ TEST_P(GptTensorParallelGpu, TwoRanksGiveTheLossGradientsAndScalesOfTheWholeMode
 // order of its sums. The state given to the ranks comes back as it was (each rank cutting its
 // shares out of the whole tensors, a download gathering them).
 TEST(GptTensorParallelGpu, OptimizerStepsTheSharesAsTheWholeModelsOptimizer) {
-  const GptConfig config = two_rank_config();
-  constexpr int64_t batch = 1, seq = kTwoRankSeq;
   const GptPrecision precision = precision_for(Fp8Mode::None, ScalingRecipe::Tensorwise);
   test::TestRng rng;
   SCOPED_TRACE(rng.trace());
-  GptModel cpu(config, kBatch, kSeq, GptPrecision::fp32_reference());
-  init_with_gradient_everywhere(cpu, config, rng);
-  constexpr int kRanks = 2;
-  const Streams streams(kRanks + 1);
+  TwoRankStart start(rng);
+  const GptConfig& config = start.config;
+  GptModel& cpu = start.cpu;
+  constexpr int64_t batch = kTwoRankBatch, seq = kTwoRankSeq;
   {
     optim::GptOptimizer host(config, optim::OptimizerSettings{}, batch * seq);
-    CudaGptModel whole(config, batch, seq, precision, streams[kRanks]);
+    CudaGptModel whole(config, batch, seq, precision, start.whole_stream());
     whole.upload_parameters(cpu.parameters());
     optim::CudaGptOptimizer whole_optimizer(host, whole.layout(), whole.gemm());
     testing::ThreadGroup group(kRanks);
@@ -678,7 +669,7 @@ TEST(GptTensorParallelGpu, OptimizerStepsTheSharesAsTheWholeModelsOptimizer) {
     for (int rank = 0; rank < kRanks; ++rank) {
       const DeviceTensorParallel member = testing::device_member(group, rank);
       ranks.push_back(
-          std::make_unique<CudaGptModel>(config, batch, seq, precision, streams[size_t(rank)],
+          std::make_unique<CudaGptModel>(config, batch, seq, precision, start.stream(size_t(rank)),
                                          CudaGptModel::PlanCheck{}, RecomputeOptions{}, member));
       ranks.back()->upload_parameters(cpu.parameters());
       optimizers.push_back(std::make_unique<optim::CudaGptOptimizer>(
@@ -688,9 +679,10 @@ TEST(GptTensorParallelGpu, OptimizerStepsTheSharesAsTheWholeModelsOptimizer) {
     }
     HostParameters gathered(config);
     DeviceBuffer<float> norms(kRanks + 1);
+    FP8T_CUDA_CHECK(cudaDeviceSynchronize());  // its poison, on the legacy stream, comes first
     const optim::StepSchedule schedule;
     for (int step = 1; step <= 2; ++step) {
-      const Tokens tokens = random_tokens(rng, config);
+      const Tokens tokens = random_tokens(rng, config, batch * seq);
       testing::run_ranks<CudaGptModel>(ranks, [&](CudaGptModel& model, size_t rank) {
         optim::CudaGptOptimizer& optimizer = *optimizers[rank];
         model.zero_gradients();
@@ -739,10 +731,10 @@ TEST(GptTensorParallelGpu, OptimizerStepsTheSharesAsTheWholeModelsOptimizer) {
     });
     whole_optimizer.download_state(host);
     for (const ParamSpec& spec : gpt_parameters(config)) {
-      const std::vector<float> start = testing::values_of(cpu.parameters()[spec.name]);
+      const std::vector<float> initial = testing::values_of(cpu.parameters()[spec.name]);
       const std::vector<float> want = whole_parameters.values(spec.name);
       if (gpt_parameter_split(spec) != TensorSplit::None) {
-        EXPECT_NE(want, start) << spec.name << " did not move";
+        EXPECT_NE(want, initial) << spec.name << " did not move";
       }
       for (int rank = 0; rank < kRanks; ++rank)
         EXPECT_EQ(rank_parameters[size_t(rank)]->values(spec.name), want)
@@ -783,14 +775,13 @@ TEST(GptTensorParallelGpu, SequenceParallelRefusesRowsThatAreNoMultipleOf16) {
   GptConfig config = small_config();
   config.n_embd = 256;
   config.n_kv_head = 2;
-  cudaStream_t stream = nullptr;
-  FP8T_CUDA_CHECK(cudaStreamCreate(&stream));
+  const CudaStream stream;
   testing::ThreadGroup group(2);
   DeviceTensorParallel member = testing::device_member(group, 0);
   member.sequence = true;
   const auto make = [&](int64_t seq) {
     CudaGptModel model(config, 1, seq, precision_for(Fp8Mode::None, ScalingRecipe::Tensorwise),
-                       stream, CudaGptModel::PlanCheck{}, RecomputeOptions{}, member);
+                       stream.get(), CudaGptModel::PlanCheck{}, RecomputeOptions{}, member);
   };
   try {
     make(48);
@@ -800,7 +791,6 @@ TEST(GptTensorParallelGpu, SequenceParallelRefusesRowsThatAreNoMultipleOf16) {
         << error.what();
   }
   EXPECT_NO_THROW(make(64));
-  FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
 }
 
 INSTANTIATE_TEST_SUITE_P(Precisions, GptTensorParallelGpu,
