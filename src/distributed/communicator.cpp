@@ -138,6 +138,22 @@ void Communicator::broadcast(void* bytes, size_t size) {
   if (tcp_) tcp_->broadcast(bytes, size);
 }
 
+void Communicator::all_gather(const float* own, float* all, size_t count) {
+#if FP8TRAIN_WITH_MPI
+  if (mpi_) {
+    if (count > size_t{INT_MAX}) {  // MPI counts are ints; the CPU path gathers far less
+      throw Error(fmt::format("all-gather of {} values per rank: at most {} in one MPI call", count,
+                              INT_MAX));
+    }
+    const auto slice = static_cast<int>(count);
+    return check_mpi(MPI_Allgather(own, slice, MPI_FLOAT, all, slice, MPI_FLOAT, MPI_COMM_WORLD),
+                     "MPI_Allgather");
+  }
+#endif
+  if (tcp_) return tcp_->all_gather(own, all, count * sizeof(float));
+  std::copy_n(own, count, all);
+}
+
 int Communicator::rank_differing_from_first(uint64_t value) {
   uint64_t first = value;
   broadcast(&first, sizeof(first));

@@ -40,6 +40,9 @@ class Communicator {
   void max(float* values, size_t count);
   // Rank 0's bytes to every rank.
   void broadcast(void* bytes, size_t size);
+  // Every rank's `count` values of `own` into `all` [size(), count], in rank order, on every
+  // rank. `own` must not overlap `all`.
+  void all_gather(const float* own, float* all, size_t count);
   // On every rank: the highest rank whose `value` differs from rank 0's, or -1 when all agree.
   int rank_differing_from_first(uint64_t value);
   void barrier();

@@ -35,12 +35,13 @@ enum class Operation : uint32_t {
   kMaxInt = 4,
   kBroadcast = 5,
   kBarrier = 6,
+  kAllGather = 7,
 };
 
 using Clock = std::chrono::steady_clock;
 
 constexpr uint32_t kMagic = 0x54385046;  // "FP8T" in little-endian memory order
-constexpr uint32_t kProtocolVersion = 1;
+constexpr uint32_t kProtocolVersion = 2;
 constexpr uint32_t kMaxReplyBytes = 1 << 16;
 constexpr auto kRetryInterval = std::chrono::milliseconds(100);
 constexpr auto kAnswerGrace = std::chrono::seconds(5);
@@ -219,6 +220,8 @@ std::string describe(Operation operation, uint64_t count) {
       return fmt::format("broadcast of {} bytes", count);
     case Operation::kBarrier:
       return "barrier";
+    case Operation::kAllGather:
+      return fmt::format("all-gather of {} bytes per rank", count);
   }
   return fmt::format("unknown collective {}", static_cast<uint32_t>(operation));
 }
@@ -661,6 +664,30 @@ void TcpGroup::broadcast(void* bytes, size_t size) {
     const size_t length = std::min(kChunkBytes, size - done);
     for (size_t peer = 1; peer < sockets_.size(); ++peer) {
       send_all(sockets_[peer], data + done, length, static_cast<int>(peer));
+    }
+  }
+}
+
+void TcpGroup::all_gather(const void* own, void* all, size_t bytes) {
+  auto* gathered = static_cast<char*>(all);
+  std::memcpy(gathered + static_cast<size_t>(rank_) * bytes, own, bytes);
+  if (world_size_ == 1) return;
+  const CollectiveHeader header{static_cast<uint32_t>(Operation::kAllGather), 0, bytes};
+  const size_t whole = static_cast<size_t>(world_size_) * bytes;
+  if (rank_ != 0) {
+    // Rank 0 reads every peer at once, so this send completes before the answer comes.
+    send_all(sockets_[0], &header, sizeof header, 0);
+    send_all(sockets_[0], own, bytes, 0);
+    receive_all(sockets_[0], gathered, whole, 0);
+    return;
+  }
+  check_peers_agree(sockets_, Operation::kAllGather, bytes);
+  receive_from_peers(sockets_, bytes,
+                     [&](int peer) { return gathered + static_cast<size_t>(peer) * bytes; });
+  for (size_t done = 0; done < whole; done += kChunkBytes) {  // as in broadcast
+    const size_t length = std::min(kChunkBytes, whole - done);
+    for (size_t peer = 1; peer < sockets_.size(); ++peer) {
+      send_all(sockets_[peer], gathered + done, length, static_cast<int>(peer));
     }
   }
 }

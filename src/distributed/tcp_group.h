@@ -10,6 +10,7 @@
 //   collective  peer → 0: {operation, element count} (rank 0 checks that all ranks agree)
 //               reductions: per chunk, peer → 0 its values, 0 → peer the combined values
 //               broadcast: 0 → peer the bytes; barrier: 0 → peer the header back
+//               all-gather: peer → 0 its bytes, then 0 → peer every rank's, in rank order
 #pragma once
 
 #include <cstddef>
@@ -59,6 +60,9 @@ class TcpGroup {
   void max(int* values, size_t count);
   // Rank 0's bytes to every rank.
   void broadcast(void* bytes, size_t size);
+  // Every rank's `bytes` bytes of `own` into `all` [world size, bytes], in rank order, on every
+  // rank. `own` must not overlap `all`.
+  void all_gather(const void* own, void* all, size_t bytes);
   void barrier();
 
  private:

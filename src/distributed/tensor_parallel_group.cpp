@@ -51,6 +51,15 @@ TensorParallel tensor_parallel_group(Communicator& communicator, const ParallelL
     communicator.max(all.data(), all.size());
     return all[slot];
   };
+  // Every rank's values, of which this group's are the run of its consecutive ranks.
+  const auto ranks = static_cast<size_t>(layout.tensor);
+  group.all_gather = [&communicator, slots, slot, ranks](const float* own, float* all,
+                                                         size_t count) {
+    if (slots == 1) return communicator.all_gather(own, all, count);
+    std::vector<float> every(slots * ranks * count);
+    communicator.all_gather(own, every.data(), count);
+    std::copy_n(every.begin() + static_cast<ptrdiff_t>(slot * ranks * count), ranks * count, all);
+  };
   return group;
 }
 

@@ -163,10 +163,10 @@ struct FluxWorkspace {
   TensorView d_linear2_in;                 // [N, C + M]
   TensorView d_attn, dq, dk, dv, d_rotated, d_normed, dq_raw, dk_raw;  // [N, A]
   // Sequence parallelism only: a stream's every token [N, C] (a gathered input or output
-  // gradient, a row-parallel linear's partial output), a summed input gradient's own tokens
-  // [O, C], and the final layer's output (or its gradient) on this rank's image tokens
-  // [B, O_img, in_channels].
-  TensorView whole, own, own_prediction;
+  // gradient, a row-parallel linear's partial output), the same tokens in the group's rank
+  // order as a gather brings them [N, C], a summed input gradient's own tokens [O, C], and the
+  // final layer's output (or its gradient) on this rank's image tokens [B, O_img, in_channels].
+  TensorView whole, ranks, own, own_prediction;
 
   template <typename Visit>
   void visit(const FluxDims& d, Visit&& tensor);
@@ -275,6 +275,7 @@ void FluxWorkspace::visit(const FluxDims& d, Visit&& tensor) {
   tensor(d_modulated, {N, C});
   if (d.sequence) {
     tensor(whole, {N, C});
+    tensor(ranks, {N, C});
     tensor(own, {O, C});
     tensor(own_prediction, {B, d.own_img, d.in_channels});
   }
@@ -840,8 +841,12 @@ FluxDims FluxModel::dims() const {
 }
 
 FluxOwnTokens FluxModel::own_tokens(FluxStream stream) const {
+  return own_tokens(stream, tensor_parallel_.rank);
+}
+
+FluxOwnTokens FluxModel::own_tokens(FluxStream stream, int rank) const {
   return flux_own_tokens(stream, img_tokens_, txt_tokens_, sequence_ ? tensor_parallel_.size : 1,
-                         tensor_parallel_.rank);
+                         rank);
 }
 
 void FluxModel::init_weights(uint64_t seed) {
@@ -914,7 +919,12 @@ void FluxModel::sum_over_group(float* values, int64_t count) {
 
 void FluxModel::copy_own_tokens(const float* from, float* to, FluxStream stream, int64_t width,
                                 bool to_whole) const {
-  const FluxOwnTokens tokens = own_tokens(stream);
+  copy_rank_tokens(tensor_parallel_.rank, from, to, stream, width, to_whole);
+}
+
+void FluxModel::copy_rank_tokens(int rank, const float* from, float* to, FluxStream stream,
+                                 int64_t width, bool to_whole) const {
+  const FluxOwnTokens tokens = own_tokens(stream, rank);
   for (const FluxTokenRun& run : tokens.runs) {
     const TokenRows own{tokens.own, run.own_first, width};
     const TokenRows whole{tokens.whole, run.whole_first, width};
@@ -924,14 +934,15 @@ void FluxModel::copy_own_tokens(const float* from, float* to, FluxStream stream,
 
 const float* FluxModel::gather_tokens(const float* own, FluxStream stream) {
   if (!sequence_) return own;
-  // An all-gather as a sum: each rank adds its tokens into zeros at their places.
-  const TensorView& whole = workspace_->whole;
+  // The ranks' tokens in rank order, [size, B·O_s, C], then each rank's runs to their places.
   const int64_t C = config_.hidden_size;
-  const int64_t count = batch_ * own_tokens(stream).whole * C;
-  std::fill_n(data(whole), count, 0.0f);
-  copy_own_tokens(own, data(whole), stream, C, /*to_whole=*/true);
-  sum_over_group(data(whole), count);
-  return data(whole);
+  const int64_t count = batch_ * own_tokens(stream).own * C;
+  float* ranks = data(workspace_->ranks);
+  float* whole = data(workspace_->whole);
+  tensor_parallel_.all_gather(own, ranks, static_cast<size_t>(count));
+  for (int rank = 0; rank < tensor_parallel_.size; ++rank)
+    copy_rank_tokens(rank, ranks + rank * count, whole, stream, C, /*to_whole=*/true);
+  return whole;
 }
 
 const float* FluxModel::backward_input(const Linear& layer, const float* own, FluxStream stream) {

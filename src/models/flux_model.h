@@ -249,13 +249,17 @@ class FluxModel {
   void sum_over_group(float* values, int64_t count);
   // The sizes of this rank's buffers.
   FluxDims dims() const;
-  // Where this rank's tokens of a stream sit (all of them without sequence parallelism).
+  // Where a rank's tokens of a stream sit (all of them without sequence parallelism); by
+  // default this rank's.
   FluxOwnTokens own_tokens(FluxStream stream) const;
+  FluxOwnTokens own_tokens(FluxStream stream, int rank) const;
   // Sequence parallelism: copies this rank's tokens of a stream between own [B, O_s, width] and
   // their places among the stream's every token, whole [B, L_s, width]: from own to whole when
-  // to_whole, else from whole to own.
+  // to_whole, else from whole to own. copy_rank_tokens: the same for the group's `rank`.
   void copy_own_tokens(const float* from, float* to, FluxStream stream, int64_t width,
                        bool to_whole) const;
+  void copy_rank_tokens(int rank, const float* from, float* to, FluxStream stream, int64_t width,
+                        bool to_whole) const;
   // Every token of a stream from this rank's own, [B, O_s, C] (the hidden width): gathered over
   // the group into the workspace (valid until the next gather or partial output) under sequence
   // parallelism, else own itself.

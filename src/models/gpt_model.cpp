@@ -244,12 +244,10 @@ void GptModel::sum_over_group(const TensorView& partial) {
 
 const float* GptModel::gather_rows(const TensorView& local) {
   if (!sequence_) return local.data<float>();
-  // An all-gather as a sum: each rank adds its rows into zeros at their place.
+  // A rank's rows are consecutive in the micro-batch: the ranks' in rank order are the whole.
   const TensorView& whole = workspace_->gathered;
-  zero(whole);
-  std::copy_n(local.data<float>(), local.numel(),
-              whole.data<float>() + tensor_parallel_.rank * local.numel());
-  sum_over_group(whole);
+  tensor_parallel_.all_gather(local.data<float>(), whole.data<float>(),
+                              static_cast<size_t>(local.numel()));
   return whole.data<float>();
 }
 

@@ -37,6 +37,9 @@ struct TensorParallel {
   // In place over the group, the same result on every rank of it. Unset when size is 1.
   std::function<void(float* values, size_t count)> sum;
   std::function<float(float value)> max;
+  // Every rank's `count` values of `own` into `all` [size, count], in the group's rank order, on
+  // every rank of it; `own` must not overlap `all`. Unset when size is 1.
+  std::function<void(const float* own, float* all, size_t count)> all_gather;
 
   bool split() const { return size > 1; }
 };

@@ -302,6 +302,41 @@ TEST(TcpGroup, BroadcastsRank0sBytesAndBarrierWaitsForEveryRank) {
   EXPECT_EQ(codes, std::vector<int>(kRanks, 0));
 }
 
+// Each rank's values, of several chunks in all, land at its place on every rank; a count that
+// differs between the ranks is named.
+TEST(TcpGroup, AllGatherPlacesEveryRanksValuesInRankOrder) {
+  constexpr int kRanks = 3;
+  constexpr size_t kCount = TcpGroup::kChunkBytes / sizeof(float) + 5;
+  const int port = free_port();
+  const std::vector<int> codes = run_ranks(kRanks, [&](int rank) {
+    ChildChecks checks(rank);
+    TcpGroup group(rank, kRanks, local(port), 7);
+    const std::vector<float> own = values_of<float>(rank, kCount, 8);
+    std::vector<float> all(kRanks * kCount, std::numeric_limits<float>::quiet_NaN());
+    group.all_gather(own.data(), all.data(), kCount * sizeof(float));
+    for (int from = 0; from < kRanks; ++from) {
+      const std::vector<float> want = values_of<float>(from, kCount, 8);
+      const size_t differences = count_differences(
+          std::vector<float>(all.begin() + from * kCount, all.begin() + (from + 1) * kCount), want);
+      checks.expect(differences == 0,
+                    fmt::format("{} values of rank {} differ", differences, from));
+    }
+    const std::string error = error_of([&] {
+      std::vector<float> more(rank == 2 ? 4 : 3), gathered(kRanks * 4);
+      group.all_gather(more.data(), gathered.data(), more.size() * sizeof(float));
+    });
+    if (rank == 0) {
+      checks.expect_contains(error,
+                             "rank 2 called all-gather of 16 bytes per rank while rank 0 "
+                             "called all-gather of 12 bytes per rank");
+    } else {
+      checks.expect_contains(error, "rank 0 closed its connection");
+    }
+    return checks.exit_code();
+  });
+  EXPECT_EQ(codes, std::vector<int>(kRanks, 0));
+}
+
 TEST(TcpGroup, WorldSizeMismatchFailsOnBothSides) {
   const int port = free_port();
   const std::vector<int> codes = run_ranks(2, [&](int rank) {

@@ -21,8 +21,9 @@
 
 namespace fp8t::testing {
 
-// An all-reduce among `size` threads: each contributes, the last to arrive combines the
-// contributions in rank order, and every thread leaves with the result.
+// Collectives among `size` threads: each contributes, the last to arrive combines the
+// contributions in rank order (a sum or maximum, or their concatenation), and every thread
+// leaves with the result.
 class ThreadGroup {
  public:
   explicit ThreadGroup(int size) : size_(size), contributions_(static_cast<size_t>(size)) {}
@@ -30,22 +31,20 @@ class ThreadGroup {
   int size() const { return size_; }
 
   void reduce(int rank, float* values, size_t count, const std::function<float(float, float)>& op) {
-    std::unique_lock lock(mutex_);
-    contributions_[static_cast<size_t>(rank)].assign(values, values + count);
-    const int round = round_;
-    if (++arrived_ == size_) {
+    meet(rank, values, count, values, [&] {
       result_ = contributions_[0];
       for (size_t r = 1; r < contributions_.size(); ++r)
         for (size_t i = 0; i < count; ++i)
           result_[i] = op(result_[i], contributions_[r][i]);
-      arrived_ = 0;
-      ++round_;
-      changed_.notify_all();
-    } else {
-      changed_.wait(lock, [&] { return round_ != round; });
-    }
-    // Copied under the lock: the next round cannot finish before this thread has joined it.
-    std::copy(result_.begin(), result_.end(), values);
+    });
+  }
+
+  void all_gather(int rank, const float* own, float* all, size_t count) {
+    meet(rank, own, count, all, [&] {
+      result_.clear();
+      for (const std::vector<float>& contribution : contributions_)
+        result_.insert(result_.end(), contribution.begin(), contribution.end());
+    });
   }
 
   TensorParallel member(int rank) {
@@ -59,6 +58,9 @@ class ThreadGroup {
       reduce(rank, &value, 1, [](float a, float b) { return std::max(a, b); });
       return value;
     };
+    group.all_gather = [this, rank](const float* own, float* all, size_t count) {
+      all_gather(rank, own, all, count);
+    };
     return group;
   }
 
@@ -70,6 +72,25 @@ class ThreadGroup {
   int round_ = 0;
   std::vector<std::vector<float>> contributions_;
   std::vector<float> result_;
+
+  // This rank's `count` values in; once every rank is in, the last one's combine() sets result_,
+  // which every rank copies to `out`.
+  template <typename Combine>
+  void meet(int rank, const float* values, size_t count, float* out, Combine&& combine) {
+    std::unique_lock lock(mutex_);
+    contributions_[static_cast<size_t>(rank)].assign(values, values + count);
+    const int round = round_;
+    if (++arrived_ == size_) {
+      combine();
+      arrived_ = 0;
+      ++round_;
+      changed_.notify_all();
+    } else {
+      changed_.wait(lock, [&] { return round_ != round; });
+    }
+    // Copied under the lock: the next round cannot finish before this thread has joined it.
+    std::copy(result_.begin(), result_.end(), out);
+  }
 };
 
 // The group's ranks of a model, each made by make(its TensorParallel) and given the parameters

@@ -2,7 +2,7 @@
 # Tensor parallelism (the CPU path, or with DEVICE cuda the GPUs): a GPT whose blocks 2 ranks split (tensor_model_parallel_size
 # 2) gives the losses of one process, up to the order of the partial sums, in BF16 and in FP8
 # with tensorwise scaling, also with sequence parallelism; so does a job of 4 ranks, 2
-# data-parallel replicas of 2; a checkpoint of the 2 ranks resumes on one process; a group that
+# data-parallel replicas of 2 sequence-parallel ranks; a checkpoint of the 2 ranks resumes on one process; a group that
 # does not divide the job is refused, and so is a global batch the replicas cannot share.
 # Flux's demo model on 2 ranks gives one process's losses too, with sequence parallelism or
 # without.
@@ -84,8 +84,10 @@ for precision in bf16 tensorwise; do
       "($split against $plain)"; exit 1; }
 done
 if [[ $device == cpu ]]; then
-  # 2 replicas of 2 tensor-parallel ranks: one micro-batch per replica and step.
-  ranks 4 "${args[@]}" --tensor-model-parallel-size=2 --run=tp2_dp2 >"$output/tp2_dp2.log" 2>&1 ||
+  # 2 replicas of 2 sequence-parallel ranks: one micro-batch per replica and step, each group's
+  # gathers taking its own ranks' rows out of the whole job's.
+  ranks 4 "${args[@]}" --tensor-model-parallel-size=2 --sequence-parallel=true --run=tp2_dp2 \
+    >"$output/tp2_dp2.log" 2>&1 ||
     { cat "$output/tp2_dp2.log"; echo "FAIL: the 4-rank run failed"; exit 1; }
   grep -q "1 micro-batch(es) per step on each of 2 data-parallel replica(s) of 2 tensor-parallel" \
     "$output/tp2_dp2.log" || { cat "$output/tp2_dp2.log"; echo "FAIL: expected 2 replicas"; exit 1; }
