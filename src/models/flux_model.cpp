@@ -163,9 +163,10 @@ struct FluxWorkspace {
   TensorView d_linear2_in;                 // [N, C + M]
   TensorView d_attn, dq, dk, dv, d_rotated, d_normed, dq_raw, dk_raw;  // [N, A]
   // Sequence parallelism only: a stream's every token [N, C] (a gathered input or output
-  // gradient, a row-parallel linear's partial output), the same tokens in the group's rank
-  // order as a gather brings them [N, C], a summed input gradient's own tokens [O, C], and the
-  // final layer's output (or its gradient) on this rank's image tokens [B, O_img, in_channels].
+  // gradient, a row-parallel linear's partial output), a gather's tokens in the group's rank
+  // order (of the hidden width, or the prediction's), a summed input gradient's own tokens
+  // [O, C], and the final layer's output (or its gradient) on this rank's image tokens
+  // [B, O_img, in_channels].
   TensorView whole, ranks, own, own_prediction;
 
   template <typename Visit>
@@ -275,7 +276,7 @@ void FluxWorkspace::visit(const FluxDims& d, Visit&& tensor) {
   tensor(d_modulated, {N, C});
   if (d.sequence) {
     tensor(whole, {N, C});
-    tensor(ranks, {N, C});
+    tensor(ranks, {std::max(N * C, B * d.img_tokens * d.in_channels)});
     tensor(own, {O, C});
     tensor(own_prediction, {B, d.own_img, d.in_channels});
   }
@@ -934,15 +935,19 @@ void FluxModel::copy_rank_tokens(int rank, const float* from, float* to, FluxStr
 
 const float* FluxModel::gather_tokens(const float* own, FluxStream stream) {
   if (!sequence_) return own;
-  // The ranks' tokens in rank order, [size, B·O_s, C], then each rank's runs to their places.
-  const int64_t C = config_.hidden_size;
-  const int64_t count = batch_ * own_tokens(stream).own * C;
-  float* ranks = data(workspace_->ranks);
   float* whole = data(workspace_->whole);
+  gather_tokens_into(own, stream, config_.hidden_size, whole);
+  return whole;
+}
+
+void FluxModel::gather_tokens_into(const float* own, FluxStream stream, int64_t width,
+                                   float* whole) {
+  // The ranks' tokens in rank order, [size, B·O_s, width], then each rank's runs to their places.
+  const int64_t count = batch_ * own_tokens(stream).own * width;
+  float* ranks = data(workspace_->ranks);
   tensor_parallel_.all_gather(own, ranks, static_cast<size_t>(count));
   for (int rank = 0; rank < tensor_parallel_.size; ++rank)
-    copy_rank_tokens(rank, ranks + rank * count, whole, stream, C, /*to_whole=*/true);
-  return whole;
+    copy_rank_tokens(rank, ranks + rank * count, whole, stream, width, /*to_whole=*/true);
 }
 
 const float* FluxModel::backward_input(const Linear& layer, const float* own, FluxStream stream) {
@@ -1018,6 +1023,7 @@ void FluxModel::modulation_forward(Linear& layer, float* mod) {
     return;
   }
   // This rank's run of the chunks, placed in zeros and summed over the group: the whole chunks.
+  // A sum rather than an all-gather: B × chunks·C values, too few for a staging buffer.
   const auto [rows, in, share] = layer.shape;
   const int64_t whole = share * tensor_parallel_.size, first = tensor_parallel_.rank * share;
   float* part = data(workspace_->mod_share);
@@ -1426,10 +1432,7 @@ void FluxModel::forward(const FluxInputs& inputs, float* prediction) {
   }
   // Every rank returns the whole prediction: its tokens' gathered over the group.
   linear_forward(linear("final_layer.linear"), data(act.final_modulated), data(ws.own_prediction));
-  std::fill_n(prediction, B * Li * d.in_channels, 0.0f);
-  copy_own_tokens(data(ws.own_prediction), prediction, FluxStream::Image, d.in_channels,
-                  /*to_whole=*/true);
-  sum_over_group(prediction, B * Li * d.in_channels);
+  gather_tokens_into(data(ws.own_prediction), FluxStream::Image, d.in_channels, prediction);
 }
 
 void FluxModel::backward(const float* grad_prediction) {

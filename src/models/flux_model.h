@@ -264,6 +264,9 @@ class FluxModel {
   // the group into the workspace (valid until the next gather or partial output) under sequence
   // parallelism, else own itself.
   const float* gather_tokens(const float* own, FluxStream stream);
+  // Sequence parallelism: every token of a stream, whole [B, L_s, width], from every rank's own
+  // [B, O_s, width], through the workspace's staging in rank order.
+  void gather_tokens_into(const float* own, FluxStream stream, int64_t width, float* whole);
   // What a linear's backward reads as its input x: null for an FP8 linear, which reads its own
   // cast of x and needs no gather.
   const float* backward_input(const Linear& layer, const float* own, FluxStream stream);
