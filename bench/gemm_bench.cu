@@ -1,14 +1,19 @@
 // Throughput of the GEMMs of a nanochat d24 step and a flux_535m step (W-GPT24 and W-FLUX535
 // of shared/BENCHMARKS.md) through CublasLtGemm: BF16 against FP8 with per-tensor, row-wise and
-// block scales, in the TN form every FP8 GEMM takes (out[M, N] = a[M, K]·b[N, K]ᵀ, bf16
-// output), and the engine's own block-scaled kernel (gemm/block_gemm_sm90.h) called directly.
-// A mode that is refused shows as such.
+// block scales, in the TN form every FP8 GEMM takes (out[M, N] = a[M, K]·b[N, K]ᵀ), and the
+// engine's own block-scaled kernel (gemm/block_gemm_sm90.h) called directly. Outputs are bf16,
+// except the weight gradients', which are added to f32 as training does (dW += ...). A mode
+// that is refused shows as such; the engine's cells say in how many runs of K it summed.
 //
 //   gemm_bench [--iterations 50] [--shapes gpt|flux|all] [--m M --n N --k K] [--autotune 1]
+//              [--engine-plans 1]
 //
 // Default: the d24 shapes (forward and weight gradients). --autotune 1: each cuBLASLt problem
 // runs the algorithm autotuning keeps (gemm/gemm_tuning.h; timed in the warm-up, no cache file)
 // instead of the heuristic's first.
+//
+// --engine-plans 1: a second table times the engine's 1x128 x 1x128 kernel on the weight
+// gradients with K in 1 to 4 runs, the run count it chooses starred.
 //
 // Times are medians of CUDA-event-timed calls after warm-up (the first call of a shape also
 // asks the heuristic, which the warm-up absorbs). Operands are random, never zeros.
@@ -74,6 +79,8 @@ __global__ void fill_f32(float* x, int64_t count, float value) {
 struct Shape {
   int64_t m, n, k;
   const char* what;
+  // A weight gradient: the output is f32 and accumulated.
+  bool weight_gradient() const { return std::strstr(what, "weight gradient") != nullptr; }
 };
 
 // d24 at 16k tokens (half a W-GPT24 micro-batch): forward (dgrad has the same sizes) and the
@@ -171,11 +178,15 @@ int run(int argc, char** argv) {
                            "FP8 1x128 x 1x128",
                            "fp8train 1x128 x 128x128",
                            "fp8train 1x128 x 1x128"};
-  std::vector<std::string> rows, refusals;
+  constexpr size_t kFirstEngineColumn = 7;
+  const bool engine_plans = flag(argc, argv, "--engine-plans", 0) != 0;
+  std::vector<std::string> rows, refusals, plan_rows;
   for (const Shape& s : shapes) {
     const int64_t a_count = s.m * s.k, b_count = s.n * s.k;
     DeviceBuffer<fp8t::bf16> a_bf16(static_cast<size_t>(a_count)),
-        b_bf16(static_cast<size_t>(b_count)), out(static_cast<size_t>(s.m * s.n));
+        b_bf16(static_cast<size_t>(b_count));
+    DeviceBuffer<float> out(static_cast<size_t>(s.m * s.n));  // room for f32 outputs
+    FP8T_CUDA_CHECK(cudaMemsetAsync(out.get(), 0, out.count() * sizeof(float), stream));
     DeviceBuffer<uint8_t> a_fp8(static_cast<size_t>(a_count)), b_fp8(static_cast<size_t>(b_count));
     // Scale factors of every mode, all 1 (the values do not change the speed): enough for the
     // largest layout (the 128x128 grid, padded) of either operand.
@@ -196,7 +207,8 @@ int run(int argc, char** argv) {
     GemmOutput output;
     output.data = out.get();
     output.ld = s.n;
-    output.type = GemmType::BF16;
+    output.type = s.weight_gradient() ? GemmType::F32 : GemmType::BF16;
+    output.accumulate = s.weight_gradient();
     const auto fp8_operands = [&](ScaleMode a_mode, ScaleMode b_mode) {
       Fp8Operand a, b;
       a.data = a_fp8.get();
@@ -218,7 +230,7 @@ int run(int argc, char** argv) {
     const auto engine = [&](ScaleMode b_mode) {
       const std::pair<Fp8Operand, Fp8Operand> ab = fp8_operands(ScaleMode::Block1x128, b_mode);
       return [&, ab] {
-        fp8t::gemm::block_gemm_sm90(s.m, s.n, s.k, ab.first, ab.second, output, stream);
+        fp8t::gemm::block_gemm_sm90(s.m, s.n, s.k, ab.first, ab.second, output, false, stream);
       };
     };
     const std::function<void()> launches[] = {
@@ -245,18 +257,45 @@ int run(int argc, char** argv) {
         refusals.push_back(std::string(columns[column]) + ", " + std::to_string(s.m) + "x" +
                            std::to_string(s.n) + "x" + std::to_string(s.k) + ": " + refusal);
       } else {
-        char cell[64];
+        char cell[96];
         std::snprintf(cell, sizeof cell, " | %.0f (%.3f ms)", flops / (ms * 1e-3) / 1e12, ms);
         row += cell;
+        if (column >= kFirstEngineColumn) {  // how the engine's kernel ran it
+          const int splits = fp8t::gemm::block_gemm_sm90_plan(s.m, s.n, s.k, output, false).splits;
+          std::snprintf(cell, sizeof cell, " [%d run%s of K]", splits, splits > 1 ? "s" : "");
+          row += cell;
+        }
       }
     }
     rows.push_back(row);
+    if (engine_plans && s.weight_gradient()) {
+      const std::pair<Fp8Operand, Fp8Operand> ab =
+          fp8_operands(ScaleMode::Block1x128, ScaleMode::Block1x128);
+      const int chosen = fp8t::gemm::block_gemm_sm90_plan(s.m, s.n, s.k, output, false).splits;
+      std::string plan_row = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" +
+                             std::to_string(s.k) + " (" + s.what + ")";
+      for (int splits = 1; splits <= 4; ++splits) {
+        std::string refusal;
+        const double ms = median_ms(
+            [&] {
+              fp8t::gemm::block_gemm_sm90_planned(s.m, s.n, s.k, ab.first, ab.second, output,
+                                                  {.splits = splits}, stream);
+            },
+            stream, iterations, refusal);
+        char cell[64];
+        std::snprintf(cell, sizeof cell, " | %.0f%s", ms < 0 ? 0.0 : flops / (ms * 1e-3) / 1e12,
+                      chosen == splits ? " *" : "");
+        plan_row += cell;
+      }
+      plan_rows.push_back(plan_row);
+    }
   }
 
-  std::printf("GPU: %s, %d SMs; cuBLASLt %s; TFLOP/s (median ms of %d), bf16 output; %s\n",
-              properties.name, properties.multiProcessorCount,
-              CublasLtGemm::library_version().c_str(), iterations,
-              autotune ? "autotuned algorithms" : "the heuristic's first algorithms");
+  std::printf(
+      "GPU: %s, %d SMs; cuBLASLt %s; TFLOP/s (median ms of %d), bf16 output (weight "
+      "gradients: added to f32); %s\n",
+      properties.name, properties.multiProcessorCount, CublasLtGemm::library_version().c_str(),
+      iterations, autotune ? "autotuned algorithms" : "the heuristic's first algorithms");
   std::printf("| GEMM M x N x K (TN)");
   for (const char* column : columns)
     std::printf(" | %s", column);
@@ -268,6 +307,14 @@ int run(int argc, char** argv) {
     std::printf("| %s |\n", row.c_str());
   for (const std::string& refusal : refusals)
     std::printf("refused: %s\n", refusal.c_str());
+  if (engine_plans) {
+    std::printf("\nThe engine's 1x128 x 1x128 kernel by runs of K, TFLOP/s (*: its choice)\n");
+    std::printf(
+        "| weight gradient M x N x K | 1 run | 2 runs | 3 runs | 4 runs "
+        "|\n|---|---|---|---|---|\n");
+    for (const std::string& row : plan_rows)
+      std::printf("| %s |\n", row.c_str());
+  }
   const CublasLtGemm::Counters counters = gemm.counters();
   std::printf("cuBLASLt heuristic queries: %lld for %lld calls\n",
               static_cast<long long>(counters.heuristic_queries),

@@ -696,7 +696,9 @@ std::vector<ConfigKey> build_keys() {
   keys.push_back(boolean_key(
       "deterministic", S::Run, [](auto& c) -> auto& { return c.run.deterministic; },
       "GPU path: no GEMM autotuning, so every run picks the same algorithms (cuBLASLt's "
-      "heuristic's first choice) and repeats its numbers; the log says so."));
+      "heuristic's first choice) and repeats its numbers; the log says so. The engine's "
+      "block-scaled kernel, where gemm_backend pins it, then sums each output in a fixed order "
+      "(no split K)."));
   keys.push_back(gpt_only(integer_key(
       "nan_restore_after", S::Run, [](auto& c) -> auto& { return c.run.nan_restore_after; }, {0},
       "After this many bad steps in a row (a non-finite loss or gradient norm: the update is "

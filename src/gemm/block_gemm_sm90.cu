@@ -3,6 +3,7 @@
 #include <cuda.h>
 #include <cudaTypedefs.h>
 
+#include <algorithm>
 #include <map>
 #include <mutex>
 
@@ -30,17 +31,19 @@ constexpr int kStageBytes = 2 * kOperandTileBytes;
 // Each stage also holds its K block's scales: a's of the tile's rows and b's of its columns
 // (or, for 128x128 tiles, the aligned group of 4 that holds b's one).
 constexpr int kScaleBytes = (kTileM + kTileN) * sizeof(float);
-constexpr int kThreads = 384;      // the producer warpgroup and two consumer warpgroups
-constexpr int kConsumerWarps = 8;  // each arrives on a stage's "empty" barrier
-constexpr int kSwizzleAlign = 1024;
-constexpr int kGroupRows = 16;   // tile rows per group of the tile order (see the kernel)
-constexpr int kTurnBarrier = 1;  // named barriers 1 and 2: consumer 0's and consumer 1's turn  //
-                                 // the 128-byte swizzle repeats every 8 rows of 128 bytes
+constexpr int kThreads = 384;        // the producer warpgroup and two consumer warpgroups
+constexpr int kConsumerWarps = 8;    // each arrives on a stage's "empty" barrier
+constexpr int kSwizzleAlign = 1024;  // the 128-byte swizzle repeats every 8 rows of 128 bytes
+constexpr int kGroupRows = 16;       // tile rows per group of the tile order (see the kernel)
+constexpr int kMaxSplits = 4;        // runs of K summed by atomics (KernelArgs::splits)
 constexpr size_t kSharedBytes =
     size_t{kStages} * (kStageBytes + kScaleBytes) + 2 * kStages * sizeof(uint64_t) + kSwizzleAlign;
 
 struct KernelArgs {
   int m = 0, n = 0, k_blocks = 0;
+  // Split K: the K blocks in `splits` runs, one thread block per tile and run, each adding its
+  // sum to the output by atomics (accumulated f32 outputs only).
+  int splits = 1;
   const float* a_scale = nullptr;  // [k_blocks, m]
   const float* b_scale = nullptr;  // [k_blocks, n], or 128x128 tiles [ceil(n / 128), b_tile_ld]
   int b_tile_ld = 0;
@@ -95,16 +98,6 @@ __device__ void tma_load(void* destination, const CUtensorMap* map, int column, 
       "{%2, %3}], [%4];" ::"r"(shared_address(destination)),
       "l"(reinterpret_cast<uint64_t>(map)), "r"(column), "r"(row), "r"(shared_address(barrier))
       : "memory");
-}
-
-// Named barriers between the two consumer warpgroups (256 threads; 0 is __syncthreads()'s):
-// one warpgroup arrives, the other waits.
-__device__ void named_barrier_sync(int id) {
-  asm volatile("bar.sync %0, 256;" ::"r"(id) : "memory");
-}
-
-__device__ void named_barrier_arrive(int id) {
-  asm volatile("bar.arrive %0, 256;" ::"r"(id) : "memory");
 }
 
 // A bulk copy of `bytes` (a multiple of 16, both addresses 16-byte aligned) into shared memory,
@@ -171,10 +164,13 @@ __device__ void wgmma_m64n128k32(float (&d)[64], uint64_t desc_a, uint64_t desc_
   }
 }
 
-// Adds (or writes) the two values at (row, col) and (row, col + 1).
+// Adds (or writes) the two values at (row, col) and (row, col + 1); the runs of a split K add
+// theirs by one atomic.
 __device__ void store_pair(const KernelArgs& args, int row, int col, float v0, float v1) {
   const int64_t offset = row * args.ld + col;
-  if (args.out_bf16) {
+  if (args.splits > 1) {
+    atomicAdd(reinterpret_cast<float2*>(static_cast<float*>(args.out) + offset), float2{v0, v1});
+  } else if (args.out_bf16) {
     bf16* out = static_cast<bf16*>(args.out) + offset;
     if (args.accumulate) {
       v0 += bf16_to_float(out[0]);
@@ -212,13 +208,19 @@ __global__ void __launch_bounds__(kThreads, 1)
       reinterpret_cast<uint64_t*>(shared + kStages * (kStageBytes + kScaleBytes));
   uint64_t* const empty = full + kStages;
   const int warpgroup = static_cast<int>(threadIdx.x) / 128;
+  // Thread blocks [0, tiles) take the first run of K blocks, the next `tiles` the second, ...
   // Tiles in groups of kGroupRows tile rows, column by column within a group: the thread blocks
   // running at once share a few operand rows and columns, which stay in L2.
   const int tile_rows = (args.m + kTileM - 1) / kTileM, tile_cols = (args.n + kTileN - 1) / kTileN;
-  const int group = static_cast<int>(blockIdx.x) / (kGroupRows * tile_cols);
+  const int tile = static_cast<int>(blockIdx.x) % (tile_rows * tile_cols);
+  const int run = static_cast<int>(blockIdx.x) / (tile_rows * tile_cols);
+  const int run_blocks = (args.k_blocks + args.splits - 1) / args.splits;
+  const int first_block = run * run_blocks;
+  const int end_block = min(args.k_blocks, first_block + run_blocks);
+  const int group = tile / (kGroupRows * tile_cols);
   const int first_row = group * kGroupRows;
   const int group_rows = min(kGroupRows, tile_rows - first_row);
-  const int in_group = static_cast<int>(blockIdx.x) % (kGroupRows * tile_cols);
+  const int in_group = tile % (kGroupRows * tile_cols);
   const int m0 = (first_row + in_group % group_rows) * kTileM;
   const int n0 = in_group / group_rows * kTileN;
 
@@ -238,10 +240,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       const int a_scale_bytes = min(kTileM, args.m - m0) * static_cast<int>(sizeof(float));
       const int b_scale_bytes =
           BTiles ? 16 : min(kTileN, args.n - n0) * static_cast<int>(sizeof(float));
-      for (int block = 0; block < args.k_blocks; ++block) {
-        const int stage = block % kStages;
+      for (int block = first_block; block < end_block; ++block) {
+        const int step = block - first_block, stage = step % kStages;
         float* const stage_scales = scales + stage * (kTileM + kTileN);
-        barrier_wait(&empty[stage], ((block / kStages) & 1) ^ 1);
+        barrier_wait(&empty[stage], ((step / kStages) & 1) ^ 1);
         barrier_expect_bytes(&full[stage], kStageBytes + a_scale_bytes + b_scale_bytes);
         tma_load(a_tiles + stage * kOperandTileBytes, &a_map, block * kTileK, m0, &full[stage]);
         tma_load(b_tiles + stage * kOperandTileBytes, &b_map, block * kTileK, n0, &full[stage]);
@@ -270,27 +272,19 @@ __global__ void __launch_bounds__(kThreads, 1)
     total[i] = 0.0f;
   float partial[64];
 
-  for (int block = 0; block < args.k_blocks; ++block) {
-    const int stage = block % kStages;
-    barrier_wait(&full[stage], (block / kStages) & 1);
-    // Ping-pong: the warpgroups issue their wgmmas in turns (0, 1, 0, 1, ...), so the tensor
-    // cores run one's K block while the other promotes its previous one. It pays where the
-    // promotion multiplies by a scale per element (b in 1x128 blocks: 5-14 % on the H200),
-    // not with 128x128 tiles, whose promotion is one multiply-add per element.
-    constexpr bool kPingPong = !BTiles;
-    if (kPingPong && (consumer == 1 || block > 0)) named_barrier_sync(kTurnBarrier + consumer);
+  for (int block = first_block; block < end_block; ++block) {
+    const int step = block - first_block, stage = step % kStages;
+    barrier_wait(&full[stage], (step / kStages) & 1);
     const uint8_t* a_tile = a_tiles + stage * kOperandTileBytes + consumer * 64 * kTileK;
     const uint8_t* b_tile = b_tiles + stage * kOperandTileBytes;
     fence_registers(partial);
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll
-    for (int step = 0; step < kTileK / 32; ++step) {
-      wgmma_m64n128k32<AFormat, BFormat>(partial, wgmma_descriptor(a_tile + 32 * step),
-                                         wgmma_descriptor(b_tile + 32 * step), step > 0 ? 1u : 0u);
+    for (int k = 0; k < kTileK / 32; ++k) {
+      wgmma_m64n128k32<AFormat, BFormat>(partial, wgmma_descriptor(a_tile + 32 * k),
+                                         wgmma_descriptor(b_tile + 32 * k), k > 0 ? 1u : 0u);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    if (kPingPong && (consumer == 0 || block + 1 < args.k_blocks))
-      named_barrier_arrive(kTurnBarrier + 1 - consumer);
     // This K block's scales, from the stage (rows and columns beyond the output are never
     // stored, whatever their scales hold).
     const float* stage_scales = scales + stage * (kTileM + kTileN);
@@ -348,12 +342,12 @@ void allow_shared_memory() {
   }
 }
 
-// Whether the current device can run the kernels: an sm_90 GPU, and sm_90a code in the binary.
-// Asked once per device; that first call also prepares the kernels (allow_shared_memory), so
-// launches do nothing per call but launch.
-bool device_ready() {
+// The current device's multiprocessor count when it can run the kernels (an sm_90 GPU, and
+// sm_90a code in the binary), otherwise 0. Asked once per device; that first call also prepares
+// the kernels (allow_shared_memory), so launches do nothing per call but launch.
+int device_ready() {
   static std::mutex mutex;
-  static std::map<int, bool> answers;
+  static std::map<int, int> answers;
   int device = 0;
   FP8T_CUDA_CHECK(cudaGetDevice(&device));
   const std::lock_guard<std::mutex> lock(mutex);
@@ -361,7 +355,7 @@ bool device_ready() {
   int major = 0, minor = 0;
   FP8T_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
   FP8T_CUDA_CHECK(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device));
-  bool present = false;
+  int present = 0;
   if (major == 9 && minor == 0) {
     int* flag = nullptr;
     FP8T_CUDA_CHECK(cudaMalloc(&flag, sizeof(int)));
@@ -372,8 +366,10 @@ bool device_ready() {
     FP8T_CUDA_CHECK(cudaFree(flag));
     FP8T_CUDA_CHECK(launched);
     FP8T_CUDA_CHECK(copied);
-    present = host == 1;
-    if (present) allow_shared_memory();
+    if (host == 1) {
+      allow_shared_memory();
+      FP8T_CUDA_CHECK(cudaDeviceGetAttribute(&present, cudaDevAttrMultiProcessorCount, device));
+    }
   }
   return answers.emplace(device, present).first->second;
 }
@@ -410,13 +406,44 @@ CUtensorMap operand_map(const Fp8Operand& operand, int64_t rows, int64_t k, cons
   return map;
 }
 
+// Split K pays where a problem has few tiles for the multiprocessors and a long K, as weight
+// gradients do: the last wave of thread blocks is then a large share of the time. Measured on
+// the H100 (docs/gemm.md), 2 runs gained 9-19 % on the W-GPT24 and W-FLUX535 weight gradients
+// even where the tiles fill many waves, and 1536 x 1536 outputs over 16k tokens gained most
+// with 3 or 4. The estimate: the waves (a partial last wave costing at least kLastWave of a
+// full one) times each run's K blocks, plus each run's atomic adds of its tile.
+constexpr double kLastWave = 0.6;
+constexpr double kAtomicAdds = 2.0;  // one run's adds of a tile, in K blocks of work
+
+int choose_splits(int64_t m, int64_t n, int64_t k_blocks, const GemmOutput& out, bool repeatable,
+                  int multiprocessors) {
+  if (repeatable || out.type != GemmType::F32 || !out.accumulate || k_blocks < 2) return 1;
+  const int64_t tiles = (m + kTileM - 1) / kTileM * ((n + kTileN - 1) / kTileN);
+  int best = 2;
+  double best_cost = 0.0;
+  for (int splits = 2; splits <= kMaxSplits; ++splits) {
+    const int64_t blocks = tiles * splits;
+    const double last = static_cast<double>(blocks % multiprocessors) / multiprocessors;
+    const double waves = static_cast<double>(blocks / multiprocessors) +
+                         (last > 0.0 ? std::max(last, kLastWave) : 0.0);
+    const double cost = waves * static_cast<double>((k_blocks + splits - 1) / splits) +
+                        kAtomicAdds * static_cast<double>(blocks) / multiprocessors;
+    if (splits == 2 || cost < best_cost) {
+      best = splits;
+      best_cost = cost;
+    }
+  }
+  return best;
+}
+
 template <Fp8Format AFormat, Fp8Format BFormat, bool BTiles>
 void launch(const CUtensorMap& a_map, const CUtensorMap& b_map, const KernelArgs& args,
             cudaStream_t stream) {
-  const int64_t tiles = int64_t{(args.m + kTileM - 1) / kTileM} * ((args.n + kTileN - 1) / kTileN);
-  FP8T_CHECK(tiles < (int64_t{1} << 31), "the sm_90 block GEMM: {} output tiles are too many",
-             tiles);
-  const dim3 grid(static_cast<unsigned>(tiles));
+  const int64_t blocks =
+      int64_t{(args.m + kTileM - 1) / kTileM} * ((args.n + kTileN - 1) / kTileN) * args.splits;
+  FP8T_CHECK(blocks < (int64_t{1} << 31), "the sm_90 block GEMM: {} thread blocks are too many",
+             blocks);
+  const dim3 grid(static_cast<unsigned>(blocks));
   block_gemm_kernel<AFormat, BFormat, BTiles>
       <<<grid, kThreads, kSharedBytes, stream>>>(a_map, b_map, args);
   FP8T_CUDA_CHECK_LAUNCH();
@@ -451,13 +478,14 @@ bool block_gemm_sm90_serves(const Fp8Operand& a, const Fp8Operand& b, const Gemm
     return refuse("the output is neither f32 nor bf16");
   if (out.bias != nullptr || out.addend != nullptr || out.scale != nullptr || out.amax != nullptr)
     return refuse("the output has a bias, an addend, a scale or an amax");
-  if (!device_ready())
+  if (device_ready() == 0)
     return refuse("the program holds no sm_90a code for this GPU (the kernel needs sm_90a)");
   return true;
 }
 
-void block_gemm_sm90(int64_t m, int64_t n, int64_t k, const Fp8Operand& a, const Fp8Operand& b,
-                     const GemmOutput& out, cudaStream_t stream) {
+void block_gemm_sm90_planned(int64_t m, int64_t n, int64_t k, const Fp8Operand& a,
+                             const Fp8Operand& b, const GemmOutput& out, const BlockGemmPlan& plan,
+                             cudaStream_t stream) {
   std::string why;
   FP8T_CHECK(block_gemm_sm90_serves(a, b, out, &why),
              "the sm_90 block GEMM cannot serve M={}, N={}, K={}: {}", m, n, k, why);
@@ -467,10 +495,16 @@ void block_gemm_sm90(int64_t m, int64_t n, int64_t k, const Fp8Operand& a, const
              "the sm_90 block GEMM needs positive M and N multiples of 4 and K a multiple of 16, "
              "found M={}, N={}, K={}",
              m, n, k);
+  FP8T_CHECK(plan.splits >= 1 && plan.splits <= kMaxSplits &&
+                 (plan.splits == 1 || (out.type == GemmType::F32 && out.accumulate)),
+             "the sm_90 block GEMM cannot run M={}, N={}, K={} in {} runs of K (1 to {}, more "
+             "than 1 only for an accumulated f32 output)",
+             m, n, k, plan.splits, kMaxSplits);
   KernelArgs args;
   args.m = static_cast<int>(m);
   args.n = static_cast<int>(n);
   args.k_blocks = static_cast<int>((k + kTileK - 1) / kTileK);
+  args.splits = plan.splits;
   args.a_scale = a.scale_inv;
   args.b_scale = b.scale_inv;
   args.b_tile_ld = (args.k_blocks + 3) / 4 * 4;
@@ -491,6 +525,21 @@ void block_gemm_sm90(int64_t m, int64_t n, int64_t k, const Fp8Operand& a, const
   } else {
     launch_for_b<e5m2, e5m2>(a_map, b_map, args, b_tiles, stream);
   }
+}
+
+BlockGemmPlan block_gemm_sm90_plan(int64_t m, int64_t n, int64_t k, const GemmOutput& out,
+                                   bool repeatable) {
+  return {.splits = choose_splits(m, n, (k + kTileK - 1) / kTileK, out, repeatable,
+                                  std::max(1, device_ready()))};
+}
+
+void block_gemm_sm90(int64_t m, int64_t n, int64_t k, const Fp8Operand& a, const Fp8Operand& b,
+                     const GemmOutput& out, bool repeatable, cudaStream_t stream) {
+  std::string why;
+  FP8T_CHECK(block_gemm_sm90_serves(a, b, out, &why),
+             "the sm_90 block GEMM cannot serve M={}, N={}, K={}: {}", m, n, k, why);
+  block_gemm_sm90_planned(m, n, k, a, b, out, block_gemm_sm90_plan(m, n, k, out, repeatable),
+                          stream);
 }
 
 }  // namespace fp8t::gemm

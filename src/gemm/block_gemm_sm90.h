@@ -2,13 +2,13 @@
 // out[M, N] (+)= a[M, K]·b[N, K]ᵀ with a scaled in 1x128 blocks along K and b in 1x128 blocks
 // or 128x128 tiles (the layouts of ScaleMode). Each 128-wide K block's partial sums leave the
 // tensor cores after that block and join an fp32 accumulator multiplied by their two scales, so
-// no partial sum spans more than 128 products. cuBLASLt's block-scaled GEMMs on sm_90 are slow
-// where both operands have 1x128 blocks (the weight gradient); this kernel is one more candidate
-// that autotuning times against cuBLASLt's (cublaslt_gemm.h).
+// no partial sum spans more than 128 products. It is one more candidate that autotuning times
+// against cuBLASLt's block-scaled GEMMs (cublaslt_gemm.h).
 //
-// Tiles of 128x128 outputs, one per thread block: a producer thread loads the operands' 128x128
-// K blocks by TMA, and their scales, into a ring of shared-memory stages; two consumer
-// warpgroups multiply them with wgmma (64 rows each) and promote the partial sums (docs/gemm.md).
+// Tiles of 128x128 outputs, one per thread block (and run of K, where K is split): a producer
+// thread loads the operands' 128x128 K blocks by TMA, and their scales, into a ring of
+// shared-memory stages; two consumer warpgroups multiply them with wgmma (64 rows each) and
+// promote the partial sums (docs/gemm.md).
 //
 // This header stays within C++17 and without fmt: CUDA tests and benchmarks include it.
 #pragma once
@@ -32,7 +32,25 @@ bool block_gemm_sm90_serves(const Fp8Operand& a, const Fp8Operand& b, const Gemm
 // Runs the GEMM asynchronously on `stream`. The sizes, strides and alignments follow
 // CublasLtGemm::fp8_gemm's rules (K a multiple of 16, M and N multiples of 4, 16-byte aligned
 // operands, scales and output rows); throws fp8t::Error when the problem is not served.
+// An accumulated f32 output may be summed over runs of K in parallel, by atomics whose order
+// varies from call to call; `repeatable` rules that out, so every call gives the same bits.
 void block_gemm_sm90(int64_t m, int64_t n, int64_t k, const Fp8Operand& a, const Fp8Operand& b,
-                     const GemmOutput& out, cudaStream_t stream);
+                     const GemmOutput& out, bool repeatable, cudaStream_t stream);
+
+// How block_gemm_sm90 runs a problem: in how many runs of K, summed by atomics (1: none; more
+// only for an accumulated f32 output).
+struct BlockGemmPlan {
+  int splits = 1;
+};
+
+// The plan block_gemm_sm90 chooses for a problem it serves on the current device.
+BlockGemmPlan block_gemm_sm90_plan(int64_t m, int64_t n, int64_t k, const GemmOutput& out,
+                                   bool repeatable);
+
+// block_gemm_sm90 with a given plan, for tests and benchmarks; throws fp8t::Error for a plan
+// the problem cannot take.
+void block_gemm_sm90_planned(int64_t m, int64_t n, int64_t k, const Fp8Operand& a,
+                             const Fp8Operand& b, const GemmOutput& out, const BlockGemmPlan& plan,
+                             cudaStream_t stream);
 
 }  // namespace fp8t::gemm

@@ -599,10 +599,10 @@ struct CublasLtGemm::State {
   }
 
   // The problem on the engine's kernel, into `out` (the caller's output or a scratch one).
-  static void launch_engine(const Problem& p, void* out, cudaStream_t stream) {
+  void launch_engine(const Problem& p, void* out, cudaStream_t stream) const {
     GemmOutput target = p.caller_out;
     target.data = out;
-    block_gemm_sm90(p.m, p.n, p.k, p.caller_a, p.caller_b, target, stream);
+    block_gemm_sm90(p.m, p.n, p.k, p.caller_a, p.caller_b, target, tuning.deterministic, stream);
   }
 
   // The cached plan of the problem. A new problem asks the heuristic once, whatever it answers:

@@ -106,6 +106,7 @@ GemmTuning resolve_gemm_tuning(const GemmTuningRequest& request,
                                const EnvironmentLookup& environment) {
   GemmTuning tuning;
   tuning.cache_path = request.gemm_tuning_cache;
+  tuning.deterministic = request.deterministic;
 
   bool autotune = request.gemm_autotune;
   std::string autotune_source = "gemm_autotune";

@@ -64,6 +64,7 @@ struct GemmTuningRequest {
 struct GemmTuning {
   bool autotune_bf16 = false;
   bool autotune_fp8 = false;
+  bool deterministic = false;  // every call of a problem gives the same bits
   GemmBackendPins pins;
   std::string cache_path;  // empty: tuned choices are not kept past the process
   std::vector<std::string> notes;

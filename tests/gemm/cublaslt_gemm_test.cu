@@ -1510,8 +1510,8 @@ std::vector<float> wide_values(TestRng& rng, int64_t rows, int64_t cols) {
 
 // The problem on the engine's kernel, waited for.
 void run_engine(const Shape& s, const DeviceOperand& a, const DeviceOperand& b,
-                const GemmOutput& out, cudaStream_t stream) {
-  block_gemm_sm90(s.m, s.n, s.k, a.view(), b.view(), out, stream);
+                const GemmOutput& out, cudaStream_t stream, bool repeatable = false) {
+  block_gemm_sm90(s.m, s.n, s.k, a.view(), b.view(), out, repeatable, stream);
   FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
 }
 
@@ -1527,13 +1527,20 @@ class EngineBlockGemmTest : public CublasLtGemmTest {
   }
 };
 
+// The plans a problem can run with: K in 1 run, and in 2 or 3 where the output is an
+// accumulated f32.
+std::vector<BlockGemmPlan> every_plan(GemmType out_type, bool accumulate) {
+  if (!(out_type == GemmType::F32 && accumulate)) return {{.splits = 1}};
+  return {{.splits = 1}, {.splits = 2}, {.splits = 3}};
+}
+
 // Awkward sizes (M, N and K not multiples of the 128 tiles, padded strides) and large ones, every
 // format pair wgmma takes, b in 1x128 blocks and in 128x128 tiles, f32 and bf16 outputs, written
-// and accumulated; values spanning 1e-6 to 1e3 within each block.
+// and accumulated, each with every plan; values spanning 1e-6 to 1e3 within each block.
 TEST_F(EngineBlockGemmTest, MatchesCpuOnAwkwardAndLargeShapes) {
   SCOPED_TRACE(rng_.trace());
-  const Shape shapes[] = {{4, 4, 16},      {48, 80, 144},      {100, 36, 272},  {260, 388, 1040},
-                          {128, 128, 128}, {1024, 1536, 6144}, {640, 512, 8192}};
+  const Shape shapes[] = {{4, 4, 16},      {48, 80, 144},      {100, 36, 272},   {260, 388, 1040},
+                          {128, 128, 128}, {1024, 1536, 6144}, {640, 512, 8192}, {200, 400, 528}};
   const FormatPair formats[] = {{Fp8Format::E4M3, Fp8Format::E4M3},
                                 {Fp8Format::E5M2, Fp8Format::E4M3},
                                 {Fp8Format::E4M3, Fp8Format::E5M2},
@@ -1555,23 +1562,60 @@ TEST_F(EngineBlockGemmTest, MatchesCpuOnAwkwardAndLargeShapes) {
         const std::vector<double> product = xwt_reference(s, a.values, b.values);
         for (const GemmType out_type : {GemmType::F32, GemmType::BF16}) {
           for (const bool accumulate : {false, true}) {
-            const std::string what =
-                "engine " + fp8_text(s, a, b, out_type, false) + (accumulate ? " accumulated" : "");
-            DeviceOutput out(out_type, s.m, s.n, ld_out);
-            std::vector<double> ref = product;
-            if (accumulate) {
-              const std::vector<double> before =
-                  random_exact(rng_, static_cast<size_t>(s.m * s.n), out_type);
-              out.set(before);
-              for (size_t i = 0; i < ref.size(); ++i)
-                ref[i] += before[i];
+            for (const BlockGemmPlan& plan : every_plan(out_type, accumulate)) {
+              const std::string what = "engine " + fp8_text(s, a, b, out_type, false) +
+                                       (accumulate ? " accumulated" : "") + " in " +
+                                       std::to_string(plan.splits) + " runs of K";
+              DeviceOutput out(out_type, s.m, s.n, ld_out);
+              std::vector<double> ref = product;
+              if (accumulate) {
+                const std::vector<double> before =
+                    random_exact(rng_, static_cast<size_t>(s.m * s.n), out_type);
+                out.set(before);
+                for (size_t i = 0; i < ref.size(); ++i)
+                  ref[i] += before[i];
+              }
+              block_gemm_sm90_planned(s.m, s.n, s.k, device_a.view(), device_b.view(),
+                                      out.view(accumulate), plan, stream_);
+              FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+              check(out.values(), ref, s.n, fp8_bound(out_type, false), what);
+              check_padding(out, what);
             }
-            run_engine(s, device_a, device_b, out.view(accumulate), stream_);
-            check(out.values(), ref, s.n, fp8_bound(out_type, false), what);
-            check_padding(out, what);
           }
         }
       }
+    }
+  }
+}
+
+// Split K sums the runs by atomics, so only an accumulated f32 output of a caller that does not
+// ask for repeatable sums gets it; repeatable calls give the same bits every time.
+TEST_F(EngineBlockGemmTest, SplitsKOnlyWhereAllowedAndRepeatsWhenAsked) {
+  SCOPED_TRACE(rng_.trace());
+  const Shape s{640, 512, 8192};
+  const std::vector<float> x = random_values(rng_, s.m, s.k), w = random_values(rng_, s.n, s.k);
+  const HostOperand a = quantize_operand(x, s.m, s.k, s.k, Fp8Format::E4M3, ScaleMode::Block1x128);
+  const HostOperand b = quantize_operand(w, s.n, s.k, s.k, Fp8Format::E4M3, ScaleMode::Block1x128);
+  const DeviceOperand device_a(a), device_b(b);
+  DeviceOutput f32(GemmType::F32, s.m, s.n, s.n), bf16(GemmType::BF16, s.m, s.n, s.n);
+  EXPECT_GT(block_gemm_sm90_plan(s.m, s.n, s.k, f32.view(true), false).splits, 1);
+  EXPECT_EQ(block_gemm_sm90_plan(s.m, s.n, s.k, f32.view(true), true).splits, 1);
+  EXPECT_EQ(block_gemm_sm90_plan(s.m, s.n, s.k, f32.view(false), false).splits, 1);
+  EXPECT_EQ(block_gemm_sm90_plan(s.m, s.n, s.k, bf16.view(true), false).splits, 1);
+  const std::vector<double> before =
+      random_exact(rng_, static_cast<size_t>(s.m * s.n), GemmType::F32);
+  std::vector<double> first;
+  for (int call = 0; call < 2; ++call) {
+    f32.set(before);
+    run_engine(s, device_a, device_b, f32.view(true), stream_, true);
+    if (call == 0) {
+      first = f32.values();
+      std::vector<double> ref = xwt_reference(s, a.values, b.values);
+      for (size_t i = 0; i < ref.size(); ++i)
+        ref[i] += before[i];
+      check(first, ref, s.n, fp8_bound(GemmType::F32, false), "engine repeatable");
+    } else {
+      EXPECT_TRUE(f32.values() == first) << "two repeatable calls gave different bits";
     }
   }
 }
@@ -1620,11 +1664,31 @@ TEST_F(EngineBlockGemmTest, RefusesWhatItDoesNotServe) {
   fp8_out.type = GemmType::E4M3;
   EXPECT_FALSE(block_gemm_sm90_serves(blocks, blocks, fp8_out, &why));
   try {
-    block_gemm_sm90(64, 64, 128, tensor, blocks, out, stream_);
+    block_gemm_sm90(64, 64, 128, tensor, blocks, out, false, stream_);
     ADD_FAILURE() << "expected a refusal";
   } catch (const Error& error) {
     EXPECT_NE(std::string(error.what()).find("M=64, N=64, K=128"), std::string::npos)
         << error.what();
+  }
+  // Plans a problem cannot take: K split for a bf16 output or one written, not accumulated, and
+  // more runs than the kernel makes.
+  GemmOutput bf16_out, f32_out;
+  bf16_out.type = GemmType::BF16;
+  bf16_out.accumulate = true;
+  f32_out.type = GemmType::F32;
+  GemmOutput f32_accumulated = f32_out;
+  f32_accumulated.accumulate = true;
+  for (const auto& [target, splits] :
+       {std::pair{bf16_out, 2}, std::pair{f32_out, 2}, std::pair{f32_accumulated, 5},
+        std::pair{f32_accumulated, 0}}) {
+    try {
+      block_gemm_sm90_planned(64, 64, 128, blocks, blocks, target, {.splits = splits}, stream_);
+      ADD_FAILURE() << "expected a refusal of " << splits << " runs of K";
+    } catch (const Error& error) {
+      EXPECT_NE(std::string(error.what()).find("cannot run M=64, N=64, K=128 in"),
+                std::string::npos)
+          << error.what();
+    }
   }
 }
 

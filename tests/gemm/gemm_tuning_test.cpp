@@ -115,7 +115,17 @@ TEST(GemmTuningSettings, DeterministicTurnsAutotuningOffAndSaysSo) {
       resolve_gemm_tuning(keys(true, "", true), environment({{"FP8TRAIN_AUTOTUNE", "1"}}));
   EXPECT_FALSE(tuning.autotune_bf16);
   EXPECT_FALSE(tuning.autotune_fp8);
+  EXPECT_TRUE(tuning.deterministic);
   EXPECT_TRUE(Contains(all_notes(tuning), "GEMM autotuning: off, because deterministic is true"));
+  EXPECT_FALSE(resolve_gemm_tuning(keys(true), environment({})).deterministic);
+}
+
+// A pinned engine kernel still repeats its numbers under deterministic: the setting travels
+// with the pins, for the kernel to sum its output in a fixed order.
+TEST(GemmTuningSettings, DeterministicHoldsWithAPinnedBackend) {
+  const GemmTuning tuning = resolve_gemm_tuning(keys(true, "fp8:fp8train", true), environment({}));
+  EXPECT_EQ(tuning.pins.fp8, GemmBackend::Fp8train);
+  EXPECT_TRUE(tuning.deterministic);
 }
 
 TEST(GemmTuningSettings, BadValuesAreErrorsNamingTheSourceAndTheChoices) {
