@@ -16,13 +16,14 @@ OptimizerShard::OptimizerShard(const std::vector<OptimizerGroup>& groups,
   struct Tensor {
     const std::string* name;
     int64_t numel;
+    size_t order;  // place in the groups' order
   };
   std::vector<Tensor> adamw;
   for (size_t index = 0; index < groups.size(); ++index) {
     const OptimizerGroup& group = groups[index];
     if (group.rule == UpdateRule::AdamW) {
       for (const std::string& name : group.parameters)
-        adamw.push_back({&name, numel(name)});
+        adamw.push_back({&name, numel(name), adamw.size()});
       continue;
     }
     const auto count = std::ssize(group.parameters);
@@ -34,7 +35,9 @@ OptimizerShard::OptimizerShard(const std::vector<OptimizerGroup>& groups,
     }
   }
   // Largest first; equal sizes keep the groups' order, so every rank sorts alike.
-  std::ranges::stable_sort(adamw, std::greater{}, &Tensor::numel);
+  std::ranges::sort(adamw, [](const Tensor& a, const Tensor& b) {
+    return a.numel != b.numel ? a.numel > b.numel : a.order < b.order;
+  });
   std::vector<int64_t> load(static_cast<size_t>(ranks), 0);
   for (const Tensor& tensor : adamw) {
     const auto lightest = std::ranges::min_element(load) - load.begin();

@@ -29,8 +29,10 @@ std::vector<NamedTime> largest(const std::map<std::string, NamedTime>& times, si
   sorted.reserve(times.size());
   for (const auto& [name, entry] : times)
     sorted.push_back(entry);
-  std::stable_sort(sorted.begin(), sorted.end(),
-                   [](const NamedTime& a, const NamedTime& b) { return a.ms > b.ms; });
+  // Longest first; equal times in name order, as the map holds them.
+  std::sort(sorted.begin(), sorted.end(), [](const NamedTime& a, const NamedTime& b) {
+    return a.ms != b.ms ? a.ms > b.ms : a.name < b.name;
+  });
   if (sorted.size() > top) sorted.resize(top);
   return sorted;
 }

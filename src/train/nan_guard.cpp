@@ -41,13 +41,16 @@ bool contains(const std::vector<std::string>& names, const std::string& name) {
 std::vector<std::string> gradient_scan_order(const GptConfig& config) {
   std::vector<ParamSpec> specs = gpt_parameters(config);
   std::reverse(specs.begin(), specs.end());
-  std::stable_sort(specs.begin(), specs.end(), [&](const ParamSpec& a, const ParamSpec& b) {
-    return backward_gradient_group(a, config.n_layer) < backward_gradient_group(b, config.n_layer);
-  });
+  // By group; within a group, in the reversed order.
+  std::vector<std::pair<int, size_t>> keys;
+  keys.reserve(specs.size());
+  for (size_t i = 0; i < specs.size(); ++i)
+    keys.emplace_back(backward_gradient_group(specs[i], config.n_layer), i);
+  std::sort(keys.begin(), keys.end());
   std::vector<std::string> names;
   names.reserve(specs.size());
-  for (const ParamSpec& spec : specs)
-    names.push_back(spec.name);
+  for (const auto& [group, index] : keys)
+    names.push_back(specs[index].name);
   return names;
 }
 
