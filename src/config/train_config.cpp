@@ -11,6 +11,7 @@
 #include <map>
 #include <optional>
 #include <span>
+#include <system_error>
 
 #include <fmt/format.h>
 #include <yaml-cpp/yaml.h>
@@ -252,6 +253,15 @@ constexpr std::string_view kBaseKey = "base";
 
 // Loads `path` into the builder: its base first, then its own keys. `chain` holds the files
 // that include this one, to catch a cycle.
+// A config file's canonical path, to find a cycle of bases. A path the system cannot resolve
+// (a name too long, say) is an error that begins with `what` and ends with the system's reason.
+std::filesystem::path canonical_config_path(const std::string& path, std::string_view what) {
+  std::error_code error;
+  std::filesystem::path canonical = std::filesystem::weakly_canonical(path, error);
+  if (error) throw ConfigError(fmt::format("{}: {}", what, error.message()));
+  return canonical;
+}
+
 void load_file(ConfigBuilder& builder, const std::string& path, std::string_view included_by,
                std::vector<std::filesystem::path>& chain) {
   const YAML::Node root = read_yaml_file(path, included_by);
@@ -260,7 +270,8 @@ void load_file(ConfigBuilder& builder, const std::string& path, std::string_view
     throw ConfigError(
         fmt::format("{}: expected a mapping of keys to values at the top level", path));
   }
-  chain.push_back(std::filesystem::weakly_canonical(path));
+  chain.push_back(
+      canonical_config_path(path, fmt::format("{}: cannot read the config file", path)));
   for (const auto& entry : root) {
     if (key_name(entry.first, path) != kBaseKey) continue;
     const std::string where = fmt::format("{}: base", location(path, entry.first));
@@ -271,8 +282,9 @@ void load_file(ConfigBuilder& builder, const std::string& path, std::string_view
     const std::string base = (std::filesystem::path(path).parent_path() / entry.second.Scalar())
                                  .lexically_normal()
                                  .string();
-    if (std::find(chain.begin(), chain.end(), std::filesystem::weakly_canonical(base)) !=
-        chain.end()) {
+    const std::filesystem::path canonical =
+        canonical_config_path(base, fmt::format("{}: cannot read '{}'", where, base));
+    if (std::find(chain.begin(), chain.end(), canonical) != chain.end()) {
       throw ConfigError(
           fmt::format("{}: '{}' is already being loaded: the bases form a cycle", where, base));
     }

@@ -260,6 +260,17 @@ TEST(TrainConfig, FolderIsNotAConfigFile) {
                 (folder / "sub").string() + "': expected a file, found a folder");
 }
 
+// A base whose name the system cannot resolve (longer than a file name may be) is an error
+// naming the key and the name, not a crash.
+TEST(TrainConfig, BaseNameTooLongIsAnError) {
+  const test::TempFolder folder;
+  const std::string name(300, 'a');
+  std::ofstream(folder / "child.yaml") << "base: " << name << "\ndepth: 4\n";
+  EXPECT_EQ(load_error({"--config", (folder / "child.yaml").string()}),
+            (folder / "child.yaml").string() + ":1: base: cannot read '" +
+                (folder / name).string() + "': File name too long");
+}
+
 TEST(TrainConfig, OverridesInEveryForm) {
   const TrainConfig config =
       load({"--micro-batch-size=4", "--global_batch_size", "8", "--lr=0.01",
