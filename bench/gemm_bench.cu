@@ -5,10 +5,11 @@
 // except the weight gradients', which are added to f32 as training does (dW += ...). A mode
 // that is refused shows as such; the engine's cells say in how many runs of K it summed.
 //
-//   gemm_bench [--iterations 50] [--shapes gpt|flux|all] [--m M --n N --k K] [--autotune 1]
-//              [--engine-plans 1]
+//   gemm_bench [--iterations 50] [--shapes gpt|flux|all] [--m M --n N --k K [--weight-gradient 1]]
+//              [--autotune 1] [--engine-plans 1]
 //
-// Default: the d24 shapes (forward and weight gradients). --autotune 1: each cuBLASLt problem
+// Default: the d24 shapes (forward and weight gradients). --m/--n/--k: one shape instead, a
+// weight gradient (f32, added to) with --weight-gradient 1. --autotune 1: each cuBLASLt problem
 // runs the algorithm autotuning keeps (gemm/gemm_tuning.h; timed in the warm-up, no cache file)
 // instead of the heuristic's first.
 //
@@ -79,8 +80,7 @@ __global__ void fill_f32(float* x, int64_t count, float value) {
 struct Shape {
   int64_t m, n, k;
   const char* what;
-  // A weight gradient: the output is f32 and accumulated.
-  bool weight_gradient() const { return std::strstr(what, "weight gradient") != nullptr; }
+  bool weight_gradient = false;  // the output is f32 and accumulated (dW += ...)
 };
 
 // d24 at 16k tokens (half a W-GPT24 micro-batch): forward (dgrad has the same sizes) and the
@@ -88,9 +88,9 @@ struct Shape {
 constexpr Shape kD24Shapes[] = {{16384, 1536, 1536, "d24 q/k/v/proj, 16k tokens"},
                                 {16384, 6144, 1536, "d24 MLP up"},
                                 {16384, 1536, 6144, "d24 MLP down"},
-                                {1536, 1536, 16384, "d24 q/k/v/proj weight gradient"},
-                                {6144, 1536, 16384, "d24 MLP-up weight gradient"},
-                                {1536, 6144, 16384, "d24 MLP-down weight gradient"}};
+                                {1536, 1536, 16384, "d24 q/k/v/proj weight gradient", true},
+                                {6144, 1536, 16384, "d24 MLP-up weight gradient", true},
+                                {1536, 6144, 16384, "d24 MLP-down weight gradient", true}};
 // flux_535m at micro-batch 4: the double block's image stream (4 x 4096 tokens) and the single
 // block (4 x 4608 tokens), forward and weight gradients.
 constexpr Shape kFluxShapes[] = {{16384, 9216, 3072, "flux image qkv, 16k tokens"},
@@ -98,9 +98,9 @@ constexpr Shape kFluxShapes[] = {{16384, 9216, 3072, "flux image qkv, 16k tokens
                                  {16384, 3072, 12288, "flux image MLP down"},
                                  {18432, 21504, 3072, "flux single linear1, 18k tokens"},
                                  {18432, 3072, 15360, "flux single linear2"},
-                                 {9216, 3072, 16384, "flux image qkv weight gradient"},
-                                 {3072, 12288, 16384, "flux image MLP-down weight gradient"},
-                                 {21504, 3072, 18432, "flux single linear1 weight gradient"}};
+                                 {9216, 3072, 16384, "flux image qkv weight gradient", true},
+                                 {3072, 12288, 16384, "flux image MLP-down weight gradient", true},
+                                 {21504, 3072, 18432, "flux single linear1 weight gradient", true}};
 
 // Median milliseconds of `launch` on `stream`; negative when the first call throws (a mode
 // cuBLASLt refuses), with the message in `refusal`.
@@ -155,7 +155,7 @@ int run(int argc, char** argv) {
   if (flux) shapes.insert(shapes.end(), std::begin(kFluxShapes), std::end(kFluxShapes));
   if (flag(argc, argv, "--m", 0) > 0) {
     shapes = {{flag(argc, argv, "--m", 0), flag(argc, argv, "--n", 0), flag(argc, argv, "--k", 0),
-               "command line"}};
+               "command line", flag(argc, argv, "--weight-gradient", 0) != 0}};
   }
   cudaDeviceProp properties{};
   FP8T_CUDA_CHECK(cudaGetDeviceProperties(&properties, 0));
@@ -207,8 +207,8 @@ int run(int argc, char** argv) {
     GemmOutput output;
     output.data = out.get();
     output.ld = s.n;
-    output.type = s.weight_gradient() ? GemmType::F32 : GemmType::BF16;
-    output.accumulate = s.weight_gradient();
+    output.type = s.weight_gradient ? GemmType::F32 : GemmType::BF16;
+    output.accumulate = s.weight_gradient;
     const auto fp8_operands = [&](ScaleMode a_mode, ScaleMode b_mode) {
       Fp8Operand a, b;
       a.data = a_fp8.get();
@@ -268,7 +268,7 @@ int run(int argc, char** argv) {
       }
     }
     rows.push_back(row);
-    if (engine_plans && s.weight_gradient()) {
+    if (engine_plans && s.weight_gradient) {
       const std::pair<Fp8Operand, Fp8Operand> ab =
           fp8_operands(ScaleMode::Block1x128, ScaleMode::Block1x128);
       const int chosen = fp8t::gemm::block_gemm_sm90_plan(s.m, s.n, s.k, output, false).splits;
