@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include <fmt/format.h>
@@ -38,25 +39,31 @@ TensorParallel tensor_parallel_group(Communicator& communicator, const ParallelL
   // have no sub-groups; the copies cost replicas x the data, small on the CPU path.
   const auto slots = static_cast<size_t>(layout.data);
   const auto slot = static_cast<size_t>(layout.data_rank);
-  group.sum = [&communicator, slots, slot](float* values, size_t count) {
+  // One staging vector for the three, kept from call to call: a step makes many collectives of
+  // a few sizes, and assign and resize reuse what it holds.
+  const auto staging = std::make_shared<std::vector<float>>();
+  group.sum = [&communicator, slots, slot, staging](float* values, size_t count) {
     if (slots == 1) return communicator.sum(values, count);
-    std::vector<float> all(slots * count, 0.0f);
+    std::vector<float>& all = *staging;
+    all.assign(slots * count, 0.0f);
     std::copy(values, values + count, all.begin() + static_cast<ptrdiff_t>(slot * count));
     communicator.sum(all.data(), all.size());
     std::copy_n(all.begin() + static_cast<ptrdiff_t>(slot * count), count, values);
   };
-  group.max = [&communicator, slots, slot](float value) {
-    std::vector<float> all(slots, -std::numeric_limits<float>::infinity());
+  group.max = [&communicator, slots, slot, staging](float value) {
+    std::vector<float>& all = *staging;
+    all.assign(slots, -std::numeric_limits<float>::infinity());
     all[slot] = value;
     communicator.max(all.data(), all.size());
     return all[slot];
   };
   // Every rank's values, of which this group's are the run of its consecutive ranks.
   const auto ranks = static_cast<size_t>(layout.tensor);
-  group.all_gather = [&communicator, slots, slot, ranks](const float* own, float* all,
-                                                         size_t count) {
+  group.all_gather = [&communicator, slots, slot, ranks, staging](const float* own, float* all,
+                                                                  size_t count) {
     if (slots == 1) return communicator.all_gather(own, all, count);
-    std::vector<float> every(slots * ranks * count);
+    std::vector<float>& every = *staging;
+    every.resize(slots * ranks * count);
     communicator.all_gather(own, every.data(), count);
     std::copy_n(every.begin() + static_cast<ptrdiff_t>(slot * ranks * count), ranks * count, all);
   };
