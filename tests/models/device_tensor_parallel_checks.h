@@ -21,6 +21,25 @@
 
 namespace fp8t::testing {
 
+// bf16 values on the device as floats on the host (exact), and back, rounded to bf16.
+inline std::vector<float> to_host_floats(const bf16* values, size_t count, cudaStream_t stream) {
+  std::vector<bf16> host(count);
+  FP8T_CUDA_CHECK(
+      cudaMemcpyAsync(host.data(), values, count * sizeof(bf16), cudaMemcpyDeviceToHost, stream));
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+  std::vector<float> wide(count);
+  std::transform(host.begin(), host.end(), wide.begin(), bf16_to_float);
+  return wide;
+}
+
+inline void to_device_bf16(const float* values, size_t count, bf16* out, cudaStream_t stream) {
+  std::vector<bf16> narrow(count);
+  std::transform(values, values + count, narrow.begin(), float_to_bf16);
+  FP8T_CUDA_CHECK(
+      cudaMemcpyAsync(out, narrow.data(), count * sizeof(bf16), cudaMemcpyHostToDevice, stream));
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+}
+
 // A GPU model's tensor-parallel collectives among the threads of a test on one GPU (NCCL takes one
 // GPU per rank): each rank's values go through host memory, where the group combines them in
 // rank order. bf16 values are summed in fp32 and rounded once, as NCCL's bf16 sums do.
@@ -47,39 +66,31 @@ inline DeviceTensorParallel device_member(ThreadGroup& group, int rank) {
   member.max = [reduce](float* values, size_t count, cudaStream_t stream) {
     reduce(values, count, stream, [](float a, float b) { return std::max(a, b); });
   };
-  // bf16 values summed over the group in fp32: `in` [in_count] read, added into the group's
-  // [group size, slice] where each rank places them (at its slice, or over the whole), and the
-  // sum's `out_count` values from `out_first` written to `out`.
-  const auto sum_bf16 = [&group, rank, add](const bf16* in, size_t in_count, size_t in_place,
-                                            bf16* out, size_t out_count, size_t out_first,
-                                            size_t total, cudaStream_t stream) {
-    std::vector<bf16> host(in_count);
-    FP8T_CUDA_CHECK(
-        cudaMemcpyAsync(host.data(), in, in_count * sizeof(bf16), cudaMemcpyDeviceToHost, stream));
-    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
-    std::vector<float> wide(total, 0.0f);
-    std::transform(host.begin(), host.end(), wide.begin() + ptrdiff_t(in_place), bf16_to_float);
-    group.reduce(rank, wide.data(), total, add);
-    std::vector<bf16> result(out_count);
-    std::transform(wide.begin() + ptrdiff_t(out_first),
-                   wide.begin() + ptrdiff_t(out_first + out_count), result.begin(), float_to_bf16);
-    FP8T_CUDA_CHECK(cudaMemcpyAsync(out, result.data(), out_count * sizeof(bf16),
-                                    cudaMemcpyHostToDevice, stream));
-    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+  // bf16 values summed over the group in fp32: `in` [count] read, and the sum's `out_count`
+  // values from `out_first` written to `out`.
+  const auto sum_bf16 = [&group, rank, add](const bf16* in, size_t count, bf16* out,
+                                            size_t out_count, size_t out_first,
+                                            cudaStream_t stream) {
+    std::vector<float> wide = to_host_floats(in, count, stream);
+    group.reduce(rank, wide.data(), count, add);
+    to_device_bf16(wide.data() + out_first, out_count, out, stream);
   };
   member.sum_bf16 = [sum_bf16](bf16* values, size_t count, cudaStream_t stream) {
-    sum_bf16(values, count, 0, values, count, 0, count, stream);
+    sum_bf16(values, count, values, count, 0, stream);
   };
-  // Sequence parallelism: a gather is the sum of every rank's values placed in zeros, a
+  // Sequence parallelism: a gather is every rank's values side by side, in rank order; a
   // reduce-scatter this rank's slice of the sum.
   const size_t size = static_cast<size_t>(group.size()), place = static_cast<size_t>(rank);
-  member.all_gather_bf16 = [sum_bf16, size, place](const bf16* own, bf16* all, size_t count,
-                                                   cudaStream_t stream) {
-    sum_bf16(own, count, place * count, all, size * count, 0, size * count, stream);
+  member.all_gather_bf16 = [&group, rank, size](const bf16* own, bf16* all, size_t count,
+                                                cudaStream_t stream) {
+    const std::vector<float> mine = to_host_floats(own, count, stream);
+    std::vector<float> every(size * count);
+    group.all_gather(rank, mine.data(), every.data(), count);
+    to_device_bf16(every.data(), every.size(), all, stream);
   };
   member.reduce_scatter_bf16 = [sum_bf16, size, place](const bf16* all, bf16* own, size_t count,
                                                        cudaStream_t stream) {
-    sum_bf16(all, size * count, 0, own, count, place * count, size * count, stream);
+    sum_bf16(all, size * count, own, count, place * count, stream);
   };
   return member;
 }
