@@ -251,8 +251,6 @@ YAML::Node read_yaml_file(const std::string& path, std::string_view included_by)
 
 constexpr std::string_view kBaseKey = "base";
 
-// Loads `path` into the builder: its base first, then its own keys. `chain` holds the files
-// that include this one, to catch a cycle.
 // A config file's canonical path, to find a cycle of bases. A path the system cannot resolve
 // (a name too long, say) is an error that begins with `what` and ends with the system's reason.
 std::filesystem::path canonical_config_path(const std::string& path, std::string_view what) {
@@ -262,6 +260,8 @@ std::filesystem::path canonical_config_path(const std::string& path, std::string
   return canonical;
 }
 
+// Loads `path` into the builder: its base first, then its own keys. `chain` holds the files
+// that include this one, to catch a cycle.
 void load_file(ConfigBuilder& builder, const std::string& path, std::string_view included_by,
                std::vector<std::filesystem::path>& chain) {
   const YAML::Node root = read_yaml_file(path, included_by);
