@@ -81,6 +81,10 @@ struct Shape {
   int64_t m, n, k;
   const char* what;
   bool weight_gradient = false;  // the output is f32 and accumulated (dW += ...)
+
+  std::string sizes() const {
+    return std::to_string(m) + "x" + std::to_string(n) + "x" + std::to_string(k);
+  }
 };
 
 // d24 at 16k tokens (half a W-GPT24 micro-batch): forward (dgrad has the same sizes) and the
@@ -247,22 +251,23 @@ int run(int argc, char** argv) {
         engine(ScaleMode::Block128x128),
         engine(ScaleMode::Block1x128)};
     const double flops = 2.0 * double(s.m) * double(s.n) * double(s.k);
-    std::string row = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" + std::to_string(s.k) +
-                      " (" + s.what + ")";
+    const std::string label = s.sizes() + " (" + s.what + ")";
+    // How the engine's kernel runs the problem (either b layout).
+    const int engine_splits = fp8t::gemm::block_gemm_sm90_plan(s.m, s.n, s.k, output, false).splits;
+    std::string row = label;
     for (size_t column = 0; column < std::size(launches); ++column) {
       std::string refusal;
       const double ms = median_ms(launches[column], stream, iterations, refusal);
       if (ms < 0) {
         row += " | refused";
-        refusals.push_back(std::string(columns[column]) + ", " + std::to_string(s.m) + "x" +
-                           std::to_string(s.n) + "x" + std::to_string(s.k) + ": " + refusal);
+        refusals.push_back(std::string(columns[column]) + ", " + s.sizes() + ": " + refusal);
       } else {
         char cell[96];
         std::snprintf(cell, sizeof cell, " | %.0f (%.3f ms)", flops / (ms * 1e-3) / 1e12, ms);
         row += cell;
-        if (column >= kFirstEngineColumn) {  // how the engine's kernel ran it
-          const int splits = fp8t::gemm::block_gemm_sm90_plan(s.m, s.n, s.k, output, false).splits;
-          std::snprintf(cell, sizeof cell, " [%d run%s of K]", splits, splits > 1 ? "s" : "");
+        if (column >= kFirstEngineColumn) {
+          std::snprintf(cell, sizeof cell, " [%d run%s of K]", engine_splits,
+                        engine_splits > 1 ? "s" : "");
           row += cell;
         }
       }
@@ -271,9 +276,7 @@ int run(int argc, char** argv) {
     if (engine_plans && s.weight_gradient) {
       const std::pair<Fp8Operand, Fp8Operand> ab =
           fp8_operands(ScaleMode::Block1x128, ScaleMode::Block1x128);
-      const int chosen = fp8t::gemm::block_gemm_sm90_plan(s.m, s.n, s.k, output, false).splits;
-      std::string plan_row = std::to_string(s.m) + "x" + std::to_string(s.n) + "x" +
-                             std::to_string(s.k) + " (" + s.what + ")";
+      std::string plan_row = label;
       for (int splits = 1; splits <= 4; ++splits) {
         std::string refusal;
         const double ms = median_ms(
@@ -284,7 +287,7 @@ int run(int argc, char** argv) {
             stream, iterations, refusal);
         char cell[64];
         std::snprintf(cell, sizeof cell, " | %.0f%s", ms < 0 ? 0.0 : flops / (ms * 1e-3) / 1e12,
-                      chosen == splits ? " *" : "");
+                      engine_splits == splits ? " *" : "");
         plan_row += cell;
       }
       plan_rows.push_back(plan_row);
