@@ -4,6 +4,7 @@
 #include <cudaTypedefs.h>
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <mutex>
 
@@ -425,7 +426,7 @@ int choose_splits(int64_t m, int64_t n, int64_t k_blocks, const GemmOutput& out,
   if (repeatable || out.type != GemmType::F32 || !out.accumulate || k_blocks < 2) return 1;
   const int64_t tiles = output_tiles(m, n);
   int best = 2;
-  double best_cost = 0.0;
+  double best_cost = std::numeric_limits<double>::infinity();
   for (int splits = 2; splits <= kMaxSplits; ++splits) {
     const int64_t blocks = tiles * splits;
     const double last = static_cast<double>(blocks % multiprocessors) / multiprocessors;
@@ -433,7 +434,7 @@ int choose_splits(int64_t m, int64_t n, int64_t k_blocks, const GemmOutput& out,
                          (last > 0.0 ? std::max(last, kLastWave) : 0.0);
     const double cost = waves * static_cast<double>((k_blocks + splits - 1) / splits) +
                         kAtomicAdds * static_cast<double>(blocks) / multiprocessors;
-    if (splits == 2 || cost < best_cost) {
+    if (cost < best_cost) {
       best = splits;
       best_cost = cost;
     }
