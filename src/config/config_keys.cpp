@@ -633,7 +633,9 @@ std::vector<ConfigKey> build_keys() {
       "overlap_grad_reduce", S::Run, [](auto& c) -> auto& { return c.run.overlap_grad_reduce; },
       "Data parallelism on GPUs: sum each block's gradients over the ranks (NCCL) while the "
       "backward goes on; false: one sum after the backward (faster on one NVLink node, where "
-      "the overlapped sums slow the backward's GEMMs more than they save)."));
+      "the overlapped sums slow the backward's GEMMs more than they save). Only the GPT without "
+      "tensor parallelism overlaps; elsewhere the run's start says that it sums after the "
+      "backward, and why."));
   keys.push_back(boolean_key(
       "shard_optimizer_state", S::Run, [](auto& c) -> auto& { return c.run.shard_optimizer_state; },
       "Data parallelism: ZeRO-1. Each rank updates its share of the parameters (the GPT's Muon "

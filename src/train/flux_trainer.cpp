@@ -233,6 +233,11 @@ TrainOutcome run_flux_training(const TrainConfig& config, distributed::Communica
     const int zero1_ranks = cuda ? layout.data : communicator.size();
     if (several && setup.shard_optimizer_state && zero1_ranks > 1)
       print_zero1_note(zero1_ranks, cuda);
+    if (const std::string note = overlap_grad_reduce_note(config.run.overlap_grad_reduce, cuda,
+                                                          /*flux=*/true, layout);
+        !note.empty()) {
+      fmt::print("{}\n", note);
+    }
     for (const std::string& note : setup.gemm_tuning.notes)
       fmt::print("{}\n", note);
     fmt::print(

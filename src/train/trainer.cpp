@@ -190,6 +190,28 @@ std::string ranks_note(const distributed::Communicator& communicator,
                      layout.data, layout.tensor, communicator.launch().launcher);
 }
 
+std::string overlap_grad_reduce_note(bool requested, bool cuda, bool flux,
+                                     const distributed::ParallelLayout& layout) {
+  if (!requested) return "";
+  const char* why = nullptr;
+  if (layout.data == 1) {
+    why = "one data-parallel replica, so no gradients are summed over ranks";
+  } else if (!cuda) {
+    why = "the CPU path sums the gradients after the backward";
+  } else if (flux) {
+    why = "the Flux model sums its gradients after the backward";
+  } else if (layout.tensor > 1) {
+    why = "under tensor parallelism the group's sums of the gradients come before the replicas'";
+  }
+  if (why == nullptr) {
+    return fmt::format(
+        "gradient sums: each block's over the {} replicas while the backward goes on "
+        "(overlap_grad_reduce)",
+        layout.data);
+  }
+  return fmt::format("gradient sums: overlap_grad_reduce has no effect here: {}", why);
+}
+
 // Every rank's delayed-scaling state must be the same (the amaxes are reduced over the ranks):
 // checked at each checkpoint, so that a divergence stops the run with a clear error.
 void check_same_scaling_on_every_rank(ScalingStateBuffers& scaling,
@@ -297,6 +319,11 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
     const int zero1_ranks = cuda ? layout.data : ranks;
     if (several && setup.shard_optimizer_state && zero1_ranks > 1)
       print_zero1_note(zero1_ranks, cuda);
+    if (const std::string note =
+            overlap_grad_reduce_note(setup.overlap_grad_reduce, cuda, /*flux=*/false, layout);
+        !note.empty()) {
+      fmt::print("{}\n", note);
+    }
     for (const std::string& note : setup.gemm_tuning.notes)
       fmt::print("{}\n", note);
     fmt::print("data: {}\ndevice: {}\n", describe_data(loader, sources), engine->device_name());

@@ -56,6 +56,12 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
 std::string ranks_note(const distributed::Communicator& communicator,
                        const distributed::ParallelLayout& layout = {});
 
+// What overlap_grad_reduce does in this run, as a line to print: "" when it is not asked for.
+// Only the GPT on GPUs with several data-parallel replicas and no tensor parallelism sums its
+// gradients during the backward; elsewhere the line says why the sum waits for the backward.
+std::string overlap_grad_reduce_note(bool requested, bool cuda, bool flux,
+                                     const distributed::ParallelLayout& layout);
+
 class ScalingStateBuffers;
 // Throws fp8t::Error naming the rank whose delayed-scaling state differs from rank 0's at
 // `step`: the checkpoints' check that the amax reduction keeps the ranks' scales identical.

@@ -127,5 +127,27 @@ TEST_F(TrainerTest, ResumeFromAMissingStepListsTheSavedOnes) {
               HasSubstr("no checkpoint of step 4; saved steps: 3, 6"));
 }
 
+// overlap_grad_reduce takes effect only for the GPT on GPUs over several replicas and no
+// tensor parallelism; every other run says why its sum waits for the backward.
+TEST(OverlapGradReduceNote, SaysWhereTheSumsOverlapAndWhyNotElsewhere) {
+  const distributed::ParallelLayout replicas{.tensor = 1, .tensor_rank = 0, .data = 4};
+  const distributed::ParallelLayout groups{.tensor = 2, .tensor_rank = 1, .data = 2};
+  EXPECT_EQ(overlap_grad_reduce_note(false, true, false, replicas), "");
+  EXPECT_EQ(overlap_grad_reduce_note(false, false, true, groups), "");
+  EXPECT_THAT(overlap_grad_reduce_note(true, true, false, replicas),
+              HasSubstr("gradient sums: each block's over the 4 replicas while the backward"));
+  const auto off = [](bool cuda, bool flux, const distributed::ParallelLayout& layout) {
+    const std::string note = overlap_grad_reduce_note(true, cuda, flux, layout);
+    EXPECT_THAT(note, HasSubstr("overlap_grad_reduce has no effect here: "));
+    return note;
+  };
+  EXPECT_THAT(off(true, false, {}), HasSubstr("one data-parallel replica"));
+  EXPECT_THAT(off(true, false, {.tensor = 2, .tensor_rank = 0, .data = 1}),
+              HasSubstr("one data-parallel replica"));
+  EXPECT_THAT(off(false, false, replicas), HasSubstr("the CPU path sums the gradients after"));
+  EXPECT_THAT(off(true, true, replicas), HasSubstr("the Flux model sums its gradients after"));
+  EXPECT_THAT(off(true, false, groups), HasSubstr("under tensor parallelism the group's sums"));
+}
+
 }  // namespace
 }  // namespace fp8t::train
