@@ -31,13 +31,35 @@ void check_mpi(int status, const char* call) {
   throw Error(fmt::format("{} failed: {}", call, text));
 }
 
-// MPI counts are ints: larger buffers go in slices.
+// MPI counts are ints: larger buffers go in slices of at most `max_slice` values.
 template <typename T>
-void mpi_all_reduce(T* values, size_t count, MPI_Datatype type, MPI_Op op) {
+void mpi_all_reduce(T* values, size_t count, MPI_Datatype type, MPI_Op op, size_t max_slice) {
   for (size_t done = 0; done < count;) {
-    const auto slice = static_cast<int>(std::min<size_t>(count - done, INT_MAX));
+    const auto slice = static_cast<int>(std::min({count - done, max_slice, size_t{INT_MAX}}));
     check_mpi(MPI_Allreduce(MPI_IN_PLACE, values + done, slice, type, op, MPI_COMM_WORLD),
               "MPI_Allreduce");
+    done += static_cast<size_t>(slice);
+  }
+}
+
+// Every rank's `count` values into `all` [ranks, count], in slices: each slice lands in every
+// rank's row at the same offset, through a receive type one slice long whose extent is a whole
+// row. A slice's bytes stay within an int, as some MPI calls count a type's size in ints.
+void mpi_all_gather(const float* own, float* all, size_t count, size_t max_slice) {
+  for (size_t done = 0; done < count;) {
+    const auto slice =
+        static_cast<int>(std::min({count - done, max_slice, size_t{INT_MAX} / sizeof(float)}));
+    MPI_Datatype values = MPI_DATATYPE_NULL, row_slice = MPI_DATATYPE_NULL;
+    check_mpi(MPI_Type_contiguous(slice, MPI_FLOAT, &values), "MPI_Type_contiguous");
+    check_mpi(MPI_Type_create_resized(values, 0, static_cast<MPI_Aint>(count * sizeof(float)),
+                                      &row_slice),
+              "MPI_Type_create_resized");
+    check_mpi(MPI_Type_commit(&row_slice), "MPI_Type_commit");
+    const int status =
+        MPI_Allgather(own + done, slice, MPI_FLOAT, all + done, 1, row_slice, MPI_COMM_WORLD);
+    MPI_Type_free(&row_slice);
+    MPI_Type_free(&values);
+    check_mpi(status, "MPI_Allgather");
     done += static_cast<size_t>(slice);
   }
 }
@@ -96,21 +118,21 @@ Communicator::~Communicator() {
 
 void Communicator::sum(float* values, size_t count) {
 #if FP8TRAIN_WITH_MPI
-  if (mpi_) return mpi_all_reduce(values, count, MPI_FLOAT, MPI_SUM);
+  if (mpi_) return mpi_all_reduce(values, count, MPI_FLOAT, MPI_SUM, mpi_slice_limit_);
 #endif
   if (tcp_) tcp_->sum(values, count);
 }
 
 void Communicator::sum(double* values, size_t count) {
 #if FP8TRAIN_WITH_MPI
-  if (mpi_) return mpi_all_reduce(values, count, MPI_DOUBLE, MPI_SUM);
+  if (mpi_) return mpi_all_reduce(values, count, MPI_DOUBLE, MPI_SUM, mpi_slice_limit_);
 #endif
   if (tcp_) tcp_->sum(values, count);
 }
 
 int Communicator::max(int value) {
 #if FP8TRAIN_WITH_MPI
-  if (mpi_) mpi_all_reduce(&value, 1, MPI_INT, MPI_MAX);
+  if (mpi_) mpi_all_reduce(&value, 1, MPI_INT, MPI_MAX, mpi_slice_limit_);
 #endif
   if (tcp_) tcp_->max(&value, 1);
   return value;
@@ -118,7 +140,7 @@ int Communicator::max(int value) {
 
 void Communicator::max(float* values, size_t count) {
 #if FP8TRAIN_WITH_MPI
-  if (mpi_) return mpi_all_reduce(values, count, MPI_FLOAT, MPI_MAX);
+  if (mpi_) return mpi_all_reduce(values, count, MPI_FLOAT, MPI_MAX, mpi_slice_limit_);
 #endif
   if (tcp_) tcp_->max(values, count);
 }
@@ -127,7 +149,8 @@ void Communicator::broadcast(void* bytes, size_t size) {
 #if FP8TRAIN_WITH_MPI
   if (mpi_) {
     for (size_t done = 0; done < size;) {  // int counts, as in mpi_all_reduce
-      const auto slice = static_cast<int>(std::min<size_t>(size - done, INT_MAX));
+      const auto slice =
+          static_cast<int>(std::min({size - done, mpi_slice_limit_, size_t{INT_MAX}}));
       check_mpi(MPI_Bcast(static_cast<char*>(bytes) + done, slice, MPI_BYTE, 0, MPI_COMM_WORLD),
                 "MPI_Bcast");
       done += static_cast<size_t>(slice);
@@ -140,15 +163,7 @@ void Communicator::broadcast(void* bytes, size_t size) {
 
 void Communicator::all_gather(const float* own, float* all, size_t count) {
 #if FP8TRAIN_WITH_MPI
-  if (mpi_) {
-    if (count > size_t{INT_MAX}) {  // MPI counts are ints; the CPU path gathers far less
-      throw Error(fmt::format("all-gather of {} values per rank: at most {} in one MPI call", count,
-                              INT_MAX));
-    }
-    const auto slice = static_cast<int>(count);
-    return check_mpi(MPI_Allgather(own, slice, MPI_FLOAT, all, slice, MPI_FLOAT, MPI_COMM_WORLD),
-                     "MPI_Allgather");
-  }
+  if (mpi_) return mpi_all_gather(own, all, count, mpi_slice_limit_);
 #endif
   if (tcp_) return tcp_->all_gather(own, all, count * sizeof(float));
   std::copy_n(own, count, all);

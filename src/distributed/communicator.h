@@ -46,6 +46,9 @@ class Communicator {
   // On every rank: the highest rank whose `value` differs from rank 0's, or -1 when all agree.
   int rank_differing_from_first(uint64_t value);
   void barrier();
+  // For tests: at most `values` values (bytes for broadcast) per MPI call, so that buffers of
+  // a few values take the slices that MPI's int counts otherwise impose on gigabytes.
+  void limit_mpi_slices(size_t values) { mpi_slice_limit_ = values; }
   // Ends the whole job with `code`: through MPI, or by closing this rank's connections so that
   // the others stop with an error, instead of waiting forever for one that failed.
   [[noreturn]] void abort(int code);
@@ -53,6 +56,7 @@ class Communicator {
  private:
   LaunchInfo launch_;
   bool mpi_ = false;
+  size_t mpi_slice_limit_ = SIZE_MAX;
   std::unique_ptr<TcpGroup> tcp_;
 };
 
