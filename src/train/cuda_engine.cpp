@@ -96,9 +96,10 @@ class CudaEngine final : public TrainingEngine {
     model_.gemm().configure_tuning(setup.gemm_tuning);
 #if FP8TRAIN_WITH_NCCL
     if (communicator_ != nullptr && layout_.data > 1) {
-      // Overlapped sums would reduce the gradients before the group's sums of them.
-      rank_sums_ = std::make_unique<GptRankSums>(*communicator_, model_, layout_,
-                                                 setup.overlap_grad_reduce && layout_.tensor == 1,
+      const bool overlap =
+          setup.overlap_grad_reduce &&
+          why_gradient_sums_wait(/*cuda=*/true, /*flux=*/false, layout_) == nullptr;
+      rank_sums_ = std::make_unique<GptRankSums>(*communicator_, model_, layout_, overlap,
                                                  sharded_ ? &host_optimizer_.shard() : nullptr);
     }
 #endif

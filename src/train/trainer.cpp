@@ -190,26 +190,27 @@ std::string ranks_note(const distributed::Communicator& communicator,
                      layout.data, layout.tensor, communicator.launch().launcher);
 }
 
+const char* why_gradient_sums_wait(bool cuda, bool flux,
+                                   const distributed::ParallelLayout& layout) {
+  if (layout.data == 1) return "one data-parallel replica, so no gradients are summed over ranks";
+  if (!cuda) return "the CPU path sums the gradients after the backward";
+  if (flux) return "the Flux model sums its gradients after the backward";
+  if (layout.tensor > 1) {
+    return "under tensor parallelism the group's sums of the gradients come before the replicas'";
+  }
+  return nullptr;
+}
+
 std::string overlap_grad_reduce_note(bool requested, bool cuda, bool flux,
                                      const distributed::ParallelLayout& layout) {
   if (!requested) return "";
-  const char* why = nullptr;
-  if (layout.data == 1) {
-    why = "one data-parallel replica, so no gradients are summed over ranks";
-  } else if (!cuda) {
-    why = "the CPU path sums the gradients after the backward";
-  } else if (flux) {
-    why = "the Flux model sums its gradients after the backward";
-  } else if (layout.tensor > 1) {
-    why = "under tensor parallelism the group's sums of the gradients come before the replicas'";
+  if (const char* why = why_gradient_sums_wait(cuda, flux, layout)) {
+    return fmt::format("gradient sums: overlap_grad_reduce has no effect here: {}", why);
   }
-  if (why == nullptr) {
-    return fmt::format(
-        "gradient sums: each block's over the {} replicas while the backward goes on "
-        "(overlap_grad_reduce)",
-        layout.data);
-  }
-  return fmt::format("gradient sums: overlap_grad_reduce has no effect here: {}", why);
+  return fmt::format(
+      "gradient sums: each block's over the {} replicas while the backward goes on "
+      "(overlap_grad_reduce)",
+      layout.data);
 }
 
 // Every rank's delayed-scaling state must be the same (the amaxes are reduced over the ranks):

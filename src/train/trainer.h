@@ -56,9 +56,8 @@ TrainOutcome run_training(const TrainConfig& config, distributed::Communicator& 
 std::string ranks_note(const distributed::Communicator& communicator,
                        const distributed::ParallelLayout& layout = {});
 
-// What overlap_grad_reduce does in this run, as a line to print: "" when it is not asked for.
-// Only the GPT on GPUs with several data-parallel replicas and no tensor parallelism sums its
-// gradients during the backward; elsewhere the line says why the sum waits for the backward.
+// What overlap_grad_reduce does in this run, as a line to print: "" when it is not asked for;
+// where it has no effect, why_gradient_sums_wait's reason (train/training_engine.h).
 std::string overlap_grad_reduce_note(bool requested, bool cuda, bool flux,
                                      const distributed::ParallelLayout& layout);
 

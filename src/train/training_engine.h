@@ -113,6 +113,11 @@ std::unique_ptr<TrainingEngine> make_cuda_engine(const EngineSetup& setup);
 void reduce_delayed_amaxes(const std::vector<std::pair<std::string, DelayedScaling*>>& scalings,
                            distributed::Communicator& communicator);
 
+// Why the gradient sums over the data-parallel replicas wait for the end of the backward, or null
+// where overlap_grad_reduce overlaps them with it: only the GPT on GPUs with several replicas and
+// no tensor parallelism sums its gradients during the backward.
+const char* why_gradient_sums_wait(bool cuda, bool flux, const distributed::ParallelLayout& layout);
+
 // The log line of a run with shard_optimizer_state over `ranks` ranks.
 void print_zero1_note(int ranks, bool cuda);
 

@@ -19,6 +19,7 @@
 #include "tokenizer/bpe_tokenizer.h"
 #include "train/checkpoint.h"
 #include "train/trainer_fixture.h"
+#include "train/training_engine.h"
 
 namespace fp8t::train {
 namespace {
@@ -147,6 +148,12 @@ TEST(OverlapGradReduceNote, SaysWhereTheSumsOverlapAndWhyNotElsewhere) {
   EXPECT_THAT(off(false, false, replicas), HasSubstr("the CPU path sums the gradients after"));
   EXPECT_THAT(off(true, true, replicas), HasSubstr("the Flux model sums its gradients after"));
   EXPECT_THAT(off(true, false, groups), HasSubstr("under tensor parallelism the group's sums"));
+  // The rule the CUDA engine follows is the one the line states.
+  EXPECT_EQ(why_gradient_sums_wait(true, false, replicas), nullptr);
+  EXPECT_NE(why_gradient_sums_wait(true, false, groups), nullptr);
+  EXPECT_NE(why_gradient_sums_wait(true, true, replicas), nullptr);
+  EXPECT_NE(why_gradient_sums_wait(false, false, replicas), nullptr);
+  EXPECT_NE(why_gradient_sums_wait(true, false, {}), nullptr);
 }
 
 }  // namespace
