@@ -42,13 +42,20 @@ void mpi_all_reduce(T* values, size_t count, MPI_Datatype type, MPI_Op op, size_
   }
 }
 
-// Every rank's `count` values into `all` [ranks, count], in slices: each slice lands in every
-// rank's row at the same offset, through a receive type one slice long whose extent is a whole
-// row. A slice's bytes stay within an int, as some MPI calls count a type's size in ints.
+// Every rank's `count` values into `all` [ranks, count]: in one call where a row fits one slice,
+// else in slices, each landing in every rank's row at the same offset through a receive type
+// one slice long whose extent is a whole row. A slice's bytes stay within an int, as some MPI
+// calls count a type's size in ints.
 void mpi_all_gather(const float* own, float* all, size_t count, size_t max_slice) {
+  const size_t slice_limit = std::min(max_slice, size_t{INT_MAX} / sizeof(float));
+  if (count <= slice_limit) {
+    const auto row = static_cast<int>(count);
+    check_mpi(MPI_Allgather(own, row, MPI_FLOAT, all, row, MPI_FLOAT, MPI_COMM_WORLD),
+              "MPI_Allgather");
+    return;
+  }
   for (size_t done = 0; done < count;) {
-    const auto slice =
-        static_cast<int>(std::min({count - done, max_slice, size_t{INT_MAX} / sizeof(float)}));
+    const auto slice = static_cast<int>(std::min(count - done, slice_limit));
     MPI_Datatype values = MPI_DATATYPE_NULL, row_slice = MPI_DATATYPE_NULL;
     check_mpi(MPI_Type_contiguous(slice, MPI_FLOAT, &values), "MPI_Type_contiguous");
     check_mpi(MPI_Type_create_resized(values, 0, static_cast<MPI_Aint>(count * sizeof(float)),

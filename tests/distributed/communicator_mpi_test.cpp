@@ -1,6 +1,7 @@
 // The MPI collectives between real ranks: ctest runs this binary under mpiexec. Each call is cut
 // into slices of 3 values (bytes for broadcast), as MPI's int counts cut buffers of gigabytes,
-// so that every slice must land in its place: 10 values are 3 + 3 + 3 + 1.
+// so that every slice must land in its place: 10 values are 3 + 3 + 3 + 1. The all-gather also
+// runs unsliced, as rows that fit one slice do.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -62,13 +63,17 @@ TEST(CommunicatorMpi, CollectivesInSlicesPutEveryValueInItsPlace) {
   std::vector<float> own(kCount);
   for (size_t i = 0; i < kCount; ++i)
     own[i] = static_cast<float>(value_of(rank, i));
-  std::vector<float> all(kCount * static_cast<size_t>(ranks),
-                         std::numeric_limits<float>::quiet_NaN());
-  communicator.all_gather(own.data(), all.data(), kCount);
-  for (int r = 0; r < ranks; ++r) {
-    for (size_t i = 0; i < kCount; ++i) {
-      EXPECT_EQ(all[static_cast<size_t>(r) * kCount + i], static_cast<float>(value_of(r, i)))
-          << "all-gather, rank " << r << "'s value " << i;
+  // In slices, then a whole row in one call.
+  for (const size_t slice : {kSlice, kCount}) {
+    communicator.limit_mpi_slices(slice);
+    std::vector<float> all(kCount * static_cast<size_t>(ranks),
+                           std::numeric_limits<float>::quiet_NaN());
+    communicator.all_gather(own.data(), all.data(), kCount);
+    for (int r = 0; r < ranks; ++r) {
+      for (size_t i = 0; i < kCount; ++i) {
+        EXPECT_EQ(all[static_cast<size_t>(r) * kCount + i], static_cast<float>(value_of(r, i)))
+            << "all-gather in slices of " << slice << ", rank " << r << "'s value " << i;
+      }
     }
   }
   EXPECT_EQ(communicator.rank_differing_from_first(42), -1);
