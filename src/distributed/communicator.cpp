@@ -31,15 +31,24 @@ void check_mpi(int status, const char* call) {
   throw Error(fmt::format("{} failed: {}", call, text));
 }
 
-// MPI counts are ints: larger buffers go in slices of at most `max_slice` values.
-template <typename T>
-void mpi_all_reduce(T* values, size_t count, MPI_Datatype type, MPI_Op op, size_t max_slice) {
+// MPI counts are ints: calls call(done, slice) for consecutive slices of `count` items, each of at
+// most `max_slice` (and INT_MAX) items.
+template <typename Call>
+void in_mpi_slices(size_t count, size_t max_slice, Call&& call) {
+  const size_t limit = std::min(max_slice, size_t{INT_MAX});
   for (size_t done = 0; done < count;) {
-    const auto slice = static_cast<int>(std::min({count - done, max_slice, size_t{INT_MAX}}));
-    check_mpi(MPI_Allreduce(MPI_IN_PLACE, values + done, slice, type, op, MPI_COMM_WORLD),
-              "MPI_Allreduce");
+    const auto slice = static_cast<int>(std::min(count - done, limit));
+    call(done, slice);
     done += static_cast<size_t>(slice);
   }
+}
+
+template <typename T>
+void mpi_all_reduce(T* values, size_t count, MPI_Datatype type, MPI_Op op, size_t max_slice) {
+  in_mpi_slices(count, max_slice, [&](size_t done, int slice) {
+    check_mpi(MPI_Allreduce(MPI_IN_PLACE, values + done, slice, type, op, MPI_COMM_WORLD),
+              "MPI_Allreduce");
+  });
 }
 
 // Every rank's `count` values into `all` [ranks, count]: in one call where a row fits one slice,
@@ -54,8 +63,7 @@ void mpi_all_gather(const float* own, float* all, size_t count, size_t max_slice
               "MPI_Allgather");
     return;
   }
-  for (size_t done = 0; done < count;) {
-    const auto slice = static_cast<int>(std::min(count - done, slice_limit));
+  in_mpi_slices(count, slice_limit, [&](size_t done, int slice) {
     MPI_Datatype values = MPI_DATATYPE_NULL, row_slice = MPI_DATATYPE_NULL;
     check_mpi(MPI_Type_contiguous(slice, MPI_FLOAT, &values), "MPI_Type_contiguous");
     check_mpi(MPI_Type_create_resized(values, 0, static_cast<MPI_Aint>(count * sizeof(float)),
@@ -67,8 +75,7 @@ void mpi_all_gather(const float* own, float* all, size_t count, size_t max_slice
     MPI_Type_free(&row_slice);
     MPI_Type_free(&values);
     check_mpi(status, "MPI_Allgather");
-    done += static_cast<size_t>(slice);
-  }
+  });
 }
 
 constexpr bool kHaveMpi = true;
@@ -155,14 +162,10 @@ void Communicator::max(float* values, size_t count) {
 void Communicator::broadcast(void* bytes, size_t size) {
 #if FP8TRAIN_WITH_MPI
   if (mpi_) {
-    for (size_t done = 0; done < size;) {  // int counts, as in mpi_all_reduce
-      const auto slice =
-          static_cast<int>(std::min({size - done, mpi_slice_limit_, size_t{INT_MAX}}));
+    return in_mpi_slices(size, mpi_slice_limit_, [&](size_t done, int slice) {
       check_mpi(MPI_Bcast(static_cast<char*>(bytes) + done, slice, MPI_BYTE, 0, MPI_COMM_WORLD),
                 "MPI_Bcast");
-      done += static_cast<size_t>(slice);
-    }
-    return;
+    });
   }
 #endif
   if (tcp_) tcp_->broadcast(bytes, size);
