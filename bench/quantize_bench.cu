@@ -82,13 +82,14 @@ int run(int argc, char** argv) {
   cudaDeviceProp properties{};
   FP8T_CUDA_CHECK(cudaGetDeviceProperties(&properties, 0));
 
-  bf16 *x = nullptr, *copy_target = nullptr;
+  bf16 *x = nullptr, *relu2_input = nullptr, *copy_target = nullptr;
   uint8_t *out = nullptr, *out_t = nullptr, *scales = nullptr, *scales_t = nullptr;
   float *scale = nullptr, *amax = nullptr;
   fp8t::CastHealth* health = nullptr;
   const int64_t scale_bytes =
       (rows / 32 + 1) * (cols / 32 + 1) * 32;  // enough for every block grid
   FP8T_CUDA_CHECK(cudaMalloc(&x, n * sizeof(bf16)));
+  FP8T_CUDA_CHECK(cudaMalloc(&relu2_input, n * sizeof(bf16)));
   FP8T_CUDA_CHECK(cudaMalloc(&copy_target, n * sizeof(bf16)));
   FP8T_CUDA_CHECK(cudaMalloc(&out, n));
   FP8T_CUDA_CHECK(cudaMalloc(&out_t, n));
@@ -99,6 +100,8 @@ int run(int argc, char** argv) {
   FP8T_CUDA_CHECK(cudaMalloc(&health, sizeof(fp8t::CastHealth)));
   FP8T_CUDA_CHECK(cudaMemset(health, 0, sizeof(fp8t::CastHealth)));
   fill_random<<<1024, 256>>>(x, n, 12345u);
+  FP8T_CUDA_CHECK_LAUNCH();
+  fill_random<<<1024, 256>>>(relu2_input, n, 54321u);
   FP8T_CUDA_CHECK_LAUNCH();
   const float one = 1.0f;
   FP8T_CUDA_CHECK(cudaMemcpy(scale, &one, sizeof one, cudaMemcpyHostToDevice));
@@ -159,6 +162,26 @@ int run(int argc, char** argv) {
     fp8t::cuda::quantize_blocks(x, rows, cols, rows_spec, nullptr, nullptr, out_t, scales_t,
                                 nullptr, nullptr, block_major);
   });
+  // The GPT MLP's casts through relu²: relu²(x) for mlp.c_proj (x̂ in forward, x̂ᵗ in backward)
+  // and the gradient of relu²'s input for mlp.c_fc (dŷ with dŷᵗ, E5M2), which reads x as the
+  // gradient and a second tensor as relu²'s input.
+  const auto relu2 = fp8t::cuda::CastInput::Relu2;
+  measure("blockwise 1x128 of relu², block-major scales", input_bytes + n, [&] {
+    fp8t::cuda::quantize_blocks(x, rows, cols, rows_spec, out, scales, nullptr, nullptr, nullptr,
+                                nullptr, block_major, relu2);
+  });
+  measure("blockwise 1x128 of relu² transposed alone, block-major", input_bytes + n, [&] {
+    fp8t::cuda::quantize_blocks(x, rows, cols, rows_spec, nullptr, nullptr, out_t, scales_t,
+                                nullptr, nullptr, block_major, relu2);
+  });
+  fp8t::BlockQuantization gradient_spec = rows_spec;
+  gradient_spec.format = fp8t::Fp8Format::E5M2;
+  measure("blockwise 1x128 + transposed of relu²'s gradient (e5m2)", 2 * input_bytes + 2.0 * n,
+          [&] {
+            fp8t::cuda::quantize_blocks(x, rows, cols, gradient_spec, out, scales, out_t, scales_t,
+                                        nullptr, nullptr, block_major,
+                                        fp8t::cuda::CastInput::Relu2Gradient, relu2_input);
+          });
   for (const auto& [name, scaling] : block_casts) {
     const fp8t::BlockQuantization spec = block_spec(scaling);
     measure(std::string(name) + " + transposed + counts", input_bytes + 2.0 * n, [&] {
@@ -179,9 +202,10 @@ int run(int argc, char** argv) {
                 rate / 1e9, 100.0 * rate / kCopyCeiling, 100.0 * rate / copy_rate);
   }
   for (void* pointer :
-       {static_cast<void*>(x), static_cast<void*>(copy_target), static_cast<void*>(out),
-        static_cast<void*>(out_t), static_cast<void*>(scales), static_cast<void*>(scales_t),
-        static_cast<void*>(scale), static_cast<void*>(amax), static_cast<void*>(health)}) {
+       {static_cast<void*>(x), static_cast<void*>(relu2_input), static_cast<void*>(copy_target),
+        static_cast<void*>(out), static_cast<void*>(out_t), static_cast<void*>(scales),
+        static_cast<void*>(scales_t), static_cast<void*>(scale), static_cast<void*>(amax),
+        static_cast<void*>(health)}) {
     FP8T_CUDA_CHECK(cudaFree(pointer));
   }
   return 0;

@@ -131,17 +131,38 @@ __device__ inline float round_to_bf16_by_hardware(float value) {
 // The value a cast reads from one element of x (CastInput); relu2_input is relu²'s input at
 // the same position (read by Relu2Gradient only).
 template <CastInput kInput, typename T>
-__device__ float cast_input(T x, bf16 relu2_input) {
+__device__ float cast_input(T x, bf16 relu2_input);
+
+// A relu² form of cast_input() before its rounding to bf16.
+template <CastInput kInput>
+__device__ float unrounded_relu2_input(bf16 x, bf16 relu2_input) {
   const float value = to_float(x);
   if constexpr (kInput == CastInput::Relu2) {
     const float positive = fmaxf(value, 0.0f);  // NaN -> 0, as relu2_forward
-    return round_to_bf16_by_hardware(positive * positive);
-  } else if constexpr (kInput == CastInput::Relu2Gradient) {
-    const float input = to_float(relu2_input);  // relu2_backward's arithmetic
-    return round_to_bf16_by_hardware(input > 0.0f ? 2.0f * input * value : 0.0f);
+    return positive * positive;
   } else {
-    return value;
+    static_assert(kInput == CastInput::Relu2Gradient, "a relu² form");
+    const float input = to_float(relu2_input);  // relu2_backward's arithmetic
+    return input > 0.0f ? 2.0f * input * value : 0.0f;
   }
+}
+
+template <CastInput kInput, typename T>
+__device__ float cast_input(T x, bf16 relu2_input) {
+  if constexpr (kInput == CastInput::Value) {
+    return to_float(x);
+  } else {
+    return round_to_bf16_by_hardware(unrounded_relu2_input<kInput>(x, relu2_input));
+  }
+}
+
+// cast_input() of a relu² form as the bf16 that a block cast stages: the hardware's rounding
+// straight to bf16 (NaN aside, float_to_bf16's bits), without widening and narrowing again.
+template <CastInput kInput>
+__device__ bf16 staged_relu2_input(bf16 x, bf16 relu2_input) {
+  const float value = unrounded_relu2_input<kInput>(x, relu2_input);
+  if (isnan(value)) return float_to_bf16(value);
+  return bf16{__bfloat16_as_ushort(__float2bfloat16_rn(value))};
 }
 
 // Scales and encodes one input vector, and folds the inputs into the amax (and, with kHealth,
@@ -484,8 +505,8 @@ __global__ void dequantize_vector_kernel(const uint2* q, int64_t groups, const f
 
 // Block scalings. A block of 256 threads owns a 128x128 tile: one 128x128 block, or 128 (or
 // 512) blocks of 1x128 (or 1x32) along its rows and as many along its columns. The tile is
-// loaded as 16-byte vectors, half of a thread's in flight at a time, and staged in shared
-// memory as T; a barrier later the tile's amax is known.
+// loaded as 16-byte vectors, half of a thread's in flight at a time (a quarter with two inputs),
+// and staged in shared memory as T; a barrier later the tile's amax is known.
 //  - Rows: a tile row is kRowLanes consecutive lanes holding one vector each, so a 1xB block's
 //    amax is a shuffle reduction over B / kVec lanes and its codes leave as kVec-byte stores
 //    that cover the row's 128 bytes.
@@ -641,10 +662,10 @@ __device__ uint32_t encode_pair(float a, float b) {
          uint32_t(fp8t::encode(b, kFormat, Saturation::Saturate)) << 8;
 }
 
-// Resident blocks: four (64 registers; 6-9 % faster than three at 80) where the kernel fits them
-// without spilling much; the relu² gradient's two inputs and fp32's 64 KiB tiles allow three.
+// Resident blocks: four (64 registers; 6-9 % faster than three at 80) for bf16 tiles, the relu²
+// gradient's two inputs included; fp32's 64 KiB tiles allow three.
 template <typename T, CastInput kInput>
-constexpr int kBlockCastBlocksPerSm = sizeof(T) == 2 && kInput != CastInput::Relu2Gradient ? 4 : 3;
+constexpr int kBlockCastBlocksPerSm = sizeof(T) == 2 ? 4 : 3;
 
 // With kHealth, the counts of `out`'s codes (not out_t's) are added to *health. The relu² cast
 // inputs (bf16 only) are staged as the bf16 values they round to, so the passes after the
@@ -658,9 +679,9 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput>))
   using Shape = BlockTileShape<T>;
   constexpr int kVec = Shape::kVec;
   constexpr bool kTwoInputs = kInput == CastInput::Relu2Gradient;
-  // Half the rows' loads in flight at a time: all of them would not fit the 64 registers of
-  // four resident blocks.
-  constexpr int kLoadGroup = Shape::kPasses / 2;
+  // Half the rows' loads in flight at a time (a quarter with two inputs): all of them would not
+  // fit the 64 registers of four resident blocks.
+  constexpr int kLoadGroup = Shape::kPasses / (kTwoInputs ? 4 : 2);
   extern __shared__ uint4 shared_tile[];  // [kBlockTile][kBlockTile] of T
   T* tile = reinterpret_cast<T*>(shared_tile);
   __shared__ uint32_t warp_amax[kWarps];
@@ -708,9 +729,8 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput>))
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         if constexpr (kInput != CastInput::Value) {
-          const float value = cast_input<kInput>(vectors[p].values[k],
-                                                 kTwoInputs ? relu2_vectors[p].values[k] : bf16{});
-          vectors[p].values[k] = float_to_bf16(value);  // exact: the value is a bf16's
+          vectors[p].values[k] = staged_relu2_input<kInput>(
+              vectors[p].values[k], kTwoInputs ? relu2_vectors[p].values[k] : bf16{});
         }
         if (tile_scaling) local_amax = max(local_amax, abs_bits(to_float(vectors[p].values[k])));
       }
