@@ -786,19 +786,29 @@ TEST(CudaQuantize, TransposedCastsFillConsecutiveLinesOfOneOperand) {
 // Block casts through relu² (CastInput::Relu2 and Relu2Gradient) give the codes and scales of
 // the block cast of the bf16 activation or gradient they stand for, both orientations; a
 // relu² cast of fp32 input is an error.
-TEST(CudaQuantize, BlockRelu2CastsMatchBlockCastOfTheActivation) {
-  for (const Shape shape : block_cast_shapes()) {
-    const size_t count = static_cast<size_t>(shape.rows * shape.cols);
-    const std::vector<bf16> x = random_tensor<bf16>(count, true);
-    const std::vector<bf16> p = random_tensor<bf16>(count, true);
-    std::vector<bf16> act(count), gradient(count);
-    for (size_t i = 0; i < count; ++i) {
+// The bf16 tensors a relu² block cast stands for: relu²(x), and the gradient dy · 2·relu(p) of
+// relu²'s input p.
+struct Relu2Tensors {
+  std::vector<bf16> act, gradient;
+
+  Relu2Tensors(const std::vector<bf16>& x, const std::vector<bf16>& p)
+      : act(x.size()), gradient(x.size()) {
+    for (size_t i = 0; i < x.size(); ++i) {
       const float value = bf16_to_float(x[i]);
       const float positive = value > 0.0f ? value : 0.0f;  // NaN -> 0
       act[i] = float_to_bf16(positive * positive);
       const float input = bf16_to_float(p[i]);
       gradient[i] = float_to_bf16(input > 0.0f ? 2.0f * input * value : 0.0f);
     }
+  }
+};
+
+TEST(CudaQuantize, BlockRelu2CastsMatchBlockCastOfTheActivation) {
+  for (const Shape shape : block_cast_shapes()) {
+    const size_t count = static_cast<size_t>(shape.rows * shape.cols);
+    const std::vector<bf16> x = random_tensor<bf16>(count, true);
+    const std::vector<bf16> p = random_tensor<bf16>(count, true);
+    const auto [act, gradient] = Relu2Tensors(x, p);
     const DeviceBuffer<bf16> device_x(x), device_p(p);
     for (BlockScaling scaling : kBlockScalings) {
       const BlockQuantization spec{scaling, Fp8Format::E4M3, true, 0.0f};
@@ -833,6 +843,63 @@ TEST(CudaQuantize, BlockRelu2CastsMatchBlockCastOfTheActivation) {
                                      nullptr, nullptr, nullptr, cuda::BlockScaleOrder::LineMajor,
                                      cuda::CastInput::Relu2),
                Error);
+}
+
+// A tensor of several waves of blocks (at least twelve tiles per SM), with edge tiles among the
+// full ones: every input kind and scaling gives the CPU's codes, scales and counts in both
+// orientations.
+TEST(CudaQuantize, BlockCastsOfManyWavesOfTilesMatchReference) {
+  int device = 0, multiprocessors = 0;
+  FP8T_CUDA_CHECK(cudaGetDevice(&device));
+  FP8T_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  const auto tiles_per_side = static_cast<int64_t>(std::ceil(std::sqrt(12.0 * multiprocessors)));
+  // Edge tiles of 80 rows (transposed stores still 16 bytes wide) and 40 columns.
+  const Shape shape{tiles_per_side * 128 + 80, tiles_per_side * 128 + 40};
+  const size_t count = static_cast<size_t>(shape.rows * shape.cols);
+  const std::vector<bf16> x = random_tensor<bf16>(count, true);
+  const std::vector<bf16> p = random_tensor<bf16>(count, true);
+  const std::vector<float> x32 = random_tensor<float>(count, true);
+  const Relu2Tensors relu2(x, p);
+  const DeviceBuffer<bf16> device_x(x), device_p(p);
+  const DeviceBuffer<float> device_x32(x32);
+  for (BlockScaling scaling : kBlockScalings) {
+    const BlockQuantization spec{scaling, Fp8Format::E4M3, true, 0.0f};
+    for (const char* kind : {"bf16", "fp32", "relu²", "relu² gradient"}) {
+      const std::string name = kind;
+      const cuda::CastInput input = name == "relu²"            ? cuda::CastInput::Relu2
+                                    : name == "relu² gradient" ? cuda::CastInput::Relu2Gradient
+                                                               : cuda::CastInput::Value;
+      const BlockReference expected =
+          name == "fp32" ? BlockReference(x32, shape, spec)
+                         : BlockReference(input == cuda::CastInput::Relu2           ? relu2.act
+                                          : input == cuda::CastInput::Relu2Gradient ? relu2.gradient
+                                                                                    : x,
+                                          shape, spec);
+      DeviceBuffer<uint8_t> out(std::vector<uint8_t>(count, 0xA5)),
+          out_t(std::vector<uint8_t>(count, 0xA5)),
+          scales(std::vector<uint8_t>(expected.scales.size(), 0xA5)),
+          scales_t(std::vector<uint8_t>(expected.scales_t.size(), 0xA5));
+      DeviceBuffer<CastHealth> health(std::vector<CastHealth>(1));
+      if (name == "fp32") {
+        cuda::quantize_blocks(device_x32.get(), shape.rows, shape.cols, spec, out.get(),
+                              scales.get(), out_t.get(), scales_t.get(), nullptr, health.get());
+      } else {
+        cuda::quantize_blocks(device_x.get(), shape.rows, shape.cols, spec, out.get(), scales.get(),
+                              out_t.get(), scales_t.get(), nullptr, health.get(),
+                              cuda::BlockScaleOrder::LineMajor, input,
+                              input == cuda::CastInput::Relu2Gradient ? device_p.get() : nullptr);
+      }
+      const auto where = ::testing::Message() << scaling_name(scaling) << " " << name << " ["
+                                              << shape.rows << ", " << shape.cols << "]";
+      EXPECT_IDENTICAL(out.download(), expected.codes, where);
+      EXPECT_IDENTICAL(scales.download(), expected.scales, where << " scales");
+      EXPECT_IDENTICAL(out_t.download(), expected.codes_t, where << " transposed");
+      EXPECT_IDENTICAL(scales_t.download(), expected.scales_t, where << " transposed scales");
+      const std::vector<CastHealth> got_health = health.download();
+      EXPECT_EQ(got_health[0].saturated, expected.health.saturated) << where;
+      EXPECT_EQ(got_health[0].underflow, expected.health.underflow) << where;
+    }
+  }
 }
 
 // Magnitudes from 1e-8 to 1e3, either sign, so that every block holds values that underflow;
