@@ -783,9 +783,6 @@ TEST(CudaQuantize, TransposedCastsFillConsecutiveLinesOfOneOperand) {
   }
 }
 
-// Block casts through relu² (CastInput::Relu2 and Relu2Gradient) give the codes and scales of
-// the block cast of the bf16 activation or gradient they stand for, both orientations; a
-// relu² cast of fp32 input is an error.
 // The bf16 tensors a relu² block cast stands for: relu²(x), and the gradient dy · 2·relu(p) of
 // relu²'s input p.
 struct Relu2Tensors {
@@ -803,6 +800,9 @@ struct Relu2Tensors {
   }
 };
 
+// Block casts through relu² (CastInput::Relu2 and Relu2Gradient) give the codes and scales of
+// the block cast of the bf16 activation or gradient they stand for, both orientations; a
+// relu² cast of fp32 input is an error.
 TEST(CudaQuantize, BlockRelu2CastsMatchBlockCastOfTheActivation) {
   for (const Shape shape : block_cast_shapes()) {
     const size_t count = static_cast<size_t>(shape.rows * shape.cols);
