@@ -156,13 +156,22 @@ __device__ float cast_input(T x, bf16 relu2_input) {
   }
 }
 
-// cast_input() of a relu² form as the bf16 that a block cast stages: the hardware's rounding
+// cast_input() of relu²'s gradient as the bf16 that a block cast stages: the hardware's rounding
 // straight to bf16 (NaN aside, float_to_bf16's bits), without widening and narrowing again.
-template <CastInput kInput>
-__device__ bf16 staged_relu2_input(bf16 x, bf16 relu2_input) {
-  const float value = unrounded_relu2_input<kInput>(x, relu2_input);
+__device__ bf16 staged_relu2_gradient(bf16 gradient, bf16 relu2_input) {
+  const float value = unrounded_relu2_input<CastInput::Relu2Gradient>(gradient, relu2_input);
   if (isnan(value)) return float_to_bf16(value);
   return bf16{__bfloat16_as_ushort(__float2bfloat16_rn(value))};
+}
+
+// cast_input() of relu² for two bf16 at once, as a block cast stages them, in bf16 arithmetic:
+// the max returns 0 for a NaN, as relu2_forward, and the product of two bf16 is rounded once from
+// its exact value, as the float square (exact) is rounded to bf16. No NaN can come out.
+__device__ uint32_t staged_relu2_pair(uint32_t pair) {
+  const __nv_bfloat162 values = *reinterpret_cast<const __nv_bfloat162*>(&pair);
+  const __nv_bfloat162 positive = __hmax2(values, __float2bfloat162_rn(0.0f));
+  const __nv_bfloat162 square = __hmul2_rn(positive, positive);
+  return *reinterpret_cast<const uint32_t*>(&square);
 }
 
 // Scales and encodes one input vector, and folds the inputs into the amax (and, with kHealth,
@@ -739,12 +748,17 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput>))
     }
 #pragma unroll
     for (int p = 0; p < kLoadGroup; ++p) {
+      if constexpr (kInput == CastInput::Relu2) {
+        auto* pairs = reinterpret_cast<uint32_t*>(vectors[p].values);
+#pragma unroll
+        for (int w = 0; w < kVec / 2; ++w)
+          pairs[w] = staged_relu2_pair(pairs[w]);
+      }
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        if constexpr (kInput != CastInput::Value) {
-          vectors[p].values[k] = staged_relu2_input<kInput>(
-              vectors[p].values[k], kTwoInputs ? relu2_vectors[p].values[k] : bf16{});
-        }
+        if constexpr (kTwoInputs)
+          vectors[p].values[k] =
+              staged_relu2_gradient(vectors[p].values[k], relu2_vectors[p].values[k]);
         if (tile_scaling) local_amax = max(local_amax, abs_bits(to_float(vectors[p].values[k])));
       }
       const int r = first_row + (group + p) * Shape::kRowsPerPass;
