@@ -649,6 +649,21 @@ struct BlockReference {
     quantize_transpose_blocks(x.data(), shape.rows, shape.cols, spec, codes.data(), scales.data(),
                               codes_t.data(), scales_t.data(), &health);
   }
+
+  // The GPU's cast of both orientations, with its counts, equals this reference.
+  void expect_matched_by(const DeviceBuffer<uint8_t>& out, const DeviceBuffer<uint8_t>& out_scales,
+                         const DeviceBuffer<uint8_t>& out_t,
+                         const DeviceBuffer<uint8_t>& out_scales_t,
+                         const DeviceBuffer<CastHealth>& out_health,
+                         const ::testing::Message& where) const {
+    EXPECT_IDENTICAL(out.download(), codes, where);
+    EXPECT_IDENTICAL(out_scales.download(), scales, where << " scales");
+    EXPECT_IDENTICAL(out_t.download(), codes_t, where << " transposed");
+    EXPECT_IDENTICAL(out_scales_t.download(), scales_t, where << " transposed scales");
+    const std::vector<CastHealth> got_health = out_health.download();
+    EXPECT_EQ(got_health[0].saturated, health.saturated) << where;
+    EXPECT_EQ(got_health[0].underflow, health.underflow) << where;
+  }
 };
 
 // Either orientation alone (the other's pointers null): the codes and scales of that
@@ -826,13 +841,7 @@ TEST(CudaQuantize, BlockRelu2CastsMatchBlockCastOfTheActivation) {
         const auto where = ::testing::Message()
                            << scaling_name(scaling) << (is_gradient ? " relu² gradient" : " relu²")
                            << " [" << shape.rows << ", " << shape.cols << "]";
-        EXPECT_IDENTICAL(out.download(), expected.codes, where);
-        EXPECT_IDENTICAL(scales.download(), expected.scales, where << " scales");
-        EXPECT_IDENTICAL(out_t.download(), expected.codes_t, where << " transposed");
-        EXPECT_IDENTICAL(scales_t.download(), expected.scales_t, where << " transposed scales");
-        const std::vector<CastHealth> got_health = health.download();
-        EXPECT_EQ(got_health[0].saturated, expected.health.saturated) << where;
-        EXPECT_EQ(got_health[0].underflow, expected.health.underflow) << where;
+        expected.expect_matched_by(out, scales, out_t, scales_t, health, where);
       }
     }
   }
@@ -891,13 +900,7 @@ TEST(CudaQuantize, BlockCastsOfManyWavesOfTilesMatchReference) {
       }
       const auto where = ::testing::Message() << scaling_name(scaling) << " " << name << " ["
                                               << shape.rows << ", " << shape.cols << "]";
-      EXPECT_IDENTICAL(out.download(), expected.codes, where);
-      EXPECT_IDENTICAL(scales.download(), expected.scales, where << " scales");
-      EXPECT_IDENTICAL(out_t.download(), expected.codes_t, where << " transposed");
-      EXPECT_IDENTICAL(scales_t.download(), expected.scales_t, where << " transposed scales");
-      const std::vector<CastHealth> got_health = health.download();
-      EXPECT_EQ(got_health[0].saturated, expected.health.saturated) << where;
-      EXPECT_EQ(got_health[0].underflow, expected.health.underflow) << where;
+      expected.expect_matched_by(out, scales, out_t, scales_t, health, where);
     }
   }
 }
