@@ -128,12 +128,7 @@ __device__ inline float round_to_bf16_by_hardware(float value) {
   return isnan(value) ? round_to_bf16(value) : __bfloat162float(__float2bfloat16_rn(value));
 }
 
-// The value a cast reads from one element of x (CastInput); relu2_input is relu²'s input at
-// the same position (read by Relu2Gradient only).
-template <CastInput kInput, typename T>
-__device__ float cast_input(T x, bf16 relu2_input);
-
-// A relu² form of cast_input() before its rounding to bf16.
+// A relu² form of cast_input() (below) before its rounding to bf16.
 template <CastInput kInput>
 __device__ float unrounded_relu2_input(bf16 x, bf16 relu2_input) {
   const float value = to_float(x);
@@ -147,6 +142,8 @@ __device__ float unrounded_relu2_input(bf16 x, bf16 relu2_input) {
   }
 }
 
+// The value a cast reads from one element of x (CastInput); relu2_input is relu²'s input at
+// the same position (read by Relu2Gradient only).
 template <CastInput kInput, typename T>
 __device__ float cast_input(T x, bf16 relu2_input) {
   if constexpr (kInput == CastInput::Value) {
