@@ -575,6 +575,17 @@ struct BlockCastTargets {
   bool vector_loads;      // full tiles load 16-byte vectors
   bool vector_stores;     // full tiles store kVec-byte row vectors
   bool vector_stores_t;   // full tiles store 16-byte column pieces
+  // Relu2Gradient only (ActivationTCast): relu(relu2_input)²'s transposed copy, e4m3, its scales
+  // in `order` over `cols` lines.
+  uint8_t* activation_t;
+  void* activation_scales_t;
+};
+
+// Where a block's tile lies in the tensor.
+struct TileSpot {
+  int64_t rows, cols, row0, col0;
+  int valid_rows, valid_cols;
+  bool full;
 };
 
 // The scale of block `block` along line `line` (a row of the tensor or of its transpose) of a
@@ -681,28 +692,142 @@ __device__ int code_piece_index(int column, int piece) {
   return column * kCodePieces + (piece ^ (word % kCodePieces));
 }
 
+// The transposed copy of the tile staged in shared memory (T, [kBlockTile][kBlockTile]) into
+// out_t and scales_t: each thread reads its column segments once and folds their amaxes (a
+// 128x128 tile's scale takes tile_amax); a 1x128 block's four segments first publish theirs in
+// segment_amax. Full tiles stage their codes over the tile's own memory.
+template <typename T, Fp8Format kFormat>
+__device__ void cast_tile_columns(uint4* shared_tile, uint32_t (*segment_amax)[kBlockTile],
+                                  uint32_t tile_amax, const BlockQuantization& spec,
+                                  const TileSpot& spot, uint8_t* out_t, void* scales_t,
+                                  int64_t scale_lines_t, BlockScaleOrder order,
+                                  bool vector_stores_t) {
+  using Shape = BlockTileShape<T>;
+  const float format_maximum = format_max(kFormat);
+  const bool tile_scaling = spec.scaling == BlockScaling::Tile128x128;
+  const BlockShape col_grid = scale_grid(spec.scaling, spot.cols, spot.rows);
+  const uint32_t* words = reinterpret_cast<const uint32_t*>(shared_tile);
+  uint32_t segment_words[Shape::kSegmentsPerThread][kSegmentRows];
+  uint32_t segment_folded[Shape::kSegmentsPerThread];
+#pragma unroll
+  for (int s = 0; s < Shape::kSegmentsPerThread; ++s) {
+    const int item = threadIdx.x + s * kThreads;
+    const int word = item % Shape::kWords;
+    const int segment = item / Shape::kWords;
+    segment_folded[s] = 0;
+#pragma unroll
+    for (int j = 0; j < kSegmentRows; ++j) {
+      segment_words[s][j] = words[(segment * kSegmentRows + j) * Shape::kWords + word];
+      if (!tile_scaling)
+        segment_folded[s] = fold_abs_max<T>(segment_folded[s], segment_words[s][j]);
+    }
+    if (spec.scaling == BlockScaling::Rows1x128) {
+#pragma unroll
+      for (int k = 0; k < Shape::kColumnsPerWord; ++k)
+        segment_amax[segment][word * Shape::kColumnsPerWord + k] =
+            folded_column_amax<T>(segment_folded[s], k);
+    }
+  }
+  // A full tile's transposed codes are staged in shared memory over the input tile (every thread
+  // has read its words by the barrier) and leave as whole 128-byte lines: stored from registers,
+  // each 16-byte piece went to a line of its own, and those scattered writes bound the kernel at
+  // the L2 (Nsight Compute: L2 at 85 % of its peak, DRAM at 58 %).
+  const bool stage_codes_t = spot.full && vector_stores_t;
+  if (spec.scaling == BlockScaling::Rows1x128 || stage_codes_t) __syncthreads();
+  uint4* codes_t = shared_tile;  // [kBlockTile columns][kCodePieces] 16-byte pieces, swizzled
+#pragma unroll
+  for (int s = 0; s < Shape::kSegmentsPerThread; ++s) {
+    const int item = threadIdx.x + s * kThreads;
+    const int word = item % Shape::kWords;
+    const int segment = item / Shape::kWords;
+#pragma unroll
+    for (int k = 0; k < Shape::kColumnsPerWord; ++k) {
+      const int c = word * Shape::kColumnsPerWord + k;
+      uint32_t amax_bits_value = tile_amax;
+      if (spec.scaling == BlockScaling::Rows1x128) {
+        amax_bits_value = max(max(segment_amax[0][c], segment_amax[1][c]),
+                              max(segment_amax[2][c], segment_amax[3][c]));
+      } else if (spec.scaling == BlockScaling::Mx1x32) {
+        amax_bits_value = folded_column_amax<T>(segment_folded[s], k);
+      }
+      const BlockScaleResult result = block_scale(amax_bits_value, spec, format_maximum);
+      uint32_t packed[kSegmentRows / 4] = {};
+#pragma unroll
+      for (int j = 0; j < kSegmentRows; j += 2) {
+        const uint32_t pair = encode_pair<kFormat>(
+            __fmul_rn(word_column<T>(segment_words[s][j], k), result.multiplier),
+            __fmul_rn(word_column<T>(segment_words[s][j + 1], k), result.multiplier));
+        packed[j / 4] |= pair << (8 * (j % 4));
+      }
+      if (c >= spot.valid_cols) continue;
+      const int first = segment * kSegmentRows;
+      uint8_t* line = out_t + (spot.col0 + c) * spot.rows + spot.row0 + first;
+      if (stage_codes_t) {
+        const int piece = first / 16;
+        codes_t[code_piece_index<T>(c, piece)] =
+            make_uint4(packed[0], packed[1], packed[2], packed[3]);
+        codes_t[code_piece_index<T>(c, piece + 1)] =
+            make_uint4(packed[4], packed[5], packed[6], packed[7]);
+      } else {
+        for (int j = 0; j < kSegmentRows && first + j < spot.valid_rows; ++j)
+          line[j] = static_cast<uint8_t>(packed[j / 4] >> (8 * (j % 4)));
+      }
+      bool writes_scale = false;
+      int64_t block = blockIdx.y;
+      if (spec.scaling == BlockScaling::Rows1x128) {
+        writes_scale = segment == 0;
+      } else if (spec.scaling == BlockScaling::Mx1x32) {
+        writes_scale = first < spot.valid_rows;
+        block = (spot.row0 + first) / kMxBlock;
+      } else {
+        writes_scale = segment == 0 && c == 0;
+      }
+      if (writes_scale) {
+        store_block_scale(scales_t, col_grid, scale_lines_t, spot.col0 + c, blockIdx.x, block,
+                          order, result, spec);
+      }
+    }
+  }
+  if (!stage_codes_t) return;
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kBlockTile * kCodePieces / kThreads; ++i) {
+    const int item = threadIdx.x + i * kThreads;
+    const int c = item / kCodePieces;
+    const int piece = item % kCodePieces;
+    reinterpret_cast<uint4*>(out_t + (spot.col0 + c) * spot.rows + spot.row0)[piece] =
+        codes_t[code_piece_index<T>(c, piece)];
+  }
+}
+
 // Resident blocks: four (64 registers; 6-9 % faster than three at 80) for bf16 tiles, the relu²
-// gradient's two inputs included; fp32's 64 KiB tiles allow three.
-template <typename T, CastInput kInput>
-constexpr int kBlockCastBlocksPerSm = sizeof(T) == 2 ? 4 : 3;
+// gradient's two inputs included; three for fp32's 64 KiB tiles and for the relu² gradient's
+// cast that stages relu² as a second tile.
+template <typename T, bool kActivationT>
+constexpr int kBlockCastBlocksPerSm = sizeof(T) == 2 && !kActivationT ? 4 : 3;
 
 // With kHealth, the counts of `out`'s codes (not out_t's) are added to *health. The relu² cast
 // inputs (bf16 only) are staged as the bf16 values they round to, so the passes after the
-// staging read a plain bf16 tile.
-
-template <typename T, Fp8Format kFormat, CastInput kInput, bool kHealth>
-__global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput>))
+// staging read a plain bf16 tile. kActivationT (Relu2Gradient only): relu²'s transposed copy
+// too, into targets.activation_t, from relu² of relu2_input staged as a second tile as it is
+// loaded (twice the shared memory).
+template <typename T, Fp8Format kFormat, CastInput kInput, bool kHealth, bool kActivationT>
+__global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kActivationT>))
     block_quantize_kernel(const T* __restrict__ x, const bf16* __restrict__ relu2_input,
                           int64_t rows, int64_t cols, BlockQuantization spec,
                           BlockCastTargets targets, CastHealth* health) {
+  static_assert(!kActivationT || kInput == CastInput::Relu2Gradient,
+                "relu²'s transposed copy comes with its gradient's cast");
   using Shape = BlockTileShape<T>;
   constexpr int kVec = Shape::kVec;
   constexpr bool kTwoInputs = kInput == CastInput::Relu2Gradient;
   // Half the rows' loads in flight at a time (a quarter with two inputs): all of them would not
   // fit the 64 registers of four resident blocks.
   constexpr int kLoadGroup = Shape::kPasses / (kTwoInputs ? 4 : 2);
-  extern __shared__ uint4 shared_tile[];  // [kBlockTile][kBlockTile] of T
+  extern __shared__ uint4 shared_tile[];  // [kBlockTile][kBlockTile] of T (kActivationT: two)
   T* tile = reinterpret_cast<T*>(shared_tile);
+  uint4* activation_shared = shared_tile + BlockTileShape<T>::kSharedBytes / sizeof(uint4);
+  [[maybe_unused]] auto* activation_tile = reinterpret_cast<bf16*>(activation_shared);
   __shared__ uint32_t warp_amax[kWarps];
   __shared__ uint32_t segment_amax[kSegments][kBlockTile];
 
@@ -711,6 +836,7 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput>))
   const int valid_rows = static_cast<int>(min(int64_t{kBlockTile}, rows - row0));
   const int valid_cols = static_cast<int>(min(int64_t{kBlockTile}, cols - col0));
   const bool full = valid_rows == kBlockTile && valid_cols == kBlockTile;
+  const TileSpot spot{rows, cols, row0, col0, valid_rows, valid_cols, full};
   const float format_maximum = format_max(kFormat);
   const int row_lane = threadIdx.x % Shape::kRowLanes;
   const int first_row = threadIdx.x / Shape::kRowLanes;
@@ -760,6 +886,14 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput>))
       }
       const int r = first_row + (group + p) * Shape::kRowsPerPass;
       *reinterpret_cast<InputVector<T>*>(tile + r * kBlockTile + column) = vectors[p];
+      if constexpr (kActivationT) {
+        auto* pairs = reinterpret_cast<uint32_t*>(relu2_vectors[p].values);
+#pragma unroll
+        for (int w = 0; w < kVec / 2; ++w)
+          pairs[w] = staged_relu2_pair(pairs[w]);
+        *reinterpret_cast<InputVector<bf16>*>(activation_tile + r * kBlockTile + column) =
+            relu2_vectors[p];
+      }
     }
   }
   local_amax = __reduce_max_sync(0xFFFFFFFFu, local_amax);
@@ -771,7 +905,6 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput>))
     tile_amax = max(tile_amax, warp_amax[w]);
 
   const BlockShape row_grid = scale_grid(spec.scaling, rows, cols);
-  const BlockShape col_grid = scale_grid(spec.scaling, cols, rows);
   if (targets.out != nullptr) {
     constexpr int kMxLanes = kMxBlock / kVec;  // the lanes of one 1x32 block
     HealthCounts counts;
@@ -839,101 +972,16 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput>))
     }
     if constexpr (kHealth) publish_health(counts, health);
   }
-  if (targets.out_t == nullptr) return;
-
-  // Columns. Each thread reads its column segments from shared memory once and folds their amaxes
-  // (a 128x128 tile has its own already); a 1x128 block's four segments first publish theirs.
-  const uint32_t* words = reinterpret_cast<const uint32_t*>(tile);
-  uint32_t segment_words[Shape::kSegmentsPerThread][kSegmentRows];
-  uint32_t segment_folded[Shape::kSegmentsPerThread];
-#pragma unroll
-  for (int s = 0; s < Shape::kSegmentsPerThread; ++s) {
-    const int item = threadIdx.x + s * kThreads;
-    const int word = item % Shape::kWords;
-    const int segment = item / Shape::kWords;
-    segment_folded[s] = 0;
-#pragma unroll
-    for (int j = 0; j < kSegmentRows; ++j) {
-      segment_words[s][j] = words[(segment * kSegmentRows + j) * Shape::kWords + word];
-      if (!tile_scaling)
-        segment_folded[s] = fold_abs_max<T>(segment_folded[s], segment_words[s][j]);
-    }
-    if (spec.scaling == BlockScaling::Rows1x128) {
-#pragma unroll
-      for (int k = 0; k < Shape::kColumnsPerWord; ++k)
-        segment_amax[segment][word * Shape::kColumnsPerWord + k] =
-            folded_column_amax<T>(segment_folded[s], k);
-    }
+  if (targets.out_t != nullptr) {
+    cast_tile_columns<T, kFormat>(shared_tile, segment_amax, tile_amax, spec, spot, targets.out_t,
+                                  targets.scales_t, targets.scale_lines_t, targets.order,
+                                  targets.vector_stores_t);
   }
-  // A full tile's transposed codes are staged in shared memory over the input tile (every thread
-  // has read its words by the barrier) and leave as whole 128-byte lines: stored from registers,
-  // each 16-byte piece went to a line of its own, and those scattered writes bound the kernel at
-  // the L2 (Nsight Compute: L2 at 85 % of its peak, DRAM at 58 %).
-  const bool stage_codes_t = full && targets.vector_stores_t;
-  if (spec.scaling == BlockScaling::Rows1x128 || stage_codes_t) __syncthreads();
-  uint4* codes_t = shared_tile;  // [kBlockTile columns][kCodePieces] 16-byte pieces, swizzled
-#pragma unroll
-  for (int s = 0; s < Shape::kSegmentsPerThread; ++s) {
-    const int item = threadIdx.x + s * kThreads;
-    const int word = item % Shape::kWords;
-    const int segment = item / Shape::kWords;
-#pragma unroll
-    for (int k = 0; k < Shape::kColumnsPerWord; ++k) {
-      const int c = word * Shape::kColumnsPerWord + k;
-      uint32_t amax_bits_value = tile_amax;
-      if (spec.scaling == BlockScaling::Rows1x128) {
-        amax_bits_value = max(max(segment_amax[0][c], segment_amax[1][c]),
-                              max(segment_amax[2][c], segment_amax[3][c]));
-      } else if (spec.scaling == BlockScaling::Mx1x32) {
-        amax_bits_value = folded_column_amax<T>(segment_folded[s], k);
-      }
-      const BlockScaleResult result = block_scale(amax_bits_value, spec, format_maximum);
-      uint32_t packed[kSegmentRows / 4] = {};
-#pragma unroll
-      for (int j = 0; j < kSegmentRows; j += 2) {
-        const uint32_t pair = encode_pair<kFormat>(
-            __fmul_rn(word_column<T>(segment_words[s][j], k), result.multiplier),
-            __fmul_rn(word_column<T>(segment_words[s][j + 1], k), result.multiplier));
-        packed[j / 4] |= pair << (8 * (j % 4));
-      }
-      if (c >= valid_cols) continue;
-      const int first = segment * kSegmentRows;
-      uint8_t* line = targets.out_t + (col0 + c) * rows + row0 + first;
-      if (stage_codes_t) {
-        const int piece = first / 16;
-        codes_t[code_piece_index<T>(c, piece)] =
-            make_uint4(packed[0], packed[1], packed[2], packed[3]);
-        codes_t[code_piece_index<T>(c, piece + 1)] =
-            make_uint4(packed[4], packed[5], packed[6], packed[7]);
-      } else {
-        for (int j = 0; j < kSegmentRows && first + j < valid_rows; ++j)
-          line[j] = static_cast<uint8_t>(packed[j / 4] >> (8 * (j % 4)));
-      }
-      bool writes_scale = false;
-      int64_t block = blockIdx.y;
-      if (spec.scaling == BlockScaling::Rows1x128) {
-        writes_scale = segment == 0;
-      } else if (spec.scaling == BlockScaling::Mx1x32) {
-        writes_scale = first < valid_rows;
-        block = (row0 + first) / kMxBlock;
-      } else {
-        writes_scale = segment == 0 && c == 0;
-      }
-      if (writes_scale) {
-        store_block_scale(targets.scales_t, col_grid, targets.scale_lines_t, col0 + c, blockIdx.x,
-                          block, targets.order, result, spec);
-      }
-    }
-  }
-  if (!stage_codes_t) return;
-  __syncthreads();
-#pragma unroll
-  for (int i = 0; i < kBlockTile * kCodePieces / kThreads; ++i) {
-    const int item = threadIdx.x + i * kThreads;
-    const int c = item / kCodePieces;
-    const int piece = item % kCodePieces;
-    reinterpret_cast<uint4*>(targets.out_t + (col0 + c) * rows + row0)[piece] =
-        codes_t[code_piece_index<T>(c, piece)];
+  if constexpr (kActivationT) {
+    __syncthreads();  // every thread is done with segment_amax
+    cast_tile_columns<bf16, Fp8Format::E4M3>(activation_shared, segment_amax, 0, spec, spot,
+                                             targets.activation_t, targets.activation_scales_t,
+                                             spot.cols, targets.order, targets.vector_stores_t);
   }
 }
 
@@ -1104,9 +1152,18 @@ template <typename T>
 void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantization& spec,
                      uint8_t* out, void* scales, uint8_t* out_t, void* scales_t,
                      cudaStream_t stream, CastHealth* health, BlockScaleOrder order,
-                     CastInput input, const bf16* relu2_input, int64_t scale_lines_t) {
+                     CastInput input, const bf16* relu2_input, int64_t scale_lines_t,
+                     const ActivationTCast& activation_t) {
   FP8T_CHECK(rows >= 0 && cols >= 0, "expected a non-negative shape, found [{}, {}]", rows, cols);
   FP8T_CHECK(out != nullptr || out_t != nullptr, "a block cast writes out, out_t or both");
+  FP8T_CHECK((activation_t.out_t == nullptr) == (activation_t.scales_t == nullptr),
+             "relu²'s transposed copy and its scales go together");
+  const bool with_activation_t = activation_t.out_t != nullptr;
+  FP8T_CHECK(!with_activation_t ||
+                 (input == CastInput::Relu2Gradient && spec.scaling == BlockScaling::Rows1x128 &&
+                  (spec.format == Fp8Format::E4M3 || spec.format == Fp8Format::E5M2)),
+             "relu²'s transposed copy comes with a 1x128 cast of relu²'s gradient in an OCP "
+             "format");
   FP8T_CHECK(scale_lines_t == 0 || (order == BlockScaleOrder::BlockMajor && scale_lines_t >= cols),
              "the transposed copy's scales are strided by block-major lines, at least its {} "
              "lines; found a stride of {}",
@@ -1134,17 +1191,29 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
       scale_lines_t != 0 ? scale_lines_t : cols,
       aligned16(x) && aligned16(relu2_input) && cols % Shape::kVec == 0,
       reinterpret_cast<uintptr_t>(out) % Shape::kVec == 0 && cols % Shape::kVec == 0,
-      aligned16(out_t) && rows % 16 == 0};
+      (out_t == nullptr || aligned16(out_t)) &&
+          (activation_t.out_t == nullptr || aligned16(activation_t.out_t)) && rows % 16 == 0,
+      activation_t.out_t,
+      activation_t.scales_t};
   dispatch_cast_input<T>(input, relu2_input, [&](auto input_constant) {
     dispatch_data_format(spec.format, [&](auto format_constant) {
       dispatch_health(health, [&](auto health_constant) {
         constexpr CastInput kInput = decltype(input_constant)::value;
         constexpr Fp8Format kFormat = decltype(format_constant)::value;
         constexpr bool kHealth = decltype(health_constant)::value;
-        const auto kernel = block_quantize_kernel<T, kFormat, kInput, kHealth>;
-        allow_shared_bytes(reinterpret_cast<const void*>(kernel), Shape::kSharedBytes);
-        kernel<<<grid, kThreads, Shape::kSharedBytes, stream>>>(x, relu2_input, rows, cols, spec,
-                                                                targets, health);
+        const auto launch = [&](const auto kernel, size_t shared_bytes) {
+          allow_shared_bytes(reinterpret_cast<const void*>(kernel), shared_bytes);
+          kernel<<<grid, kThreads, shared_bytes, stream>>>(x, relu2_input, rows, cols, spec,
+                                                           targets, health);
+        };
+        constexpr bool kOcp = kFormat == Fp8Format::E4M3 || kFormat == Fp8Format::E5M2;
+        if constexpr (kInput == CastInput::Relu2Gradient && kOcp) {
+          if (with_activation_t) {
+            return launch(block_quantize_kernel<T, kFormat, kInput, kHealth, true>,
+                          2 * Shape::kSharedBytes);
+          }
+        }
+        launch(block_quantize_kernel<T, kFormat, kInput, kHealth, false>, Shape::kSharedBytes);
       });
     });
   });
@@ -1172,7 +1241,8 @@ void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const Block
                                       const bf16*, CastHealth*);                                   \
   template void quantize_blocks<T>(const T*, int64_t, int64_t, const BlockQuantization&, uint8_t*, \
                                    void*, uint8_t*, void*, cudaStream_t, CastHealth*,              \
-                                   BlockScaleOrder, CastInput, const bf16*, int64_t);
+                                   BlockScaleOrder, CastInput, const bf16*, int64_t,               \
+                                   const ActivationTCast&);
 
 FP8T_INSTANTIATE_CUDA_QUANTIZE(float)
 FP8T_INSTANTIATE_CUDA_QUANTIZE(bf16)

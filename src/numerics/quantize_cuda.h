@@ -74,13 +74,22 @@ enum class BlockScaleOrder : uint8_t { LineMajor, BlockMajor };
 // consecutive lines of one larger operand (the lines of out_t continue those of the cast before).
 // dequantize_blocks stores float or bf16; with E8M0 (power-of-two) scales the bf16 values are
 // exact down to bf16's smallest subnormal (2^-133): what the emulated MXFP8 GEMMs multiply.
+//
+// ActivationTCast, with a 1x128 Relu2Gradient cast in an OCP format only: relu²'s transposed
+// copy as well, the e4m3 codes and 1x128 scales (in `order`, over cols lines) of a Relu2 cast of
+// relu2_input's transposed copy alone, made from the same reads of relu2_input. It is the x̂ᵗ
+// of the linear that reads relu²'s output, whose weight gradient can wait for the gradient cast.
+struct ActivationTCast {
+  uint8_t* out_t = nullptr;
+  float* scales_t = nullptr;
+};
 template <typename T>
 void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantization& spec,
                      uint8_t* out, void* scales, uint8_t* out_t, void* scales_t,
                      cudaStream_t stream, CastHealth* health = nullptr,
                      BlockScaleOrder order = BlockScaleOrder::LineMajor,
                      CastInput input = CastInput::Value, const bf16* relu2_input = nullptr,
-                     int64_t scale_lines_t = 0);
+                     int64_t scale_lines_t = 0, const ActivationTCast& activation_t = {});
 
 template <typename Out>
 void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const BlockQuantization& spec,

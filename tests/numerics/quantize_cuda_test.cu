@@ -854,6 +854,102 @@ TEST(CudaQuantize, BlockRelu2CastsMatchBlockCastOfTheActivation) {
                Error);
 }
 
+// A 1x128 relu² gradient cast that also makes relu²'s transposed copy (ActivationTCast): the
+// gradient's codes and scales as without it, and the activation's those of the Relu2 cast of
+// relu²'s input, transposed copy alone (e4m3, the CPU's for line-major scales), both scale
+// orders and gradient formats, on full and edge tiles and on several waves of tiles; nothing is
+// written past either copy. Refused with other inputs, with other scalings and without scales.
+TEST(CudaQuantize, Relu2GradientCastMakesTheActivationsTransposedCopy) {
+  int device = 0, multiprocessors = 0;
+  FP8T_CUDA_CHECK(cudaGetDevice(&device));
+  FP8T_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  const auto tiles_per_side = static_cast<int64_t>(std::ceil(std::sqrt(12.0 * multiprocessors)));
+  std::vector<Shape> shapes = block_cast_shapes();
+  shapes.push_back({tiles_per_side * 128 + 80, tiles_per_side * 128 + 40});
+  for (const Shape shape : shapes) {
+    const size_t count = static_cast<size_t>(shape.rows * shape.cols);
+    const std::vector<bf16> dy = random_tensor<bf16>(count, true);
+    const std::vector<bf16> p = random_tensor<bf16>(count, true);
+    const DeviceBuffer<bf16> device_dy(dy), device_p(p);
+    const BlockQuantization activation_spec{BlockScaling::Rows1x128, Fp8Format::E4M3, true, 0.0f};
+    const BlockReference activation(Relu2Tensors(p, p).act, shape, activation_spec);
+    for (const Fp8Format format : {Fp8Format::E4M3, Fp8Format::E5M2}) {
+      const BlockQuantization spec{BlockScaling::Rows1x128, format, true, 0.0f};
+      for (const auto order :
+           {cuda::BlockScaleOrder::LineMajor, cuda::BlockScaleOrder::BlockMajor}) {
+        const size_t scale_bytes = activation.scales.size(),
+                     scale_t_bytes = activation.scales_t.size();
+        // Poisoned outputs, 16 bytes longer than each copy.
+        struct Copies {
+          DeviceBuffer<uint8_t> out, out_t, scales, scales_t, act_t, act_scales_t;
+          Copies(size_t count, size_t scale_bytes, size_t scale_t_bytes)
+              : out(std::vector<uint8_t>(count + 16, 0xA5)),
+                out_t(std::vector<uint8_t>(count + 16, 0xA5)),
+                scales(std::vector<uint8_t>(scale_bytes + 16, 0xA5)),
+                scales_t(std::vector<uint8_t>(scale_t_bytes + 16, 0xA5)),
+                act_t(std::vector<uint8_t>(count + 16, 0xA5)),
+                act_scales_t(std::vector<uint8_t>(scale_t_bytes + 16, 0xA5)) {}
+        };
+        Copies fused(count, scale_bytes, scale_t_bytes), apart(count, scale_bytes, scale_t_bytes);
+        cuda::quantize_blocks(
+            device_dy.get(), shape.rows, shape.cols, spec, fused.out.get(), fused.scales.get(),
+            fused.out_t.get(), fused.scales_t.get(), nullptr, nullptr, order,
+            cuda::CastInput::Relu2Gradient, device_p.get(), 0,
+            {fused.act_t.get(), reinterpret_cast<float*>(fused.act_scales_t.get())});
+        cuda::quantize_blocks(device_dy.get(), shape.rows, shape.cols, spec, apart.out.get(),
+                              apart.scales.get(), apart.out_t.get(), apart.scales_t.get(), nullptr,
+                              nullptr, order, cuda::CastInput::Relu2Gradient, device_p.get());
+        cuda::quantize_blocks(device_p.get(), shape.rows, shape.cols, activation_spec, nullptr,
+                              nullptr, apart.act_t.get(), apart.act_scales_t.get(), nullptr,
+                              nullptr, order, cuda::CastInput::Relu2);
+        const auto where = ::testing::Message()
+                           << format_name(format)
+                           << (order == cuda::BlockScaleOrder::BlockMajor ? " block-major"
+                                                                          : " line-major")
+                           << " [" << shape.rows << ", " << shape.cols << "]";
+        EXPECT_IDENTICAL(fused.out.download(), apart.out.download(), where << " gradient");
+        EXPECT_IDENTICAL(fused.scales.download(), apart.scales.download(),
+                         where << " gradient scales");
+        EXPECT_IDENTICAL(fused.out_t.download(), apart.out_t.download(),
+                         where << " gradient transposed");
+        EXPECT_IDENTICAL(fused.scales_t.download(), apart.scales_t.download(),
+                         where << " gradient transposed scales");
+        EXPECT_IDENTICAL(fused.act_t.download(), apart.act_t.download(),
+                         where << " relu² transposed");
+        EXPECT_IDENTICAL(fused.act_scales_t.download(), apart.act_scales_t.download(),
+                         where << " relu² transposed scales");
+        if (order == cuda::BlockScaleOrder::LineMajor) {
+          std::vector<uint8_t> want = activation.codes_t, want_scales = activation.scales_t;
+          want.resize(want.size() + 16, 0xA5);
+          want_scales.resize(want_scales.size() + 16, 0xA5);
+          EXPECT_IDENTICAL(fused.act_t.download(), want, where << " relu² transposed, CPU");
+          EXPECT_IDENTICAL(fused.act_scales_t.download(), want_scales,
+                           where << " relu² transposed scales, CPU");
+        }
+      }
+    }
+  }
+  const DeviceBuffer<bf16> x(std::vector<bf16>(256 * 128)), p(std::vector<bf16>(256 * 128));
+  DeviceBuffer<uint8_t> out(256 * 128), out_t(256 * 128), act_t(256 * 128);
+  DeviceBuffer<float> scales(1024), scales_t(1024), act_scales_t(1024);
+  const BlockQuantization rows_spec{BlockScaling::Rows1x128, Fp8Format::E5M2, true, 0.0f};
+  const BlockQuantization tile_spec{BlockScaling::Tile128x128, Fp8Format::E5M2, true, 0.0f};
+  const cuda::ActivationTCast activation_t{act_t.get(), act_scales_t.get()};
+  const auto cast = [&](const BlockQuantization& spec, cuda::CastInput input,
+                        const cuda::ActivationTCast& target) {
+    cuda::quantize_blocks(x.get(), 256, 128, spec, out.get(), scales.get(), out_t.get(),
+                          scales_t.get(), nullptr, nullptr, cuda::BlockScaleOrder::LineMajor, input,
+                          input == cuda::CastInput::Relu2Gradient ? p.get() : nullptr, 0, target);
+  };
+  EXPECT_THROW(cast(rows_spec, cuda::CastInput::Relu2, activation_t), Error) << "relu² input";
+  EXPECT_THROW(cast(rows_spec, cuda::CastInput::Value, activation_t), Error) << "plain input";
+  EXPECT_THROW(cast(tile_spec, cuda::CastInput::Relu2Gradient, activation_t), Error) << "tiles";
+  EXPECT_THROW(cast(rows_spec, cuda::CastInput::Relu2Gradient, {act_t.get(), nullptr}), Error)
+      << "codes without scales";
+  cast(rows_spec, cuda::CastInput::Relu2Gradient, activation_t);
+  FP8T_CUDA_CHECK(cudaDeviceSynchronize());
+}
+
 // A tensor of several waves of blocks (at least twelve tiles per SM), with edge tiles among the
 // full ones: every input kind and scaling gives the CPU's codes, scales and counts in both
 // orientations.

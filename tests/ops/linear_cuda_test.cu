@@ -2,6 +2,7 @@
 // same layer with a scratch that holds it whole: dx bit for bit (each row's dgrad is the same
 // GEMM row under the same scales), dW up to the order of its fp32 sums, for every recipe and for
 // the relu² input; the backward through relu² against relu2_backward and the plain backward;
+// the MLP pair whose c_fc gradient cast makes c_proj's x̂ᵗ against their separate backwards;
 // and the forward's residual; the joint weight gradient of layers sharing an input against
 // separate ones; the input cast fused into the norm before against the layer's own, dy's amax
 // taken by the bias gradient, the input's by its producer and the weight's by the optimizer
@@ -201,6 +202,93 @@ TEST_F(LinearCuda, BackwardThroughRelu2MatchesRelu2BackwardThenBackward) {
       expect_bitwise_equal(scaling[1], scaling[0], name + " scaling floats");
     }
   }
+}
+
+// The MLP's pair, blockwise: c_fc [kIn -> kOut] feeding relu² to c_proj [kOut -> kIn], sharing
+// a scratch. With c_fc's gradient cast making c_proj's x̂ᵗ (c_proj.backward_leaving_wgrad(),
+// then c_fc.backward(…, reader)), dx, the gradient of relu²'s output and both weight gradients
+// equal those of c_proj.backward() then c_fc.backward() bit for bit. The pair is refused where
+// its operands do not fit the scratch whole, under a per-tensor recipe, and out of order.
+TEST_F(LinearCuda, Relu2ReaderInputTCastByItsFeederMatchesSeparateBackwards) {
+  SCOPED_TRACE(rng_.trace());
+  constexpr int64_t kWeight = kIn * kOut;
+  const Device<float> weights{random_floats(rng_, size_t(2 * kWeight), -0.1, 0.1)};
+  const Device<bf16> dy{random_bf16(rng_, size_t(kTokens * kIn))};
+  struct MlpPair {
+    DeviceArena arena{"FP8 scratch"};
+    float* scaling = nullptr;
+    kernels::Fp8Scratch scratch;
+    std::unique_ptr<kernels::CudaLinear> fc, proj;
+    Device<bf16> hidden{size_t(kTokens * kOut)}, out{size_t(kTokens * kIn)};
+    Device<bf16> d_act{size_t(kTokens * kOut)}, dx{size_t(kTokens * kIn)};
+    Device<float> dweight{std::vector<float>(size_t(2 * kWeight), 0.0f)};
+    MlpPair(ScalingRecipe recipe, int64_t backward_width, gemm::CublasLtGemm& gemm) {
+      for (bool planning : {true, false}) {
+        scaling = arena.take<float>(2 * kernels::kLinearScalingFloats);
+        scratch = kernels::take_fp8_scratch(arena, recipe, kTokens, kOut, kOut, backward_width);
+        if (planning) arena.allocate_planned();
+      }
+      const std::vector<float> ones(2 * kernels::kLinearScalingFloats, 1.0f);
+      FP8T_CUDA_CHECK(
+          cudaMemcpy(scaling, ones.data(), ones.size() * sizeof(float), cudaMemcpyHostToDevice));
+      kernels::LinearSetup setup = layer_setup(recipe, scaling);
+      setup.output_relu2 = true;
+      fc = std::make_unique<kernels::CudaLinear>(setup, gemm, scratch);
+      setup = layer_setup(recipe, scaling + kernels::kLinearScalingFloats);
+      std::swap(setup.in_features, setup.out_features);
+      setup.input_relu2 = true;
+      proj = std::make_unique<kernels::CudaLinear>(setup, gemm, scratch);
+      d_act.poison_nan();
+      dx.poison_nan();
+    }
+    void forward(const Device<float>& weights, const bf16* x, cudaStream_t stream) {
+      fc->prepare_weight(weights.get(), false, stream);
+      proj->prepare_weight(weights.get() + kWeight, false, stream);
+      fc->forward(x, kTokens, hidden.get(), false, stream);
+      proj->forward(hidden.get(), kTokens, out.get(), false, stream);
+    }
+    void backward(bool reader_cast_by_fc, const bf16* dy, const bf16* x, cudaStream_t stream) {
+      float* proj_gradient = dweight.get() + kWeight;
+      if (reader_cast_by_fc) {
+        proj->backward_leaving_wgrad(dy, kTokens, d_act.get(), false, stream);
+        fc->backward(d_act.get(), x, kTokens, dx.get(), false, dweight.get(), false, stream,
+                     hidden.get(), {proj.get(), proj_gradient});
+      } else {
+        proj->backward(dy, hidden.get(), kTokens, d_act.get(), false, proj_gradient, false, stream);
+        fc->backward(d_act.get(), x, kTokens, dx.get(), false, dweight.get(), false, stream,
+                     hidden.get());
+      }
+      FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+    }
+  };
+  std::vector<bf16> d_act[2], dx[2];
+  std::vector<float> dweight[2];
+  for (int fused : {0, 1}) {
+    MlpPair pair(ScalingRecipe::Blockwise, kOut, gemm_);
+    ASSERT_TRUE(pair.fc->casts_reader_input_t(*pair.proj, kTokens));
+    EXPECT_FALSE(pair.proj->casts_reader_input_t(*pair.fc, kTokens)) << "the pair turned round";
+    pair.forward(weights, x_.get(), stream_);
+    pair.backward(fused == 1, dy.get(), x_.get(), stream_);
+    d_act[fused] = pair.d_act.download();
+    dx[fused] = pair.dx.download();
+    dweight[fused] = pair.dweight.download();
+  }
+  expect_bitwise_equal(d_act[1], d_act[0], "relu² reader's x̂ᵗ from its feeder: d relu²");
+  expect_bitwise_equal(dx[1], dx[0], "relu² reader's x̂ᵗ from its feeder: dx");
+  expect_bitwise_equal(dweight[1], dweight[0], "relu² reader's x̂ᵗ from its feeder: both dW");
+
+  MlpPair narrow(ScalingRecipe::Blockwise, kNarrowWidth, gemm_);
+  EXPECT_FALSE(narrow.fc->casts_reader_input_t(*narrow.proj, kTokens)) << "backward in chunks";
+  MlpPair tensorwise(ScalingRecipe::Tensorwise, kOut, gemm_);
+  EXPECT_FALSE(tensorwise.fc->casts_reader_input_t(*tensorwise.proj, kTokens)) << "tensorwise";
+  MlpPair pair(ScalingRecipe::Blockwise, kOut, gemm_);
+  pair.forward(weights, x_.get(), stream_);
+  EXPECT_THROW(pair.fc->backward(pair.d_act.get(), x_.get(), kTokens, pair.dx.get(), false,
+                                 pair.dweight.get(), false, stream_, pair.hidden.get(),
+                                 {pair.proj.get(), pair.dweight.get() + kWeight}),
+               Error)
+      << "the feeder's backward before the reader's";
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 // forward(…, residual) = x·Wᵀ + residual, summed in the GEMM's epilogue and rounded once:

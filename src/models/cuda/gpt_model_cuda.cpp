@@ -948,17 +948,25 @@ void CudaGptModel::backward() {
 
     // MLP: output = mid + c_proj(relu²(c_fc(norm(mid))))
     Linear& mlp_proj = linear(prefix + "mlp.c_proj");
-    mlp_proj.layer->backward(gather_rows(b.dres), mlp_activation(layer.fc, *mlp_proj.layer), N,
-                             b.dfc_act, false, weight_gradient(mlp_proj), record, s);
     const Linear& mlp_fc = linear(prefix + "mlp.c_fc");
     kernels::CudaLinear& c_fc = *mlp_fc.layer;
     float* c_fc_gradient = weight_gradient(mlp_fc);
-    const bf16* mlp_norm = gather_rows(layer.mlp_norm);
-    if (c_fc.output_relu2()) {  // its gradient cast reads d relu²(fc) and fc
-      c_fc.backward(b.dfc_act, mlp_norm, N, b.dnorm, false, c_fc_gradient, record, s, layer.fc);
+    if (c_fc.casts_reader_input_t(*mlp_proj.layer, N)) {
+      // c_fc's gradient cast, which reads fc anyway, casts c_proj's x̂ᵗ too; c_proj's weight
+      // gradient waits for it.
+      mlp_proj.layer->backward_leaving_wgrad(gather_rows(b.dres), N, b.dfc_act, record, s);
+      c_fc.backward(b.dfc_act, gather_rows(layer.mlp_norm), N, b.dnorm, false, c_fc_gradient,
+                    record, s, layer.fc, {mlp_proj.layer.get(), weight_gradient(mlp_proj)});
     } else {
-      kernels::relu2_backward(b.fc_act, b.dfc_act, layer.fc, N * hidden_, GradStore::Write, s);
-      c_fc.backward(b.fc_act, mlp_norm, N, b.dnorm, false, c_fc_gradient, record, s);
+      mlp_proj.layer->backward(gather_rows(b.dres), mlp_activation(layer.fc, *mlp_proj.layer), N,
+                               b.dfc_act, false, weight_gradient(mlp_proj), record, s);
+      const bf16* mlp_norm = gather_rows(layer.mlp_norm);
+      if (c_fc.output_relu2()) {  // its gradient cast reads d relu²(fc) and fc
+        c_fc.backward(b.dfc_act, mlp_norm, N, b.dnorm, false, c_fc_gradient, record, s, layer.fc);
+      } else {
+        kernels::relu2_backward(b.fc_act, b.dfc_act, layer.fc, N * hidden_, GradStore::Write, s);
+        c_fc.backward(b.fc_act, mlp_norm, N, b.dnorm, false, c_fc_gradient, record, s);
+      }
     }
     kernels::rmsnorm_backward(b.dres, sum_rows(b.dnorm, buffers_->dnorm_own), layer.mlp_norm,
                               layer.mlp_rstd, R, C, GradStore::Add, s);  // dres: d mid

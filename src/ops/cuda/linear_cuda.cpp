@@ -27,6 +27,7 @@ Fp8Scratch take_fp8_scratch(DeviceArena& arena, ScalingRecipe recipe, int64_t ma
   const auto count = [](int64_t a, int64_t b) { return static_cast<size_t>(a * b); };
   Fp8Scratch scratch;
   scratch.input = arena.take<uint8_t>(count(max_tokens, max_in));
+  scratch.input_elements = max_tokens * max_in;
   scratch.backward_elements = fp8_backward_elements(max_tokens, max_in, max_out, backward_width);
   const auto backward_count = static_cast<size_t>(scratch.backward_elements);
   scratch.input_t = arena.take<uint8_t>(backward_count);
@@ -183,8 +184,10 @@ template <typename T>
 void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole role, uint8_t* out,
                           uint8_t* out_t, ScaleSource source, bool record_amax, cudaStream_t stream,
                           float* scales, float* scales_t, const bf16* y, bool first_cast,
-                          int64_t scale_lines_t) {
+                          int64_t scale_lines_t, const fp8t::cuda::ActivationTCast& activation_t) {
   const PhaseScope timed(StepPhase::Quantization, stream);
+  FP8T_CHECK(activation_t.out_t == nullptr || (blockwise() && role == TensorRole::GradOutput),
+             "relu²'s transposed copy comes with a blockwise cast of its gradient");
   const Fp8Config& config = setup_.fp8_config;
   const Fp8Format format = config.format_for(role, setup_.family);
   CastHealth* health = nullptr;
@@ -208,7 +211,7 @@ void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole rol
                                   out_t, out_t != nullptr ? scales_t : nullptr, stream, health,
                                   fp8t::cuda::BlockScaleOrder::BlockMajor, input,
                                   input == fp8t::cuda::CastInput::Relu2Gradient ? y : nullptr,
-                                  scale_lines_t);
+                                  scale_lines_t, activation_t);
       return;
     }
     // 128x128 grids [ceil(rows / 128), ceil(cols / 128)] and the transposed tiles', padded.
@@ -430,7 +433,7 @@ void CudaLinear::forward(const bf16* x, int64_t tokens, bf16* y, bool record_ama
 
 void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* dx,
                           bool accumulate_dx, float* dweight, bool record_amax, cudaStream_t stream,
-                          const bf16* y) {
+                          const bf16* y, Relu2Reader reader) {
   const int64_t in = setup_.in_features, out = setup_.out_features;
   FP8T_CHECK(tokens > 0 && tokens <= setup_.max_tokens, "expected 1 to {} tokens, found {}",
              setup_.max_tokens, tokens);
@@ -438,6 +441,15 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
              "the backward of a linear whose output feeds relu² takes that output, and only it");
   const bool grad_amax_done = std::exchange(grad_output_amax_done_, false);
   const bool fp8_wgrad = setup_.fp8 && dweight != nullptr && setup_.fp8_wgrad;
+  if (reader.layer != nullptr) {
+    const InputTHolder& holder = *scratch_.input_t_holder;
+    FP8T_CHECK(casts_reader_input_t(*reader.layer, tokens) && fp8_wgrad &&
+                   reader.dweight != nullptr && holder.waiting_wgrad == reader.layer &&
+                   holder.waiting_rows == tokens,
+               "a linear casts the x̂ᵗ of the relu² reader it feeds only right after that reader's "
+               "backward_leaving_wgrad() over the same {} rows, both with weight gradients",
+               tokens);
+  }
   if (dweight != nullptr && !fp8_wgrad) {
     FP8T_CHECK(x != nullptr, "a BF16 weight gradient needs the forward's input");
     gemm::GemmOutput grad_weight;
@@ -474,7 +486,7 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
     backward_rows(dy + first * out, x != nullptr ? x + first * in : nullptr, first, rows,
                   dx != nullptr ? dx + first * in : nullptr, accumulate_dx,
                   fp8_wgrad ? dweight : nullptr, record_amax, grad_scale, stream,
-                  y != nullptr ? y + first * out : nullptr);
+                  y != nullptr ? y + first * out : nullptr, reader);
   }
 }
 
@@ -488,53 +500,116 @@ int64_t CudaLinear::backward_chunk(int64_t tokens) const {
 
 void CudaLinear::backward_rows(const bf16* dy, const bf16* x, int64_t first_row, int64_t rows,
                                bf16* dx, bool accumulate_dx, float* dweight, bool record_amax,
-                               ScaleSource grad_scale, cudaStream_t stream, const bf16* y) {
+                               ScaleSource grad_scale, cudaStream_t stream, const bf16* y,
+                               Relu2Reader reader) {
+  const int64_t out = setup_.out_features;
+  const bool wgrad = dweight != nullptr;
+  const LinearSetup::WgradGroup group = setup_.wgrad_group;
+  const bool joint = wgrad && group.rows != 0;
+  // A joint weight gradient's dŷᵗ takes this layer's rows of the group's operand (in one chunk:
+  // the constructor saw to it that the scratch holds them all). A relu² reader's x̂ᵗ goes where
+  // its own cast would put it.
+  fp8t::cuda::ActivationTCast reader_input_t;
+  if (reader.layer != nullptr) reader_input_t = {scratch_.input_t, scratch_.input_t_scales};
+  quantize(dy, rows, out, TensorRole::GradOutput, scratch_.grad_output,
+           wgrad ? scratch_.grad_output_t + (joint ? group.first_row * rows : 0) : nullptr,
+           grad_scale, record_amax, stream, scratch_.grad_output_scales,
+           scratch_.grad_output_t_scales + (joint ? group.first_row : 0), y, /*first_cast=*/true,
+           joint ? group.rows : 0, reader_input_t);
+  if (reader.layer != nullptr) {  // the reader's x̂ᵗ is in the scratch: its weight gradient
+    InputTHolder& holder = *scratch_.input_t_holder;
+    holder = {reader.layer, first_row, rows};
+    CudaLinear& waiting = *reader.layer;
+    waiting.wgrad_gemm(rows, waiting.setup_.out_features, reader.dweight, scratch_.input,
+                       scratch_.input_scales, stream);
+  }
+  if (wgrad) cast_input_t(x, first_row, rows, stream);
+  if (mx()) {
+    gemm::GemmOutput grad_input;
+    grad_input.data = dx;
+    grad_input.ld = setup_.in_features;
+    grad_input.type = gemm::GemmType::BF16;
+    grad_input.accumulate = accumulate_dx;
+    gemm::GemmOutput grad_weight;
+    grad_weight.data = dweight;
+    grad_weight.ld = setup_.in_features;
+    grad_weight.type = gemm::GemmType::F32;
+    grad_weight.accumulate = true;
+    mx_backward(rows, grad_input, wgrad ? &grad_weight : nullptr, stream);
+    return;
+  }
+  if (dx != nullptr) dgrad_gemm(rows, dx, accumulate_dx, stream);
+  if (!wgrad) return;
+  int64_t wgrad_rows = out;
+  if (joint) {
+    dweight = joint_wgrad(dweight);
+    if (dweight == nullptr) return;  // a later layer completes the group
+    wgrad_rows = group.rows;
+  }
+  wgrad_gemm(rows, wgrad_rows, dweight, scratch_.grad_output_t, scratch_.grad_output_t_scales,
+             stream);
+}
+
+void CudaLinear::dgrad_gemm(int64_t rows, bf16* dx, bool accumulate_dx, cudaStream_t stream) {
   const int64_t in = setup_.in_features, out = setup_.out_features;
   gemm::GemmOutput grad_input;
   grad_input.data = dx;
   grad_input.ld = in;
   grad_input.type = gemm::GemmType::BF16;
   grad_input.accumulate = accumulate_dx;
+  gemm_.fp8_gemm(
+      rows, in, out,
+      operand(scratch_.grad_output, out, TensorRole::GradOutput, scratch_.grad_output_scales),
+      operand(weight_t(), out, TensorRole::Weight, weight_t_scales()), grad_input,
+      /*fast_accumulation=*/false, stream);
+}
+
+void CudaLinear::wgrad_gemm(int64_t rows, int64_t wgrad_rows, float* dweight,
+                            const uint8_t* grad_output_t, const float* grad_output_t_scales,
+                            cudaStream_t stream) {
   gemm::GemmOutput grad_weight;
   grad_weight.data = dweight;
   grad_weight.ld = setup_.in_features;
   grad_weight.type = gemm::GemmType::F32;
   grad_weight.accumulate = true;
-  const bool wgrad = dweight != nullptr;
-  const LinearSetup::WgradGroup group = setup_.wgrad_group;
-  const bool joint = wgrad && group.rows != 0;
-  // A joint weight gradient's dŷᵗ takes this layer's rows of the group's operand (in one chunk:
-  // the constructor saw to it that the scratch holds them all).
-  quantize(dy, rows, out, TensorRole::GradOutput, scratch_.grad_output,
-           wgrad ? scratch_.grad_output_t + (joint ? group.first_row * rows : 0) : nullptr,
-           grad_scale, record_amax, stream, scratch_.grad_output_scales,
-           scratch_.grad_output_t_scales + (joint ? group.first_row : 0), y, /*first_cast=*/true,
-           joint ? group.rows : 0);
-  if (wgrad) cast_input_t(x, first_row, rows, stream);
-  if (mx()) {
-    mx_backward(rows, grad_input, wgrad ? &grad_weight : nullptr, stream);
-    return;
-  }
-  if (dx != nullptr) {  // dx[rows, in] (+)= dŷ[rows, out] · (Ŵᵗ[in, out])ᵀ
-    gemm_.fp8_gemm(
-        rows, in, out,
-        operand(scratch_.grad_output, out, TensorRole::GradOutput, scratch_.grad_output_scales),
-        operand(weight_t(), out, TensorRole::Weight, weight_t_scales()), grad_input,
-        /*fast_accumulation=*/false, stream);
-  }
-  if (!wgrad) return;
-  int64_t wgrad_rows = out;
-  if (joint) {
-    grad_weight.data = joint_wgrad(dweight);
-    if (grad_weight.data == nullptr) return;  // a later layer completes the group
-    wgrad_rows = group.rows;
-  }
-  // dW[out, in] += dŷᵗ[out, rows] · (x̂ᵗ[in, rows])ᵀ, out the group's rows for a joint one
   gemm_.fp8_gemm(
-      wgrad_rows, in, rows,
-      operand(scratch_.grad_output_t, rows, TensorRole::GradOutput, scratch_.grad_output_t_scales),
+      wgrad_rows, setup_.in_features, rows,
+      operand(grad_output_t, rows, TensorRole::GradOutput, grad_output_t_scales),
       input_owner().operand(scratch_.input_t, rows, TensorRole::Input, scratch_.input_t_scales),
       grad_weight, /*fast_accumulation=*/false, stream);
+}
+
+bool CudaLinear::casts_reader_input_t(const CudaLinear& reader, int64_t tokens) const {
+  const auto fused_blockwise = [tokens](const CudaLinear& layer) {
+    return layer.setup_.fp8 && layer.blockwise() && layer.setup_.fp8_wgrad &&
+           layer.setup_.wgrad_group.rows == 0 && layer.backward_chunk(tokens) == tokens;
+  };
+  return setup_.output_relu2 && reader.setup_.input_relu2 &&
+         reader.setup_.in_features == setup_.out_features && fused_blockwise(*this) &&
+         fused_blockwise(reader) &&
+         reader.setup_.fp8_config.format_for(TensorRole::Input, reader.setup_.family) ==
+             Fp8Format::E4M3 &&
+         reader.setup_.out_features * tokens <= scratch_.input_elements;
+}
+
+void CudaLinear::backward_leaving_wgrad(const bf16* dy, int64_t tokens, bf16* dx, bool record_amax,
+                                        cudaStream_t stream) {
+  const int64_t out = setup_.out_features;
+  FP8T_CHECK(setup_.input_relu2 && setup_.fp8 && blockwise() && backward_chunk(tokens) == tokens &&
+                 out * tokens <= scratch_.input_elements,
+             "a linear leaves its weight gradient to the layer feeding it relu² only as a "
+             "blockwise input_relu2 layer whose operands the scratch holds whole ({} tokens)",
+             tokens);
+  grad_output_amax_done_ = false;
+  quantize(dy, tokens, out, TensorRole::GradOutput, scratch_.grad_output, scratch_.input,
+           ScaleSource::Measure, record_amax, stream, scratch_.grad_output_scales,
+           scratch_.input_scales);
+  InputTHolder& holder = *scratch_.input_t_holder;
+  holder.waiting_wgrad = this;
+  holder.waiting_rows = tokens;
+  if (dx == nullptr) return;
+  if (!weight_t_kept()) transpose_weight(stream);
+  dgrad_gemm(tokens, dx, false, stream);
 }
 
 const uint8_t* CudaLinear::weight_t() const {
@@ -594,10 +669,12 @@ void CudaLinear::mx_backward(int64_t tokens, const gemm::GemmOutput& grad_input,
 
 template void CudaLinear::quantize<float>(const float*, int64_t, int64_t, TensorRole, uint8_t*,
                                           uint8_t*, ScaleSource, bool, cudaStream_t, float*, float*,
-                                          const bf16*, bool, int64_t);
+                                          const bf16*, bool, int64_t,
+                                          const fp8t::cuda::ActivationTCast&);
 template void CudaLinear::quantize<bf16>(const bf16*, int64_t, int64_t, TensorRole, uint8_t*,
                                          uint8_t*, ScaleSource, bool, cudaStream_t, float*, float*,
-                                         const bf16*, bool, int64_t);
+                                         const bf16*, bool, int64_t,
+                                         const fp8t::cuda::ActivationTCast&);
 
 }  // namespace fp8t::ops::cuda
 

@@ -12,13 +12,14 @@
 // model's bias gradient takes where the layer has a bias: fused_grad_output_amax), and one per
 // weight and optimizer step. The wgrad's x̂ᵗ is cast again in backward from the forward's
 // input, which the models keep in bf16 anyway (their norms and attention need it): FP8 saves no
-// activation copy of its own. Scales and amaxes live on the device (LinearScaling), so a step
-// needs no host sync: tensorwise derives each scale from the tensor's own amax on the device;
-// delayed reads the scale its history gave and records the amax, which the model folds into the
-// history at the end of the step. The backward cast reuses the forward's scale, so x̂ᵗ holds
-// the forward's numbers.
-// Ŵᵗ is kept from the weight cast, or (WeightTransposes::InBackward) transposed from Ŵ into the
-// shared scratch before each backward: the same bytes for one byte per weight less.
+// activation copy of its own. The GPT's blockwise mlp.c_fc casts mlp.c_proj's x̂ᵗ in its own
+// gradient cast, which reads the same input (casts_reader_input_t). Scales and amaxes live on
+// the device (LinearScaling), so a step needs no host sync: tensorwise derives each scale from
+// the tensor's own amax on the device; delayed reads the scale its history gave and records the
+// amax, which the model folds into the history at the end of the step. The backward cast reuses the
+// forward's scale, so x̂ᵗ holds the forward's numbers. Ŵᵗ is kept from the weight cast, or
+// (WeightTransposes::InBackward) transposed from Ŵ into the shared scratch before each backward:
+// the same bytes for one byte per weight less.
 //
 // MXFP8 (1x32 blocks, E8M0 scales) is emulated: Hopper has no MX GEMM, so each operand is
 // quantized as the recipe says, dequantized to bf16 (exact: FP8 values times powers of two) and
@@ -63,9 +64,14 @@ struct InputTHolder {
   // in the scratch, and the group's gradient.
   int64_t wgrad_rows_cast = 0;
   float* wgrad_output = nullptr;
+  // A relu² reader (CudaLinear::backward_leaving_wgrad) whose weight gradient waits, its dŷᵗ in
+  // the input scratch, over `waiting_rows` rows.
+  const CudaLinear* waiting_wgrad = nullptr;
+  int64_t waiting_rows = 0;
 };
 struct Fp8Scratch {
-  uint8_t* input = nullptr;  // >= max_tokens * the largest in_features
+  uint8_t* input = nullptr;    // >= max_tokens * the largest in_features
+  int64_t input_elements = 0;  // input's size
   // The backward's operands, backward_elements each: a layer whose tokens times its widest
   // side exceed that runs its backward in chunks of rows (the GPT's lm_head, Flux's linear1).
   int64_t backward_elements = 0;
@@ -163,6 +169,14 @@ struct LinearSetup {
   std::function<void(float* amax, cudaStream_t stream)> group_max;
 };
 
+// The layer reading relu² of an output_relu2 layer's output (an input_relu2 layer: the GPT's
+// mlp.c_proj reading relu²(mlp.c_fc)) whose weight gradient waits for that layer's gradient
+// cast, and the gradient it adds to.
+struct Relu2Reader {
+  CudaLinear* layer = nullptr;
+  float* dweight = nullptr;
+};
+
 class CudaLinear {
  public:
   // Allocates the weight copy (bf16, or FP8 Ŵ and, when kept, Ŵᵗ, and for MXFP8 their bf16
@@ -214,8 +228,26 @@ class CudaLinear {
   // FP8 layers wider than the scratch take the tokens in chunks of rows: the same numbers (the
   // per-tensor scale is the whole dy's), the weight gradient summed chunk by chunk.
   // output_relu2 layers: dy is the gradient of relu(y)², y [tokens, out] the forward's output.
+  // With a `reader` (output_relu2 layers for which casts_reader_input_t(reader, tokens) holds,
+  // right after the reader's backward_leaving_wgrad()): the gradient cast, which reads y anyway,
+  // also casts the reader's x̂ᵗ, and the reader's weight gradient runs before this layer's x̂ᵗ
+  // and GEMMs.
   void backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* dx, bool accumulate_dx,
-                float* dweight, bool record_amax, cudaStream_t stream, const bf16* y = nullptr);
+                float* dweight, bool record_amax, cudaStream_t stream, const bf16* y = nullptr,
+                Relu2Reader reader = {});
+
+  // Blockwise, FP8 weight gradients: whether this output_relu2 layer's backward over `tokens`
+  // rows can cast the x̂ᵗ of `reader` (the input_relu2 layer reading relu² of its output), both
+  // layers' operands held whole in the scratch. The pair's backward is then
+  // reader.backward_leaving_wgrad(), then backward(…, reader): the numbers of reader.backward()
+  // then backward(), without the reader's cast of x̂ᵗ, which would read y once more.
+  bool casts_reader_input_t(const CudaLinear& reader, int64_t tokens) const;
+
+  // The backward of such a reader before that of the layer feeding it: dŷ, dŷᵗ (kept in the
+  // input scratch, free in backward) and dx written; the weight gradient waits for backward(…,
+  // reader) of the layer feeding it.
+  void backward_leaving_wgrad(const bf16* dy, int64_t tokens, bf16* dx, bool record_amax,
+                              cudaStream_t stream);
 
   // FP8 health (ops/fp8_health.h): while on, the first cast of each tensor (x̂ in forward, Ŵ in
   // prepare_weight, dŷ in backward; not backward's x̂ᵗ, made again from the same values) adds its
@@ -250,11 +282,13 @@ class CudaLinear {
   // the GEMMs' layouts (1x128 ones of out_t strided by scale_lines_t lines when not 0). y: the
   // forward's output rows beside x, for output_relu2's GradOutput. `first_cast`: false for a second
   // cast of values already cast (x̂ᵗ in backward), which FP8 health does not count again.
+  // activation_t: output_relu2 layers' blockwise GradOutput casts only (quantize_blocks).
   template <typename T>
   void quantize(const T* x, int64_t rows, int64_t cols, TensorRole role, uint8_t* out,
                 uint8_t* out_t, ScaleSource source, bool record_amax, cudaStream_t stream,
                 float* scales = nullptr, float* scales_t = nullptr, const bf16* y = nullptr,
-                bool first_cast = true, int64_t scale_lines_t = 0);
+                bool first_cast = true, int64_t scale_lines_t = 0,
+                const fp8t::cuda::ActivationTCast& activation_t = {});
   // Tensorwise: the role's scale from the amax of x [count] (measured here, or already in the
   // slot when amax_measured), on the device.
   template <typename T>
@@ -284,7 +318,12 @@ class CudaLinear {
   // The FP8 backward of rows [first_row, first_row + rows): dy, x, dx and y point at that row.
   void backward_rows(const bf16* dy, const bf16* x, int64_t first_row, int64_t rows, bf16* dx,
                      bool accumulate_dx, float* dweight, bool record_amax, ScaleSource grad_scale,
-                     cudaStream_t stream, const bf16* y);
+                     cudaStream_t stream, const bf16* y, Relu2Reader reader);
+  // dx[rows, in] (+)= dŷ[rows, out] · (Ŵᵗ[in, out])ᵀ, dŷ in the scratch.
+  void dgrad_gemm(int64_t rows, bf16* dx, bool accumulate_dx, cudaStream_t stream);
+  // dW[wgrad_rows, in] += dŷᵗ[wgrad_rows, rows] · (x̂ᵗ[in, rows])ᵀ, x̂ᵗ in the scratch.
+  void wgrad_gemm(int64_t rows, int64_t wgrad_rows, float* dweight, const uint8_t* grad_output_t,
+                  const float* grad_output_t_scales, cudaStream_t stream);
   // A wgrad_group layer's part of the joint weight gradient, its dŷᵗ cast: records it, and
   // returns the group's gradient when this layer completes the group (null otherwise).
   float* joint_wgrad(float* dweight);
