@@ -215,10 +215,7 @@ size_t fp8_scratch_bytes(ScalingRecipe recipe, int64_t fp8_count, int64_t max_to
   const int64_t floats = ops::fp8_scale_scratch_floats(max_tokens, max_in, max_out);
   for (int buffer = 0; buffer < 4; ++buffer)  // the scales of x̂, x̂ᵗ, dŷ and dŷᵗ
     scratch.take<float>(floats);
-  if (recipe == ScalingRecipe::Blockwise) {
-    for (int grid = 0; grid < 2; ++grid)  // a weight's 128x128 scale grid and its transpose's
-      scratch.take<float>(ops::weight_grid_floats(max_in, max_out));
-  } else {
+  if (recipe == ScalingRecipe::Mxfp8) {
     scratch.take<bf16>(max_tokens * widest);  // the emulated GEMMs' dequantized operands
     scratch.take<bf16>(max_tokens * max_in);
   }

@@ -598,8 +598,10 @@ __device__ void store_block_scale(void* scales, const BlockShape& grid, int64_t 
     line = tile_line;
     lines = grid.rows;
   }
+  const int64_t line_blocks =
+      order == BlockScaleOrder::PaddedLineMajor ? (grid.cols + 3) / 4 * 4 : grid.cols;
   const int64_t index =
-      order == BlockScaleOrder::BlockMajor ? block * lines + line : line * grid.cols + block;
+      order == BlockScaleOrder::BlockMajor ? block * lines + line : line * line_blocks + block;
   if (spec.scaling == BlockScaling::Mx1x32) {
     static_cast<uint8_t*>(scales)[index] = result.code;
   } else {
@@ -1172,8 +1174,10 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
   FP8T_CHECK((out_t == nullptr) == (scales_t == nullptr), "out_t and scales_t go together");
   FP8T_CHECK(health == nullptr || out != nullptr,
              "a block cast counts the codes of out, and was given none");
-  FP8T_CHECK(order == BlockScaleOrder::LineMajor || spec.scaling == BlockScaling::Rows1x128,
+  FP8T_CHECK(order != BlockScaleOrder::BlockMajor || spec.scaling == BlockScaling::Rows1x128,
              "block-major scales are for 1x128 blocks");
+  FP8T_CHECK(order != BlockScaleOrder::PaddedLineMajor || spec.scaling == BlockScaling::Tile128x128,
+             "padded line-major scales are for 128x128 tiles");
   check_pointers(rows * cols, x, out != nullptr ? out : out_t);
   check_data_format(spec.format);
   if (rows * cols == 0) return;

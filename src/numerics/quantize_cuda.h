@@ -61,8 +61,11 @@ void dequantize(const uint8_t* q, int64_t count, const float* scale_inv, Fp8Form
 
 // Where quantize_blocks() writes the scale of block b of line l (a row of the tensor or of its
 // transpose), for a tensor of L lines of B blocks: LineMajor at l·B + b, the grid of quantize.h;
-// BlockMajor at b·L + l, the layout the GEMMs read for 1x128 operands (gemm/cublaslt_gemm.h).
-enum class BlockScaleOrder : uint8_t { LineMajor, BlockMajor };
+// BlockMajor at b·L + l, the layout the GEMMs read for 1x128 operands (gemm/cublaslt_gemm.h);
+// PaddedLineMajor (128x128 tiles only) at l·B' + b, B' = B rounded up to a multiple of 4, the
+// layout the GEMMs read for 128x128 operands (ops/fp8_linear_layout.h tile_floats), the pads
+// left as they are.
+enum class BlockScaleOrder : uint8_t { LineMajor, BlockMajor, PaddedLineMajor };
 
 // Block scalings, layouts as in quantize.h. out and scales may be null (no row-wise copy), and
 // out_t and scales_t (no transposed copy), but not both. health (a device CastHealth; may be

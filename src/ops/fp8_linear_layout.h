@@ -70,12 +70,6 @@ inline int64_t fp8_scale_scratch_floats(int64_t max_tokens, int64_t max_in, int6
                    mx_scale_floats(max_tokens, widest), mx_scale_floats(widest, max_tokens)});
 }
 
-// Floats of each of blockwise's 128x128 scale grids of a weight and of its transpose, for
-// weights up to [max_out, max_in].
-inline int64_t weight_grid_floats(int64_t max_in, int64_t max_out) {
-  return scale_blocks(max_in) * scale_blocks(max_out);
-}
-
 // The bytes one linear [in -> out] allocates itself: its bf16 bias and the weight copies of its
 // precision (bf16; or FP8 Ŵ and, when kept, Ŵᵗ, with their block scales, and for MXFP8 both
 // dequantized).

@@ -740,6 +740,55 @@ TYPED_TEST(CudaQuantize, BlockMajorScalesAreTheGridsTransposed) {
   }
 }
 
+// 128x128 tile scales in the GEMMs' padded layout (PaddedLineMajor): each grid row of both
+// orientations padded to a multiple of 4 blocks, the reference's scales in place and the pads
+// left as they were; the codes do not change. Refused for 1x128 blocks.
+TYPED_TEST(CudaQuantize, PaddedTileScalesAreTheGridsWithTheirRowsPadded) {
+  const BlockQuantization spec{BlockScaling::Tile128x128, Fp8Format::E4M3, true, 0.0f};
+  std::vector<Shape> shapes = block_cast_shapes();
+  shapes.push_back({640, 1000});  // 5 x 8 tiles: rows padded to 8 blocks, columns to 8
+  for (const Shape shape : shapes) {
+    const size_t count = static_cast<size_t>(shape.rows * shape.cols);
+    const std::vector<TypeParam> x = random_tensor<TypeParam>(count, false);
+    const DeviceBuffer<TypeParam> device_x(x);
+    const BlockReference expected(x, shape, spec);
+    const auto padded = [](const std::vector<uint8_t>& grid_bytes, BlockShape grid) {
+      const int64_t padded_cols = (grid.cols + 3) / 4 * 4;
+      std::vector<float> grid_floats(grid_bytes.size() / sizeof(float));
+      std::memcpy(grid_floats.data(), grid_bytes.data(), grid_bytes.size());
+      std::vector<float> result(size_t(grid.rows * padded_cols), -1.0f);
+      for (int64_t r = 0; r < grid.rows; ++r) {
+        for (int64_t c = 0; c < grid.cols; ++c)
+          result[size_t(r * padded_cols + c)] = grid_floats[size_t(r * grid.cols + c)];
+      }
+      return result;
+    };
+    const std::vector<float> want =
+        padded(expected.scales, scale_grid(spec.scaling, shape.rows, shape.cols));
+    const std::vector<float> want_t =
+        padded(expected.scales_t, scale_grid(spec.scaling, shape.cols, shape.rows));
+    DeviceBuffer<uint8_t> out(count), out_t(count);
+    DeviceBuffer<float> scales(std::vector<float>(want.size(), -1.0f)),
+        scales_t(std::vector<float>(want_t.size(), -1.0f));
+    cuda::quantize_blocks(device_x.get(), shape.rows, shape.cols, spec, out.get(), scales.get(),
+                          out_t.get(), scales_t.get(), nullptr, nullptr,
+                          cuda::BlockScaleOrder::PaddedLineMajor);
+    const auto where = ::testing::Message() << "[" << shape.rows << ", " << shape.cols << "]";
+    EXPECT_IDENTICAL(out.download(), expected.codes, where);
+    EXPECT_IDENTICAL(out_t.download(), expected.codes_t, where << " transposed");
+    EXPECT_IDENTICAL(scales.download(), want, where << " scales");
+    EXPECT_IDENTICAL(scales_t.download(), want_t, where << " transposed scales");
+  }
+  const DeviceBuffer<TypeParam> x(std::vector<TypeParam>(256));
+  DeviceBuffer<uint8_t> out(256);
+  DeviceBuffer<float> scales(16);
+  const BlockQuantization rows_spec{BlockScaling::Rows1x128, Fp8Format::E4M3, true, 0.0f};
+  EXPECT_THROW(
+      cuda::quantize_blocks(x.get(), 2, 128, rows_spec, out.get(), scales.get(), nullptr, nullptr,
+                            nullptr, nullptr, cuda::BlockScaleOrder::PaddedLineMajor),
+      Error);
+}
+
 // Transposed copies cast one after the other into consecutive lines of one operand, their
 // block-major scales strided by all its lines (scale_lines_t): the codes and scales of the
 // transposed cast of the side-by-side tensor, every byte written; a stride below a cast's own

@@ -47,11 +47,7 @@ Fp8Scratch take_fp8_scratch(DeviceArena& arena, ScalingRecipe recipe, int64_t ma
                          &scratch.grad_output_scales, &scratch.grad_output_t_scales}) {
     *buffer = arena.take<float>(floats);
   }
-  if (recipe == ScalingRecipe::Blockwise) {
-    const auto grid_floats = static_cast<size_t>(weight_grid_floats(max_in, max_out));
-    scratch.grid = arena.take<float>(grid_floats);
-    scratch.grid_t = arena.take<float>(grid_floats);
-  } else {  // the emulated GEMMs' bf16 operands
+  if (recipe == ScalingRecipe::Mxfp8) {  // the emulated GEMMs' bf16 operands
     scratch.dequantized_lhs = arena.take<bf16>(count(max_tokens, max_features));
     scratch.dequantized_rhs = arena.take<bf16>(count(max_tokens, max_in));
   }
@@ -155,14 +151,14 @@ CudaLinear::CudaLinear(const LinearSetup& setup, gemm::CublasLtGemm& gemm,
     weight_t_scales_ = std::make_unique<DeviceBuffer<float>>(floats(mx_scale_floats(in, out)));
   }
   if (blockwise()) {
-    FP8T_CHECK(scratch.grid != nullptr && scratch.grid_t != nullptr &&
-                   scratch.input_scales != nullptr && scratch.input_t_scales != nullptr &&
+    FP8T_CHECK(scratch.input_scales != nullptr && scratch.input_t_scales != nullptr &&
                    scratch.grad_output_scales != nullptr && scratch.grad_output_t_scales != nullptr,
                "a blockwise linear needs the block-scale scratch");
-    const auto floats = [](int64_t count) { return static_cast<size_t>(count); };
-    weight_scales_ = std::make_unique<DeviceBuffer<float>>(floats(tile_floats(out, in)));
+    // Zeros in the pads of the GEMMs' layout, which the casts leave as they are.
+    const auto zeros = [](int64_t count) { return std::vector<float>(size_t(count), 0.0f); };
+    weight_scales_ = std::make_unique<DeviceBuffer<float>>(zeros(tile_floats(out, in)));
     if (weight_t_kept())
-      weight_t_scales_ = std::make_unique<DeviceBuffer<float>>(floats(tile_floats(in, out)));
+      weight_t_scales_ = std::make_unique<DeviceBuffer<float>>(zeros(tile_floats(in, out)));
   }
 }
 
@@ -214,13 +210,11 @@ void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole rol
                                   scale_lines_t, activation_t);
       return;
     }
-    // 128x128 grids [ceil(rows / 128), ceil(cols / 128)] and the transposed tiles', padded.
-    fp8t::cuda::quantize_blocks(x, rows, cols, spec, out, scratch_.grid, out_t,
-                                out_t != nullptr ? scratch_.grid_t : nullptr, stream, health);
-    pad_tile_scale_grid(scales, scratch_.grid, scale_blocks(rows), scale_blocks(cols), stream);
-    if (out_t != nullptr)
-      pad_tile_scale_grid(scales_t, scratch_.grid_t, scale_blocks(cols), scale_blocks(rows),
-                          stream);
+    // 128x128 grids [ceil(rows / 128), ceil(cols / 128)] and the transposed tiles', straight in
+    // the GEMMs' padded layout (the buffers' pads zeroed once).
+    fp8t::cuda::quantize_blocks(x, rows, cols, spec, out, scales, out_t,
+                                out_t != nullptr ? scales_t : nullptr, stream, health,
+                                fp8t::cuda::BlockScaleOrder::PaddedLineMajor);
     return;
   }
   const fp8t::cuda::CastInput input = cast_input(role);

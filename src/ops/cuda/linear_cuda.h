@@ -80,10 +80,7 @@ struct Fp8Scratch {
   uint8_t* grad_output_t = nullptr;  // dŷᵗ
   // Whose x̂ᵗ input_t holds: the layers sharing an input read it right after their owner.
   std::shared_ptr<InputTHolder> input_t_holder;
-  // Blockwise (and, for the scales, MXFP8) only: quantize_blocks()' grids of 128x128 weight
-  // scales, and the operands' scales in the GEMMs' layouts.
-  float* grid = nullptr;
-  float* grid_t = nullptr;
+  // Blockwise and MXFP8 only: the operands' scales in the GEMMs' layouts.
   float* input_scales = nullptr;
   float* input_t_scales = nullptr;
   float* grad_output_scales = nullptr;

@@ -175,20 +175,15 @@ void softcap_cross_entropy_with_gradient(bf16* logits, const int32_t* targets, i
                                          float dloss, float* row_losses, float* mean_loss,
                                          int32_t* valid_rows, cudaStream_t stream);
 
-// --- Block-scale grids for cuBLASLt's block-scaled GEMMs (scale_grids.cu) ---
-// quantize_blocks() writes a 128x128 grid row-major [grid_rows, grid_cols]; the GEMMs read it
-// with each row padded to a multiple of 4 K-blocks: out [grid_rows, ceil(grid_cols / 4) * 4],
-// zeros in the pads. (1x128 scales need no pass: quantize_blocks() writes them block-major.)
-void pad_tile_scale_grid(float* out, const float* grid, int64_t grid_rows, int64_t grid_cols,
-                         cudaStream_t stream);
-
 // --- Transposes of cast FP8 weights (fp8_transpose.cu) ---
 // out [cols, rows] = the bytes of in [rows, cols] transposed; rows and cols multiples of 4,
 // both buffers 4-byte aligned.
 void transpose_fp8(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out,
                    cudaStream_t stream);
-// A 128x128 grid [grid_rows, grid_cols] in the GEMMs' padded layout (as pad_tile_scale_grid
-// writes it) into its transpose's, out [grid_cols, ceil(grid_rows / 4) * 4], zeros in the pads.
+// A 128x128 grid [grid_rows, grid_cols] in the GEMMs' padded layout, each row padded to a
+// multiple of 4 K-blocks with zeros (as the weight casts write it, BlockScaleOrder::
+// PaddedLineMajor), into its transpose's, out [grid_cols, ceil(grid_rows / 4) * 4], zeros in
+// the pads.
 void transpose_tile_scale_grid(float* out, const float* padded, int64_t grid_rows,
                                int64_t grid_cols, cudaStream_t stream);
 
