@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <utility>
+#include <vector>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
