@@ -171,6 +171,14 @@ __device__ uint32_t staged_relu2_pair(uint32_t pair) {
   return *reinterpret_cast<const uint32_t*>(&square);
 }
 
+// staged_relu2_pair() over a vector of bf16, in place.
+__device__ void stage_relu2(InputVector<bf16>& vector) {
+  auto* pairs = reinterpret_cast<uint32_t*>(vector.values);
+#pragma unroll
+  for (int w = 0; w < InputVector<bf16>::kSize / 2; ++w)
+    pairs[w] = staged_relu2_pair(pairs[w]);
+}
+
 // Scales and encodes one input vector, and folds the inputs into the amax (and, with kHealth,
 // the counts).
 template <Fp8Format kFormat, CastInput kInput, bool kHealth, typename T>
@@ -873,12 +881,7 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kActivatio
     }
 #pragma unroll
     for (int p = 0; p < kLoadGroup; ++p) {
-      if constexpr (kInput == CastInput::Relu2) {
-        auto* pairs = reinterpret_cast<uint32_t*>(vectors[p].values);
-#pragma unroll
-        for (int w = 0; w < kVec / 2; ++w)
-          pairs[w] = staged_relu2_pair(pairs[w]);
-      }
+      if constexpr (kInput == CastInput::Relu2) stage_relu2(vectors[p]);
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
         if constexpr (kTwoInputs)
@@ -889,10 +892,7 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kActivatio
       const int r = first_row + (group + p) * Shape::kRowsPerPass;
       *reinterpret_cast<InputVector<T>*>(tile + r * kBlockTile + column) = vectors[p];
       if constexpr (kActivationT) {
-        auto* pairs = reinterpret_cast<uint32_t*>(relu2_vectors[p].values);
-#pragma unroll
-        for (int w = 0; w < kVec / 2; ++w)
-          pairs[w] = staged_relu2_pair(pairs[w]);
+        stage_relu2(relu2_vectors[p]);
         *reinterpret_cast<InputVector<bf16>*>(activation_tile + r * kBlockTile + column) =
             relu2_vectors[p];
       }
