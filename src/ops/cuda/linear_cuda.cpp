@@ -574,24 +574,27 @@ void CudaLinear::wgrad_gemm(int64_t rows, int64_t wgrad_rows, float* dweight,
       grad_weight, /*fast_accumulation=*/false, stream);
 }
 
+bool CudaLinear::whole_blockwise_backward(int64_t tokens) const {
+  return setup_.fp8 && blockwise() && setup_.fp8_wgrad && setup_.wgrad_group.rows == 0 &&
+         backward_chunk(tokens) == tokens;
+}
+
+bool CudaLinear::can_leave_wgrad(int64_t tokens) const {
+  return setup_.input_relu2 && whole_blockwise_backward(tokens) &&
+         setup_.out_features * tokens <= scratch_.input_elements;
+}
+
 bool CudaLinear::casts_reader_input_t(const CudaLinear& reader, int64_t tokens) const {
-  const auto fused_blockwise = [tokens](const CudaLinear& layer) {
-    return layer.setup_.fp8 && layer.blockwise() && layer.setup_.fp8_wgrad &&
-           layer.setup_.wgrad_group.rows == 0 && layer.backward_chunk(tokens) == tokens;
-  };
-  return setup_.output_relu2 && reader.setup_.input_relu2 &&
-         reader.setup_.in_features == setup_.out_features && fused_blockwise(*this) &&
-         fused_blockwise(reader) &&
+  return setup_.output_relu2 && whole_blockwise_backward(tokens) &&
+         reader.can_leave_wgrad(tokens) && reader.setup_.in_features == setup_.out_features &&
          reader.setup_.fp8_config.format_for(TensorRole::Input, reader.setup_.family) ==
-             Fp8Format::E4M3 &&
-         reader.setup_.out_features * tokens <= scratch_.input_elements;
+             Fp8Format::E4M3;
 }
 
 void CudaLinear::backward_leaving_wgrad(const bf16* dy, int64_t tokens, bf16* dx, bool record_amax,
                                         cudaStream_t stream) {
   const int64_t out = setup_.out_features;
-  FP8T_CHECK(setup_.input_relu2 && setup_.fp8 && blockwise() && backward_chunk(tokens) == tokens &&
-                 out * tokens <= scratch_.input_elements,
+  FP8T_CHECK(can_leave_wgrad(tokens),
              "a linear leaves its weight gradient to the layer feeding it relu² only as a "
              "blockwise input_relu2 layer whose operands the scratch holds whole ({} tokens)",
              tokens);

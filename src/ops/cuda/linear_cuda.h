@@ -316,6 +316,11 @@ class CudaLinear {
   void backward_rows(const bf16* dy, const bf16* x, int64_t first_row, int64_t rows, bf16* dx,
                      bool accumulate_dx, float* dweight, bool record_amax, ScaleSource grad_scale,
                      cudaStream_t stream, const bf16* y, Relu2Reader reader);
+  // Blockwise with an FP8 weight gradient of its own (no joint one), `tokens` rows in one chunk.
+  bool whole_blockwise_backward(int64_t tokens) const;
+  // Whether backward_leaving_wgrad() can run over `tokens` rows: an input_relu2 layer with a
+  // whole blockwise backward whose dŷᵗ fits the input scratch.
+  bool can_leave_wgrad(int64_t tokens) const;
   // dx[rows, in] (+)= dŷ[rows, out] · (Ŵᵗ[in, out])ᵀ, dŷ in the scratch.
   void dgrad_gemm(int64_t rows, bf16* dx, bool accumulate_dx, cudaStream_t stream);
   // dW[wgrad_rows, in] += dŷᵗ[wgrad_rows, rows] · (x̂ᵗ[in, rows])ᵀ, x̂ᵗ in the scratch.
