@@ -635,6 +635,16 @@ std::vector<Shape> block_cast_shapes() {
   return shapes;
 }
 
+// A tensor of several waves of block casts on this GPU: at least twelve 128x128 tiles per SM,
+// with edge tiles of 80 rows (transposed stores still 16 bytes wide) and 40 columns.
+Shape many_waves_shape() {
+  int device = 0, multiprocessors = 0;
+  FP8T_CUDA_CHECK(cudaGetDevice(&device));
+  FP8T_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
+  const auto tiles_per_side = static_cast<int64_t>(std::ceil(std::sqrt(12.0 * multiprocessors)));
+  return {tiles_per_side * 128 + 80, tiles_per_side * 128 + 40};
+}
+
 // The CPU's codes and scales of both orientations, and the counts of the row-wise codes.
 struct BlockReference {
   std::vector<uint8_t> codes, codes_t, scales, scales_t;
@@ -909,12 +919,8 @@ TEST(CudaQuantize, BlockRelu2CastsMatchBlockCastOfTheActivation) {
 // orders and gradient formats, on full and edge tiles and on several waves of tiles; nothing is
 // written past either copy. Refused with other inputs, with other scalings and without scales.
 TEST(CudaQuantize, Relu2GradientCastMakesTheActivationsTransposedCopy) {
-  int device = 0, multiprocessors = 0;
-  FP8T_CUDA_CHECK(cudaGetDevice(&device));
-  FP8T_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
-  const auto tiles_per_side = static_cast<int64_t>(std::ceil(std::sqrt(12.0 * multiprocessors)));
   std::vector<Shape> shapes = block_cast_shapes();
-  shapes.push_back({tiles_per_side * 128 + 80, tiles_per_side * 128 + 40});
+  shapes.push_back(many_waves_shape());
   for (const Shape shape : shapes) {
     const size_t count = static_cast<size_t>(shape.rows * shape.cols);
     const std::vector<bf16> dy = random_tensor<bf16>(count, true);
@@ -1003,12 +1009,7 @@ TEST(CudaQuantize, Relu2GradientCastMakesTheActivationsTransposedCopy) {
 // full ones: every input kind and scaling gives the CPU's codes, scales and counts in both
 // orientations.
 TEST(CudaQuantize, BlockCastsOfManyWavesOfTilesMatchReference) {
-  int device = 0, multiprocessors = 0;
-  FP8T_CUDA_CHECK(cudaGetDevice(&device));
-  FP8T_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
-  const auto tiles_per_side = static_cast<int64_t>(std::ceil(std::sqrt(12.0 * multiprocessors)));
-  // Edge tiles of 80 rows (transposed stores still 16 bytes wide) and 40 columns.
-  const Shape shape{tiles_per_side * 128 + 80, tiles_per_side * 128 + 40};
+  const Shape shape = many_waves_shape();
   const size_t count = static_cast<size_t>(shape.rows * shape.cols);
   const std::vector<bf16> x = random_tensor<bf16>(count, true);
   const std::vector<bf16> p = random_tensor<bf16>(count, true);
