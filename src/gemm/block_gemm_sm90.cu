@@ -512,7 +512,7 @@ void block_gemm_sm90_planned(int64_t m, int64_t n, int64_t k, const Fp8Operand& 
   args.splits = plan.splits;
   args.a_scale = a.scale_inv;
   args.b_scale = b.scale_inv;
-  args.b_tile_ld = (args.k_blocks + 3) / 4 * 4;
+  args.b_tile_ld = static_cast<int>(padded_tile_scale_row(args.k_blocks));
   args.out = out.data;
   args.ld = out.ld;
   args.out_bf16 = out.type == GemmType::BF16;

@@ -32,6 +32,7 @@
 #include "gemm/gemm_tuning.h"
 #include "numerics/float_bits.h"
 #include "numerics/formats.h"
+#include "numerics/scaling.h"
 
 namespace fp8t::gemm {
 
@@ -82,7 +83,7 @@ inline int64_t scale_count(ScaleMode mode, int64_t rows, int64_t k) {
     case ScaleMode::Block1x128:
       return k_blocks * rows;
     case ScaleMode::Block128x128:
-      return (rows + 127) / 128 * ((k_blocks + 3) / 4 * 4);
+      return (rows + 127) / 128 * padded_tile_scale_row(k_blocks);
   }
   return 0;
 }

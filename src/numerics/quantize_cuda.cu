@@ -607,7 +607,7 @@ __device__ void store_block_scale(void* scales, const BlockShape& grid, int64_t 
     lines = grid.rows;
   }
   const int64_t line_blocks =
-      order == BlockScaleOrder::PaddedLineMajor ? (grid.cols + 3) / 4 * 4 : grid.cols;
+      order == BlockScaleOrder::PaddedLineMajor ? padded_tile_scale_row(grid.cols) : grid.cols;
   const int64_t index =
       order == BlockScaleOrder::BlockMajor ? block * lines + line : line * line_blocks + block;
   if (spec.scaling == BlockScaling::Mx1x32) {

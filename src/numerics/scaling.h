@@ -91,6 +91,13 @@ std::string_view amax_algo_name(AmaxComputeAlgo algo);
 std::string_view family_setting_name(FamilySetting setting);
 std::string describe(const Fp8Config& config);
 
+// A 128x128-scaled operand's scale grid keeps each row's K blocks rounded up to a multiple of 4
+// (16 bytes of fp32, as cuBLASLt reads them); the casts, the weights' scale buffers and both
+// GEMM paths share this layout.
+FP8T_HD constexpr int64_t padded_tile_scale_row(int64_t k_blocks) {
+  return (k_blocks + 3) / 4 * 4;
+}
+
 // Current scaling (tensorwise, and each fp32 block of blockwise): the factor that maps amax to
 // the format's max. amax below epsilon counts as epsilon; amax 0 or inf gives 1; a quotient
 // that overflows gives FLT_MAX; NaN gives 1. Power-of-2 scales round down to 2^k.

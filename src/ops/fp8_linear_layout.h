@@ -47,7 +47,7 @@ inline int64_t row_block_floats(int64_t rows, int64_t k) {
   return scale_blocks(k) * rows;
 }
 inline int64_t tile_floats(int64_t rows, int64_t k) {
-  return scale_blocks(rows) * ((scale_blocks(k) + 3) / 4 * 4);
+  return scale_blocks(rows) * padded_tile_scale_row(scale_blocks(k));
 }
 inline int64_t mx_scale_floats(int64_t rows, int64_t k) {
   return (rows * ((k + kMxScaleBlock - 1) / kMxScaleBlock) + 3) / 4;

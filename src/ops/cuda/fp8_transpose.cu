@@ -2,6 +2,7 @@
 // the bytes, and blockwise's padded 128x128 scale grids.
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "numerics/scaling.h"
 #include "ops/cuda/ops_cuda.h"
 
 namespace fp8t::ops::cuda {
@@ -52,10 +53,6 @@ __global__ void __launch_bounds__(kGridThreads)
   }
 }
 
-int64_t padded_to_4(int64_t count) {
-  return (count + 3) / 4 * 4;
-}
-
 }  // namespace
 
 void transpose_fp8(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out,
@@ -77,10 +74,10 @@ void transpose_tile_scale_grid(float* out, const float* padded, int64_t grid_row
                                int64_t grid_cols, cudaStream_t stream) {
   FP8T_CHECK(grid_rows > 0 && grid_cols > 0 && out != nullptr && padded != nullptr,
              "expected a non-empty scale grid, found [{}, {}]", grid_rows, grid_cols);
-  const int64_t out_ld = padded_to_4(grid_rows);
+  const int64_t out_ld = padded_tile_scale_row(grid_rows);
   const int64_t blocks = (grid_cols * out_ld + kGridThreads - 1) / kGridThreads;
   transpose_grid_kernel<<<device::grid_size(blocks, 4), kGridThreads, 0, stream>>>(
-      out, padded, grid_rows, grid_cols, padded_to_4(grid_cols), out_ld);
+      out, padded, grid_rows, grid_cols, padded_tile_scale_row(grid_cols), out_ld);
   FP8T_CUDA_CHECK_LAUNCH();
 }
 
