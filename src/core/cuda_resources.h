@@ -12,6 +12,15 @@
 
 namespace fp8t {
 
+// The current device's multiprocessor count.
+inline int multiprocessor_count() {
+  int device = 0;
+  FP8T_CUDA_CHECK(cudaGetDevice(&device));
+  int count = 0;
+  FP8T_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
+}
+
 // Device memory in use (the CUDA context and the libraries' workspaces included).
 inline double device_memory_in_use() {
   size_t free = 0, total = 0;

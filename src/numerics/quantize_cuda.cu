@@ -13,6 +13,7 @@
 #include <cuda_pipeline.h>
 
 #include "core/cuda_check.h"
+#include "core/cuda_resources.h"
 #include "numerics/scaling.h"
 
 namespace fp8t::cuda {
@@ -20,14 +21,6 @@ namespace fp8t::cuda {
 namespace {
 
 constexpr int kThreads = 256;
-
-int multiprocessor_count() {
-  int device = 0;
-  FP8T_CUDA_CHECK(cudaGetDevice(&device));
-  int count = 0;
-  FP8T_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
-}
 
 // A persistent grid: enough blocks to fill the GPU, few enough that the one atomic per block
 // that publishes the amax stays cheap.

@@ -15,6 +15,7 @@
 #include <fmt/format.h>
 
 #include "core/cuda_check.h"
+#include "core/cuda_resources.h"
 #include "core/device_buffer.h"
 #include "core/error.h"
 #include "numerics/quantize.h"
@@ -638,10 +639,8 @@ std::vector<Shape> block_cast_shapes() {
 // A tensor of several waves of block casts on this GPU: at least twelve 128x128 tiles per SM,
 // with edge tiles of 80 rows (transposed stores still 16 bytes wide) and 40 columns.
 Shape many_waves_shape() {
-  int device = 0, multiprocessors = 0;
-  FP8T_CUDA_CHECK(cudaGetDevice(&device));
-  FP8T_CUDA_CHECK(cudaDeviceGetAttribute(&multiprocessors, cudaDevAttrMultiProcessorCount, device));
-  const auto tiles_per_side = static_cast<int64_t>(std::ceil(std::sqrt(12.0 * multiprocessors)));
+  const auto tiles_per_side =
+      static_cast<int64_t>(std::ceil(std::sqrt(12.0 * multiprocessor_count())));
   return {tiles_per_side * 128 + 80, tiles_per_side * 128 + 40};
 }
 

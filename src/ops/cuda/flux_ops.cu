@@ -66,7 +66,7 @@ template <typename Kernel>
 int64_t resident_blocks(Kernel kernel, int threads) {
   int per_sm = 0;
   FP8T_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, 0));
-  return int64_t{device::multiprocessor_count()} * std::max(per_sm, 1);
+  return int64_t{multiprocessor_count()} * std::max(per_sm, 1);
 }
 
 // --- Chunks: elements [i, i + 8) of a row of `count` elements ---

@@ -197,6 +197,7 @@ void transpose_tile_scale_grid(float* out, const float* padded, int64_t grid_row
 #include <cuda_bf16.h>
 
 #include "core/cuda_check.h"
+#include "core/cuda_resources.h"
 #include "core/error.h"
 #include "numerics/scaling.h"
 
@@ -206,14 +207,6 @@ constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xFFFFFFFFu;
 // Elements per 16-byte vector of bf16.
 constexpr int kBf16Vector = 8;
-
-inline int multiprocessor_count() {
-  int device = 0;
-  FP8T_CUDA_CHECK(cudaGetDevice(&device));
-  int count = 0;
-  FP8T_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
-  return count;
-}
 
 // Blocks for a grid-stride loop that would take blocks_needed blocks to give every item its own
 // thread: enough to fill every SM blocks_per_sm times, no more than the work needs.
