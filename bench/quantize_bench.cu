@@ -18,6 +18,7 @@
 
 #include "core/cuda_check.h"
 #include "numerics/quantize_cuda.h"
+#include "ops/cuda/ops_cuda.h"
 
 namespace {
 
@@ -85,7 +86,7 @@ int run(int argc, char** argv) {
   bf16 *x = nullptr, *relu2_input = nullptr, *copy_target = nullptr;
   uint8_t *out = nullptr, *out_t = nullptr, *scales = nullptr, *scales_t = nullptr;
   uint8_t *activation_t = nullptr, *activation_scales_t = nullptr;
-  float *scale = nullptr, *amax = nullptr;
+  float *scale = nullptr, *amax = nullptr, *rstd = nullptr, *cos = nullptr, *sin = nullptr;
   fp8t::CastHealth* health = nullptr;
   const int64_t scale_bytes =
       (rows / 32 + 1) * (cols / 32 + 1) * 32;  // enough for every block grid
@@ -101,6 +102,15 @@ int run(int argc, char** argv) {
   FP8T_CUDA_CHECK(cudaMalloc(&scale, sizeof(float)));
   FP8T_CUDA_CHECK(cudaMalloc(&amax, sizeof(float)));
   FP8T_CUDA_CHECK(cudaMalloc(&health, sizeof(fp8t::CastHealth)));
+  // The GPT's q or k as the rotary norm's backward reads them: heads of 128, sequences of 2048.
+  const int64_t seq_len = rows % 2048 == 0 ? 2048 : rows;
+  const fp8t::ops::cuda::RotaryShape rotary{rows / seq_len, seq_len, cols / 128, 128};
+  FP8T_CUDA_CHECK(cudaMalloc(&rstd, rows * (cols / 128) * sizeof(float)));
+  FP8T_CUDA_CHECK(cudaMalloc(&cos, seq_len * 64 * sizeof(float)));
+  FP8T_CUDA_CHECK(cudaMalloc(&sin, seq_len * 64 * sizeof(float)));
+  for (float* table : {rstd, cos, sin})  // 0x3F3F3F3F: 0.747
+    FP8T_CUDA_CHECK(cudaMemset(
+        table, 0x3F, (table == rstd ? rows * (cols / 128) : seq_len * 64) * sizeof(float)));
   FP8T_CUDA_CHECK(cudaMemset(health, 0, sizeof(fp8t::CastHealth)));
   fill_random<<<1024, 256>>>(x, n, 12345u);
   FP8T_CUDA_CHECK_LAUNCH();
@@ -194,6 +204,23 @@ int run(int argc, char** argv) {
                 block_major, fp8t::cuda::CastInput::Relu2Gradient, relu2_input, 0,
                 {activation_t, reinterpret_cast<float*>(activation_scales_t)});
           });
+  // q's and k's gradients through their norm and rotary (x the output's gradient, relu2_input the
+  // forward's output; cols a multiple of 128): stored in bf16 and then cast (e5m2), or cast
+  // without being stored.
+  if (cols % 128 == 0) {
+    measure("rotary norm backward, bf16 out", 3 * input_bytes, [&] {
+      fp8t::ops::cuda::rotary_rmsnorm_backward(copy_target, x, relu2_input, rstd, cos, sin, rotary,
+                                               fp8t::ops::cuda::GradStore::Write, nullptr);
+    });
+    measure("rotary norm backward cast 1x128 + transposed (e5m2), one pass",
+            2 * input_bytes + 2.0 * n, [&] {
+              fp8t::ops::cuda::rotary_rmsnorm_backward_cast(
+                  x, relu2_input, rstd, cos, sin, rotary,
+                  {gradient_spec, out, reinterpret_cast<float*>(scales), out_t,
+                   reinterpret_cast<float*>(scales_t), 0},
+                  nullptr);
+            });
+  }
   for (const auto& [name, scaling] : block_casts) {
     const fp8t::BlockQuantization spec = block_spec(scaling);
     measure(std::string(name) + " + transposed + counts", input_bytes + 2.0 * n, [&] {
@@ -219,7 +246,8 @@ int run(int argc, char** argv) {
         static_cast<void*>(out), static_cast<void*>(out_t), static_cast<void*>(scales),
         static_cast<void*>(scales_t), static_cast<void*>(activation_t),
         static_cast<void*>(activation_scales_t), static_cast<void*>(scale),
-        static_cast<void*>(amax), static_cast<void*>(health)}) {
+        static_cast<void*>(amax), static_cast<void*>(health), static_cast<void*>(rstd),
+        static_cast<void*>(cos), static_cast<void*>(sin)}) {
     FP8T_CUDA_CHECK(cudaFree(pointer));
   }
   return 0;

@@ -172,6 +172,82 @@ __device__ void stage_relu2(InputVector<bf16>& vector) {
     pairs[w] = staged_relu2_pair(pairs[w]);
 }
 
+// The 8 bf16 of a vector as fp32, by their place in it.
+__device__ void widen_bf16x8(const uint32_t (&words)[4], float (&values)[8]) {
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    values[2 * w] = __uint_as_float(words[w] << 16);
+    values[2 * w + 1] = __uint_as_float(words[w] & 0xFFFF0000u);
+  }
+}
+
+// rotary_rmsnorm_backward's gradient (ops/cuda/norm_rotary.cu) at one thread's 8 columns of a
+// head row, rounded to bf16 as that kernel stores it, in place of `gradient`. A tile row is one
+// head row over 16 lanes: lane l < 8 holds the columns 8 l .. 8 l + 7 of the first half, lane
+// l + 8 their rotary partners 64 columns on. Partners trade their vectors by shuffles and both
+// compute the pair in the rotary kernel's order, so the bits are its own. Every lane of the warp
+// calls this (shuffles); `valid`: the row lies inside the tensor (else its rstd reads as 0).
+__device__ void stage_rotary_norm_gradient(InputVector<bf16>& gradient,
+                                           const InputVector<bf16>& output,
+                                           const RotaryNormGradient& rotary, int64_t row,
+                                           int64_t head, int64_t heads, int row_lane, bool valid) {
+  constexpr int kHalfLanes = 8;  // the lanes of a head's first 64 columns
+  constexpr int kDim = 2 * kHalfLanes * 8;
+  const bool second_half = row_lane >= kHalfLanes;
+  const auto* own_gradient = reinterpret_cast<const uint32_t*>(gradient.values);
+  const auto* own_output = reinterpret_cast<const uint32_t*>(output.values);
+  uint32_t first_words[2][4], second_words[2][4];  // [gradient, output][word] of each half
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    const uint32_t words[2] = {own_gradient[w], own_output[w]};
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t partner = __shfl_xor_sync(0xFFFFFFFFu, words[i], kHalfLanes);
+      first_words[i][w] = second_half ? partner : words[i];
+      second_words[i][w] = second_half ? words[i] : partner;
+    }
+  }
+  float g1[8], g2[8], y1[8], y2[8], c[8], s[8];
+  widen_bf16x8(first_words[0], g1);
+  widen_bf16x8(second_words[0], g2);
+  widen_bf16x8(first_words[1], y1);
+  widen_bf16x8(second_words[1], y2);
+  const float row_rstd = valid ? rotary.rstd[row * heads + head] : 0.0f;
+  const int64_t table = (row % rotary.seq_len) * (kDim / 2) + (row_lane % kHalfLanes) * 8;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float4 cos4 = reinterpret_cast<const float4*>(rotary.cos + table)[half];
+    const float4 sin4 = reinterpret_cast<const float4*>(rotary.sin + table)[half];
+    c[4 * half] = cos4.x, c[4 * half + 1] = cos4.y, c[4 * half + 2] = cos4.z;
+    c[4 * half + 3] = cos4.w;
+    s[4 * half] = sin4.x, s[4 * half + 1] = sin4.y, s[4 * half + 2] = sin4.z;
+    s[4 * half + 3] = sin4.w;
+  }
+  // The gradient before the norm, rstd (dy - y mean(dy y)), then the transposed rotation.
+  float dy_dot_y = 0.0f;
+#pragma unroll
+  for (int k = 0; k < 8; ++k)
+    dy_dot_y = fmaf(g1[k], y1[k], fmaf(g2[k], y2[k], dy_dot_y));
+#pragma unroll
+  for (int offset = kHalfLanes / 2; offset > 0; offset /= 2)
+    dy_dot_y += __shfl_xor_sync(0xFFFFFFFFu, dy_dot_y, offset);
+  const float mean_dy_y = dy_dot_y / static_cast<float>(kDim);
+  auto* words = reinterpret_cast<uint32_t*>(gradient.values);
+#pragma unroll
+  for (int w = 0; w < 4; ++w) {
+    float values[2];
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int k = 2 * w + i;
+      const float a = row_rstd * fmaf(-y1[k], mean_dy_y, g1[k]);
+      const float b = row_rstd * fmaf(-y2[k], mean_dy_y, g2[k]);
+      values[i] = second_half ? fmaf(a, s[k], b * c[k]) : fmaf(a, c[k], -b * s[k]);
+    }
+    const __nv_bfloat162 pair = __floats2bfloat162_rn(values[0], values[1]);
+    words[w] = *reinterpret_cast<const uint32_t*>(&pair);
+  }
+}
+
 // Scales and encodes one input vector, and folds the inputs into the amax (and, with kHealth,
 // the counts).
 template <Fp8Format kFormat, CastInput kInput, bool kHealth, typename T>
@@ -217,6 +293,8 @@ template <typename T, typename Launch>
 void dispatch_cast_input(CastInput input, const bf16* relu2_input, Launch&& launch) {
   FP8T_CHECK((input == CastInput::Relu2Gradient) == (relu2_input != nullptr),
              "a relu² gradient cast takes relu²'s input, and only it");
+  FP8T_CHECK(input != CastInput::RotaryNormGradient,
+             "the rotary norm's gradient is cast by quantize_blocks_rotary_norm_gradient alone");
   if (input == CastInput::Value)
     return launch(std::integral_constant<CastInput, CastInput::Value>{});
   if constexpr (std::is_same_v<T, bf16>) {
@@ -804,26 +882,35 @@ __device__ void cast_tile_columns(uint4* shared_tile, uint32_t (*segment_amax)[k
 }
 
 // Resident blocks: four (64 registers; 6-9 % faster than three at 80) for bf16 tiles, the relu²
-// gradient's two inputs included; three for fp32's 64 KiB tiles and for the relu² gradient's
-// cast that stages relu² as a second tile.
-template <typename T, bool kActivationT>
-constexpr int kBlockCastBlocksPerSm = sizeof(T) == 2 && !kActivationT ? 4 : 3;
+// gradient's two inputs included; three for fp32's 64 KiB tiles, for the relu² gradient's cast
+// that stages relu² as a second tile, and for the rotary norm's gradient (its rotary tables
+// spill at 64 registers).
+template <typename T, CastInput kInput, bool kActivationT>
+constexpr int kBlockCastBlocksPerSm = sizeof(T) == 2 && !kActivationT
+                                              && kInput != CastInput::RotaryNormGradient
+                                          ? 4
+                                          : 3;
 
-// With kHealth, the counts of `out`'s codes (not out_t's) are added to *health. The relu² cast
-// inputs (bf16 only) are staged as the bf16 values they round to, so the passes after the
-// staging read a plain bf16 tile. kActivationT (Relu2Gradient only): relu²'s transposed copy
-// too, into targets.activation_t, from relu² of relu2_input staged as a second tile as it is
-// loaded (twice the shared memory).
+// With kHealth, the counts of `out`'s codes (not out_t's) are added to *health. The relu² and
+// rotary norm cast inputs (bf16 only) are staged as the bf16 values they round to, so the
+// passes after the staging read a plain bf16 tile. second_input: relu²'s input
+// (Relu2Gradient) or the rotary norm's output (RotaryNormGradient, whose other inputs `rotary`
+// holds), in x's layout. kActivationT (Relu2Gradient only): relu²'s transposed copy too, into
+// targets.activation_t, from relu² of second_input staged as a second tile as it is loaded
+// (twice the shared memory).
 template <typename T, Fp8Format kFormat, CastInput kInput, bool kHealth, bool kActivationT>
-__global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kActivationT>))
-    block_quantize_kernel(const T* __restrict__ x, const bf16* __restrict__ relu2_input,
+__global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput, kActivationT>))
+    block_quantize_kernel(const T* __restrict__ x, const bf16* __restrict__ second_input,
                           int64_t rows, int64_t cols, BlockQuantization spec,
-                          BlockCastTargets targets, CastHealth* health) {
+                          BlockCastTargets targets, CastHealth* health, RotaryNormGradient rotary) {
   static_assert(!kActivationT || kInput == CastInput::Relu2Gradient,
                 "relu²'s transposed copy comes with its gradient's cast");
+  static_assert(kInput != CastInput::RotaryNormGradient || std::is_same_v<T, bf16>,
+                "the rotary norm's gradient is bf16");
   using Shape = BlockTileShape<T>;
   constexpr int kVec = Shape::kVec;
-  constexpr bool kTwoInputs = kInput == CastInput::Relu2Gradient;
+  constexpr bool kTwoInputs =
+      kInput == CastInput::Relu2Gradient || kInput == CastInput::RotaryNormGradient;
   // Half the rows' loads in flight at a time (a quarter with two inputs): all of them would not
   // fit the 64 registers of four resident blocks.
   constexpr int kLoadGroup = Shape::kPasses / (kTwoInputs ? 4 : 2);
@@ -853,7 +940,7 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kActivatio
 #pragma unroll
   for (int group = 0; group < Shape::kPasses; group += kLoadGroup) {
     InputVector<T> vectors[kLoadGroup];
-    InputVector<bf16> relu2_vectors[kTwoInputs ? kLoadGroup : 1];
+    InputVector<bf16> second_vectors[kTwoInputs ? kLoadGroup : 1];
 #pragma unroll
     for (int p = 0; p < kLoadGroup; ++p) {
       const int r = first_row + (group + p) * Shape::kRowsPerPass;
@@ -861,33 +948,37 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kActivatio
       if (full && targets.vector_loads) {
         vectors[p] = *reinterpret_cast<const InputVector<T>*>(x + offset);
         if constexpr (kTwoInputs)
-          relu2_vectors[p] = *reinterpret_cast<const InputVector<bf16>*>(relu2_input + offset);
+          second_vectors[p] = *reinterpret_cast<const InputVector<bf16>*>(second_input + offset);
       } else {
 #pragma unroll
         for (int k = 0; k < kVec; ++k) {
           const bool inside = r < valid_rows && column + k < valid_cols;
           vectors[p].values[k] = inside ? x[offset + k] : T{};
           if constexpr (kTwoInputs)
-            relu2_vectors[p].values[k] = inside ? relu2_input[offset + k] : bf16{};
+            second_vectors[p].values[k] = inside ? second_input[offset + k] : bf16{};
         }
       }
     }
 #pragma unroll
     for (int p = 0; p < kLoadGroup; ++p) {
+      const int r = first_row + (group + p) * Shape::kRowsPerPass;
       if constexpr (kInput == CastInput::Relu2) stage_relu2(vectors[p]);
+      if constexpr (kInput == CastInput::RotaryNormGradient) {
+        stage_rotary_norm_gradient(vectors[p], second_vectors[p], rotary, row0 + r, blockIdx.x,
+                                   cols / kBlockTile, row_lane, r < valid_rows);
+      }
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
-        if constexpr (kTwoInputs)
+        if constexpr (kInput == CastInput::Relu2Gradient)
           vectors[p].values[k] =
-              staged_relu2_gradient(vectors[p].values[k], relu2_vectors[p].values[k]);
+              staged_relu2_gradient(vectors[p].values[k], second_vectors[p].values[k]);
         if (tile_scaling) local_amax = max(local_amax, abs_bits(to_float(vectors[p].values[k])));
       }
-      const int r = first_row + (group + p) * Shape::kRowsPerPass;
       *reinterpret_cast<InputVector<T>*>(tile + r * kBlockTile + column) = vectors[p];
       if constexpr (kActivationT) {
-        stage_relu2(relu2_vectors[p]);
+        stage_relu2(second_vectors[p]);
         *reinterpret_cast<InputVector<bf16>*>(activation_tile + r * kBlockTile + column) =
-            relu2_vectors[p];
+            second_vectors[p];
       }
     }
   }
@@ -1201,7 +1292,7 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
         const auto launch = [&](const auto kernel, size_t shared_bytes) {
           allow_shared_bytes(reinterpret_cast<const void*>(kernel), shared_bytes);
           kernel<<<grid, kThreads, shared_bytes, stream>>>(x, relu2_input, rows, cols, spec,
-                                                           targets, health);
+                                                           targets, health, RotaryNormGradient{});
         };
         constexpr bool kOcp = kFormat == Fp8Format::E4M3 || kFormat == Fp8Format::E5M2;
         if constexpr (kInput == CastInput::Relu2Gradient && kOcp) {
@@ -1213,6 +1304,58 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
         launch(block_quantize_kernel<T, kFormat, kInput, kHealth, false>, Shape::kSharedBytes);
       });
     });
+  });
+  FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void quantize_blocks_rotary_norm_gradient(const bf16* gradient, int64_t rows, int64_t cols,
+                                          const RotaryNormGradient& input,
+                                          const BlockCastOutput& cast, cudaStream_t stream) {
+  const BlockQuantization& spec = cast.spec;
+  FP8T_CHECK(rows >= 0 && cols > 0 && cols % kBlockTile == 0,
+             "expected heads of {} columns, found a gradient of [{}, {}]", kBlockTile, rows, cols);
+  FP8T_CHECK(spec.scaling == BlockScaling::Rows1x128 &&
+                 (spec.format == Fp8Format::E4M3 || spec.format == Fp8Format::E5M2),
+             "the rotary norm's gradient is cast in 1x128 blocks of an OCP format");
+  FP8T_CHECK(cast.out != nullptr && cast.scales != nullptr && cast.out_t != nullptr &&
+                 cast.scales_t != nullptr,
+             "the rotary norm's gradient is cast in both orientations, with their scales");
+  FP8T_CHECK(cast.scale_lines_t == 0 || cast.scale_lines_t >= cols,
+             "the transposed copy's scales are strided by at least its {} lines; found a stride of "
+             "{}",
+             cols, cast.scale_lines_t);
+  if (rows == 0) return;
+  FP8T_CHECK(input.seq_len > 0, "expected a positive sequence length, found {}", input.seq_len);
+  check_pointers(rows * cols, gradient, input.output);
+  check_pointers(rows, input.rstd, input.rstd);
+  FP8T_CHECK(aligned16(gradient) && aligned16(input.output) && aligned16(input.cos) &&
+                 aligned16(input.sin),
+             "the rotary norm's gradient, output and tables must be 16-byte aligned");
+  const int64_t row_tiles = (rows + kBlockTile - 1) / kBlockTile;
+  FP8T_CHECK(row_tiles <= 65535, "expected at most {} rows, found {}", 65535 * kBlockTile, rows);
+  const dim3 grid(static_cast<unsigned>(cols / kBlockTile), static_cast<unsigned>(row_tiles));
+  const BlockCastTargets targets{
+      cast.out,
+      cast.scales,
+      cast.out_t,
+      cast.scales_t,
+      BlockScaleOrder::BlockMajor,
+      cast.scale_lines_t != 0 ? cast.scale_lines_t : cols,
+      /*vector_loads=*/true,
+      reinterpret_cast<uintptr_t>(cast.out) % BlockTileShape<bf16>::kVec == 0,
+      aligned16(cast.out_t) && rows % 16 == 0,
+      nullptr,
+      nullptr};
+  dispatch_data_format(spec.format, [&](auto format_constant) {
+    constexpr Fp8Format kFormat = decltype(format_constant)::value;
+    if constexpr (kFormat == Fp8Format::E4M3 || kFormat == Fp8Format::E5M2) {
+      const auto kernel =
+          block_quantize_kernel<bf16, kFormat, CastInput::RotaryNormGradient, false, false>;
+      const size_t shared_bytes = BlockTileShape<bf16>::kSharedBytes;
+      allow_shared_bytes(reinterpret_cast<const void*>(kernel), shared_bytes);
+      kernel<<<grid, kThreads, shared_bytes, stream>>>(gradient, input.output, rows, cols, spec,
+                                                       targets, nullptr, input);
+    }
   });
   FP8T_CUDA_CHECK_LAUNCH();
 }

@@ -27,7 +27,8 @@ void decode(const uint8_t* codes, int64_t count, Fp8Format format, float* out, c
 //  - Relu2Gradient: x is the gradient of relu(p)², p (relu2_input, the same shape) its input:
 //    2·relu(p)·x rounded to bf16, the gradient of p, cast without being stored (the bytes of
 //    relu2_backward followed by a cast of its output).
-enum class CastInput : uint8_t { Value, Relu2, Relu2Gradient };
+//  - RotaryNormGradient: the block cast of quantize_blocks_rotary_norm_gradient() alone.
+enum class CastInput : uint8_t { Value, Relu2, Relu2Gradient, RotaryNormGradient };
 
 // *amax_inout = max(*amax_inout, max |input|)
 template <typename T>
@@ -93,6 +94,37 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
                      BlockScaleOrder order = BlockScaleOrder::LineMajor,
                      CastInput input = CastInput::Value, const bf16* relu2_input = nullptr,
                      int64_t scale_lines_t = 0, const ActivationTCast& activation_t = {});
+
+// What the gradient of an RMSNorm over each 128-wide head followed by rotary (the GPT's q and k:
+// ops/cuda/ops_cuda.h rotary_rmsnorm_backward, head_dim 128) is computed from, besides the
+// gradient of its output: the forward's output and rstd, and the rotary tables.
+struct RotaryNormGradient {
+  const bf16* output = nullptr;  // [rows, cols], the layout of the gradient
+  const float* rstd = nullptr;   // [rows, cols / 128], one per head row
+  const float* cos = nullptr;    // [>= seq_len, 64], 16-byte aligned
+  const float* sin = nullptr;
+  int64_t seq_len = 0;  // row r sits at position r % seq_len
+};
+
+// Where a 1x128 block cast in both orientations puts its codes and block-major scales: out
+// [rows, cols] and out_t [cols, rows], the transposed copy's scales strided by scale_lines_t
+// lines (0: cols), as quantize_blocks() takes them.
+struct BlockCastOutput {
+  BlockQuantization spec;
+  uint8_t* out = nullptr;
+  float* scales = nullptr;
+  uint8_t* out_t = nullptr;
+  float* scales_t = nullptr;
+  int64_t scale_lines_t = 0;
+};
+
+// The input gradient of rotary(rmsnorm(x)) per 128-wide head, from `gradient` [rows, cols]
+// (cols a multiple of 128) and `input`, cast in 1x128 blocks (an OCP format, both
+// orientations) without being stored: the bytes of rotary_rmsnorm_backward() followed by
+// quantize_blocks() of its bf16 output.
+void quantize_blocks_rotary_norm_gradient(const bf16* gradient, int64_t rows, int64_t cols,
+                                          const RotaryNormGradient& input,
+                                          const BlockCastOutput& cast, cudaStream_t stream);
 
 template <typename Out>
 void dequantize_blocks(const uint8_t* q, int64_t rows, int64_t cols, const BlockQuantization& spec,

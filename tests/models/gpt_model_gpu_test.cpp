@@ -163,11 +163,9 @@ void expect_gradients_match(const CudaGptModel& gpu, const GptConfig& config, do
   expect_gradients_match(gradients.set, config, bound, reference);
 }
 
-class GptModelGpuTest : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
-
-TEST_P(GptModelGpuTest, LossAndGradientsMatchTheCpuModel) {
-  const auto [mode, recipe] = GetParam();
-  const GptConfig config = small_config();
+// One step of the GPU model under `mode` and `recipe` against the CPU model: the loss and every
+// gradient.
+void expect_step_matches_cpu(const GptConfig& config, Fp8Mode mode, ScalingRecipe recipe) {
   const GptPrecision precision = precision_for(mode, recipe);
   test::TestRng rng;
   SCOPED_TRACE(rng.trace());
@@ -222,6 +220,19 @@ TEST_P(GptModelGpuTest, LossAndGradientsMatchTheCpuModel) {
         [&](const std::string& name) { return cpu.gradients()[name].data<float>(); });
   }
   FP8T_CUDA_CHECK(cudaStreamDestroy(stream));
+}
+
+class GptModelGpuTest : public ::testing::TestWithParam<std::pair<Fp8Mode, ScalingRecipe>> {};
+
+TEST_P(GptModelGpuTest, LossAndGradientsMatchTheCpuModel) {
+  expect_step_matches_cpu(small_config(), GetParam().first, GetParam().second);
+}
+
+// Heads of 128: blockwise q and k take their gradients' casts from the rotary norm's backward.
+TEST(GptModelGpu, BlockwiseWithHeadsOf128MatchesTheCpuModel) {
+  GptConfig config = small_config();
+  config.n_embd = 256;
+  expect_step_matches_cpu(config, Fp8Mode::Hybrid, ScalingRecipe::Blockwise);
 }
 
 INSTANTIATE_TEST_SUITE_P(

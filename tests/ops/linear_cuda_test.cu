@@ -7,7 +7,8 @@
 // separate ones; the input cast fused into the norm before against the layer's own, dy's amax
 // taken by the bias gradient, the input's by its producer and the weight's by the optimizer
 // against the layer's own; Ŵᵗ transposed in backward against the kept one, and the transposes
-// against host transposes. The models' GPU tests compare the whole-layer path with the CPU.
+// against host transposes; dy cast by the rotary norm's gradient kernel against the layer's own
+// cast. The models' GPU tests compare the whole-layer path with the CPU.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -31,6 +32,8 @@
 #include "ops/cuda/linear_cuda.h"
 #include "ops/cuda/ops_cuda.h"
 #include "ops/fp8_linear_layout.h"
+#include "ops/rmsnorm.h"
+#include "ops/rotary.h"
 // The GPU tests target has no tests/ include directory.
 #include "ops/gpu_compare.h"
 
@@ -533,58 +536,61 @@ TEST_F(LinearCuda, WeightAmaxTakenByTheOptimizerMatchesTheLayersOwn) {
   });
 }
 
+// Three blockwise layers sharing an input (the GPT's c_q, c_k and c_v), with a joint weight
+// gradient or separate ones: their scratch, a poisoned dx and a zeroed dW for all three.
+constexpr int kLayers = 3;
+constexpr int64_t kWeight = kIn * kOut;
+struct SharedInput {
+  DeviceArena arena{"FP8 scratch"};
+  float* scaling = nullptr;
+  kernels::Fp8Scratch scratch;
+  std::vector<std::unique_ptr<kernels::CudaLinear>> layers;
+  Device<bf16> dx{size_t(kTokens * kIn)};
+  Device<float> dweight{std::vector<float>(size_t(kLayers * kWeight), 0.0f)};
+  SharedInput(bool joint, gemm::CublasLtGemm& gemm) {
+    for (bool planning : {true, false}) {
+      scaling = arena.take<float>(kLayers * kernels::kLinearScalingFloats);
+      scratch = kernels::take_fp8_scratch(arena, ScalingRecipe::Blockwise, kTokens, kIn,
+                                          kLayers * kOut, kLayers * kOut);
+      if (planning) arena.allocate_planned();
+    }
+    for (int i = 0; i < kLayers; ++i) {
+      kernels::LinearSetup setup;
+      setup.in_features = kIn;
+      setup.out_features = kOut;
+      setup.max_tokens = kTokens;
+      setup.fp8 = true;
+      setup.fp8_config.recipe = ScalingRecipe::Blockwise;
+      setup.scaling = scaling + i * kernels::kLinearScalingFloats;
+      if (i > 0) setup.input_from = layers[0].get();
+      if (joint) setup.wgrad_group = {i * kOut, kLayers * kOut};
+      layers.push_back(std::make_unique<kernels::CudaLinear>(setup, gemm, scratch));
+    }
+    dx.poison_nan();
+  }
+  void forward(const Device<float>& weights, const bf16* x, cudaStream_t stream) {
+    Device<bf16> y(size_t(kTokens * kOut));
+    for (int i = 0; i < kLayers; ++i) {
+      layers[i]->prepare_weight(weights.get() + i * kWeight, false, stream);
+      layers[i]->forward(x, kTokens, y.get(), false, stream);
+    }
+    FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
+  }
+  // Layer i's backward, its weight gradient at `gradient` layers' gradients into dweight.
+  void backward(int i, int gradient, const bf16* dy, const bf16* x, cudaStream_t stream) {
+    layers[i]->backward(dy + i * kTokens * kOut, x, kTokens, dx.get(), i > 0,
+                        dweight.get() + gradient * kWeight, false, stream);
+  }
+};
+
 // Three blockwise layers reading one input (the GPT's c_q, c_k, c_v), their weight gradients back
 // to back in one buffer, with and without a joint weight gradient: dx bit for bit (the same
 // dgrads), dW up to the order of its fp32 sums (one GEMM of all rows instead of three). Out of
 // order, or with gradients that do not follow each other, the group refuses.
 TEST_F(LinearCuda, JointWeightGradientMatchesSeparateOnes) {
   SCOPED_TRACE(rng_.trace());
-  constexpr int kLayers = 3;
-  constexpr int64_t kWeight = kIn * kOut;
   const Device<float> weights{random_floats(rng_, size_t(kLayers * kWeight), -0.1, 0.1)};
   const Device<bf16> dy{random_bf16(rng_, size_t(kLayers * kTokens * kOut))};
-  struct SharedInput {
-    DeviceArena arena{"FP8 scratch"};
-    float* scaling = nullptr;
-    kernels::Fp8Scratch scratch;
-    std::vector<std::unique_ptr<kernels::CudaLinear>> layers;
-    Device<bf16> dx{size_t(kTokens * kIn)};
-    Device<float> dweight{std::vector<float>(size_t(kLayers * kWeight), 0.0f)};
-    SharedInput(bool joint, gemm::CublasLtGemm& gemm) {
-      for (bool planning : {true, false}) {
-        scaling = arena.take<float>(kLayers * kernels::kLinearScalingFloats);
-        scratch = kernels::take_fp8_scratch(arena, ScalingRecipe::Blockwise, kTokens, kIn,
-                                            kLayers * kOut, kLayers * kOut);
-        if (planning) arena.allocate_planned();
-      }
-      for (int i = 0; i < kLayers; ++i) {
-        kernels::LinearSetup setup;
-        setup.in_features = kIn;
-        setup.out_features = kOut;
-        setup.max_tokens = kTokens;
-        setup.fp8 = true;
-        setup.fp8_config.recipe = ScalingRecipe::Blockwise;
-        setup.scaling = scaling + i * kernels::kLinearScalingFloats;
-        if (i > 0) setup.input_from = layers[0].get();
-        if (joint) setup.wgrad_group = {i * kOut, kLayers * kOut};
-        layers.push_back(std::make_unique<kernels::CudaLinear>(setup, gemm, scratch));
-      }
-      dx.poison_nan();
-    }
-    void forward(const Device<float>& weights, const bf16* x, cudaStream_t stream) {
-      Device<bf16> y(size_t(kTokens * kOut));
-      for (int i = 0; i < kLayers; ++i) {
-        layers[i]->prepare_weight(weights.get() + i * kWeight, false, stream);
-        layers[i]->forward(x, kTokens, y.get(), false, stream);
-      }
-      FP8T_CUDA_CHECK(cudaStreamSynchronize(stream));
-    }
-    // Layer i's backward, its weight gradient at `gradient` layers' gradients into dweight.
-    void backward(int i, int gradient, const bf16* dy, const bf16* x, cudaStream_t stream) {
-      layers[i]->backward(dy + i * kTokens * kOut, x, kTokens, dx.get(), i > 0,
-                          dweight.get() + gradient * kWeight, false, stream);
-    }
-  };
   std::vector<bf16> dx[2];
   std::vector<float> dweight[2];
   for (int joint : {0, 1}) {
@@ -617,6 +623,85 @@ TEST_F(LinearCuda, JointWeightGradientMatchesSeparateOnes) {
   tensorwise.wgrad_group = {0, kLayers * kOut};
   EXPECT_THROW(std::make_unique<kernels::CudaLinear>(tensorwise, gemm_, linears.scratch), Error)
       << "a joint weight gradient with per-tensor scales";
+}
+
+// dy through a per-head RMSNorm and rotary (the GPT's q and k), cast by that gradient's kernel
+// into the layer's scratch, gives the dx and dW of the layer's own cast of the stored gradient,
+// bit for bit: alone and as parts of a joint weight gradient. Layers that cast dy themselves
+// offer no such cast, and a backward without dy needs one over the same rows.
+TEST_F(LinearCuda, GradOutputCastByItsProducerMatchesTheLayersOwn) {
+  SCOPED_TRACE(rng_.trace());
+  const kernels::RotaryShape rotary{2, kTokens / 2, kOut / 128, 128};
+  const size_t count = size_t(kTokens * kOut);
+  const Device<float> weights{random_floats(rng_, size_t(kLayers * kWeight), -0.1, 0.1)};
+  const Device<bf16> dout{random_bf16(rng_, kLayers * count)};
+  const Device<bf16> pre_norm{random_bf16(rng_, kLayers * count, -3.0, 3.0)};
+  std::vector<float> cos(size_t(rotary.seq_len * 64)), sin(cos.size());
+  ops::rotary_tables(cos.data(), sin.data(), rotary.seq_len, 128);
+  const Device<float> device_cos(cos), device_sin(sin);
+  Device<bf16> out(kLayers * count), dlin(count);
+  Device<float> rstd(size_t(kLayers * kTokens * rotary.heads));
+  for (int i = 0; i < kLayers; ++i) {
+    kernels::rotary_rmsnorm_forward(out.get() + i * count, rstd.get() + i * kTokens * rotary.heads,
+                                    pre_norm.get() + i * count, device_cos.get(), device_sin.get(),
+                                    rotary, static_cast<float>(ops::kRmsNormEps), stream_);
+  }
+  for (const bool joint : {false, true}) {
+    std::vector<bf16> dx[2];
+    std::vector<float> dweight[2];
+    for (const bool fused : {false, true}) {
+      SharedInput linears(joint, gemm_);
+      linears.forward(weights, x_.get(), stream_);
+      for (int i = 0; i < kLayers; ++i) {
+        kernels::CudaLinear& layer = *linears.layers[i];
+        const bf16* layer_dout = dout.get() + i * count;
+        const bf16* layer_out = out.get() + i * count;
+        const float* layer_rstd = rstd.get() + i * kTokens * rotary.heads;
+        const bf16* dy = dlin.get();
+        if (fused) {
+          const auto cast = layer.fused_grad_output_cast(kTokens);
+          ASSERT_TRUE(cast.has_value()) << "layer " << i;
+          kernels::rotary_rmsnorm_backward_cast(layer_dout, layer_out, layer_rstd, device_cos.get(),
+                                                device_sin.get(), rotary, *cast, stream_);
+          dy = nullptr;
+        } else {
+          dlin.poison_nan();
+          kernels::rotary_rmsnorm_backward(dlin.get(), layer_dout, layer_out, layer_rstd,
+                                           device_cos.get(), device_sin.get(), rotary,
+                                           kernels::GradStore::Write, stream_);
+        }
+        layer.backward(dy, x_.get(), kTokens, linears.dx.get(), i > 0,
+                       linears.dweight.get() + i * kWeight, false, stream_);
+      }
+      dx[fused] = linears.dx.download();
+      dweight[fused] = linears.dweight.download();
+    }
+    const std::string what = joint ? "joint weight gradient" : "separate weight gradients";
+    expect_bitwise_equal(dx[1], dx[0], "dx, " + what);
+    expect_bitwise_equal(dweight[1], dweight[0], "dW, " + what);
+  }
+
+  SharedInput linears(false, gemm_);
+  kernels::CudaLinear& layer = *linears.layers[0];
+  EXPECT_THROW(layer.backward(nullptr, x_.get(), kTokens, linears.dx.get(), false,
+                              linears.dweight.get(), false, stream_),
+               Error)
+      << "no dy and no cast";
+  ASSERT_TRUE(layer.fused_grad_output_cast(kTokens / 2).has_value());
+  EXPECT_THROW(layer.backward(nullptr, x_.get(), kTokens, linears.dx.get(), false,
+                              linears.dweight.get(), false, stream_),
+               Error)
+      << "a cast over other rows";
+  layer.set_record_health(true);
+  EXPECT_FALSE(layer.fused_grad_output_cast(kTokens).has_value()) << "recording FP8 health";
+  LinearUnderTest tensorwise(ScalingRecipe::Tensorwise, false, kOut, gemm_);
+  EXPECT_FALSE(tensorwise.layer->fused_grad_output_cast(kTokens).has_value()) << "tensorwise";
+  LinearUnderTest chunks(ScalingRecipe::Blockwise, false, kNarrowWidth, gemm_);
+  EXPECT_FALSE(chunks.layer->fused_grad_output_cast(kTokens).has_value()) << "in chunks";
+  LinearUnderTest relu2_output(ScalingRecipe::Blockwise, false, kOut, gemm_, true, true);
+  EXPECT_FALSE(relu2_output.layer->fused_grad_output_cast(kTokens).has_value())
+      << "an output feeding relu²";
+  FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
 }
 
 }  // namespace

@@ -23,6 +23,7 @@
 #include "core/error.h"
 #include "numerics/float_bits.h"
 #include "numerics/quantize.h"
+#include "numerics/quantize_cuda.h"
 #include "numerics/scaling.h"
 // The GPU tests target has no tests/ include directory.
 #include "numerics/test_util.h"
@@ -348,6 +349,133 @@ TEST_F(OpsCuda, RotaryRmsNormMatchesCpuRotaryThenRmsNorm) {
                    fmt::format("rotary_rmsnorm_backward ({}), {}", store_name(store), shape));
     }
   }
+}
+
+// The rotary norm's gradient cast in 1x128 blocks without being stored: the bytes of
+// rotary_rmsnorm_backward followed by the block cast of its output, in both orientations, into
+// the rows [128, 128 + cols) of a larger transposed operand (a joint weight gradient's), nothing
+// written outside; its codes decode to the CPU's gradient within the format's precision.
+TEST_F(OpsCuda, RotaryRmsNormBackwardCastMatchesBackwardThenBlockCast) {
+  SCOPED_TRACE(rng_.trace());
+  const ops::cuda::RotaryShape shapes[] = {
+      {2, 192, 3, 128}, {1, 200, 2, 128}, {3, 40, 1, 128}, {8, 512, 12, 128}};
+  for (const ops::cuda::RotaryShape& s : shapes) {
+    const int64_t rows = s.batch * s.seq_len, cols = s.heads * s.head_dim;
+    const int64_t head_rows = rows * s.heads, blocks = cols / 128;
+    const int64_t lines = cols + 256, first_line = 128;  // of the transposed operand
+    const int64_t row_blocks = (rows + 127) / 128;
+    const size_t n = element_count(s);
+    const std::string shape = describe({s, 0});
+    const RotaryTables tables = make_tables(s);
+    // Heads of different magnitudes, so that blocks take different scales.
+    std::vector<bf16> x = random_bf16(rng_, n, -3.0, 3.0), dout = random_bf16(rng_, n);
+    for (size_t i = 0; i < n; ++i) {
+      const double magnitude = std::ldexp(1.0, static_cast<int>(i / 128 % 7) * 3 - 9);
+      dout[i] = float_to_bf16(static_cast<float>(bf16_to_float(dout[i]) * magnitude));
+    }
+    Device<bf16> device_x(x), out(n), dinp(n), device_dout(dout);
+    Device<float> rstd(static_cast<size_t>(head_rows));
+    ops::cuda::rotary_rmsnorm_forward(out.get(), rstd.get(), device_x.get(),
+                                      tables.device_cos.get(), tables.device_sin.get(), s, kEps,
+                                      stream_);
+    dinp.poison_nan();
+    ops::cuda::rotary_rmsnorm_backward(dinp.get(), device_dout.get(), out.get(), rstd.get(),
+                                       tables.device_cos.get(), tables.device_sin.get(), s,
+                                       GradStore::Write, stream_);
+    std::vector<double> dnorm(n, 0.0), cpu_dinp(n, 0.0);
+    ops::rmsnorm_backward(dnorm.data(), widen(dout).data(), widen(out.download()).data(),
+                          widen(rstd.download()).data(), head_rows, s.head_dim);
+    ops::rotary_backward(cpu_dinp.data(), dnorm.data(), tables.cos.data(), tables.sin.data(),
+                         s.batch, s.seq_len, s.heads, s.head_dim);
+    for (const Fp8Format format : {Fp8Format::E5M2, Fp8Format::E4M3}) {
+      for (const bool power_of_2 : {true, false}) {
+        const std::string where = fmt::format("{} {}, {}", format_name(format),
+                                              power_of_2 ? "2^k scales" : "scales", shape);
+        // Poisoned copies; the transposed ones hold `lines` lines, of which the cast fills
+        // cols from first_line on.
+        struct Copies {
+          Device<uint8_t> codes, codes_t;
+          Device<float> scales, scales_t;
+          fp8t::cuda::BlockCastOutput target(const BlockQuantization& spec, int64_t rows,
+                                             int64_t lines, int64_t first_line) {
+            for (auto* bytes : {&codes, &codes_t})
+              bytes->poison_nan();
+            scales.poison_nan();
+            scales_t.poison_nan();
+            return {spec,
+                    codes.get(),
+                    scales.get(),
+                    codes_t.get() + first_line * rows,
+                    scales_t.get() + first_line,
+                    lines};
+          }
+        };
+        const BlockQuantization spec{BlockScaling::Rows1x128, format, power_of_2, 0.0f};
+        Copies fused{Device<uint8_t>(n), Device<uint8_t>(static_cast<size_t>(lines * rows)),
+                     Device<float>(static_cast<size_t>(blocks * rows)),
+                     Device<float>(static_cast<size_t>(row_blocks * lines))};
+        Copies apart{Device<uint8_t>(n), Device<uint8_t>(static_cast<size_t>(lines * rows)),
+                     Device<float>(static_cast<size_t>(blocks * rows)),
+                     Device<float>(static_cast<size_t>(row_blocks * lines))};
+        const fp8t::cuda::BlockCastOutput to_fused = fused.target(spec, rows, lines, first_line);
+        ops::cuda::rotary_rmsnorm_backward_cast(device_dout.get(), out.get(), rstd.get(),
+                                                tables.device_cos.get(), tables.device_sin.get(), s,
+                                                to_fused, stream_);
+        const fp8t::cuda::BlockCastOutput to_apart = apart.target(spec, rows, lines, first_line);
+        fp8t::cuda::quantize_blocks(dinp.get(), rows, cols, spec, to_apart.out, to_apart.scales,
+                                    to_apart.out_t, to_apart.scales_t, stream_, nullptr,
+                                    fp8t::cuda::BlockScaleOrder::BlockMajor,
+                                    fp8t::cuda::CastInput::Value, nullptr, lines);
+        const std::vector<uint8_t> codes = fused.codes.download();
+        const std::vector<float> scales = fused.scales.download();
+        expect_bitwise_equal(codes, apart.codes.download(), "codes, " + where);
+        expect_bitwise_equal(scales, apart.scales.download(), "scales, " + where);
+        expect_bitwise_equal(fused.codes_t.download(), apart.codes_t.download(),
+                             "transposed codes, " + where);
+        expect_bitwise_equal(fused.scales_t.download(), apart.scales_t.download(),
+                             "transposed scales, " + where);
+        // Block-major scales: block b of row r at b * rows + r.
+        std::vector<double> decoded(n);
+        for (size_t i = 0; i < n; ++i) {
+          const int64_t row = static_cast<int64_t>(i) / cols,
+                        block = static_cast<int64_t>(i) % cols / 128;
+          decoded[i] = static_cast<double>(decode(codes[i], format)) *
+                       scales[static_cast<size_t>(block * rows + row)];
+        }
+        const double precision = format == Fp8Format::E5M2 ? 0.125 : 0.0625;
+        expect_close(decoded, cpu_dinp, Tolerance{precision, precision, 1e-3},
+                     "decoded codes against the CPU, " + where);
+      }
+    }
+  }
+  // Refused: other head dims, 128x128 tiles, a missing transposed copy, unaligned inputs.
+  const ops::cuda::RotaryShape s{1, 128, 2, 128};
+  const RotaryTables tables = make_tables(s);
+  const size_t n = element_count(s);
+  Device<bf16> dout(n), unaligned_dout(n, 1), out(n);
+  Device<float> rstd(256);
+  Device<uint8_t> codes(n), codes_t(n);
+  Device<float> scales(256), scales_t(256);
+  const BlockQuantization rows_spec{BlockScaling::Rows1x128, Fp8Format::E5M2, true, 0.0f};
+  const BlockQuantization tile_spec{BlockScaling::Tile128x128, Fp8Format::E5M2, true, 0.0f};
+  const fp8t::cuda::BlockCastOutput target{rows_spec,     codes.get(),    scales.get(),
+                                           codes_t.get(), scales_t.get(), 0};
+  const auto cast = [&](const ops::cuda::RotaryShape& shape, const bf16* gradient,
+                        const fp8t::cuda::BlockCastOutput& to) {
+    ops::cuda::rotary_rmsnorm_backward_cast(gradient, out.get(), rstd.get(),
+                                            tables.device_cos.get(), tables.device_sin.get(), shape,
+                                            to, stream_);
+  };
+  EXPECT_THROW(cast({1, 128, 4, 64}, dout.get(), target), Error) << "head dim 64";
+  fp8t::cuda::BlockCastOutput tiles = target;
+  tiles.spec = tile_spec;
+  EXPECT_THROW(cast(s, dout.get(), tiles), Error) << "128x128 tiles";
+  fp8t::cuda::BlockCastOutput rows_only = target;
+  rows_only.out_t = nullptr;
+  EXPECT_THROW(cast(s, dout.get(), rows_only), Error) << "no transposed copy";
+  EXPECT_THROW(cast(s, unaligned_dout.get(), target), Error) << "an unaligned gradient";
+  cast(s, dout.get(), target);
+  FP8T_CUDA_CHECK(cudaDeviceSynchronize());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@
 #include <array>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <string_view>
 
 #include <fmt/format.h>
@@ -985,16 +986,38 @@ void CudaGptModel::backward() {
       b.attention.backward(b.dq, b.dk, b.dv, b.dattn_out, layer.q, layer.k, layer.v, layer.attn_out,
                            layer.stats, shape, config_.attention_scale(), s);
     }
-    kernels::rotary_rmsnorm_backward(b.dq_lin, b.dq, layer.q, layer.q_rstd, b.rotary_cos,
-                                     b.rotary_sin, q_shape, GradStore::Write, s);
-    kernels::rotary_rmsnorm_backward(b.dk_lin, b.dk, layer.k, layer.k_rstd, b.rotary_cos,
-                                     b.rotary_sin, k_shape, GradStore::Write, s);
-    const std::array<std::pair<const char*, const bf16*>, 3> projections = {
-        {{"attn.c_q", b.dq_lin}, {"attn.c_k", b.dk_lin}, {"attn.c_v", b.dv}}};
+    // q's and k's gradients through their norm and rotary, each made just before its
+    // projection's backward: cast straight into the projection's dŷ and dŷᵗ where it takes that
+    // cast (its dy null), else stored in bf16 for it. v's gradient is the attention's own.
+    struct Projection {
+      const char* name;
+      bf16* dlin;  // the gradient before the norm and rotary (null for v)
+      const bf16* dout;
+      const bf16* out;
+      const float* rstd;
+      kernels::RotaryShape shape;
+    };
+    const std::array<Projection, 3> projections = {
+        {{"attn.c_q", b.dq_lin, b.dq, layer.q, layer.q_rstd, q_shape},
+         {"attn.c_k", b.dk_lin, b.dk, layer.k, layer.k_rstd, k_shape},
+         {"attn.c_v", nullptr, b.dv, nullptr, nullptr, k_shape}}};
     const bf16* attn_norm = gather_rows(layer.attn_norm);
-    for (const auto& [name, dy] : projections) {
-      const Linear& projection = linear(prefix + name);
-      projection.layer->backward(dy, attn_norm, N, b.dnorm, dy != b.dq_lin,
+    for (const Projection& p : projections) {
+      const Linear& projection = linear(prefix + p.name);
+      const bf16* dy = p.dlin != nullptr ? p.dlin : p.dout;
+      if (p.dlin != nullptr) {
+        std::optional<fp8t::cuda::BlockCastOutput> cast;
+        if (D == kernels::kRotaryCastHeadDim) cast = projection.layer->fused_grad_output_cast(N);
+        if (cast) {
+          kernels::rotary_rmsnorm_backward_cast(p.dout, p.out, p.rstd, b.rotary_cos, b.rotary_sin,
+                                                p.shape, *cast, s);
+          dy = nullptr;
+        } else {
+          kernels::rotary_rmsnorm_backward(p.dlin, p.dout, p.out, p.rstd, b.rotary_cos,
+                                           b.rotary_sin, p.shape, GradStore::Write, s);
+        }
+      }
+      projection.layer->backward(dy, attn_norm, N, b.dnorm, &p != projections.data(),
                                  weight_gradient(projection), record, s);
     }
     if (config_.has_value_embedding(index)) {  // this rank's kv heads' columns and gates

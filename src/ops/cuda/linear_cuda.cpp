@@ -280,6 +280,27 @@ FusedCast CudaLinear::fused_input_cast(bool record_amax, cudaStream_t stream) {
   return cast;
 }
 
+std::optional<fp8t::cuda::BlockCastOutput> CudaLinear::fused_grad_output_cast(int64_t tokens) {
+  if (!setup_.fp8 || !blockwise() || !setup_.fp8_wgrad || setup_.output_relu2 || record_health_ ||
+      setup_.out_features % kScaleBlock != 0 || tokens <= 0 || tokens > setup_.max_tokens ||
+      backward_chunk(tokens) != tokens) {
+    return std::nullopt;
+  }
+  const Fp8Config& config = setup_.fp8_config;
+  const LinearSetup::WgradGroup group = setup_.wgrad_group;
+  fp8t::cuda::BlockCastOutput cast;
+  cast.spec = {BlockScaling::Rows1x128, config.format_for(TensorRole::GradOutput, setup_.family),
+               config.use_power_of_2_scales(), config.amax_epsilon};
+  cast.out = scratch_.grad_output;
+  cast.scales = scratch_.grad_output_scales;
+  // Where backward_rows' own cast puts dŷᵗ: this layer's rows of a joint weight gradient's.
+  cast.out_t = scratch_.grad_output_t + group.first_row * tokens;
+  cast.scales_t = scratch_.grad_output_t_scales + group.first_row;
+  cast.scale_lines_t = group.rows;
+  grad_output_cast_rows_ = tokens;
+  return cast;
+}
+
 float* CudaLinear::fused_input_amax(cudaStream_t stream) {
   if (!setup_.fp8 || !tensorwise() || setup_.input_from != nullptr ||
       cast_input(TensorRole::Input) != fp8t::cuda::CastInput::Value) {
@@ -435,6 +456,12 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
   FP8T_CHECK(setup_.output_relu2 == (y != nullptr),
              "the backward of a linear whose output feeds relu² takes that output, and only it");
   const bool grad_amax_done = std::exchange(grad_output_amax_done_, false);
+  const int64_t cast_rows = std::exchange(grad_output_cast_rows_, 0);
+  FP8T_CHECK(cast_rows == 0 || cast_rows == tokens,
+             "dy was cast for a backward over {} rows, and this one takes {}", cast_rows, tokens);
+  FP8T_CHECK(dy != nullptr || cast_rows != 0,
+             "a backward without dy needs dy cast by the kernel that made it "
+             "(fused_grad_output_cast)");
   const bool fp8_wgrad = setup_.fp8 && dweight != nullptr && setup_.fp8_wgrad;
   if (reader.layer != nullptr) {
     const InputTHolder& holder = *scratch_.input_t_holder;
@@ -478,10 +505,11 @@ void CudaLinear::backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* d
   }
   for (int64_t first = 0; first < tokens; first += chunk) {
     const int64_t rows = std::min(chunk, tokens - first);
-    backward_rows(dy + first * out, x != nullptr ? x + first * in : nullptr, first, rows,
+    backward_rows(dy != nullptr ? dy + first * out : nullptr,
+                  x != nullptr ? x + first * in : nullptr, first, rows,
                   dx != nullptr ? dx + first * in : nullptr, accumulate_dx,
                   fp8_wgrad ? dweight : nullptr, record_amax, grad_scale, stream,
-                  y != nullptr ? y + first * out : nullptr, reader);
+                  y != nullptr ? y + first * out : nullptr, reader, cast_rows != 0);
   }
 }
 
@@ -496,7 +524,7 @@ int64_t CudaLinear::backward_chunk(int64_t tokens) const {
 void CudaLinear::backward_rows(const bf16* dy, const bf16* x, int64_t first_row, int64_t rows,
                                bf16* dx, bool accumulate_dx, float* dweight, bool record_amax,
                                ScaleSource grad_scale, cudaStream_t stream, const bf16* y,
-                               Relu2Reader reader) {
+                               Relu2Reader reader, bool dy_cast) {
   const int64_t out = setup_.out_features;
   const bool wgrad = dweight != nullptr;
   const LinearSetup::WgradGroup group = setup_.wgrad_group;
@@ -506,11 +534,13 @@ void CudaLinear::backward_rows(const bf16* dy, const bf16* x, int64_t first_row,
   // its own cast would put it.
   fp8t::cuda::ActivationTCast reader_input_t;
   if (reader.layer != nullptr) reader_input_t = {scratch_.input_t, scratch_.input_t_scales};
-  quantize(dy, rows, out, TensorRole::GradOutput, scratch_.grad_output,
-           wgrad ? scratch_.grad_output_t + (joint ? group.first_row * rows : 0) : nullptr,
-           grad_scale, record_amax, stream, scratch_.grad_output_scales,
-           scratch_.grad_output_t_scales + (joint ? group.first_row : 0), y, /*first_cast=*/true,
-           joint ? group.rows : 0, reader_input_t);
+  if (!dy_cast) {
+    quantize(dy, rows, out, TensorRole::GradOutput, scratch_.grad_output,
+             wgrad ? scratch_.grad_output_t + (joint ? group.first_row * rows : 0) : nullptr,
+             grad_scale, record_amax, stream, scratch_.grad_output_scales,
+             scratch_.grad_output_t_scales + (joint ? group.first_row : 0), y,
+             /*first_cast=*/true, joint ? group.rows : 0, reader_input_t);
+  }
   if (reader.layer != nullptr) {  // the reader's x̂ᵗ is in the scratch: its weight gradient
     InputTHolder& holder = *scratch_.input_t_holder;
     holder = {reader.layer, first_row, rows};

@@ -31,6 +31,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 
 #include <cuda_runtime_api.h>
 
@@ -212,6 +213,13 @@ class CudaLinear {
   // tensorwise and casts dy as it is (not through relu²).
   float* fused_grad_output_amax(cudaStream_t stream);
 
+  // Blockwise with an FP8 weight gradient: where the kernel producing the next backward's dy
+  // (tokens rows) can put its 1x128 cast in the same pass, dŷ and dŷᵗ with their block-major
+  // scales, the bytes of the backward's own cast; that backward() then takes a null dy. Nothing
+  // for layers that cast dy themselves: other recipes, output_relu2 layers, backwards in chunks,
+  // and while FP8 health is recorded.
+  std::optional<fp8t::cuda::BlockCastOutput> fused_grad_output_cast(int64_t tokens);
+
   // y [tokens, out] = x [tokens, in]·Wᵀ (+ b), bf16, written. FP8 layers take multiples of 16
   // tokens; BF16 ones any count (the modulation linears of the Flux read one row per sample).
   // With `residual` ([tokens, out], not overlapping y, no bias): y = x·Wᵀ + residual, the sum
@@ -228,7 +236,7 @@ class CudaLinear {
   // With a `reader` (output_relu2 layers for which casts_reader_input_t(reader, tokens) holds,
   // right after the reader's backward_leaving_wgrad()): the gradient cast, which reads y anyway,
   // also casts the reader's x̂ᵗ, and the reader's weight gradient runs before this layer's x̂ᵗ
-  // and GEMMs.
+  // and GEMMs. dy is null when fused_grad_output_cast() gave the kernel that made it its cast.
   void backward(const bf16* dy, const bf16* x, int64_t tokens, bf16* dx, bool accumulate_dx,
                 float* dweight, bool record_amax, cudaStream_t stream, const bf16* y = nullptr,
                 Relu2Reader reader = {});
@@ -313,9 +321,10 @@ class CudaLinear {
   // WeightTransposes::InBackward: Ŵ transposed into the scratch, with its block scales.
   void transpose_weight(cudaStream_t stream);
   // The FP8 backward of rows [first_row, first_row + rows): dy, x, dx and y point at that row.
+  // dy_cast: dŷ and dŷᵗ are in the scratch already (fused_grad_output_cast).
   void backward_rows(const bf16* dy, const bf16* x, int64_t first_row, int64_t rows, bf16* dx,
                      bool accumulate_dx, float* dweight, bool record_amax, ScaleSource grad_scale,
-                     cudaStream_t stream, const bf16* y, Relu2Reader reader);
+                     cudaStream_t stream, const bf16* y, Relu2Reader reader, bool dy_cast);
   // Blockwise with an FP8 weight gradient of its own (no joint one), `tokens` rows in one chunk.
   bool whole_blockwise_backward(int64_t tokens) const;
   // Whether backward_leaving_wgrad() can run over `tokens` rows: an input_relu2 layer with a
@@ -362,6 +371,7 @@ class CudaLinear {
   std::unique_ptr<DeviceBuffer<float>> weight_scales_, weight_t_scales_;
   InputCast input_cast_ = InputCast::None;
   bool grad_output_amax_done_ = false;  // fused_grad_output_amax() for the next backward
+  int64_t grad_output_cast_rows_ = 0;   // fused_grad_output_cast()'s rows for the next backward
   bool record_health_ = false;
   std::array<uint64_t, 3> health_elements_{};  // by TensorRole
 };

@@ -11,6 +11,7 @@
 
 #include "core/cuda_check.h"
 #include "core/error.h"
+#include "numerics/quantize_cuda.h"
 #include "ops/cuda/ops_cuda.h"
 
 namespace fp8t::ops::cuda {
@@ -516,6 +517,19 @@ void rotary_rmsnorm_backward(bf16* dinp, const bf16* dout, const bf16* out, cons
                              const float* cos, const float* sin, const RotaryShape& shape,
                              GradStore store, cudaStream_t stream) {
   launch_rotary_backward<true>(dinp, dout, out, rstd, cos, sin, shape, store, stream);
+}
+
+void rotary_rmsnorm_backward_cast(const bf16* dout, const bf16* out, const float* rstd,
+                                  const float* cos, const float* sin, const RotaryShape& shape,
+                                  const fp8t::cuda::BlockCastOutput& cast, cudaStream_t stream) {
+  check_rotary_args(shape, cos, sin);
+  FP8T_CHECK(shape.head_dim == kRotaryCastHeadDim,
+             "the rotary norm's gradient is cast for heads of {} channels, found {}",
+             kRotaryCastHeadDim, shape.head_dim);
+  FP8T_CHECK(dout != nullptr && out != nullptr && rstd != nullptr, "null device pointer");
+  fp8t::cuda::quantize_blocks_rotary_norm_gradient(
+      dout, shape.batch * shape.seq_len, shape.heads * shape.head_dim,
+      {out, rstd, cos, sin, shape.seq_len}, cast, stream);
 }
 
 }  // namespace fp8t::ops::cuda

@@ -23,6 +23,10 @@
 #include "numerics/float_bits.h"
 #include "numerics/formats.h"
 
+namespace fp8t::cuda {
+struct BlockCastOutput;  // numerics/quantize_cuda.h
+}  // namespace fp8t::cuda
+
 namespace fp8t::ops::cuda {
 
 // How a backward stores an activation gradient: Write replaces the buffer's contents (nothing
@@ -94,6 +98,16 @@ void rotary_rmsnorm_forward(bf16* out, float* rstd, const bf16* inp, const float
 void rotary_rmsnorm_backward(bf16* dinp, const bf16* dout, const bf16* out, const float* rstd,
                              const float* cos, const float* sin, const RotaryShape& shape,
                              GradStore store, cudaStream_t stream);
+
+// The head dim of rotary_rmsnorm_backward_cast: a head is one 1x128 block.
+inline constexpr int64_t kRotaryCastHeadDim = 128;
+
+// rotary_rmsnorm_backward's dinp (head_dim kRotaryCastHeadDim) cast in 1x128 blocks into `cast`
+// instead of being stored, for the FP8 linear that reads it (CudaLinear::fused_grad_output_cast):
+// numerics/quantize_cuda.h quantize_blocks_rotary_norm_gradient.
+void rotary_rmsnorm_backward_cast(const bf16* dout, const bf16* out, const float* rstd,
+                                  const float* cos, const float* sin, const RotaryShape& shape,
+                                  const fp8t::cuda::BlockCastOutput& cast, cudaStream_t stream);
 
 // --- Pointwise ops (ops/elementwise.h) over n elements (elementwise.cu) ---
 
