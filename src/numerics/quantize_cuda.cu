@@ -181,19 +181,48 @@ __device__ void widen_bf16x8(const uint32_t (&words)[4], float (&values)[8]) {
   }
 }
 
+// What a thread needs of the rotary norm besides the two vectors: its head row's rstd and one of
+// the rotary tables at its 8 columns, cos in the first half's lanes and sin in the second's
+// (stage_rotary_norm_gradient trades them), so that each table value is read once per head row.
+struct RotaryRowInputs {
+  float rstd;
+  float table[8];
+};
+
+constexpr int kRotaryHalfLanes = 8;  // the lanes of a head's first 64 columns
+
+// The RotaryRowInputs of one thread's row, loaded with its vectors. `valid`: the row lies inside
+// the tensor (else rstd reads as 0).
+__device__ RotaryRowInputs load_rotary_row(const RotaryNormGradient& rotary, int64_t row,
+                                           int64_t head, int64_t heads, int row_lane, bool valid) {
+  RotaryRowInputs inputs;
+  inputs.rstd = valid ? rotary.rstd[row * heads + head] : 0.0f;
+  // Rows fit 32 bits (at most 65535 tiles of 128), so the position takes a 32-bit remainder.
+  const uint32_t position = static_cast<uint32_t>(row) % static_cast<uint32_t>(rotary.seq_len);
+  const float* table = (row_lane >= kRotaryHalfLanes ? rotary.sin : rotary.cos) +
+                       position * (kRotaryHalfLanes * 8) + (row_lane % kRotaryHalfLanes) * 8;
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const float4 values = reinterpret_cast<const float4*>(table)[half];
+    inputs.table[4 * half] = values.x;
+    inputs.table[4 * half + 1] = values.y;
+    inputs.table[4 * half + 2] = values.z;
+    inputs.table[4 * half + 3] = values.w;
+  }
+  return inputs;
+}
+
 // rotary_rmsnorm_backward's gradient (ops/cuda/norm_rotary.cu) at one thread's 8 columns of a
 // head row, rounded to bf16 as that kernel stores it, in place of `gradient`. A tile row is one
 // head row over 16 lanes: lane l < 8 holds the columns 8 l .. 8 l + 7 of the first half, lane
-// l + 8 their rotary partners 64 columns on. Partners trade their vectors by shuffles and both
-// compute the pair in the rotary kernel's order, so the bits are its own. Every lane of the warp
-// calls this (shuffles); `valid`: the row lies inside the tensor (else its rstd reads as 0).
+// l + 8 their rotary partners 64 columns on. Partners trade their vectors and tables by shuffles
+// and both compute the pair in the rotary kernel's order, so the bits are its own. Every lane of
+// the warp calls this (shuffles).
 __device__ void stage_rotary_norm_gradient(InputVector<bf16>& gradient,
                                            const InputVector<bf16>& output,
-                                           const RotaryNormGradient& rotary, int64_t row,
-                                           int64_t head, int64_t heads, int row_lane, bool valid) {
-  constexpr int kHalfLanes = 8;  // the lanes of a head's first 64 columns
-  constexpr int kDim = 2 * kHalfLanes * 8;
-  const bool second_half = row_lane >= kHalfLanes;
+                                           const RotaryRowInputs& inputs, int row_lane) {
+  constexpr int kDim = 2 * kRotaryHalfLanes * 8;
+  const bool second_half = row_lane >= kRotaryHalfLanes;
   const auto* own_gradient = reinterpret_cast<const uint32_t*>(gradient.values);
   const auto* own_output = reinterpret_cast<const uint32_t*>(output.values);
   uint32_t first_words[2][4], second_words[2][4];  // [gradient, output][word] of each half
@@ -202,7 +231,7 @@ __device__ void stage_rotary_norm_gradient(InputVector<bf16>& gradient,
     const uint32_t words[2] = {own_gradient[w], own_output[w]};
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const uint32_t partner = __shfl_xor_sync(0xFFFFFFFFu, words[i], kHalfLanes);
+      const uint32_t partner = __shfl_xor_sync(0xFFFFFFFFu, words[i], kRotaryHalfLanes);
       first_words[i][w] = second_half ? partner : words[i];
       second_words[i][w] = second_half ? words[i] : partner;
     }
@@ -212,16 +241,11 @@ __device__ void stage_rotary_norm_gradient(InputVector<bf16>& gradient,
   widen_bf16x8(second_words[0], g2);
   widen_bf16x8(first_words[1], y1);
   widen_bf16x8(second_words[1], y2);
-  const float row_rstd = valid ? rotary.rstd[row * heads + head] : 0.0f;
-  const int64_t table = (row % rotary.seq_len) * (kDim / 2) + (row_lane % kHalfLanes) * 8;
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const float4 cos4 = reinterpret_cast<const float4*>(rotary.cos + table)[half];
-    const float4 sin4 = reinterpret_cast<const float4*>(rotary.sin + table)[half];
-    c[4 * half] = cos4.x, c[4 * half + 1] = cos4.y, c[4 * half + 2] = cos4.z;
-    c[4 * half + 3] = cos4.w;
-    s[4 * half] = sin4.x, s[4 * half + 1] = sin4.y, s[4 * half + 2] = sin4.z;
-    s[4 * half + 3] = sin4.w;
+  for (int k = 0; k < 8; ++k) {
+    const float partner = __shfl_xor_sync(0xFFFFFFFFu, inputs.table[k], kRotaryHalfLanes);
+    c[k] = second_half ? partner : inputs.table[k];
+    s[k] = second_half ? inputs.table[k] : partner;
   }
   // The gradient before the norm, rstd (dy - y mean(dy y)), then the transposed rotation.
   float dy_dot_y = 0.0f;
@@ -229,7 +253,7 @@ __device__ void stage_rotary_norm_gradient(InputVector<bf16>& gradient,
   for (int k = 0; k < 8; ++k)
     dy_dot_y = fmaf(g1[k], y1[k], fmaf(g2[k], y2[k], dy_dot_y));
 #pragma unroll
-  for (int offset = kHalfLanes / 2; offset > 0; offset /= 2)
+  for (int offset = kRotaryHalfLanes / 2; offset > 0; offset /= 2)
     dy_dot_y += __shfl_xor_sync(0xFFFFFFFFu, dy_dot_y, offset);
   const float mean_dy_y = dy_dot_y / static_cast<float>(kDim);
   auto* words = reinterpret_cast<uint32_t*>(gradient.values);
@@ -239,8 +263,8 @@ __device__ void stage_rotary_norm_gradient(InputVector<bf16>& gradient,
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int k = 2 * w + i;
-      const float a = row_rstd * fmaf(-y1[k], mean_dy_y, g1[k]);
-      const float b = row_rstd * fmaf(-y2[k], mean_dy_y, g2[k]);
+      const float a = inputs.rstd * fmaf(-y1[k], mean_dy_y, g1[k]);
+      const float b = inputs.rstd * fmaf(-y2[k], mean_dy_y, g2[k]);
       values[i] = second_half ? fmaf(a, s[k], b * c[k]) : fmaf(a, c[k], -b * s[k]);
     }
     const __nv_bfloat162 pair = __floats2bfloat162_rn(values[0], values[1]);
@@ -882,14 +906,10 @@ __device__ void cast_tile_columns(uint4* shared_tile, uint32_t (*segment_amax)[k
 }
 
 // Resident blocks: four (64 registers; 6-9 % faster than three at 80) for bf16 tiles, the relu²
-// gradient's two inputs included; three for fp32's 64 KiB tiles, for the relu² gradient's cast
-// that stages relu² as a second tile, and for the rotary norm's gradient (its rotary tables
-// spill at 64 registers).
-template <typename T, CastInput kInput, bool kActivationT>
-constexpr int kBlockCastBlocksPerSm = sizeof(T) == 2 && !kActivationT
-                                              && kInput != CastInput::RotaryNormGradient
-                                          ? 4
-                                          : 3;
+// and rotary norm gradients' two inputs included; three for fp32's 64 KiB tiles and for the
+// relu² gradient's cast that stages relu² as a second tile.
+template <typename T, bool kActivationT>
+constexpr int kBlockCastBlocksPerSm = sizeof(T) == 2 && !kActivationT ? 4 : 3;
 
 // With kHealth, the counts of `out`'s codes (not out_t's) are added to *health. The relu² and
 // rotary norm cast inputs (bf16 only) are staged as the bf16 values they round to, so the
@@ -899,7 +919,7 @@ constexpr int kBlockCastBlocksPerSm = sizeof(T) == 2 && !kActivationT
 // targets.activation_t, from relu² of second_input staged as a second tile as it is loaded
 // (twice the shared memory).
 template <typename T, Fp8Format kFormat, CastInput kInput, bool kHealth, bool kActivationT>
-__global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput, kActivationT>))
+__global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kActivationT>))
     block_quantize_kernel(const T* __restrict__ x, const bf16* __restrict__ second_input,
                           int64_t rows, int64_t cols, BlockQuantization spec,
                           BlockCastTargets targets, CastHealth* health, RotaryNormGradient rotary) {
@@ -911,9 +931,12 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput, kA
   constexpr int kVec = Shape::kVec;
   constexpr bool kTwoInputs =
       kInput == CastInput::Relu2Gradient || kInput == CastInput::RotaryNormGradient;
-  // Half the rows' loads in flight at a time (a quarter with two inputs): all of them would not
-  // fit the 64 registers of four resident blocks.
-  constexpr int kLoadGroup = Shape::kPasses / (kTwoInputs ? 4 : 2);
+  // Half the rows' loads in flight at a time (a quarter with two inputs, one row with the rotary
+  // norm's rstd and table too): all of them would not fit the 64 registers of four resident
+  // blocks. (The rotary norm's gradient at two rows and three blocks ran 7 % slower.)
+  constexpr int kLoadGroup = Shape::kPasses / (kInput == CastInput::RotaryNormGradient ? 8
+                                               : kTwoInputs                            ? 4
+                                                                                       : 2);
   extern __shared__ uint4 shared_tile[];  // [kBlockTile][kBlockTile] of T (kActivationT: two)
   T* tile = reinterpret_cast<T*>(shared_tile);
   uint4* activation_shared = shared_tile + BlockTileShape<T>::kSharedBytes / sizeof(uint4);
@@ -941,6 +964,8 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput, kA
   for (int group = 0; group < Shape::kPasses; group += kLoadGroup) {
     InputVector<T> vectors[kLoadGroup];
     InputVector<bf16> second_vectors[kTwoInputs ? kLoadGroup : 1];
+    [[maybe_unused]] RotaryRowInputs
+        rotary_rows[kInput == CastInput::RotaryNormGradient ? kLoadGroup : 1];
 #pragma unroll
     for (int p = 0; p < kLoadGroup; ++p) {
       const int r = first_row + (group + p) * Shape::kRowsPerPass;
@@ -958,14 +983,17 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kInput, kA
             second_vectors[p].values[k] = inside ? second_input[offset + k] : bf16{};
         }
       }
+      if constexpr (kInput == CastInput::RotaryNormGradient) {
+        rotary_rows[p] = load_rotary_row(rotary, row0 + r, blockIdx.x, cols / kBlockTile, row_lane,
+                                         r < valid_rows);
+      }
     }
 #pragma unroll
     for (int p = 0; p < kLoadGroup; ++p) {
       const int r = first_row + (group + p) * Shape::kRowsPerPass;
       if constexpr (kInput == CastInput::Relu2) stage_relu2(vectors[p]);
       if constexpr (kInput == CastInput::RotaryNormGradient) {
-        stage_rotary_norm_gradient(vectors[p], second_vectors[p], rotary, row0 + r, blockIdx.x,
-                                   cols / kBlockTile, row_lane, r < valid_rows);
+        stage_rotary_norm_gradient(vectors[p], second_vectors[p], rotary_rows[p], row_lane);
       }
 #pragma unroll
       for (int k = 0; k < kVec; ++k) {
