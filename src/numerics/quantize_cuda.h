@@ -95,8 +95,8 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
                      CastInput input = CastInput::Value, const bf16* relu2_input = nullptr,
                      int64_t scale_lines_t = 0, const ActivationTCast& activation_t = {});
 
-// What the gradient of an RMSNorm over each 128-wide head followed by rotary (the GPT's q and k:
-// ops/cuda/ops_cuda.h rotary_rmsnorm_backward, head_dim 128) is computed from, besides the
+// What the input gradient of rotary followed by an RMSNorm over each 128-wide head (the GPT's q
+// and k: ops/cuda/ops_cuda.h rotary_rmsnorm_backward, head_dim 128) is computed from, besides the
 // gradient of its output: the forward's output and rstd, and the rotary tables.
 struct RotaryNormGradient {
   const bf16* output = nullptr;  // [rows, cols], the layout of the gradient
@@ -118,7 +118,7 @@ struct BlockCastOutput {
   int64_t scale_lines_t = 0;
 };
 
-// The input gradient of rotary(rmsnorm(x)) per 128-wide head, from `gradient` [rows, cols]
+// The input gradient of rmsnorm(rotary(x)) per 128-wide head, from `gradient` [rows, cols]
 // (cols a multiple of 128) and `input`, cast in 1x128 blocks (an OCP format, both
 // orientations) without being stored: the bytes of rotary_rmsnorm_backward() followed by
 // quantize_blocks() of its bf16 output.
