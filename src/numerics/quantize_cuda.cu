@@ -1358,7 +1358,10 @@ void quantize_blocks_rotary_norm_gradient(const bf16* gradient, int64_t rows, in
   check_pointers(rows, input.rstd, input.rstd);
   FP8T_CHECK(aligned16(gradient) && aligned16(input.output) && aligned16(input.cos) &&
                  aligned16(input.sin),
-             "the rotary norm's gradient, output and tables must be 16-byte aligned");
+             "the rotary norm's gradient, output and tables must be 16-byte aligned, found {}, "
+             "{}, {} and {}",
+             static_cast<const void*>(gradient), static_cast<const void*>(input.output),
+             static_cast<const void*>(input.cos), static_cast<const void*>(input.sin));
   const int64_t row_tiles = (rows + kBlockTile - 1) / kBlockTile;
   FP8T_CHECK(row_tiles <= 65535, "expected at most {} rows, found {}", 65535 * kBlockTile, rows);
   const dim3 grid(static_cast<unsigned>(cols / kBlockTile), static_cast<unsigned>(row_tiles));

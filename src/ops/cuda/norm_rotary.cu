@@ -526,7 +526,10 @@ void rotary_rmsnorm_backward_cast(const bf16* dout, const bf16* out, const float
   FP8T_CHECK(shape.head_dim == kRotaryCastHeadDim,
              "the rotary norm's gradient is cast for heads of {} channels, found {}",
              kRotaryCastHeadDim, shape.head_dim);
-  FP8T_CHECK(dout != nullptr && out != nullptr && rstd != nullptr, "null device pointer");
+  FP8T_CHECK(dout != nullptr && out != nullptr && rstd != nullptr,
+             "null device pointer for the rotary norm's backward cast (dout {}, out {}, rstd {})",
+             static_cast<const void*>(dout), static_cast<const void*>(out),
+             static_cast<const void*>(rstd));
   fp8t::cuda::quantize_blocks_rotary_norm_gradient(
       dout, shape.batch * shape.seq_len, shape.heads * shape.head_dim,
       {out, rstd, cos, sin, shape.seq_len}, cast, stream);
