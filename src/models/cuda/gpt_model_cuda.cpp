@@ -128,7 +128,7 @@ struct CudaGptModel::Buffers {
   float* reduction = nullptr;  // block partial sums of the parameter-gradient reductions
   bf16 *dres = nullptr, *dres_next = nullptr, *dbackout = nullptr, *dx0 = nullptr;
   bf16 *dnorm = nullptr, *dattn_out = nullptr, *dq = nullptr, *dk = nullptr, *dv = nullptr;
-  bf16 *dq_lin = nullptr, *dk_lin = nullptr, *dvalue_embed = nullptr, *dfc_act = nullptr;
+  bf16 *dvalue_embed = nullptr, *dfc_act = nullptr;
   // Sequence parallelism: the group's rows [B·T, C] (gathered, or partial sums), and this rank's
   // rows of a summed input gradient.
   bf16 *whole = nullptr, *dnorm_own = nullptr;
@@ -499,8 +499,6 @@ void CudaGptModel::lay_out() {
     b.dq = backward.take<bf16>(N * H * D);
     b.dk = backward.take<bf16>(N * Hkv * D);
     b.dv = backward.take<bf16>(N * Hkv * D);
-    b.dq_lin = backward.take<bf16>(N * H * D);
-    b.dk_lin = backward.take<bf16>(N * Hkv * D);
     b.dvalue_embed = backward.take<bf16>(N * Hkv * D);
     b.dfc_act = backward.take<bf16>(N * hidden);
     RegionPieces forward(base, recompute_groups_.empty() ? both.end() : backward.end());
@@ -988,7 +986,8 @@ void CudaGptModel::backward() {
     }
     // q's and k's gradients through their norm and rotary, each made just before its
     // projection's backward: cast straight into the projection's dŷ and dŷᵗ where it takes that
-    // cast (its dy null), else stored in bf16 for it. v's gradient is the attention's own.
+    // cast (its dy null), else stored in bf16 for it, in dattn_out, which the attention's
+    // backward has read. v's gradient is the attention's own.
     struct Projection {
       const char* name;
       bf16* dlin;  // the gradient before the norm and rotary (null for v)
@@ -998,8 +997,8 @@ void CudaGptModel::backward() {
       kernels::RotaryShape shape;
     };
     const std::array<Projection, 3> projections = {
-        {{"attn.c_q", b.dq_lin, b.dq, layer.q, layer.q_rstd, q_shape},
-         {"attn.c_k", b.dk_lin, b.dk, layer.k, layer.k_rstd, k_shape},
+        {{"attn.c_q", b.dattn_out, b.dq, layer.q, layer.q_rstd, q_shape},
+         {"attn.c_k", b.dattn_out, b.dk, layer.k, layer.k_rstd, k_shape},
          {"attn.c_v", nullptr, b.dv, nullptr, nullptr, k_shape}}};
     const bf16* attn_norm = gather_rows(layer.attn_norm);
     for (const Projection& p : projections) {
