@@ -14,6 +14,7 @@
 
 #include "core/cuda_check.h"
 #include "core/cuda_resources.h"
+#include "numerics/rotary_norm_math.cuh"
 #include "numerics/scaling.h"
 
 namespace fp8t::cuda {
@@ -251,7 +252,7 @@ __device__ void stage_rotary_norm_gradient(InputVector<bf16>& gradient,
   float dy_dot_y = 0.0f;
 #pragma unroll
   for (int k = 0; k < 8; ++k)
-    dy_dot_y = fmaf(g1[k], y1[k], fmaf(g2[k], y2[k], dy_dot_y));
+    dy_dot_y = rotary::add_pair_dot(g1[k], y1[k], g2[k], y2[k], dy_dot_y);
 #pragma unroll
   for (int offset = kRotaryHalfLanes / 2; offset > 0; offset /= 2)
     dy_dot_y += __shfl_xor_sync(0xFFFFFFFFu, dy_dot_y, offset);
@@ -263,9 +264,10 @@ __device__ void stage_rotary_norm_gradient(InputVector<bf16>& gradient,
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int k = 2 * w + i;
-      const float a = inputs.rstd * fmaf(-y1[k], mean_dy_y, g1[k]);
-      const float b = inputs.rstd * fmaf(-y2[k], mean_dy_y, g2[k]);
-      values[i] = second_half ? fmaf(a, s[k], b * c[k]) : fmaf(a, c[k], -b * s[k]);
+      const float a = rotary::norm_input_gradient(g1[k], y1[k], mean_dy_y, inputs.rstd);
+      const float b = rotary::norm_input_gradient(g2[k], y2[k], mean_dy_y, inputs.rstd);
+      values[i] = second_half ? rotary::rotated_second<true>(a, b, c[k], s[k])
+                              : rotary::rotated_first<true>(a, b, c[k], s[k]);
     }
     const __nv_bfloat162 pair = __floats2bfloat162_rn(values[0], values[1]);
     words[w] = *reinterpret_cast<const uint32_t*>(&pair);

@@ -12,6 +12,7 @@
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "numerics/quantize_cuda.h"
+#include "numerics/rotary_norm_math.cuh"
 #include "ops/cuda/ops_cuda.h"
 
 namespace fp8t::ops::cuda {
@@ -24,6 +25,9 @@ using device::load_f32x8;
 using device::store_bf16x8;
 using device::to_bf16;
 using device::to_f32;
+using fp8t::cuda::rotary::add_pair_dot;
+using fp8t::cuda::rotary::norm_input_gradient;
+using fp8t::cuda::rotary::rotate_pair;
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / kWarpSize;
@@ -122,14 +126,14 @@ __global__ void __launch_bounds__(kThreads)
         if (add) load_bf16x8(dx + i, dx_v);
 #pragma unroll
         for (int k = 0; k < kBf16Vector; ++k) {
-          const float g = row_rstd * fmaf(-y_v[k], mean_dy_y, dy_v[k]);
+          const float g = norm_input_gradient(dy_v[k], y_v[k], mean_dy_y, row_rstd);
           dx_v[k] = add ? dx_v[k] + g : g;
         }
         store_bf16x8(dx + i, dx_v);
       }
     } else {
       for (int64_t i = lane; i < dim; i += kWarpSize) {
-        const float g = row_rstd * fmaf(-to_f32(y[i]), mean_dy_y, to_f32(dy[i]));
+        const float g = norm_input_gradient(to_f32(dy[i]), to_f32(y[i]), mean_dy_y, row_rstd);
         dx[i] = to_bf16(add ? to_f32(dx[i]) + g : g);
       }
     }
@@ -156,20 +160,6 @@ struct HeadRows {
   int64_t heads;
   __device__ int64_t position(int64_t row) const { return (row / heads) % seq_len; }
 };
-
-// The rotation of one pair by the table angle: forward y1 = x1 c + x2 s, y2 = -x1 s + x2 c;
-// backward (the transposed rotation) dx1 = g1 c - g2 s, dx2 = g1 s + g2 c.
-template <bool kBackward>
-__device__ inline void rotate_pair(float a, float b, float c, float s, float& first,
-                                   float& second) {
-  if constexpr (kBackward) {
-    first = fmaf(a, c, -b * s);
-    second = fmaf(a, s, b * c);
-  } else {
-    first = fmaf(a, c, b * s);
-    second = fmaf(-a, s, b * c);
-  }
-}
 
 // Forward (optionally + RMSNorm) with kGroup threads per head row of head_dim = 16 kGroup.
 // A warp holds 32 / kGroup head rows and iterates while any of them exists, so that the group
@@ -254,16 +244,16 @@ __global__ void __launch_bounds__(kThreads)
       load_f32x8(sin + table_offset, s);
     }
     if constexpr (kNorm) {
-      // The gradient before the norm: rstd (dy - y mean(dy y)).
+      // The gradient before the norm.
       float dy_dot_y = 0.0f;
 #pragma unroll
       for (int k = 0; k < kBf16Vector; ++k)
-        dy_dot_y = fmaf(g1[k], y1[k], fmaf(g2[k], y2[k], dy_dot_y));
+        dy_dot_y = add_pair_dot(g1[k], y1[k], g2[k], y2[k], dy_dot_y);
       const float mean_dy_y = device::group_sum<kGroup>(dy_dot_y) / static_cast<float>(kDim);
 #pragma unroll
       for (int k = 0; k < kBf16Vector; ++k) {
-        g1[k] = row_rstd * fmaf(-y1[k], mean_dy_y, g1[k]);
-        g2[k] = row_rstd * fmaf(-y2[k], mean_dy_y, g2[k]);
+        g1[k] = norm_input_gradient(g1[k], y1[k], mean_dy_y, row_rstd);
+        g2[k] = norm_input_gradient(g2[k], y2[k], mean_dy_y, row_rstd);
       }
     }
     if (!valid) continue;
@@ -351,8 +341,8 @@ __global__ void __launch_bounds__(kThreads)
       float g1 = to_f32(dy[j]);
       float g2 = to_f32(dy[j + half]);
       if constexpr (kNorm) {
-        g1 = row_rstd * fmaf(-to_f32(y[j]), mean_dy_y, g1);
-        g2 = row_rstd * fmaf(-to_f32(y[j + half]), mean_dy_y, g2);
+        g1 = norm_input_gradient(g1, to_f32(y[j]), mean_dy_y, row_rstd);
+        g2 = norm_input_gradient(g2, to_f32(y[j + half]), mean_dy_y, row_rstd);
       }
       float dx1, dx2;
       rotate_pair<true>(g1, g2, cos_row[j], sin_row[j], dx1, dx2);
