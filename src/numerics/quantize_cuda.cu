@@ -1119,6 +1119,28 @@ __global__ void block_dequantize_kernel(const uint8_t* q, int64_t rows, int64_t 
   }
 }
 
+// The checks of a block cast's targets that every entry point makes: codes and scales in pairs,
+// and the transposed copy's scales strided by block-major lines, at least its `cols` of them.
+void check_block_cast_targets(const void* out, const void* scales, const void* out_t,
+                              const void* scales_t, BlockScaleOrder order, int64_t scale_lines_t,
+                              int64_t cols) {
+  FP8T_CHECK(out != nullptr || out_t != nullptr, "a block cast writes out, out_t or both");
+  FP8T_CHECK((out == nullptr) == (scales == nullptr), "out and scales go together");
+  FP8T_CHECK((out_t == nullptr) == (scales_t == nullptr), "out_t and scales_t go together");
+  FP8T_CHECK(scale_lines_t == 0 || (order == BlockScaleOrder::BlockMajor && scale_lines_t >= cols),
+             "the transposed copy's scales are strided by block-major lines, at least its {} "
+             "lines; found a stride of {}",
+             cols, scale_lines_t);
+}
+
+// A block cast's grid: one block per 128x128 tile, columns in x, rows in y.
+dim3 block_cast_grid(int64_t rows, int64_t cols) {
+  const int64_t row_tiles = (rows + kBlockTile - 1) / kBlockTile;
+  FP8T_CHECK(row_tiles <= 65535, "expected at most {} rows, found {}", 65535 * kBlockTile, rows);
+  return dim3(static_cast<unsigned>((cols + kBlockTile - 1) / kBlockTile),
+              static_cast<unsigned>(row_tiles));
+}
+
 unsigned elementwise_grid(int64_t count) {
   return grid_for((count + kThreads - 1) / kThreads);
 }
@@ -1271,7 +1293,7 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
                      CastInput input, const bf16* relu2_input, int64_t scale_lines_t,
                      const ActivationTCast& activation_t) {
   FP8T_CHECK(rows >= 0 && cols >= 0, "expected a non-negative shape, found [{}, {}]", rows, cols);
-  FP8T_CHECK(out != nullptr || out_t != nullptr, "a block cast writes out, out_t or both");
+  check_block_cast_targets(out, scales, out_t, scales_t, order, scale_lines_t, cols);
   FP8T_CHECK((activation_t.out_t == nullptr) == (activation_t.scales_t == nullptr),
              "relu²'s transposed copy and its scales go together");
   const bool with_activation_t = activation_t.out_t != nullptr;
@@ -1280,12 +1302,6 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
                   (spec.format == Fp8Format::E4M3 || spec.format == Fp8Format::E5M2)),
              "relu²'s transposed copy comes with a 1x128 cast of relu²'s gradient in an OCP "
              "format");
-  FP8T_CHECK(scale_lines_t == 0 || (order == BlockScaleOrder::BlockMajor && scale_lines_t >= cols),
-             "the transposed copy's scales are strided by block-major lines, at least its {} "
-             "lines; found a stride of {}",
-             cols, scale_lines_t);
-  FP8T_CHECK((out == nullptr) == (scales == nullptr), "out and scales go together");
-  FP8T_CHECK((out_t == nullptr) == (scales_t == nullptr), "out_t and scales_t go together");
   FP8T_CHECK(health == nullptr || out != nullptr,
              "a block cast counts the codes of out, and was given none");
   FP8T_CHECK(order != BlockScaleOrder::BlockMajor || spec.scaling == BlockScaling::Rows1x128,
@@ -1296,10 +1312,7 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
   check_data_format(spec.format);
   if (rows * cols == 0) return;
   using Shape = BlockTileShape<T>;
-  const int64_t row_tiles = (rows + kBlockTile - 1) / kBlockTile;
-  FP8T_CHECK(row_tiles <= 65535, "expected at most {} rows, found {}", 65535 * kBlockTile, rows);
-  const dim3 grid(static_cast<unsigned>((cols + kBlockTile - 1) / kBlockTile),
-                  static_cast<unsigned>(row_tiles));
+  const dim3 grid = block_cast_grid(rows, cols);
   const BlockCastTargets targets{
       out,
       scales,
@@ -1347,13 +1360,10 @@ void quantize_blocks_rotary_norm_gradient(const bf16* gradient, int64_t rows, in
   FP8T_CHECK(spec.scaling == BlockScaling::Rows1x128 &&
                  (spec.format == Fp8Format::E4M3 || spec.format == Fp8Format::E5M2),
              "the rotary norm's gradient is cast in 1x128 blocks of an OCP format");
-  FP8T_CHECK(cast.out != nullptr && cast.scales != nullptr && cast.out_t != nullptr &&
-                 cast.scales_t != nullptr,
-             "the rotary norm's gradient is cast in both orientations, with their scales");
-  FP8T_CHECK(cast.scale_lines_t == 0 || cast.scale_lines_t >= cols,
-             "the transposed copy's scales are strided by at least its {} lines; found a stride of "
-             "{}",
-             cols, cast.scale_lines_t);
+  FP8T_CHECK(cast.out != nullptr && cast.out_t != nullptr,
+             "the rotary norm's gradient is cast in both orientations");
+  check_block_cast_targets(cast.out, cast.scales, cast.out_t, cast.scales_t,
+                           BlockScaleOrder::BlockMajor, cast.scale_lines_t, cols);
   if (rows == 0) return;
   FP8T_CHECK(input.seq_len > 0, "expected a positive sequence length, found {}", input.seq_len);
   check_pointers(rows * cols, gradient, input.output);
@@ -1364,9 +1374,7 @@ void quantize_blocks_rotary_norm_gradient(const bf16* gradient, int64_t rows, in
              "{}, {} and {}",
              static_cast<const void*>(gradient), static_cast<const void*>(input.output),
              static_cast<const void*>(input.cos), static_cast<const void*>(input.sin));
-  const int64_t row_tiles = (rows + kBlockTile - 1) / kBlockTile;
-  FP8T_CHECK(row_tiles <= 65535, "expected at most {} rows, found {}", 65535 * kBlockTile, rows);
-  const dim3 grid(static_cast<unsigned>(cols / kBlockTile), static_cast<unsigned>(row_tiles));
+  const dim3 grid = block_cast_grid(rows, cols);
   const BlockCastTargets targets{
       cast.out,
       cast.scales,
