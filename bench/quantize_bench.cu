@@ -4,7 +4,8 @@
 //   quantize_bench [--rows 16384] [--cols 6144] [--iterations 50]
 //
 // Bytes counted are the fewest each kernel must move: BF16 read once, each FP8 output
-// written once (scales are < 1 % and not counted).
+// written once (scales are < 1 % and not counted). Two rows more cast W-GPT24's 145 fp32
+// weights, whatever the tensor's shape: one launch per weight, and grouped.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
@@ -18,6 +19,7 @@
 
 #include "core/cuda_check.h"
 #include "numerics/quantize_cuda.h"
+#include "numerics/scaling.h"
 #include "ops/cuda/ops_cuda.h"
 
 namespace {
@@ -227,6 +229,58 @@ int run(int argc, char** argv) {
       fp8t::cuda::quantize_blocks(x, rows, cols, spec, out, scales, out_t, scales_t, nullptr,
                                   health);
     });
+  }
+
+  // W-GPT24's weights as a step casts them (128x128 tiles and their transposes, e4m3), each in
+  // its own buffers: per layer q, k, v and attn.c_proj [1536, 1536], mlp.c_fc [6144, 1536],
+  // mlp.c_proj [1536, 6144], and lm_head [32768, 1536].
+  std::vector<std::pair<int64_t, int64_t>> weight_shapes;
+  for (int layer = 0; layer < 24; ++layer) {
+    weight_shapes.insert(
+        weight_shapes.end(),
+        {{1536, 1536}, {1536, 1536}, {1536, 1536}, {1536, 1536}, {6144, 1536}, {1536, 6144}});
+  }
+  weight_shapes.push_back({32768, 1536});
+  const auto tile_scale_floats = [](int64_t tensor_rows, int64_t tensor_cols) {
+    return (tensor_rows + 127) / 128 * fp8t::padded_tile_scale_row((tensor_cols + 127) / 128);
+  };
+  int64_t weight_elements = 0, weight_scale_floats = 0;
+  for (const auto& [weight_rows, weight_cols] : weight_shapes) {
+    weight_elements += weight_rows * weight_cols;
+    weight_scale_floats += tile_scale_floats(weight_rows, weight_cols);
+  }
+  float *weights = nullptr, *weight_scales = nullptr, *weight_scales_t = nullptr;
+  uint8_t *weight_codes = nullptr, *weight_codes_t = nullptr;
+  FP8T_CUDA_CHECK(cudaMalloc(&weights, weight_elements * sizeof(float)));
+  FP8T_CUDA_CHECK(cudaMemset(weights, 0x3F, weight_elements * sizeof(float)));
+  FP8T_CUDA_CHECK(cudaMalloc(&weight_codes, weight_elements));
+  FP8T_CUDA_CHECK(cudaMalloc(&weight_codes_t, weight_elements));
+  FP8T_CUDA_CHECK(cudaMalloc(&weight_scales, weight_scale_floats * sizeof(float)));
+  FP8T_CUDA_CHECK(cudaMalloc(&weight_scales_t, weight_scale_floats * sizeof(float)));
+  std::vector<fp8t::cuda::TileCastJob> weight_jobs;
+  int64_t element_offset = 0, scale_offset = 0;
+  for (const auto& [weight_rows, weight_cols] : weight_shapes) {
+    weight_jobs.push_back({weights + element_offset, weight_rows, weight_cols,
+                           weight_codes + element_offset, weight_scales + scale_offset,
+                           weight_codes_t + element_offset, weight_scales_t + scale_offset});
+    element_offset += weight_rows * weight_cols;
+    scale_offset += tile_scale_floats(weight_rows, weight_cols);
+  }
+  const fp8t::BlockQuantization tile_spec = block_spec(fp8t::BlockScaling::Tile128x128);
+  const double weight_bytes = double(weight_elements) * (sizeof(float) + 2);
+  measure("W-GPT24's 145 fp32 weights, 128x128 + transposed, a launch each", weight_bytes, [&] {
+    for (const fp8t::cuda::TileCastJob& job : weight_jobs) {
+      fp8t::cuda::quantize_blocks(job.x, job.rows, job.cols, tile_spec, job.out, job.scales,
+                                  job.out_t, job.scales_t, nullptr, nullptr,
+                                  fp8t::cuda::BlockScaleOrder::PaddedLineMajor);
+    }
+  });
+  measure("W-GPT24's 145 fp32 weights, 128x128 + transposed, grouped", weight_bytes,
+          [&] { fp8t::cuda::quantize_tiles_grouped(weight_jobs, tile_spec, nullptr); });
+  for (void* pointer : {static_cast<void*>(weights), static_cast<void*>(weight_codes),
+                        static_cast<void*>(weight_codes_t), static_cast<void*>(weight_scales),
+                        static_cast<void*>(weight_scales_t)}) {
+    FP8T_CUDA_CHECK(cudaFree(pointer));
   }
 
   const double copy_rate = results[0].bytes / (results[0].median_us * 1e-6);

@@ -4,6 +4,7 @@
 #include "numerics/quantize_cuda.h"
 
 #include <algorithm>
+#include <limits>
 #include <mutex>
 #include <set>
 #include <type_traits>
@@ -691,6 +692,9 @@ struct TileSpot {
   int64_t rows, cols, row0, col0;
   int valid_rows, valid_cols;
   bool full;
+  // The tile's row and column in the grid of 128x128 tiles.
+  __device__ int64_t tile_row() const { return row0 / kBlockTile; }
+  __device__ int64_t tile_col() const { return col0 / kBlockTile; }
 };
 
 // The scale of block `block` along line `line` (a row of the tensor or of its transpose) of a
@@ -880,7 +884,7 @@ __device__ void cast_tile_columns(uint4* shared_tile, uint32_t (*segment_amax)[k
           line[j] = static_cast<uint8_t>(packed[j / 4] >> (8 * (j % 4)));
       }
       bool writes_scale = false;
-      int64_t block = blockIdx.y;
+      int64_t block = spot.tile_row();
       if (spec.scaling == BlockScaling::Rows1x128) {
         writes_scale = segment == 0;
       } else if (spec.scaling == BlockScaling::Mx1x32) {
@@ -890,7 +894,7 @@ __device__ void cast_tile_columns(uint4* shared_tile, uint32_t (*segment_amax)[k
         writes_scale = segment == 0 && c == 0;
       }
       if (writes_scale) {
-        store_block_scale(scales_t, col_grid, scale_lines_t, spot.col0 + c, blockIdx.x, block,
+        store_block_scale(scales_t, col_grid, scale_lines_t, spot.col0 + c, spot.tile_col(), block,
                           order, result, spec);
       }
     }
@@ -920,11 +924,14 @@ constexpr int kBlockCastBlocksPerSm = sizeof(T) == 2 && !kActivationT ? 4 : 3;
 // holds), in x's layout. kActivationT (Relu2Gradient only): relu²'s transposed copy too, into
 // targets.activation_t, from relu² of second_input staged as a second tile as it is loaded
 // (twice the shared memory).
+// The tile at (tile_row, tile_col) of the 128x128 grid.
 template <typename T, Fp8Format kFormat, CastInput kInput, bool kHealth, bool kActivationT>
-__global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kActivationT>))
-    block_quantize_kernel(const T* __restrict__ x, const bf16* __restrict__ second_input,
-                          int64_t rows, int64_t cols, BlockQuantization spec,
-                          BlockCastTargets targets, CastHealth* health, RotaryNormGradient rotary) {
+__device__ __forceinline__ void cast_block_tile(const T* __restrict__ x,
+                                                const bf16* __restrict__ second_input, int64_t rows,
+                                                int64_t cols, const BlockQuantization& spec,
+                                                const BlockCastTargets& targets, CastHealth* health,
+                                                const RotaryNormGradient& rotary, int64_t tile_row,
+                                                int64_t tile_col) {
   static_assert(!kActivationT || kInput == CastInput::Relu2Gradient,
                 "relu²'s transposed copy comes with its gradient's cast");
   static_assert(kInput != CastInput::RotaryNormGradient || std::is_same_v<T, bf16>,
@@ -946,8 +953,8 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kActivatio
   __shared__ uint32_t warp_amax[kWarps];
   __shared__ uint32_t segment_amax[kSegments][kBlockTile];
 
-  const int64_t row0 = int64_t(blockIdx.y) * kBlockTile;
-  const int64_t col0 = int64_t(blockIdx.x) * kBlockTile;
+  const int64_t row0 = tile_row * kBlockTile;
+  const int64_t col0 = tile_col * kBlockTile;
   const int valid_rows = static_cast<int>(min(int64_t{kBlockTile}, rows - row0));
   const int valid_cols = static_cast<int>(min(int64_t{kBlockTile}, cols - col0));
   const bool full = valid_rows == kBlockTile && valid_cols == kBlockTile;
@@ -986,8 +993,8 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kActivatio
         }
       }
       if constexpr (kInput == CastInput::RotaryNormGradient) {
-        rotary_rows[p] = load_rotary_row(rotary, row0 + r, blockIdx.x, cols / kBlockTile, row_lane,
-                                         r < valid_rows);
+        rotary_rows[p] = load_rotary_row(rotary, row0 + r, spot.tile_col(), cols / kBlockTile,
+                                         row_lane, r < valid_rows);
       }
     }
 #pragma unroll
@@ -1073,16 +1080,16 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kActivatio
       int64_t block = 0;
       if (spec.scaling == BlockScaling::Rows1x128) {
         writes_scale = row_lane == 0;
-        block = blockIdx.x;
+        block = spot.tile_col();
       } else if (spec.scaling == BlockScaling::Mx1x32) {
         writes_scale = row_lane % kMxLanes == 0 && column < valid_cols;
         block = (col0 + column) / kMxBlock;
       } else {
         writes_scale = r == 0 && row_lane == 0;
-        block = blockIdx.x;
+        block = spot.tile_col();
       }
       if (writes_scale) {
-        store_block_scale(targets.scales, row_grid, rows, row0 + r, blockIdx.y, block,
+        store_block_scale(targets.scales, row_grid, rows, row0 + r, spot.tile_row(), block,
                           targets.order, result, spec);
       }
     }
@@ -1099,6 +1106,46 @@ __global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kActivatio
                                              targets.activation_t, targets.activation_scales_t,
                                              spot.cols, targets.order, targets.vector_stores_t);
   }
+}
+
+// One block per tile: the grid's x the tile columns, y the tile rows.
+template <typename T, Fp8Format kFormat, CastInput kInput, bool kHealth, bool kActivationT>
+__global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<T, kActivationT>))
+    block_quantize_kernel(const T* __restrict__ x, const bf16* __restrict__ second_input,
+                          int64_t rows, int64_t cols, BlockQuantization spec,
+                          BlockCastTargets targets, CastHealth* health, RotaryNormGradient rotary) {
+  cast_block_tile<T, kFormat, kInput, kHealth, kActivationT>(
+      x, second_input, rows, cols, spec, targets, health, rotary, blockIdx.y, blockIdx.x);
+}
+
+// Up to kMaxTileCastJobs fp32 tensors cast in one launch (quantize_tiles_grouped): a job's tiles
+// are the blocks [first_tile[j], first_tile[j + 1]), row-major over its tile grid.
+constexpr int kMaxTileCastJobs = 32;
+struct TileCastGroup {
+  struct Job {
+    const float* x;
+    int64_t rows, cols;
+    BlockCastTargets targets;
+  };
+  Job jobs[kMaxTileCastJobs];
+  int64_t first_tile[kMaxTileCastJobs + 1];
+  int count;
+};
+static_assert(sizeof(TileCastGroup) <= 4000, "a launch's parameters hold at most 4 KiB");
+
+template <Fp8Format kFormat>
+__global__ void __launch_bounds__(kThreads, (kBlockCastBlocksPerSm<float, false>))
+    grouped_tile_cast_kernel(const __grid_constant__ TileCastGroup group, BlockQuantization spec) {
+  const int64_t tile = blockIdx.x;
+  int j = 0;
+  while (j + 1 < group.count && group.first_tile[j + 1] <= tile)
+    ++j;
+  const TileCastGroup::Job& job = group.jobs[j];
+  const int64_t tile_cols = (job.cols + kBlockTile - 1) / kBlockTile;
+  const int64_t own_tile = tile - group.first_tile[j];
+  cast_block_tile<float, kFormat, CastInput::Value, false, false>(
+      job.x, nullptr, job.rows, job.cols, spec, job.targets, nullptr, RotaryNormGradient{},
+      own_tile / tile_cols, own_tile % tile_cols);
 }
 
 template <typename Out>
@@ -1139,6 +1186,28 @@ dim3 block_cast_grid(int64_t rows, int64_t cols) {
   FP8T_CHECK(row_tiles <= 65535, "expected at most {} rows, found {}", 65535 * kBlockTile, rows);
   return dim3(static_cast<unsigned>((cols + kBlockTile - 1) / kBlockTile),
               static_cast<unsigned>(row_tiles));
+}
+
+// The targets of a block cast of x (and second_input, in x's layout), the vector paths on where
+// the pointers' alignment and the shape allow.
+template <typename T>
+BlockCastTargets block_cast_targets(const T* x, const bf16* second_input, int64_t rows,
+                                    int64_t cols, uint8_t* out, void* scales, uint8_t* out_t,
+                                    void* scales_t, BlockScaleOrder order, int64_t scale_lines_t,
+                                    const ActivationTCast& activation_t) {
+  constexpr int kVec = BlockTileShape<T>::kVec;
+  return {out,
+          scales,
+          out_t,
+          scales_t,
+          order,
+          scale_lines_t != 0 ? scale_lines_t : cols,
+          aligned16(x) && aligned16(second_input) && cols % kVec == 0,
+          reinterpret_cast<uintptr_t>(out) % kVec == 0 && cols % kVec == 0,
+          (out_t == nullptr || aligned16(out_t)) &&
+              (activation_t.out_t == nullptr || aligned16(activation_t.out_t)) && rows % 16 == 0,
+          activation_t.out_t,
+          activation_t.scales_t};
 }
 
 unsigned elementwise_grid(int64_t count) {
@@ -1313,19 +1382,8 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
   if (rows * cols == 0) return;
   using Shape = BlockTileShape<T>;
   const dim3 grid = block_cast_grid(rows, cols);
-  const BlockCastTargets targets{
-      out,
-      scales,
-      out_t,
-      scales_t,
-      order,
-      scale_lines_t != 0 ? scale_lines_t : cols,
-      aligned16(x) && aligned16(relu2_input) && cols % Shape::kVec == 0,
-      reinterpret_cast<uintptr_t>(out) % Shape::kVec == 0 && cols % Shape::kVec == 0,
-      (out_t == nullptr || aligned16(out_t)) &&
-          (activation_t.out_t == nullptr || aligned16(activation_t.out_t)) && rows % 16 == 0,
-      activation_t.out_t,
-      activation_t.scales_t};
+  const BlockCastTargets targets = block_cast_targets(
+      x, relu2_input, rows, cols, out, scales, out_t, scales_t, order, scale_lines_t, activation_t);
   dispatch_cast_input<T>(input, relu2_input, [&](auto input_constant) {
     dispatch_data_format(spec.format, [&](auto format_constant) {
       dispatch_health(health, [&](auto health_constant) {
@@ -1375,18 +1433,9 @@ void quantize_blocks_rotary_norm_gradient(const bf16* gradient, int64_t rows, in
              static_cast<const void*>(gradient), static_cast<const void*>(input.output),
              static_cast<const void*>(input.cos), static_cast<const void*>(input.sin));
   const dim3 grid = block_cast_grid(rows, cols);
-  const BlockCastTargets targets{
-      cast.out,
-      cast.scales,
-      cast.out_t,
-      cast.scales_t,
-      BlockScaleOrder::BlockMajor,
-      cast.scale_lines_t != 0 ? cast.scale_lines_t : cols,
-      /*vector_loads=*/true,
-      reinterpret_cast<uintptr_t>(cast.out) % BlockTileShape<bf16>::kVec == 0,
-      aligned16(cast.out_t) && rows % 16 == 0,
-      nullptr,
-      nullptr};
+  const BlockCastTargets targets =
+      block_cast_targets(gradient, input.output, rows, cols, cast.out, cast.scales, cast.out_t,
+                         cast.scales_t, BlockScaleOrder::BlockMajor, cast.scale_lines_t, {});
   dispatch_data_format(spec.format, [&](auto format_constant) {
     constexpr Fp8Format kFormat = decltype(format_constant)::value;
     if constexpr (kFormat == Fp8Format::E4M3 || kFormat == Fp8Format::E5M2) {
@@ -1399,6 +1448,46 @@ void quantize_blocks_rotary_norm_gradient(const bf16* gradient, int64_t rows, in
     }
   });
   FP8T_CUDA_CHECK_LAUNCH();
+}
+
+void quantize_tiles_grouped(const std::vector<TileCastJob>& jobs, const BlockQuantization& spec,
+                            cudaStream_t stream) {
+  FP8T_CHECK(spec.scaling == BlockScaling::Tile128x128,
+             "a grouped block cast is of 128x128 tiles, found {} blocks",
+             spec.scaling == BlockScaling::Rows1x128 ? "1x128" : "1x32");
+  check_data_format(spec.format);
+  for (size_t first = 0; first < jobs.size(); first += kMaxTileCastJobs) {
+    TileCastGroup group{};
+    int64_t tiles = 0;
+    for (size_t i = first; i < std::min(jobs.size(), first + kMaxTileCastJobs); ++i) {
+      const TileCastJob& job = jobs[i];
+      FP8T_CHECK(job.rows >= 0 && job.cols >= 0,
+                 "expected a non-negative shape, found [{}, {}] (tensor {} of the group)", job.rows,
+                 job.cols, i);
+      check_block_cast_targets(job.out, job.scales, job.out_t, job.scales_t,
+                               BlockScaleOrder::PaddedLineMajor, 0, job.cols);
+      check_pointers(job.rows * job.cols, job.x, job.out != nullptr ? job.out : job.out_t);
+      const dim3 grid = block_cast_grid(job.rows, job.cols);
+      group.jobs[group.count] = {
+          job.x, job.rows, job.cols,
+          block_cast_targets(job.x, nullptr, job.rows, job.cols, job.out, job.scales, job.out_t,
+                             job.scales_t, BlockScaleOrder::PaddedLineMajor, 0, {})};
+      group.first_tile[group.count++] = tiles;
+      if (job.rows * job.cols != 0) tiles += int64_t{grid.x} * grid.y;
+    }
+    group.first_tile[group.count] = tiles;
+    if (tiles == 0) continue;
+    FP8T_CHECK(tiles <= std::numeric_limits<int32_t>::max(),
+               "expected at most 2^31 - 1 tiles in a group, found {}", tiles);
+    dispatch_data_format(spec.format, [&](auto format_constant) {
+      constexpr Fp8Format kFormat = decltype(format_constant)::value;
+      const auto kernel = grouped_tile_cast_kernel<kFormat>;
+      const size_t shared_bytes = BlockTileShape<float>::kSharedBytes;
+      allow_shared_bytes(reinterpret_cast<const void*>(kernel), shared_bytes);
+      kernel<<<static_cast<unsigned>(tiles), kThreads, shared_bytes, stream>>>(group, spec);
+    });
+    FP8T_CUDA_CHECK_LAUNCH();
+  }
 }
 
 template <typename Out>

@@ -5,6 +5,7 @@
 #pragma once
 
 #include <cstdint>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -94,6 +95,25 @@ void quantize_blocks(const T* x, int64_t rows, int64_t cols, const BlockQuantiza
                      BlockScaleOrder order = BlockScaleOrder::LineMajor,
                      CastInput input = CastInput::Value, const bf16* relu2_input = nullptr,
                      int64_t scale_lines_t = 0, const ActivationTCast& activation_t = {});
+
+// One fp32 [rows, cols] tensor of quantize_tiles_grouped(): its codes and 128x128 tile scales
+// (PaddedLineMajor), and its transposed copy's (out_t and scales_t null: none).
+struct TileCastJob {
+  const float* x = nullptr;
+  int64_t rows = 0;
+  int64_t cols = 0;
+  uint8_t* out = nullptr;
+  float* scales = nullptr;
+  uint8_t* out_t = nullptr;
+  float* scales_t = nullptr;
+};
+
+// quantize_blocks(job.x, job.rows, job.cols, spec, job.out, job.scales, job.out_t,
+// job.scales_t, stream, nullptr, BlockScaleOrder::PaddedLineMajor) for every job, the same bytes,
+// in one launch per 32 jobs: a model's weights, each too small to fill the GPU, fill it together.
+// spec: Tile128x128.
+void quantize_tiles_grouped(const std::vector<TileCastJob>& jobs, const BlockQuantization& spec,
+                            cudaStream_t stream);
 
 // What the input gradient of rotary followed by an RMSNorm over each 128-wide head (the GPT's q
 // and k: ops/cuda/ops_cuda.h rotary_rmsnorm_backward, head_dim 128) is computed from, besides the

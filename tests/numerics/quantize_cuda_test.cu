@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -795,6 +796,91 @@ TYPED_TEST(CudaQuantize, PaddedTileScalesAreTheGridsWithTheirRowsPadded) {
   EXPECT_THROW(
       cuda::quantize_blocks(x.get(), 2, 128, rows_spec, out.get(), scales.get(), nullptr, nullptr,
                             nullptr, nullptr, cuda::BlockScaleOrder::PaddedLineMajor),
+      Error);
+}
+
+// Grouped 128x128-tile casts of fp32 tensors (quantize_tiles_grouped): each tensor's codes and
+// padded scales are the reference's, whatever its neighbours in the group; empty tensors and
+// tensors without a transposed copy take their place; more tensors than one launch takes; pads
+// and absent copies left as they were. Refused for 1x128 blocks and for unpaired targets.
+TEST(CudaQuantize, GroupedTileCastsMatchEachTensorsOwnCast) {
+  std::vector<Shape> shapes = block_cast_shapes();
+  shapes.push_back({0, 128});
+  shapes.push_back({640, 1000});
+  std::uniform_int_distribution<int64_t> extent(1, 300);
+  while (shapes.size() < 37)
+    shapes.push_back({extent(rng()), extent(rng())});
+  const auto padded = [](const std::vector<uint8_t>& grid_bytes, BlockShape grid) {
+    const int64_t padded_cols = (grid.cols + 3) / 4 * 4;
+    std::vector<float> result(size_t(grid.rows * padded_cols), -1.0f);
+    for (int64_t r = 0; r < grid.rows; ++r) {
+      for (int64_t c = 0; c < grid.cols; ++c)
+        std::memcpy(&result[size_t(r * padded_cols + c)],
+                    grid_bytes.data() + (r * grid.cols + c) * sizeof(float), sizeof(float));
+    }
+    return result;
+  };
+  for (const BlockQuantization spec :
+       {BlockQuantization{BlockScaling::Tile128x128, Fp8Format::E4M3, true, 0.0f},
+        BlockQuantization{BlockScaling::Tile128x128, Fp8Format::E5M2, false, 1e-12f}}) {
+    struct Tensor {
+      Shape shape;
+      DeviceBuffer<float> x;
+      DeviceBuffer<uint8_t> out, out_t;
+      DeviceBuffer<float> scales, scales_t;
+      BlockReference expected;
+      std::vector<float> want, want_t;
+    };
+    std::vector<std::unique_ptr<Tensor>> tensors;  // DeviceBuffers stay where they are made
+    std::vector<cuda::TileCastJob> jobs;
+    for (size_t i = 0; i < shapes.size(); ++i) {
+      const Shape shape = shapes[i];
+      const bool transposed = i % 5 != 3;
+      const auto count = static_cast<size_t>(shape.rows * shape.cols);
+      const std::vector<float> x = random_tensor<float>(count, false);
+      BlockReference expected(x, shape, spec);
+      std::vector<float> want =
+          padded(expected.scales, scale_grid(spec.scaling, shape.rows, shape.cols));
+      std::vector<float> want_t =
+          transposed ? padded(expected.scales_t, scale_grid(spec.scaling, shape.cols, shape.rows))
+                     : std::vector<float>(4, -1.0f);
+      if (!transposed) expected.codes_t.assign(count, 0xA5);
+      const Tensor& tensor = *tensors.emplace_back(new Tensor{
+          shape, DeviceBuffer<float>(x), DeviceBuffer<uint8_t>(std::vector<uint8_t>(count, 0xA5)),
+          DeviceBuffer<uint8_t>(std::vector<uint8_t>(count, 0xA5)),
+          DeviceBuffer<float>(std::vector<float>(want.size(), -1.0f)),
+          DeviceBuffer<float>(std::vector<float>(want_t.size(), -1.0f)), std::move(expected),
+          std::move(want), std::move(want_t)});
+      jobs.push_back({tensor.x.get(), shape.rows, shape.cols, tensor.out.get(), tensor.scales.get(),
+                      transposed ? tensor.out_t.get() : nullptr,
+                      transposed ? tensor.scales_t.get() : nullptr});
+    }
+    cuda::quantize_tiles_grouped(jobs, spec, nullptr);
+    for (size_t i = 0; i < tensors.size(); ++i) {
+      const Tensor& tensor = *tensors[i];
+      const auto where = ::testing::Message()
+                         << format_name(spec.format) << " tensor " << i << " [" << tensor.shape.rows
+                         << ", " << tensor.shape.cols << "]";
+      EXPECT_IDENTICAL(tensor.out.download(), tensor.expected.codes, where);
+      EXPECT_IDENTICAL(tensor.out_t.download(), tensor.expected.codes_t, where << " transposed");
+      EXPECT_IDENTICAL(tensor.scales.download(), tensor.want, where << " scales");
+      EXPECT_IDENTICAL(tensor.scales_t.download(), tensor.want_t, where << " transposed scales");
+    }
+  }
+  const DeviceBuffer<float> x(std::vector<float>(256));
+  DeviceBuffer<uint8_t> out(256);
+  DeviceBuffer<float> scales(16);
+  const BlockQuantization tiles{BlockScaling::Tile128x128, Fp8Format::E4M3, true, 0.0f};
+  const BlockQuantization rows{BlockScaling::Rows1x128, Fp8Format::E4M3, true, 0.0f};
+  EXPECT_THROW(
+      cuda::quantize_tiles_grouped({{x.get(), 2, 128, out.get(), scales.get()}}, rows, nullptr),
+      Error);
+  EXPECT_THROW(
+      cuda::quantize_tiles_grouped({{x.get(), 2, 128, out.get(), nullptr}}, tiles, nullptr), Error);
+  EXPECT_THROW(cuda::quantize_tiles_grouped({{x.get(), 2, 128, nullptr, nullptr}}, tiles, nullptr),
+               Error);
+  EXPECT_THROW(
+      cuda::quantize_tiles_grouped({{nullptr, 2, 128, out.get(), scales.get()}}, tiles, nullptr),
       Error);
 }
 
