@@ -62,7 +62,7 @@ kernels::LinearSetup layer_setup(ScalingRecipe recipe, float* scaling) {
 }
 
 // One linear (FP8 unless told, then BF16) with its own scratch and scaling floats (scales 1,
-// amaxes 0).
+// amaxes 0), and the health counters it records into, if given.
 struct LinearUnderTest {
   DeviceArena arena{"FP8 scratch"};
   float* scaling = nullptr;
@@ -71,7 +71,8 @@ struct LinearUnderTest {
 
   LinearUnderTest(ScalingRecipe recipe, bool relu2, int64_t backward_width,
                   gemm::CublasLtGemm& gemm, bool fp8 = true, bool output_relu2 = false,
-                  ops::WeightTransposes transposes = ops::WeightTransposes::Kept) {
+                  ops::WeightTransposes transposes = ops::WeightTransposes::Kept,
+                  CastHealth* health = nullptr) {
     ops::WeightTScratch weight_t;
     if (transposes == ops::WeightTransposes::InBackward) weight_t.fit(kIn, kOut, recipe);
     for (bool planning : {true, false}) {
@@ -92,6 +93,7 @@ struct LinearUnderTest {
     setup.input_relu2 = relu2;
     setup.output_relu2 = output_relu2;
     setup.weight_transposes = transposes;
+    setup.health = health;
     layer = std::make_unique<kernels::CudaLinear>(setup, gemm, scratch);
   }
 
@@ -534,6 +536,68 @@ TEST_F(LinearCuda, WeightAmaxTakenByTheOptimizerMatchesTheLayersOwn) {
     EXPECT_THROW(layer.prepare_weight(weight_.get(), true, stream_, nullptr, true), Error);
     return layer.weight_amax_slot();
   });
+}
+
+// CudaLinear::prepare_weights beside each layer's own prepare_weight: the blockwise layers'
+// casts grouped (Ŵᵗ kept or made in backward) give the same y and dx bit for bit, as do the
+// layers cast alone (tensorwise, BF16, a blockwise one recording FP8 health, whose weight's
+// values are counted).
+TEST_F(LinearCuda, WeightsPreparedTogetherMatchEachLayersOwnCast) {
+  SCOPED_TRACE(rng_.trace());
+  struct Kind {
+    ScalingRecipe recipe;
+    bool fp8;
+    ops::WeightTransposes transposes;
+    bool health;
+    const char* name;
+  };
+  const std::vector<Kind> kinds = {
+      {ScalingRecipe::Blockwise, true, ops::WeightTransposes::Kept, false, "blockwise"},
+      {ScalingRecipe::Blockwise, true, ops::WeightTransposes::InBackward, false,
+       "blockwise, Ŵᵗ made in backward"},
+      {ScalingRecipe::Blockwise, true, ops::WeightTransposes::Kept, true,
+       "blockwise, recording FP8 health"},
+      {ScalingRecipe::Tensorwise, true, ops::WeightTransposes::Kept, false, "tensorwise"},
+      {ScalingRecipe::Tensorwise, false, ops::WeightTransposes::Kept, false, "BF16"}};
+  Device<CastHealth> health(std::vector<CastHealth>(3));
+  std::vector<std::vector<bf16>> y[2], dx[2];
+  for (const bool together : {false, true}) {
+    std::vector<std::unique_ptr<LinearUnderTest>> linears;
+    std::vector<kernels::CudaLinear::WeightToPrepare> weights;
+    for (const Kind& kind : kinds) {
+      linears.push_back(std::make_unique<LinearUnderTest>(kind.recipe, false, kOut, gemm_, kind.fp8,
+                                                          false, kind.transposes,
+                                                          kind.health ? health.get() : nullptr));
+      linears.back()->layer->set_record_health(kind.health);
+      weights.push_back({linears.back()->layer.get(), weight_.get()});
+    }
+    if (together) {
+      kernels::CudaLinear::prepare_weights(weights, stream_);
+    } else {
+      for (const auto& linear : linears)
+        linear->layer->prepare_weight(weight_.get(), true, stream_);
+    }
+    for (size_t i = 0; i < kinds.size(); ++i) {
+      kernels::CudaLinear& layer = *linears[i]->layer;
+      if (kinds[i].health) {
+        EXPECT_EQ(layer.health_elements()[static_cast<size_t>(TensorRole::Weight)],
+                  static_cast<uint64_t>(kIn * kOut))
+            << kinds[i].name << (together ? ", together" : ", alone");
+      }
+      Device<bf16> out(size_t(kTokens * kOut)), grad(size_t(kTokens * kIn));
+      out.poison_nan();
+      grad.poison_nan();
+      layer.forward(x_.get(), kTokens, out.get(), true, stream_);
+      layer.backward(dy_.get(), x_.get(), kTokens, grad.get(), false, nullptr, true, stream_);
+      FP8T_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      y[together].push_back(out.download());
+      dx[together].push_back(grad.download());
+    }
+  }
+  for (size_t i = 0; i < kinds.size(); ++i) {
+    expect_bitwise_equal(y[1][i], y[0][i], std::string("y, ") + kinds[i].name);
+    expect_bitwise_equal(dx[1][i], dx[0][i], std::string("dx, ") + kinds[i].name);
+  }
 }
 
 // Three blockwise layers sharing an input (the GPT's c_q, c_k and c_v), with a joint weight

@@ -657,11 +657,13 @@ std::vector<float> CudaFluxModel::prediction() const {
 }
 
 void CudaFluxModel::prepare_weights() {
+  // Recorded in evaluation passes too: the next training forward uses this cast.
+  std::vector<kernels::CudaLinear::WeightToPrepare> weights;
   for (auto& [name, linear] : buffers_->linears) {
     const bool measured = weight_amaxes_measured_ && linear.layer->weight_amax_slot() != nullptr;
-    // Recorded in evaluation passes too: the next training forward uses this cast.
-    linear.layer->prepare_weight(linear.weight, true, stream_, linear.bias, measured);
+    weights.push_back({linear.layer.get(), linear.weight, linear.bias, measured});
   }
+  kernels::CudaLinear::prepare_weights(weights, stream_);
   weights_ready_ = true;
   weight_amaxes_measured_ = false;
 }

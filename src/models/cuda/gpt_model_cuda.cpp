@@ -671,9 +671,11 @@ double CudaGptModel::loss_value() {
 }
 
 void CudaGptModel::prepare_weights() {
+  // Recorded in evaluation passes too: the next training forward uses this cast.
+  std::vector<kernels::CudaLinear::WeightToPrepare> weights;
   for (auto& [name, linear] : buffers_->linears)
-    // Recorded in evaluation passes too: the next training forward uses this cast.
-    linear.layer->prepare_weight(weight(linear), true, stream_);
+    weights.push_back({linear.layer.get(), weight(linear)});
+  kernels::CudaLinear::prepare_weights(weights, stream_);
   weights_ready_ = true;
 }
 

@@ -379,12 +379,7 @@ void CudaLinear::prepare_weight(const float* weight, bool record_amax, cudaStrea
   FP8T_CHECK(!amax_measured || weight_amax_slot() != nullptr,
              "a measured weight amax is only for tensorwise FP8 layers reading whole weights");
   const int64_t in = setup_.in_features, out = setup_.out_features;
-  FP8T_CHECK((bias != nullptr) == setup_.bias, "a linear {} a bias, and was given {}",
-             setup_.bias ? "with" : "without", bias != nullptr ? "one" : "none");
-  if (bias != nullptr) {
-    const PhaseScope timed(StepPhase::Quantization, stream);
-    cast_to_bf16(bias_bf16_->get(), bias, out, stream);
-  }
+  prepare_bias(bias, stream);
   if (!setup_.fp8) {
     const PhaseScope timed(StepPhase::Quantization, stream);
     cast_to_bf16(weight_bf16_->get(), weight, in * out, stream);
@@ -401,6 +396,54 @@ void CudaLinear::prepare_weight(const float* weight, bool record_amax, cudaStrea
     dequantize_mx(weight_fp8_t_->get(), weight_t_scales_->get(), in, out, TensorRole::Weight,
                   weight_t_bf16_->get(), stream);
   }
+}
+
+void CudaLinear::prepare_weights(const std::vector<WeightToPrepare>& weights, cudaStream_t stream) {
+  std::vector<std::pair<BlockQuantization, std::vector<fp8t::cuda::TileCastJob>>> groups;
+  for (const WeightToPrepare& each : weights) {
+    const std::optional<fp8t::cuda::TileCastJob> job = each.layer->weight_cast_job(each.weight);
+    if (!job) {
+      each.layer->prepare_weight(each.weight, true, stream, each.bias, each.amax_measured);
+      continue;
+    }
+    each.layer->prepare_bias(each.bias, stream);
+    const BlockQuantization spec = each.layer->weight_cast_spec();
+    auto group = std::find_if(groups.begin(), groups.end(), [&](const auto& candidate) {
+      const BlockQuantization& other = candidate.first;
+      return other.format == spec.format && other.power_of_2_scales == spec.power_of_2_scales &&
+             other.amax_epsilon == spec.amax_epsilon;
+    });
+    if (group == groups.end()) group = groups.insert(groups.end(), {spec, {}});
+    group->second.push_back(*job);
+  }
+  const PhaseScope timed(StepPhase::Quantization, stream);
+  for (const auto& [spec, jobs] : groups)
+    fp8t::cuda::quantize_tiles_grouped(jobs, spec, stream);
+}
+
+void CudaLinear::prepare_bias(const float* bias, cudaStream_t stream) {
+  FP8T_CHECK((bias != nullptr) == setup_.bias, "a linear {} a bias, and was given {}",
+             setup_.bias ? "with" : "without", bias != nullptr ? "one" : "none");
+  if (bias == nullptr) return;
+  const PhaseScope timed(StepPhase::Quantization, stream);
+  cast_to_bf16(bias_bf16_->get(), bias, setup_.out_features, stream);
+}
+
+std::optional<fp8t::cuda::TileCastJob> CudaLinear::weight_cast_job(const float* weight) const {
+  if (!setup_.fp8 || !blockwise() || record_health_) return std::nullopt;
+  return fp8t::cuda::TileCastJob{weight,
+                                 setup_.out_features,
+                                 setup_.in_features,
+                                 weight_fp8_->get(),
+                                 weight_scales_->get(),
+                                 weight_fp8_t_ ? weight_fp8_t_->get() : nullptr,
+                                 weight_t_scales_ ? weight_t_scales_->get() : nullptr};
+}
+
+BlockQuantization CudaLinear::weight_cast_spec() const {
+  const Fp8Config& config = setup_.fp8_config;
+  return {BlockScaling::Tile128x128, config.format_for(TensorRole::Weight, setup_.family),
+          config.use_power_of_2_scales(), config.amax_epsilon};
 }
 
 void CudaLinear::forward(const bf16* x, int64_t tokens, bf16* y, bool record_amax,

@@ -32,6 +32,7 @@
 #include <functional>
 #include <memory>
 #include <optional>
+#include <vector>
 
 #include <cuda_runtime_api.h>
 
@@ -189,6 +190,17 @@ class CudaLinear {
   void prepare_weight(const float* weight, bool record_amax, cudaStream_t stream,
                       const float* bias = nullptr, bool amax_measured = false);
 
+  // prepare_weight(weight, true, stream, bias, amax_measured) for each of a model's layers. The
+  // blockwise layers' weight casts, each too small to fill the GPU, go in as few launches as
+  // their block scalings allow (fp8t::cuda::quantize_tiles_grouped): the same bytes.
+  struct WeightToPrepare {
+    CudaLinear* layer = nullptr;
+    const float* weight = nullptr;
+    const float* bias = nullptr;
+    bool amax_measured = false;
+  };
+  static void prepare_weights(const std::vector<WeightToPrepare>& weights, cudaStream_t stream);
+
   // Where the weight's per-tensor amax goes before its cast, for the optimizer step that writes
   // the weight to take in the same pass (optim::CudaAdamW::measure_amaxes). Null (nothing to
   // take) unless the layer is FP8 under tensorwise.
@@ -320,6 +332,11 @@ class CudaLinear {
   const float* weight_t_scales() const;
   // WeightTransposes::InBackward: Ŵ transposed into the scratch, with its block scales.
   void transpose_weight(cudaStream_t stream);
+  // prepare_weight's bias cast, and its weight cast as one tensor of a grouped cast: blockwise FP8
+  // layers not recording FP8 health only (else empty).
+  void prepare_bias(const float* bias, cudaStream_t stream);
+  std::optional<fp8t::cuda::TileCastJob> weight_cast_job(const float* weight) const;
+  BlockQuantization weight_cast_spec() const;
   // The FP8 backward of rows [first_row, first_row + rows): dy, x, dx and y point at that row.
   // dy_cast: dŷ and dŷᵗ are in the scratch already (fused_grad_output_cast).
   void backward_rows(const bf16* dy, const bf16* x, int64_t first_row, int64_t rows, bf16* dx,
