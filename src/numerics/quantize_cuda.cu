@@ -917,14 +917,14 @@ __device__ void cast_tile_columns(uint4* shared_tile, uint32_t (*segment_amax)[k
 template <typename T, bool kActivationT>
 constexpr int kBlockCastBlocksPerSm = sizeof(T) == 2 && !kActivationT ? 4 : 3;
 
-// With kHealth, the counts of `out`'s codes (not out_t's) are added to *health. The relu² and
+// Casts the tile at (tile_row, tile_col) of the grid of 128x128 tiles, one block's work. With
+// kHealth, the counts of `out`'s codes (not out_t's) are added to *health. The relu² and
 // rotary norm cast inputs (bf16 only) are staged as the bf16 values they round to, so the
 // passes after the staging read a plain bf16 tile. second_input: relu²'s input
 // (Relu2Gradient) or the rotary norm's output (RotaryNormGradient, whose other inputs `rotary`
 // holds), in x's layout. kActivationT (Relu2Gradient only): relu²'s transposed copy too, into
 // targets.activation_t, from relu² of second_input staged as a second tile as it is loaded
 // (twice the shared memory).
-// The tile at (tile_row, tile_col) of the 128x128 grid.
 template <typename T, Fp8Format kFormat, CastInput kInput, bool kHealth, bool kActivationT>
 __device__ __forceinline__ void cast_block_tile(const T* __restrict__ x,
                                                 const bf16* __restrict__ second_input, int64_t rows,
