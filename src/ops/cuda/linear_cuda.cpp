@@ -200,8 +200,7 @@ void CudaLinear::quantize(const T* x, int64_t rows, int64_t cols, TensorRole rol
   }
   if (blockwise()) {
     const bool tiles = role == TensorRole::Weight;
-    const BlockQuantization spec{tiles ? BlockScaling::Tile128x128 : BlockScaling::Rows1x128,
-                                 format, config.use_power_of_2_scales(), config.amax_epsilon};
+    const BlockQuantization spec = block_spec(role);
     if (!tiles) {  // 1x128 scales go straight into the GEMMs' layout
       const fp8t::cuda::CastInput input = cast_input(role);
       fp8t::cuda::quantize_blocks(x, rows, cols, spec, out, out != nullptr ? scales : nullptr,
@@ -286,11 +285,9 @@ std::optional<fp8t::cuda::BlockCastOutput> CudaLinear::fused_grad_output_cast(in
       backward_chunk(tokens) != tokens) {
     return std::nullopt;
   }
-  const Fp8Config& config = setup_.fp8_config;
   const LinearSetup::WgradGroup group = setup_.wgrad_group;
   fp8t::cuda::BlockCastOutput cast;
-  cast.spec = {BlockScaling::Rows1x128, config.format_for(TensorRole::GradOutput, setup_.family),
-               config.use_power_of_2_scales(), config.amax_epsilon};
+  cast.spec = block_spec(TensorRole::GradOutput);
   cast.out = scratch_.grad_output;
   cast.scales = scratch_.grad_output_scales;
   // Where backward_rows' own cast puts dŷᵗ: this layer's rows of a joint weight gradient's.
@@ -407,7 +404,7 @@ void CudaLinear::prepare_weights(const std::vector<WeightToPrepare>& weights, cu
       continue;
     }
     each.layer->prepare_bias(each.bias, stream);
-    const BlockQuantization spec = each.layer->weight_cast_spec();
+    const BlockQuantization spec = each.layer->block_spec(TensorRole::Weight);
     auto group = std::find_if(groups.begin(), groups.end(), [&](const auto& candidate) {
       const BlockQuantization& other = candidate.first;
       return other.format == spec.format && other.power_of_2_scales == spec.power_of_2_scales &&
@@ -440,10 +437,11 @@ std::optional<fp8t::cuda::TileCastJob> CudaLinear::weight_cast_job(const float* 
                                  weight_t_scales_ ? weight_t_scales_->get() : nullptr};
 }
 
-BlockQuantization CudaLinear::weight_cast_spec() const {
+BlockQuantization CudaLinear::block_spec(TensorRole role) const {
   const Fp8Config& config = setup_.fp8_config;
-  return {BlockScaling::Tile128x128, config.format_for(TensorRole::Weight, setup_.family),
-          config.use_power_of_2_scales(), config.amax_epsilon};
+  return {role == TensorRole::Weight ? BlockScaling::Tile128x128 : BlockScaling::Rows1x128,
+          config.format_for(role, setup_.family), config.use_power_of_2_scales(),
+          config.amax_epsilon};
 }
 
 void CudaLinear::forward(const bf16* x, int64_t tokens, bf16* y, bool record_amax,

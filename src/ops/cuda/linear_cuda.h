@@ -336,7 +336,9 @@ class CudaLinear {
   // layers not recording FP8 health only (else empty).
   void prepare_bias(const float* bias, cudaStream_t stream);
   std::optional<fp8t::cuda::TileCastJob> weight_cast_job(const float* weight) const;
-  BlockQuantization weight_cast_spec() const;
+  // Blockwise: the block scaling of a role's casts, 128x128 tiles for the weight, 1x128 blocks
+  // for the others.
+  BlockQuantization block_spec(TensorRole role) const;
   // The FP8 backward of rows [first_row, first_row + rows): dy, x, dx and y point at that row.
   // dy_cast: dŷ and dŷᵗ are in the scratch already (fused_grad_output_cast).
   void backward_rows(const bf16* dy, const bf16* x, int64_t first_row, int64_t rows, bf16* dx,
