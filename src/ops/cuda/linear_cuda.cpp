@@ -285,17 +285,23 @@ std::optional<fp8t::cuda::BlockCastOutput> CudaLinear::fused_grad_output_cast(in
       backward_chunk(tokens) != tokens) {
     return std::nullopt;
   }
-  const LinearSetup::WgradGroup group = setup_.wgrad_group;
   fp8t::cuda::BlockCastOutput cast;
   cast.spec = block_spec(TensorRole::GradOutput);
   cast.out = scratch_.grad_output;
   cast.scales = scratch_.grad_output_scales;
-  // Where backward_rows' own cast puts dŷᵗ: this layer's rows of a joint weight gradient's.
-  cast.out_t = scratch_.grad_output_t + group.first_row * tokens;
-  cast.scales_t = scratch_.grad_output_t_scales + group.first_row;
-  cast.scale_lines_t = group.rows;
+  const TransposedTarget dy_t = grad_output_t_target(tokens);  // where backward_rows' cast puts it
+  cast.out_t = dy_t.codes;
+  cast.scales_t = dy_t.scales;
+  cast.scale_lines_t = dy_t.scale_lines;
   grad_output_cast_rows_ = tokens;
   return cast;
+}
+
+CudaLinear::TransposedTarget CudaLinear::grad_output_t_target(int64_t rows) const {
+  const LinearSetup::WgradGroup group = setup_.wgrad_group;
+  return {.codes = scratch_.grad_output_t + group.first_row * rows,
+          .scales = scratch_.grad_output_t_scales + group.first_row,
+          .scale_lines = group.rows};
 }
 
 float* CudaLinear::fused_input_amax(cudaStream_t stream) {
@@ -576,11 +582,11 @@ void CudaLinear::backward_rows(const bf16* dy, const bf16* x, int64_t first_row,
   fp8t::cuda::ActivationTCast reader_input_t;
   if (reader.layer != nullptr) reader_input_t = {scratch_.input_t, scratch_.input_t_scales};
   if (!dy_cast) {
+    const TransposedTarget dy_t = grad_output_t_target(rows);
     quantize(dy, rows, out, TensorRole::GradOutput, scratch_.grad_output,
-             wgrad ? scratch_.grad_output_t + (joint ? group.first_row * rows : 0) : nullptr,
-             grad_scale, record_amax, stream, scratch_.grad_output_scales,
-             scratch_.grad_output_t_scales + (joint ? group.first_row : 0), y,
-             /*first_cast=*/true, joint ? group.rows : 0, reader_input_t);
+             wgrad ? dy_t.codes : nullptr, grad_scale, record_amax, stream,
+             scratch_.grad_output_scales, dy_t.scales, y, /*first_cast=*/true, dy_t.scale_lines,
+             reader_input_t);
   }
   if (reader.layer != nullptr) {  // the reader's x̂ᵗ is in the scratch: its weight gradient
     InputTHolder& holder = *scratch_.input_t_holder;

@@ -294,6 +294,15 @@ class CudaLinear {
   // What fused_input_cast() left for the next forward to do.
   enum class InputCast : uint8_t { None, AmaxDone, CastDone };
 
+  // Where the cast of `rows` tokens' dŷ puts dŷᵗ and its scales: this layer's rows of its joint
+  // weight gradient's operand, or the scratch's start for a layer outside a group.
+  struct TransposedTarget {
+    uint8_t* codes = nullptr;
+    float* scales = nullptr;
+    int64_t scale_lines = 0;  // the lines the scales are strided by; 0: the layer's own rows
+  };
+  TransposedTarget grad_output_t_target(int64_t rows) const;
+
   // Quantizes x [rows, cols] for `role` into out (may be null with an out_t) and, when
   // not null, out_t [cols, rows]. Block recipes: their scales land in scales and scales_t, in
   // the GEMMs' layouts (1x128 ones of out_t strided by scale_lines_t lines when not 0). y: the
