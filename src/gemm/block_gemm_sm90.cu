@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <type_traits>
 
 #include "core/cuda_check.h"
 #include "core/error.h"
@@ -37,6 +38,7 @@ constexpr int kConsumerWarps = 8;    // each arrives on a stage's "empty" barrie
 constexpr int kSwizzleAlign = 1024;  // the 128-byte swizzle repeats every 8 rows of 128 bytes
 constexpr int kGroupRows = 16;       // tile rows per group of the tile order (see the kernel)
 constexpr int kMaxSplits = 4;        // runs of K summed by atomics (KernelArgs::splits)
+constexpr int kRoundBlocks = 4;      // K blocks per round of a consumer's main loop
 constexpr size_t kSharedBytes =
     size_t{kStages} * (kStageBytes + kScaleBytes) + 2 * kStages * sizeof(uint64_t) + kSwizzleAlign;
 
@@ -109,6 +111,25 @@ __device__ void bulk_load(void* destination, const void* source, int bytes, uint
           "r"(shared_address(destination)),
       "l"(source), "r"(bytes), "r"(shared_address(barrier))
       : "memory");
+}
+
+// Loads from shared memory by its 32-bit address.
+__device__ float load_shared(uint32_t address) {
+  float value;
+  asm volatile("ld.shared.f32 %0, [%1];" : "=f"(value) : "r"(address));
+  return value;
+}
+
+__device__ float2 load_shared_pair(uint32_t address) {
+  float2 value;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(value.x), "=f"(value.y) : "r"(address));
+  return value;
+}
+
+// Waits until at most `Pending` of this warpgroup's committed wgmma groups are unfinished.
+template <int Pending>
+__device__ void wgmma_wait() {
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(Pending) : "memory");
 }
 
 // A wgmma shared-memory descriptor: K-major rows of 128 bytes, 128-byte swizzle, 8-row groups
@@ -267,49 +288,94 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warp = static_cast<int>(threadIdx.x) / 32 % 4;
   const int row = m0 + consumer * 64 + warp * 16 + lane / 4;
   const int col = n0 + (lane % 4) * 2;
+  // The descriptors of stage 0's first K slice; a stage and a K slice only move the address.
+  const uint64_t a_descriptor = wgmma_descriptor(a_tiles + consumer * 64 * kTileK);
+  const uint64_t b_descriptor = wgmma_descriptor(b_tiles);
+  // This thread's scales within a stage: its two rows' a scales and its columns' b scales.
+  const uint32_t scales_address = shared_address(scales);
+  const uint32_t a_scale_address = scales_address + (row - m0) * sizeof(float);
+  const uint32_t b_scale_address =
+      scales_address + (kTileM + (BTiles ? 0 : col - n0)) * sizeof(float);
   float total[64];
 #pragma unroll
   for (int i = 0; i < 64; ++i)
     total[i] = 0.0f;
-  float partial[64];
+  // Two products in turn: while the tensor cores make one K block's, the warpgroup scales and
+  // adds the previous one's (all but the last promotion of each round below).
+  float even[64], odd[64];
 
-  for (int block = first_block; block < end_block; ++block) {
+  const auto issue = [&](float(&partial)[64], int block) {
     const int step = block - first_block, stage = step % kStages;
     barrier_wait(&full[stage], (step / kStages) & 1);
-    const uint8_t* a_tile = a_tiles + stage * kOperandTileBytes + consumer * 64 * kTileK;
-    const uint8_t* b_tile = b_tiles + stage * kOperandTileBytes;
     fence_registers(partial);
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    const uint64_t stage_offset = stage * kOperandTileBytes / 16;
 #pragma unroll
     for (int k = 0; k < kTileK / 32; ++k) {
-      wgmma_m64n128k32<AFormat, BFormat>(partial, wgmma_descriptor(a_tile + 32 * k),
-                                         wgmma_descriptor(b_tile + 32 * k), k > 0 ? 1u : 0u);
+      wgmma_m64n128k32<AFormat, BFormat>(partial, a_descriptor + stage_offset + 2 * k,
+                                         b_descriptor + stage_offset + 2 * k, k > 0 ? 1u : 0u);
     }
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-    // This K block's scales, from the stage (rows and columns beyond the output are never
-    // stored, whatever their scales hold).
-    const float* stage_scales = scales + stage * (kTileM + kTileN);
-    const int tile_row = row - m0;
-    const float a0 = stage_scales[tile_row], a1 = stage_scales[tile_row + 8];
-    float2 b_scale[16];
-#pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      b_scale[j] =
-          BTiles ? make_float2(stage_scales[kTileM + block % 4], stage_scales[kTileM + block % 4])
-                 : *reinterpret_cast<const float2*>(stage_scales + kTileM + col - n0 + 8 * j);
-    }
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  };
+  // Adds a finished K block's product, scaled, to the total (rows and columns beyond the
+  // output are never stored, whatever their scales hold), then frees its stage once the whole
+  // warp has read the stage's scales.
+  const auto promote = [&](float(&partial)[64], int block) {
+    const int stage = (block - first_block) % kStages;
     fence_registers(partial);
-    if (lane == 0) barrier_arrive(&empty[stage]);
-
+    const uint32_t stage_bytes = stage * (kTileM + kTileN) * sizeof(float);
+    const float a0 = load_shared(a_scale_address + stage_bytes);
+    const float a1 = load_shared(a_scale_address + stage_bytes + 8 * sizeof(float));
+    if constexpr (BTiles) {
+      const float b = load_shared(b_scale_address + stage_bytes + block % 4 * sizeof(float));
+      const float s0 = a0 * b, s1 = a1 * b;
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      total[4 * j + 0] += partial[4 * j + 0] * (a0 * b_scale[j].x);
-      total[4 * j + 1] += partial[4 * j + 1] * (a0 * b_scale[j].y);
-      total[4 * j + 2] += partial[4 * j + 2] * (a1 * b_scale[j].x);
-      total[4 * j + 3] += partial[4 * j + 3] * (a1 * b_scale[j].y);
+      for (int i = 0; i < 64; i += 4) {
+        total[i + 0] += partial[i + 0] * s0;
+        total[i + 1] += partial[i + 1] * s0;
+        total[i + 2] += partial[i + 2] * s1;
+        total[i + 3] += partial[i + 3] * s1;
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float2 b = load_shared_pair(b_scale_address + stage_bytes + 8 * j * sizeof(float));
+        total[4 * j + 0] += partial[4 * j + 0] * (a0 * b.x);
+        total[4 * j + 1] += partial[4 * j + 1] * (a0 * b.y);
+        total[4 * j + 2] += partial[4 * j + 2] * (a1 * b.x);
+        total[4 * j + 3] += partial[4 * j + 3] * (a1 * b.y);
+      }
     }
+    __syncwarp();
+    if (lane == 0) barrier_arrive(&empty[stage]);
+  };
+
+  // A round of `length` K blocks from `first`, each block's product promoted while the next
+  // one's is made. It ends with no wgmma in flight: ptxas serializes every wgmma of a loop that
+  // carries one across its back edge.
+  const auto round = [&](auto length, int first) {
+    constexpr int kLength = decltype(length)::value;
+    issue(even, first);
+#pragma unroll
+    for (int i = 0; i < kLength; ++i) {
+      float(&current)[64] = i % 2 == 0 ? even : odd;
+      if (i + 1 < kLength) {
+        issue(i % 2 == 0 ? odd : even, first + i + 1);
+        wgmma_wait<1>();
+      } else {
+        wgmma_wait<0>();
+      }
+      promote(current, first + i);
+    }
+  };
+  int block = first_block;
+  for (; block + kRoundBlocks <= end_block; block += kRoundBlocks)
+    round(std::integral_constant<int, kRoundBlocks>{}, block);
+  if (block + 2 <= end_block) {
+    round(std::integral_constant<int, 2>{}, block);
+    block += 2;
   }
+  if (block < end_block) round(std::integral_constant<int, 1>{}, block);
 
 #pragma unroll
   for (int j = 0; j < 16; ++j) {

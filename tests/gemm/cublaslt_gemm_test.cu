@@ -1536,14 +1536,16 @@ std::vector<BlockGemmPlan> every_plan(GemmType out_type, bool accumulate) {
 
 // Awkward sizes (M, N and K not multiples of the 128 tiles, padded strides) and large ones, every
 // format pair wgmma takes, b in 1x128 blocks and in 128x128 tiles, f32 and bf16 outputs, written
-// and accumulated, each with every plan; values spanning 1e-6 to 1e3 within each block. The last
-// shape has 198 tiles, more than a Hopper GPU has multiprocessors, so its thread blocks run in
-// more than one wave, and its two K blocks in 3 runs leave one run with none.
+// and accumulated, each with every plan; values spanning 1e-6 to 1e3 within each block. The
+// kernel takes K in rounds of 4 blocks, then pairs, then a single block: the K block counts (1,
+// 2, 3, 5, 7, 9, 48, 64 and runs of 22) take every mix of them. The last shape has 198 tiles,
+// more than a Hopper GPU has multiprocessors, so its thread blocks run in more than one wave,
+// and its two K blocks in 3 runs leave one run with none.
 TEST_F(EngineBlockGemmTest, MatchesCpuOnAwkwardAndLargeShapes) {
   SCOPED_TRACE(rng_.trace());
-  const Shape shapes[] = {{4, 4, 16},       {48, 80, 144},   {100, 36, 272},
-                          {260, 388, 1040}, {128, 128, 128}, {1024, 1536, 6144},
-                          {640, 512, 8192}, {200, 400, 528}, {1400, 2200, 208}};
+  const Shape shapes[] = {{4, 4, 16},      {48, 80, 144},    {100, 36, 272},     {260, 388, 1040},
+                          {128, 128, 128}, {136, 264, 880},  {1024, 1536, 6144}, {640, 512, 8192},
+                          {200, 400, 528}, {1400, 2200, 208}};
   const FormatPair formats[] = {{Fp8Format::E4M3, Fp8Format::E4M3},
                                 {Fp8Format::E5M2, Fp8Format::E4M3},
                                 {Fp8Format::E4M3, Fp8Format::E5M2},
