@@ -692,8 +692,9 @@ std::vector<ConfigKey> build_keys() {
       "(empty or blank counts as unset)."));
   keys.push_back(string_key(
       "gemm_tuning_cache", S::Run, [](auto& c) -> auto& { return c.run.gemm_tuning_cache; },
-      "The file where autotuned GEMM choices persist, per GPU model and library versions (others' "
-      "entries are kept and ignored); empty: gemm_tuning.json in the cache folder "
+      "The file where autotuned GEMM choices persist, per GPU model, library versions and "
+      "version of the engine's own kernel (others' entries are kept and ignored); empty: "
+      "gemm_tuning.json in the cache folder "
       "($FP8TRAIN_CACHE, else $XDG_CACHE_HOME/fp8train, else ~/.cache/fp8train)."));
   keys.push_back(boolean_key(
       "deterministic", S::Run, [](auto& c) -> auto& { return c.run.deterministic; },

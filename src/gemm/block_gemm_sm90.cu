@@ -21,6 +21,10 @@
 #define FP8T_BLOCK_GEMM_DEVICE 0
 #endif
 
+#ifndef FP8TRAIN_BLOCK_GEMM_FINGERPRINT
+#error "src/CMakeLists.txt defines FP8TRAIN_BLOCK_GEMM_FINGERPRINT for this file"
+#endif
+
 namespace fp8t::gemm {
 namespace {
 
@@ -608,6 +612,10 @@ void block_gemm_sm90(int64_t m, int64_t n, int64_t k, const Fp8Operand& a, const
                      const GemmOutput& out, bool repeatable, cudaStream_t stream) {
   block_gemm_sm90_planned(m, n, k, a, b, out, block_gemm_sm90_plan(m, n, k, out, repeatable),
                           stream);
+}
+
+std::string block_gemm_sm90_fingerprint() {
+  return FP8TRAIN_BLOCK_GEMM_FINGERPRINT;
 }
 
 }  // namespace fp8t::gemm

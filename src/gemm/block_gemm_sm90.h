@@ -53,4 +53,8 @@ void block_gemm_sm90_planned(int64_t m, int64_t n, int64_t k, const Fp8Operand& 
                              const Fp8Operand& b, const GemmOutput& out, const BlockGemmPlan& plan,
                              cudaStream_t stream);
 
+// A fingerprint of this kernel's source (the start of its SHA-256, taken when the build is
+// configured): autotuning's saved choices, timed against another version of it, are not reused.
+std::string block_gemm_sm90_fingerprint();
+
 }  // namespace fp8t::gemm

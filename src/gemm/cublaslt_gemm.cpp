@@ -587,7 +587,8 @@ struct CublasLtGemm::State {
     int runtime = 0;
     FP8T_CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
     return {properties.name, architecture(), library_version_text(),
-            fmt::format("{}.{}", runtime / 1000, runtime % 1000 / 10)};
+            fmt::format("{}.{}", runtime / 1000, runtime % 1000 / 10),
+            block_gemm_sm90_fingerprint()};
   }
 
   bool autotuned(const Problem& p) const {

@@ -185,12 +185,15 @@ nlohmann::json identity_json(const GemmTuningIdentity& identity) {
   return {{"gpu", identity.gpu},
           {"architecture", identity.architecture},
           {"cublaslt", identity.cublaslt},
-          {"cuda_runtime", identity.cuda_runtime}};
+          {"cuda_runtime", identity.cuda_runtime},
+          {"engine_kernel", identity.engine_kernel}};
 }
 
+// Entries written before the engine's kernel had a fingerprint have none: they match no kernel.
 GemmTuningIdentity identity_of(const nlohmann::json& entry) {
   return {entry.at("gpu").get<std::string>(), entry.at("architecture").get<std::string>(),
-          entry.at("cublaslt").get<std::string>(), entry.at("cuda_runtime").get<std::string>()};
+          entry.at("cublaslt").get<std::string>(), entry.at("cuda_runtime").get<std::string>(),
+          entry.value("engine_kernel", std::string())};
 }
 
 nlohmann::json entry_json(const GemmTuningIdentity& identity, const std::string& problem,

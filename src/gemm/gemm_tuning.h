@@ -97,15 +97,17 @@ struct CandidateTrial {
 // `tolerance` (a NaN difference never agrees); -1 when none qualifies.
 int fastest_agreeing(const std::vector<CandidateTrial>& trials, double tolerance);
 
-// What a tuned choice is measured against: the GPU model and the library versions.
+// What a tuned choice is measured against: the GPU model, the library versions and the
+// engine's own kernel, which is one of the candidates.
 struct GemmTuningIdentity {
-  std::string gpu;           // "NVIDIA H200"
-  std::string architecture;  // "sm_90"
-  std::string cublaslt;      // "13.1.0"
-  std::string cuda_runtime;  // "13.0"
+  std::string gpu;            // "NVIDIA H200"
+  std::string architecture;   // "sm_90"
+  std::string cublaslt;       // "13.1.0"
+  std::string cuda_runtime;   // "13.0"
+  std::string engine_kernel;  // block_gemm_sm90_fingerprint(); empty in files written before it
   bool operator==(const GemmTuningIdentity& other) const {
     return gpu == other.gpu && architecture == other.architecture && cublaslt == other.cublaslt &&
-           cuda_runtime == other.cuda_runtime;
+           cuda_runtime == other.cuda_runtime && engine_kernel == other.engine_kernel;
   }
 };
 
@@ -135,7 +137,7 @@ class GemmTuningCache {
 
   const std::string& path() const { return path_; }
   size_t size() const { return entries_.size(); }
-  // Entries of other GPUs or library versions found in the file.
+  // Entries of other GPUs, library versions or engine kernels found in the file.
   size_t foreign_entries() const { return foreign_; }
   const std::vector<std::string>& warnings() const { return warnings_; }
 

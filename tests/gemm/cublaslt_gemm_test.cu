@@ -1481,6 +1481,11 @@ TEST_F(CublasLtGemmTest, TuningCacheFileServesTheNextRun) {
     std::ifstream file(path);
     text.assign(std::istreambuf_iterator<char>(file), {});
   }
+  // Each entry names the engine's kernel it was timed with: 16 hex digits of its source's hash.
+  const std::string fingerprint = block_gemm_sm90_fingerprint();
+  EXPECT_EQ(fingerprint.size(), 16u);
+  EXPECT_EQ(fingerprint.find_first_not_of("0123456789abcdef"), std::string::npos) << fingerprint;
+  EXPECT_NE(text.find("\"engine_kernel\": \"" + fingerprint + "\""), std::string::npos) << text;
   const std::string name_key = "\"gpu\": \"";
   const size_t at = text.find(name_key);
   ASSERT_NE(at, std::string::npos) << text;

@@ -199,7 +199,7 @@ TEST(GemmCandidateSelection, OnlyACandidateThatAgreesMayWin) {
   EXPECT_EQ(fastest_agreeing({{.ran = false}, {.ran = false}}, 1.0), -1);
 }
 
-const GemmTuningIdentity kH200{"NVIDIA H200", "sm_90", "13.1.0", "13.0"};
+const GemmTuningIdentity kH200{"NVIDIA H200", "sm_90", "13.1.0", "13.0", "0123456789abcdef"};
 
 TunedGemm tuned(int candidate, double ms) {
   return {.candidate = candidate,
@@ -233,27 +233,58 @@ TEST(GemmTuningCacheFile, RoundTripsItsEntries) {
   EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
 }
 
-TEST(GemmTuningCacheFile, IgnoresAndKeepsOtherGpusAndVersions) {
+TEST(GemmTuningCacheFile, IgnoresAndKeepsOtherGpusVersionsAndEngineKernels) {
   const test::TempFolder folder;
   const std::string path = (folder / "gemm_tuning.json").string();
   GemmTuningIdentity other_gpu = kH200;
   other_gpu.gpu = "NVIDIA H100 80GB HBM3";
   GemmTuningIdentity other_library = kH200;
   other_library.cublaslt = "12.9.1";
+  GemmTuningIdentity other_kernel = kH200;
+  other_kernel.engine_kernel = "fedcba9876543210";
   GemmTuningCache(path, other_gpu).put("fp8 m=1", tuned(2, 1.0));
   GemmTuningCache(path, other_library).put("fp8 m=1", tuned(6, 1.0));
+  GemmTuningCache(path, other_kernel).put("fp8 m=1", tuned(7, 1.0));
 
   GemmTuningCache ours(path, kH200);
   EXPECT_EQ(ours.find("fp8 m=1"), nullptr);
-  EXPECT_EQ(ours.foreign_entries(), 2u);
+  EXPECT_EQ(ours.foreign_entries(), 3u);
   ours.put("fp8 m=1", tuned(4, 0.5));
 
   // Every identity's entry is still in the file, each read by its own.
   EXPECT_EQ(GemmTuningCache(path, other_gpu).find("fp8 m=1")->candidate, 2);
   EXPECT_EQ(GemmTuningCache(path, other_library).find("fp8 m=1")->candidate, 6);
+  EXPECT_EQ(GemmTuningCache(path, other_kernel).find("fp8 m=1")->candidate, 7);
   EXPECT_EQ(GemmTuningCache(path, kH200).find("fp8 m=1")->candidate, 4);
   std::ifstream file(path);
-  EXPECT_EQ(nlohmann::json::parse(file).at("entries").size(), 3u);
+  EXPECT_EQ(nlohmann::json::parse(file).at("entries").size(), 4u);
+}
+
+// A file written before the engine's kernel had a fingerprint: its entries name none, so they
+// were timed against a kernel of unknown version and are not reused, but they stay in the file.
+TEST(GemmTuningCacheFile, EntriesWithoutAnEngineKernelAreIgnoredAndKept) {
+  const test::TempFolder folder;
+  const std::string path = (folder / "gemm_tuning.json").string();
+  std::ofstream(path) << R"({"format": "fp8train-gemm-tuning", "version": 1, "entries": [
+      {"gpu": "NVIDIA H200", "architecture": "sm_90", "cublaslt": "13.1.0", "cuda_runtime": "13.0",
+       "problem": "fp8 m=1", "candidate": 3, "candidates": 8, "algorithm": "00ff3", "ms": 1.0,
+       "heuristic_ms": 1.5}]})";
+  GemmTuningCache ours(path, kH200);
+  EXPECT_TRUE(ours.warnings().empty());
+  EXPECT_EQ(ours.find("fp8 m=1"), nullptr);
+  EXPECT_EQ(ours.foreign_entries(), 1u);
+  GemmTuningIdentity unversioned = kH200;
+  unversioned.engine_kernel.clear();
+  EXPECT_EQ(GemmTuningCache(path, unversioned).find("fp8 m=1")->candidate, 3);
+
+  ours.put("fp8 m=1", tuned(4, 0.5));
+  EXPECT_EQ(GemmTuningCache(path, kH200).find("fp8 m=1")->candidate, 4);
+  EXPECT_EQ(GemmTuningCache(path, unversioned).find("fp8 m=1")->candidate, 3);
+  std::ifstream file(path);
+  const nlohmann::json entries = nlohmann::json::parse(file).at("entries");
+  ASSERT_EQ(entries.size(), 2u);
+  EXPECT_FALSE(entries[0].contains("engine_kernel"));
+  EXPECT_EQ(entries[1].at("engine_kernel"), kH200.engine_kernel);
 }
 
 TEST(GemmTuningCacheFile, AFileThatIsNotACacheIsIgnoredWithAWarningAndReplaced) {
