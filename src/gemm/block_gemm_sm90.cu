@@ -42,7 +42,6 @@ constexpr int kConsumerWarps = 8;    // each arrives on a stage's "empty" barrie
 constexpr int kSwizzleAlign = 1024;  // the 128-byte swizzle repeats every 8 rows of 128 bytes
 constexpr int kGroupRows = 16;       // tile rows per group of the tile order (see the kernel)
 constexpr int kMaxSplits = 4;        // runs of K summed by atomics (KernelArgs::splits)
-constexpr int kRoundBlocks = 4;      // K blocks per round of a consumer's main loop
 constexpr size_t kSharedBytes =
     size_t{kStages} * (kStageBytes + kScaleBytes) + 2 * kStages * sizeof(uint64_t) + kSwizzleAlign;
 
@@ -372,13 +371,10 @@ __global__ void __launch_bounds__(kThreads, 1)
       promote(current, first + i);
     }
   };
+  // Pairs of K blocks ran 3 % faster on average than rounds of four on an H100 (benchmarks.md).
   int block = first_block;
-  for (; block + kRoundBlocks <= end_block; block += kRoundBlocks)
-    round(std::integral_constant<int, kRoundBlocks>{}, block);
-  if (block + 2 <= end_block) {
+  for (; block + 2 <= end_block; block += 2)
     round(std::integral_constant<int, 2>{}, block);
-    block += 2;
-  }
   if (block < end_block) round(std::integral_constant<int, 1>{}, block);
 
 #pragma unroll

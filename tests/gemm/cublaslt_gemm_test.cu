@@ -1542,8 +1542,8 @@ std::vector<BlockGemmPlan> every_plan(GemmType out_type, bool accumulate) {
 // Awkward sizes (M, N and K not multiples of the 128 tiles, padded strides) and large ones, every
 // format pair wgmma takes, b in 1x128 blocks and in 128x128 tiles, f32 and bf16 outputs, written
 // and accumulated, each with every plan; values spanning 1e-6 to 1e3 within each block. The
-// kernel takes K in rounds of 4 blocks, then a pair, then a single block: the K block counts (1,
-// 2, 3, 5, 7, 9, 48, 64 and runs of 22) take every mix of them. The last shape has 198 tiles,
+// kernel takes K in pairs of blocks, then a single block: the K block counts (1, 2, 3, 5, 7, 9,
+// 48, 64 and runs of 22) take pairs alone, one block alone, and both. The last shape has 198 tiles,
 // more than a Hopper GPU has multiprocessors, so its thread blocks run in more than one wave,
 // and its two K blocks in 3 runs leave one run with none.
 TEST_F(EngineBlockGemmTest, MatchesCpuOnAwkwardAndLargeShapes) {
