@@ -371,7 +371,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       promote(current, first + i);
     }
   };
-  // Pairs of K blocks ran 3 % faster on average than rounds of four on an H100 (benchmarks.md).
+  // Pairs of K blocks ran 3 % faster on average than rounds of four on an H100
+  // (docs/benchmarks.md).
   int block = first_block;
   for (; block + 2 <= end_block; block += 2)
     round(std::integral_constant<int, 2>{}, block);
